@@ -1,0 +1,246 @@
+"""TPU generations and slice shapes: one table, every fact the builders and the workload need.
+
+Facts come from ../shared/docs/tpu-facts.md section 1 (Ray's tpu.py, XPK, GKE docs, seed 000).
+Pure: no I/O.
+
+The v6e/v5e 2x4 ambiguity: Ray's `get_chips_per_host` treats 2x4 as one 8-chip VM
+(ct6e-standard-8t), XPK lists 2x4 under 4-chip machines. We follow Ray, because Ray's
+slice placement group and the TPU webhook's numOfHosts check are what must agree at run
+time: 2x4 is a single host with 8 chips.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tpuft.constants import CPU_ACCELERATOR, GKE_TPU_ACCELERATOR_SELECTOR, GKE_TPU_TOPOLOGY_SELECTOR
+
+# Largest CPU rehearsal we accept; bigger worlds belong on real hardware.
+MAX_CPU_WORKERS = 64
+
+
+class CatalogError(ValueError):
+    """A bad accelerator or topology. `field` is the spec field path at fault."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Generation:
+    name: str                      # canonical spelling used in our API
+    ray_accelerator_type: str      # Ray's accelerator_type, e.g. TPU-V6E
+    ray_version: str               # Ray's short name (get_tpu_version_from_type)
+    gke_accelerator: str           # node selector cloud.google.com/gke-tpu-accelerator
+    machine_type: str              # multi-host machine type (4 chips per VM)
+    dims: int                      # 2 or 3 topology dimensions
+    chips_per_host: int
+    devices_per_chip: int          # TPU7x: 2 chiplets (TensorCores) per chip
+    topologies: tuple[str, ...]    # shapes GKE offers
+    single_host: dict[str, str]    # topology -> machine type, for shapes on one VM
+    aliases: tuple[str, ...]
+
+
+def _shapes(*s: str) -> tuple[str, ...]:
+    return s
+
+
+GENERATIONS: tuple[Generation, ...] = (
+    Generation(
+        name="v4", ray_accelerator_type="TPU-V4", ray_version="v4",
+        gke_accelerator="tpu-v4-podslice", machine_type="ct4p-hightpu-4t", dims=3,
+        chips_per_host=4, devices_per_chip=1,
+        topologies=_shapes("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8",
+                           "8x8x8", "8x8x12", "8x8x16", "8x16x16", "16x16x16"),
+        single_host={"2x2x1": "ct4p-hightpu-4t"},
+        aliases=("tpu-v4", "tpuv4", "tpu-v4-podslice"),
+    ),
+    Generation(
+        name="v5e", ray_accelerator_type="TPU-V5LITEPOD", ray_version="v5litepod",
+        gke_accelerator="tpu-v5-lite-podslice", machine_type="ct5lp-hightpu-4t", dims=2,
+        chips_per_host=4, devices_per_chip=1,
+        topologies=_shapes("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+        single_host={"1x1": "ct5lp-hightpu-1t", "2x2": "ct5lp-hightpu-4t", "2x4": "ct5lp-hightpu-8t"},
+        aliases=("v5litepod", "v5lite", "tpu-v5e", "tpu-v5-lite-podslice", "tpu-v5litepod"),
+    ),
+    Generation(
+        name="v5p", ray_accelerator_type="TPU-V5P", ray_version="v5p",
+        gke_accelerator="tpu-v5p-slice", machine_type="ct5p-hightpu-4t", dims=3,
+        chips_per_host=4, devices_per_chip=1,
+        topologies=_shapes("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8",
+                           "8x8x8", "8x8x16", "8x16x16", "16x16x16", "16x16x24"),
+        single_host={"2x2x1": "ct5p-hightpu-4t"},
+        aliases=("tpu-v5p", "tpu-v5p-slice"),
+    ),
+    Generation(
+        name="v6e", ray_accelerator_type="TPU-V6E", ray_version="v6e",
+        gke_accelerator="tpu-v6e-slice", machine_type="ct6e-standard-4t", dims=2,
+        chips_per_host=4, devices_per_chip=1,
+        topologies=_shapes("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+        single_host={"1x1": "ct6e-standard-1t", "2x2": "ct6e-standard-4t", "2x4": "ct6e-standard-8t"},
+        aliases=("tpu-v6e", "tpu-v6e-slice", "trillium"),
+    ),
+    Generation(
+        name="tpu7x", ray_accelerator_type="TPU-V7X", ray_version="v7x",
+        gke_accelerator="tpu7x", machine_type="tpu7x-standard-4t", dims=3,
+        chips_per_host=4, devices_per_chip=2,
+        topologies=_shapes("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8",
+                           "8x8x8", "8x8x16", "8x16x16", "16x16x16"),
+        single_host={"2x2x1": "tpu7x-standard-4t"},
+        aliases=("v7x", "tpu-v7x", "ironwood", "tpu7x-standard-4t"),
+    ),
+)
+
+_BY_SPELLING: dict[str, Generation] = {}
+for _g in GENERATIONS:
+    for _s in (_g.name, _g.ray_accelerator_type, _g.ray_version, _g.gke_accelerator, *_g.aliases):
+        _BY_SPELLING[_s.lower()] = _g
+
+ACCEPTED_ACCELERATORS: tuple[str, ...] = tuple(g.name for g in GENERATIONS) + (CPU_ACCELERATOR,)
+
+
+def accepted_spellings() -> list[str]:
+    """Every spelling `accelerator` accepts (for the CRD's description and error messages)."""
+    return sorted(set(_BY_SPELLING) | {CPU_ACCELERATOR})
+
+
+def canonical_accelerator(value: object, field: str = "spec.accelerator") -> str:
+    """'TPU-V6E', 'tpu-v6e-slice', 'v6e' -> 'v6e'; 'cpu' -> 'cpu'."""
+    if not isinstance(value, str) or not value.strip():
+        raise CatalogError(field, f"must be one of {', '.join(ACCEPTED_ACCELERATORS)} (got {value!r})")
+    key = value.strip().lower()
+    if key == CPU_ACCELERATOR:
+        return CPU_ACCELERATOR
+    gen = _BY_SPELLING.get(key)
+    if gen is None:
+        raise CatalogError(
+            field,
+            f"unknown accelerator {value!r}; use one of {', '.join(ACCEPTED_ACCELERATORS)} "
+            "(Ray and GKE spellings such as TPU-V6E or tpu-v6e-slice are accepted too)",
+        )
+    return gen.name
+
+
+def generation(name: str) -> Generation:
+    return _BY_SPELLING[canonical_accelerator(name).lower()]
+
+
+@dataclass(frozen=True)
+class SliceShape:
+    """One slice of a generation and topology, everything derived from the pair."""
+
+    generation: str
+    topology: str
+    dims: tuple[int, ...]
+    chips: int
+    hosts: int
+    chips_per_host: int
+    devices_per_host: int
+    machine_type: str | None
+    gke_accelerator: str | None
+    ray_accelerator_type: str | None
+    ray_version: str | None
+    tpu_resource_per_chip: int
+
+    @property
+    def is_tpu(self) -> bool:
+        return self.generation != CPU_ACCELERATOR
+
+    @property
+    def devices(self) -> int:
+        """Logical devices (one training worker each) in one slice."""
+        return self.hosts * self.devices_per_host
+
+    @property
+    def multi_host(self) -> bool:
+        return self.hosts > 1
+
+    @property
+    def node_selector(self) -> dict[str, str]:
+        if not self.is_tpu:
+            return {}
+        return {GKE_TPU_ACCELERATOR_SELECTOR: self.gke_accelerator, GKE_TPU_TOPOLOGY_SELECTOR: self.topology}
+
+    @property
+    def torch_tpu_topology(self) -> str | None:
+        """TORCH_TPU_TOPOLOGY as the webhook injects it: X,Y,Z (2D padded with ,1), TPU7x appends ,2."""
+        if not self.is_tpu:
+            return None
+        parts = list(self.dims) + [1] * (3 - len(self.dims))
+        if self.tpu_resource_per_chip > 1:
+            parts.append(self.tpu_resource_per_chip)
+        return ",".join(str(p) for p in parts)
+
+    def as_dict(self) -> dict:
+        return {
+            "generation": self.generation,
+            "topology": self.topology,
+            "chips": self.chips,
+            "hosts": self.hosts,
+            "chipsPerHost": self.chips_per_host,
+            "devicesPerHost": self.devices_per_host,
+            "devices": self.devices,
+            "machineType": self.machine_type,
+            "nodeSelector": self.node_selector,
+            "rayAcceleratorType": self.ray_accelerator_type,
+            "tpuResourcePerChip": self.tpu_resource_per_chip,
+            "torchTpuTopology": self.torch_tpu_topology,
+        }
+
+
+def parse_dims(topology: object, field: str = "spec.topology") -> tuple[int, ...]:
+    if not isinstance(topology, str) or not topology:
+        raise CatalogError(field, f"must be a string such as \"4x4\" or \"2x2x2\" (got {topology!r})")
+    parts = topology.lower().split("x")
+    if not all(p.isdigit() and p == str(int(p)) and int(p) > 0 for p in parts):
+        raise CatalogError(field, f"{topology!r} is not a shape: use positive integers joined by 'x', e.g. 4x4")
+    return tuple(int(p) for p in parts)
+
+
+def resolve_slice(accelerator: object, topology: object,
+                  accelerator_field: str = "spec.accelerator",
+                  topology_field: str = "spec.topology") -> SliceShape:
+    """Validate (accelerator, topology) and derive the slice; CatalogError names the field."""
+    acc = canonical_accelerator(accelerator, accelerator_field)
+    if acc == CPU_ACCELERATOR:
+        if not isinstance(topology, str) or not topology.isdigit() or topology != str(int(topology)):
+            raise CatalogError(topology_field, f"with accelerator cpu, topology is the worker count, e.g. \"2\" (got {topology!r})")
+        n = int(topology)
+        if not 1 <= n <= MAX_CPU_WORKERS:
+            raise CatalogError(topology_field, f"cpu worker count must be between 1 and {MAX_CPU_WORKERS} (got {n})")
+        # One worker per "host": each CPU worker pod is one Ray node with one device.
+        return SliceShape(
+            generation=CPU_ACCELERATOR, topology=str(n), dims=(n,), chips=n, hosts=n,
+            chips_per_host=1, devices_per_host=1, machine_type=None, gke_accelerator=None,
+            ray_accelerator_type=None, ray_version=None, tpu_resource_per_chip=1,
+        )
+    gen = _BY_SPELLING[acc]
+    dims = parse_dims(topology, topology_field)
+    if len(dims) != gen.dims:
+        example = "4x4" if gen.dims == 2 else "2x2x2"
+        raise CatalogError(
+            topology_field,
+            f"{gen.name} topologies are {gen.dims}D (like {example}), got {topology!r}; "
+            f"allowed: {', '.join(gen.topologies)}",
+        )
+    shape = "x".join(str(d) for d in dims)
+    if shape not in gen.topologies:
+        raise CatalogError(
+            topology_field,
+            f"{shape!r} is not a {gen.name} slice shape GKE offers; allowed: {', '.join(gen.topologies)}",
+        )
+    chips = math.prod(dims)
+    if shape in gen.single_host:
+        hosts, chips_per_host, machine = 1, chips, gen.single_host[shape]
+    else:
+        chips_per_host = gen.chips_per_host
+        hosts, machine = max(1, chips // chips_per_host), gen.machine_type
+    return SliceShape(
+        generation=gen.name, topology=shape, dims=dims, chips=chips, hosts=hosts,
+        chips_per_host=chips_per_host, devices_per_host=chips_per_host * gen.devices_per_chip,
+        machine_type=machine, gke_accelerator=gen.gke_accelerator,
+        ray_accelerator_type=gen.ray_accelerator_type, ray_version=gen.ray_version,
+        tpu_resource_per_chip=gen.devices_per_chip,
+    )

@@ -1,0 +1,110 @@
+"""Every name the operator shares with Kubernetes, KubeRay and the workload, in one place.
+
+Other modules import these; none of them spells an API group, label, condition type or
+reason as a string literal.
+"""
+from __future__ import annotations
+
+import enum
+
+# --- Our API -------------------------------------------------------------------------
+GROUP = "tpufinetune.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "TPUFinetune"
+PLURAL = "tpufinetunes"
+SINGULAR = "tpufinetune"
+SHORT_NAME = "tft"
+
+# --- KubeRay's API (ray-project/kuberay v1.7.0) --------------------------------------
+RAY_GROUP = "ray.io"
+RAY_VERSION = "v1"
+RAY_API_VERSION = f"{RAY_GROUP}/{RAY_VERSION}"
+RAYCLUSTER_KIND = "RayCluster"
+RAYCLUSTER_PLURAL = "rayclusters"
+RAYJOB_KIND = "RayJob"
+RAYJOB_PLURAL = "rayjobs"
+RAY_CLUSTER_LABEL = "ray.io/cluster"  # KubeRay's clusterSelector key
+
+# --- Labels and annotations we put on children ----------------------------------------
+LABEL_PREFIX = GROUP
+LABEL_NAME = f"{LABEL_PREFIX}/name"            # owning TPUFinetune's name
+LABEL_COMPONENT = f"{LABEL_PREFIX}/component"  # cluster | verify | train | workload-identity
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "tpufinetune-operator"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+
+
+class Component(str, enum.Enum):
+    CLUSTER = "cluster"
+    VERIFY = "verify"
+    TRAIN = "train"
+    IDENTITY = "workload-identity"
+
+
+# --- GKE / TPU ---------------------------------------------------------------------------
+TPU_RESOURCE = "google.com/tpu"
+GKE_TPU_ACCELERATOR_SELECTOR = "cloud.google.com/gke-tpu-accelerator"
+GKE_TPU_TOPOLOGY_SELECTOR = "cloud.google.com/gke-tpu-topology"
+GKE_SPOT_SELECTOR = "cloud.google.com/gke-spot"
+GKE_RESERVATION_NAME_SELECTOR = "cloud.google.com/reservation-name"
+GKE_RESERVATION_AFFINITY_SELECTOR = "cloud.google.com/reservation-affinity"
+RAY_TPU_RESOURCE_PER_CHIP_ENV = "RAY_TPU_RESOURCE_PER_CHIP"
+RAY_TPU_CUSTOM_RESOURCE = "TPU"  # Ray's logical resource name
+HF_TOKEN_ENV = "HF_TOKEN"
+
+# Ray head ports (KubeRay defaults; the seed names them the same way).
+RAY_PORTS = (("gcs", 6379), ("dashboard", 8265), ("client", 10001))
+
+# Environment the workload reads to report progress into its own TPUFinetune.
+ENV_CR_NAMESPACE = "TPUFT_NAMESPACE"
+ENV_CR_NAME = "TPUFT_NAME"
+
+
+# --- Phases, conditions, reasons ------------------------------------------------------------
+class Phase(str, enum.Enum):
+    PENDING = "Pending"
+    PROVISIONING = "Provisioning"
+    VERIFYING = "VerifyingCollectives"
+    TRAINING = "Training"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    SUSPENDED = "Suspended"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (Phase.SUCCEEDED, Phase.FAILED)
+
+
+class Condition(str, enum.Enum):
+    SLICE_PROVISIONED = "SliceProvisioned"
+    COLLECTIVES_VERIFIED = "CollectivesVerified"
+    TRAINING_SUCCEEDED = "TrainingSucceeded"
+    READY = "Ready"      # overall: True once Succeeded
+    FAILED = "Failed"    # overall: True once Failed
+
+
+class Reason(str, enum.Enum):
+    # progress
+    CREATED = "Created"
+    WAITING_FOR_SLICE = "WaitingForSlice"
+    SLICE_READY = "SliceReady"
+    VERIFYING = "Verifying"
+    VERIFIED = "Verified"
+    VERIFICATION_SKIPPED = "VerificationSkipped"
+    TRAINING = "Training"
+    TRAINING_COMPLETE = "TrainingComplete"
+    SUSPENDED = "Suspended"
+    RETRYING = "Retrying"
+    # failures
+    INVALID_SPEC = "InvalidSpec"
+    PROVISIONING_TIMEOUT = "ProvisioningTimeout"
+    ADMISSION_REJECTED = "AdmissionRejected"
+    COLLECTIVE_TIMEOUT = "CollectiveTimeout"
+    VERIFICATION_FAILED = "VerificationFailed"
+    TRAINING_FAILED = "TrainingFailed"
+    CHILD_DELETED = "ChildDeleted"
+
+
+# --- Catalog-facing names ------------------------------------------------------------------
+CPU_ACCELERATOR = "cpu"
