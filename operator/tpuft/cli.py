@@ -1,5 +1,5 @@
 """`tpuft`: the command line. Each subcommand lives in the module that owns the concept;
-this file only wires argparse to them, importing lazily so `tpuft topology` stays fast."""
+this file only wires argparse to them, importing only the module of the command that runs."""
 from __future__ import annotations
 
 import argparse
@@ -16,19 +16,22 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tpuft", description="TPUFinetune operator tools")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        mod = importlib.import_module(module)
-        getattr(mod, f"add_{name}_arguments", mod.__dict__.get("add_arguments"))(p)
         p.set_defaults(_module=module, _name=name)
+        if name == chosen:  # import only the module that runs: `tpuft topology` stays fast
+            mod = importlib.import_module(module)
+            (getattr(mod, f"add_{name}_arguments", None) or getattr(mod, "add_arguments"))(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     mod = importlib.import_module(args._module)
     runner = getattr(mod, f"run_{args._name}", None) or getattr(mod, "run")
     try:

@@ -1,0 +1,293 @@
+"""Pure translation: a parsed TPUFinetune -> the KubeRay RayCluster, RayJobs and the workload
+identity (ServiceAccount, Role, RoleBinding) it owns.
+
+No client, clock or randomness: the same spec always gives byte-identical children, so
+reconciles are idempotent and golden files are stable.
+"""
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+
+import yaml
+
+from tpuft import constants as c
+from tpuft.spec import TPUFinetune
+
+RAY_VERSION_PIN = "2.60.0"
+HEAD_CONTAINER = "ray-head"
+WORKER_CONTAINER = "ray-worker"
+SHM_VOLUME = "dshm"
+SHM_PATH = "/dev/shm"
+WORKLOAD_MODULE = "tpuft_workload"
+# KubeRay's deadline for the verification job sits past the workload's own timeout, so the
+# workload's precise message (which rank, which collective) arrives before KubeRay's generic one.
+VERIFY_DEADLINE_GRACE_SECONDS = 60
+
+
+@dataclass(frozen=True)
+class PodDefaults:
+    cpu: str
+    memory: str
+    shm: str
+
+
+# Worker pod sizes per generation. v6e and tpu7x are the seed's (ct6e-standard-4t,
+# tpu7x-standard-4t); the others leave headroom on their 4-chip machine types. Users
+# override any of them with spec.resources.worker / spec.resources.shmSize.
+WORKER_DEFAULTS: dict[str, PodDefaults] = {
+    "v4": PodDefaults("64", "200Gi", "100Gi"),
+    "v5e": PodDefaults("24", "96Gi", "48Gi"),
+    "v5p": PodDefaults("64", "200Gi", "100Gi"),
+    "v6e": PodDefaults("64", "200Gi", "100Gi"),
+    "tpu7x": PodDefaults("64", "250Gi", "128Gi"),
+    c.CPU_ACCELERATOR: PodDefaults("1", "4Gi", "1Gi"),
+}
+HEAD_DEFAULTS: dict[bool, tuple[str, str]] = {True: ("4", "16Gi"), False: ("1", "4Gi")}  # keyed by is_tpu
+
+
+@dataclass(frozen=True)
+class ChildNames:
+    cluster: str
+    verify_job: str
+    train_job: str
+    identity: str
+    worker_group: str
+
+    def train_attempt(self, attempt: int) -> str:
+        """Training RayJob name for a resubmission; attempt 0 is the first."""
+        return self.train_job if attempt == 0 else f"{self.train_job}-r{attempt}"
+
+
+def names(tft: TPUFinetune) -> ChildNames:
+    n = tft.meta.name
+    s = tft.spec.slice
+    group = f"{s.generation}-{s.devices}" if s.is_tpu else "cpu-workers"
+    return ChildNames(cluster=f"{n}-ray", verify_job=f"{n}-verify", train_job=f"{n}-train",
+                      identity=f"{n}-workload", worker_group=group)
+
+
+def child_labels(tft: TPUFinetune, component: c.Component) -> dict[str, str]:
+    labels = dict(tft.spec.labels)
+    labels.update({c.LABEL_NAME: tft.meta.name, c.LABEL_COMPONENT: component.value,
+                   c.LABEL_MANAGED_BY: c.MANAGED_BY})
+    return labels
+
+
+def _metadata(tft: TPUFinetune, name: str, component: c.Component, extra_labels: dict | None = None) -> dict:
+    labels = child_labels(tft, component)
+    labels.update(extra_labels or {})
+    meta: dict = {"name": name, "namespace": tft.meta.namespace, "labels": labels}
+    if tft.spec.annotations:
+        meta["annotations"] = dict(tft.spec.annotations)
+    if tft.meta.uid:
+        meta["ownerReferences"] = [{
+            "apiVersion": c.API_VERSION, "kind": c.KIND, "name": tft.meta.name,
+            "uid": tft.meta.uid, "controller": True,
+        }]
+    return meta
+
+
+def _env(tft: TPUFinetune) -> list[dict]:
+    """Container env shared by head and workers. The HF token only ever by reference."""
+    env: list[dict] = []
+    secret = tft.spec.hf_token_secret
+    if secret is not None:
+        env.append({"name": c.HF_TOKEN_ENV,
+                    "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}})
+    if tft.spec.slice.tpu_resource_per_chip > 1:
+        # Head too: the driver reads it when Ray Train validates the ScalingConfig.
+        env.append({"name": c.RAY_TPU_RESOURCE_PER_CHIP_ENV, "value": str(tft.spec.slice.tpu_resource_per_chip)})
+    env.extend(dict(e) for e in tft.spec.env)
+    return env
+
+
+def _resources(cpu: str, memory: str, override: dict, tpu_chips: int | None) -> dict:
+    out = {}
+    for kind in ("requests", "limits"):
+        values = {"cpu": cpu, "memory": memory}
+        values.update(override.get(kind, {}))
+        if tpu_chips is not None:
+            values[c.TPU_RESOURCE] = str(tpu_chips)
+        out[kind] = values
+    return {"limits": out["limits"], "requests": out["requests"]}
+
+
+def _pod_template(tft: TPUFinetune, component: c.Component, containers: list[dict],
+                  extra: dict | None = None) -> dict:
+    meta: dict = {"labels": child_labels(tft, component)}
+    if tft.spec.annotations:
+        meta["annotations"] = dict(tft.spec.annotations)
+    spec = {"serviceAccountName": names(tft).identity, "containers": containers}
+    spec.update(extra or {})
+    if tft.spec.scheduling.priority_class_name:
+        spec["priorityClassName"] = tft.spec.scheduling.priority_class_name
+    return {"metadata": meta, "spec": spec}
+
+
+def _container(tft: TPUFinetune, name: str) -> dict:
+    out = {"name": name, "image": tft.spec.image}
+    if tft.spec.image_pull_policy:
+        out["imagePullPolicy"] = tft.spec.image_pull_policy
+    env = _env(tft)
+    if env:
+        out["env"] = env
+    return out
+
+
+def _node_selector(tft: TPUFinetune) -> dict[str, str]:
+    sel = dict(tft.spec.scheduling.node_selector)
+    sched = tft.spec.scheduling
+    if sched.spot:
+        sel[c.GKE_SPOT_SELECTOR] = "true"
+    if sched.reservation:
+        sel[c.GKE_RESERVATION_NAME_SELECTOR] = sched.reservation
+        sel[c.GKE_RESERVATION_AFFINITY_SELECTOR] = "specific"
+    sel.update(tft.spec.slice.node_selector)  # the topology selectors always win
+    return sel
+
+
+def build_raycluster(tft: TPUFinetune) -> dict:
+    s, spec, n = tft.spec.slice, tft.spec, names(tft)
+    head = _container(tft, HEAD_CONTAINER)
+    head["ports"] = [{"containerPort": port, "name": pname} for pname, port in c.RAY_PORTS]
+    head_cpu, head_mem = HEAD_DEFAULTS[s.is_tpu]
+    head["resources"] = _resources(head_cpu, head_mem, spec.resources.head, None)
+
+    defaults = WORKER_DEFAULTS[s.generation]
+    worker = _container(tft, WORKER_CONTAINER)
+    worker["resources"] = _resources(defaults.cpu, defaults.memory, spec.resources.worker,
+                                     s.chips_per_host if s.is_tpu else None)
+    worker["volumeMounts"] = [{"mountPath": SHM_PATH, "name": SHM_VOLUME}]
+    pod_extra: dict = {"volumes": [{"name": SHM_VOLUME, "emptyDir": {
+        "medium": "Memory", "sizeLimit": spec.resources.shm_size or defaults.shm}}]}
+    selector = _node_selector(tft)
+    if selector:
+        pod_extra["nodeSelector"] = selector
+    if spec.scheduling.tolerations:
+        pod_extra["tolerations"] = [dict(t) for t in spec.scheduling.tolerations]
+
+    if s.is_tpu:
+        # One group, one replica per slice, numOfHosts VMs per slice: what the TPU webhook checks.
+        replicas, hosts = spec.slices, s.hosts
+        start_params: dict[str, str] = {}
+    else:
+        replicas, hosts = s.hosts * spec.slices, 1
+        start_params = {"num-cpus": defaults.cpu}
+    group = {
+        "groupName": n.worker_group,
+        "replicas": replicas,
+        "minReplicas": replicas,
+        "maxReplicas": replicas,
+        "numOfHosts": hosts,
+        "rayStartParams": start_params,
+        "template": _pod_template(tft, c.Component.CLUSTER, [worker], pod_extra),
+    }
+    if s.tpu_resource_per_chip > 1:
+        group["resources"] = {c.RAY_TPU_CUSTOM_RESOURCE: str(s.devices_per_host)}
+
+    extra_labels = {}
+    queue = tft.meta.labels.get(c.KUEUE_QUEUE_LABEL)
+    if queue:
+        extra_labels[c.KUEUE_QUEUE_LABEL] = queue
+    body = {
+        "apiVersion": c.RAY_API_VERSION,
+        "kind": c.RAYCLUSTER_KIND,
+        "metadata": _metadata(tft, n.cluster, c.Component.CLUSTER, extra_labels),
+        "spec": {
+            "rayVersion": RAY_VERSION_PIN,
+            "enableInTreeAutoscaling": False,
+            "headGroupSpec": {
+                "rayStartParams": {"num-cpus": "0"},
+                "template": _pod_template(tft, c.Component.CLUSTER, [head]),
+            },
+            "workerGroupSpecs": [group],
+        },
+    }
+    if spec.suspend:
+        body["spec"]["suspend"] = True
+    return body
+
+
+def _common_args(tft: TPUFinetune) -> list[str]:
+    s = tft.spec.slice
+    return ["--accelerator", s.generation, "--topology", s.topology, "--slices", str(tft.spec.slices)]
+
+
+def verify_entrypoint(tft: TPUFinetune) -> str:
+    args = ["python", "-m", WORKLOAD_MODULE, "verify", *_common_args(tft),
+            "--timeout-seconds", str(tft.spec.verification.timeout_seconds)]
+    return shlex.join(args)
+
+
+def run_name(tft: TPUFinetune) -> str:
+    """Ray Train run name: stable across resubmissions so a retried job resumes its checkpoints."""
+    return f"{tft.meta.namespace}-{tft.meta.name}"
+
+
+def train_entrypoint(tft: TPUFinetune) -> str:
+    sp, tr, ck = tft.spec, tft.spec.training, tft.spec.checkpoint
+    args = ["python", "-m", WORKLOAD_MODULE, "train", *_common_args(tft),
+            "--model", sp.model, "--dataset", sp.dataset.name, "--dataset-split", sp.dataset.split,
+            "--epochs", str(tr.epochs), "--batch-size-per-device", str(tr.batch_size_per_device),
+            "--max-seq-length", str(tr.max_seq_length), "--learning-rate", repr(tr.learning_rate),
+            "--storage-path", ck.storage_path, "--run-name", run_name(tft),
+            "--checkpoint-every-steps", str(ck.every_steps), "--keep-checkpoints", str(ck.keep),
+            "--max-failures", str(tr.max_failures), "--report-every-steps", str(tr.report_every_steps)]
+    if not tr.packing:
+        args.append("--no-packing")
+    return shlex.join(args)
+
+
+def _rayjob(tft: TPUFinetune, name: str, component: c.Component, entrypoint: str,
+            active_deadline: int | None) -> dict:
+    runtime_env = {"env_vars": {c.ENV_CR_NAMESPACE: tft.meta.namespace, c.ENV_CR_NAME: tft.meta.name}}
+    spec: dict = {
+        "entrypoint": entrypoint,
+        "runtimeEnvYAML": yaml.safe_dump(runtime_env, sort_keys=True),
+        "clusterSelector": {c.RAY_CLUSTER_LABEL: names(tft).cluster},
+        "submissionMode": "K8sJobMode",
+        # A job that cannot even start within the provisioning budget fails instead of
+        # sitting in Initializing forever.
+        "preRunningDeadlineSeconds": tft.spec.provisioning_timeout_seconds,
+    }
+    if active_deadline is not None:
+        spec["activeDeadlineSeconds"] = active_deadline
+    return {"apiVersion": c.RAY_API_VERSION, "kind": c.RAYJOB_KIND,
+            "metadata": _metadata(tft, name, component), "spec": spec}
+
+
+def build_verify_job(tft: TPUFinetune) -> dict:
+    deadline = tft.spec.verification.timeout_seconds + VERIFY_DEADLINE_GRACE_SECONDS
+    return _rayjob(tft, names(tft).verify_job, c.Component.VERIFY, verify_entrypoint(tft), deadline)
+
+
+def build_train_job(tft: TPUFinetune, attempt: int = 0) -> dict:
+    return _rayjob(tft, names(tft).train_attempt(attempt), c.Component.TRAIN, train_entrypoint(tft), None)
+
+
+def build_workload_identity(tft: TPUFinetune) -> list[dict]:
+    """ServiceAccount for the Ray pods, allowed exactly one thing: patch this TPUFinetune's status."""
+    n = names(tft).identity
+
+    def meta() -> dict:  # a fresh dict each: shared objects would serialise as YAML aliases
+        return _metadata(tft, n, c.Component.IDENTITY)
+
+    sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta()}
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta(),
+        "rules": [{"apiGroups": [c.GROUP], "resources": [f"{c.PLURAL}/status"],
+                   "resourceNames": [tft.meta.name], "verbs": ["get", "patch"]}],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta(),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": n},
+        "subjects": [{"kind": "ServiceAccount", "name": n, "namespace": tft.meta.namespace}],
+    }
+    return [sa, role, binding]
+
+
+def build_children(tft: TPUFinetune) -> list[dict]:
+    """Everything the operator will create, RayCluster first (the order `tpuft render` prints)."""
+    jobs = [build_verify_job(tft)] if tft.spec.verification.enabled else []
+    return [build_raycluster(tft), *jobs, build_train_job(tft), *build_workload_identity(tft)]

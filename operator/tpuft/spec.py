@@ -1,0 +1,424 @@
+"""Parse a TPUFinetune object once, at the edge, into frozen dataclasses.
+
+Everything after this module (builders, phases, handlers) works on these types. The parser
+applies the same defaults as the CRD (both read `DEFAULTS`), so a manifest rendered
+offline with `tpuft render` and one defaulted by the API server give the same children.
+Every problem is collected with its field path; `SpecError` carries them all.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from tpuft import catalog
+from tpuft.constants import API_VERSION, KIND, TPU_RESOURCE
+
+# Children are named "{name}-{suffix}" (longest suffix "-workload", plus "-train-r99" for
+# retries); KubeRay derives pod and service names from those and labels them with the
+# cluster name, so 40 keeps every derived name inside the 63-character label limit.
+MAX_NAME_LENGTH = 40
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+STORAGE_PATH = re.compile(r"^(gs://[a-z0-9][-a-z0-9_.]{1,221}[a-z0-9](/.*)?|s3://[^/\s]+(/.*)?|/[^\s]*)$")
+QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|Mi|Gi|Ti|Pi|M|G|T|P|E|Ei)?$")
+ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+# Characters that only ever appear in an attempt to smuggle shell into an entrypoint.
+UNSAFE = re.compile(r"[\s;&|`$<>\\'\"]")
+
+DEFAULTS: dict[str, Any] = {
+    "slices": 1,
+    "dataset.split": "train",
+    "training.epochs": 3,
+    "training.batchSizePerDevice": 4,
+    "training.maxSeqLength": 512,
+    "training.learningRate": 2.0e-5,
+    "training.packing": True,
+    "training.reportEverySteps": 10,
+    "training.maxFailures": 1,
+    "training.maxJobRetries": 0,
+    "checkpoint.everySteps": 0,
+    "checkpoint.keep": 1,
+    "verification.enabled": True,
+    "verification.timeoutSeconds": 600,
+    "provisioningTimeoutSeconds": 1800,
+    "suspend": False,
+    "ttlSecondsAfterFinished": 300,
+}
+
+LIMITS: dict[str, tuple[float, float]] = {
+    "slices": (1, 64),
+    "training.epochs": (1, 1000),
+    "training.batchSizePerDevice": (1, 4096),
+    "training.maxSeqLength": (16, 131072),
+    "training.reportEverySteps": (1, 100000),
+    "training.maxFailures": (0, 100),
+    "training.maxJobRetries": (0, 20),
+    "checkpoint.everySteps": (0, 10_000_000),
+    "checkpoint.keep": (1, 100),
+    "verification.timeoutSeconds": (10, 86400),
+    "provisioningTimeoutSeconds": (5, 604800),
+    "ttlSecondsAfterFinished": (0, 2_592_000),
+}
+LEARNING_RATE_MAX = 1.0
+
+
+@dataclass(frozen=True)
+class Problem:
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+class SpecError(ValueError):
+    """The object is not a valid TPUFinetune. `problems` lists each fault by field path."""
+
+    def __init__(self, problems: list[Problem], where: str = ""):
+        self.problems = problems
+        self.where = where
+        head = f"{where}: " if where else ""
+        super().__init__(head + "; ".join(str(p) for p in problems))
+
+
+@dataclass(frozen=True)
+class ObjectMeta:
+    name: str
+    namespace: str
+    uid: str = ""
+    generation: int = 0
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def ref(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True)
+class Dataset:
+    name: str
+    split: str
+
+
+@dataclass(frozen=True)
+class Training:
+    epochs: int
+    batch_size_per_device: int
+    max_seq_length: int
+    learning_rate: float
+    packing: bool
+    report_every_steps: int
+    max_failures: int       # Ray Train FailureConfig: worker restarts inside one job
+    max_job_retries: int    # operator resubmissions of a failed training RayJob (preemption)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    storage_path: str
+    every_steps: int        # 0: at the end of each epoch only
+    keep: int
+
+
+@dataclass(frozen=True)
+class SecretKeyRef:
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class Verification:
+    enabled: bool
+    timeout_seconds: int
+
+
+@dataclass(frozen=True)
+class Resources:
+    """User overrides for container resources; google.com/tpu is never overridable."""
+    head: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    worker: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    shm_size: str | None = None
+
+
+@dataclass(frozen=True)
+class Scheduling:
+    spot: bool = False
+    reservation: str | None = None
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    priority_class_name: str | None = None
+
+
+@dataclass(frozen=True)
+class Spec:
+    slice: catalog.SliceShape
+    slices: int
+    image: str
+    image_pull_policy: str | None
+    model: str
+    dataset: Dataset
+    training: Training
+    checkpoint: Checkpoint
+    hf_token_secret: SecretKeyRef | None
+    verification: Verification
+    provisioning_timeout_seconds: int
+    suspend: bool
+    ttl_seconds_after_finished: int
+    resources: Resources
+    scheduling: Scheduling
+    labels: Mapping[str, str]
+    annotations: Mapping[str, str]
+    env: tuple[Mapping[str, Any], ...]
+
+    @property
+    def accelerator(self) -> str:
+        return self.slice.generation
+
+    @property
+    def num_workers(self) -> int:
+        """Training workers: one per logical device across all slices."""
+        return self.slice.devices * self.slices
+
+
+@dataclass(frozen=True)
+class TPUFinetune:
+    meta: ObjectMeta
+    spec: Spec
+
+
+class _Reader:
+    """Reads typed values out of nested dicts, recording problems instead of raising."""
+
+    def __init__(self) -> None:
+        self.problems: list[Problem] = []
+
+    def fail(self, path: str, message: str) -> None:
+        self.problems.append(Problem(path, message))
+
+    def section(self, obj: Mapping, key: str, path: str, required: bool = False) -> Mapping:
+        value = obj.get(key)
+        if value is None:
+            if required:
+                self.fail(path, "is required")
+            return {}
+        if not isinstance(value, Mapping):
+            self.fail(path, f"must be an object (got {type(value).__name__})")
+            return {}
+        return value
+
+    def string(self, obj: Mapping, key: str, path: str, required: bool = False,
+               default: str | None = None, max_len: int = 512) -> str | None:
+        value = obj.get(key, default)
+        if value is None:
+            if required:
+                self.fail(path, "is required")
+            return None
+        if not isinstance(value, str):
+            self.fail(path, f"must be a string (got {type(value).__name__})")
+            return None
+        if required and not value.strip():
+            self.fail(path, "must not be empty")
+            return None
+        if len(value) > max_len:
+            self.fail(path, f"is {len(value)} characters long; at most {max_len}")
+            return None
+        return value
+
+    def integer(self, obj: Mapping, key: str, path: str, dkey: str) -> int:
+        value = obj.get(key, DEFAULTS[dkey])
+        lo, hi = LIMITS[dkey]
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.fail(path, f"must be an integer (got {value!r})")
+            return int(DEFAULTS[dkey])
+        if not lo <= value <= hi:
+            self.fail(path, f"must be between {int(lo)} and {int(hi)} (got {value})")
+        return value
+
+    def boolean(self, obj: Mapping, key: str, path: str, dkey: str) -> bool:
+        value = obj.get(key, DEFAULTS[dkey])
+        if not isinstance(value, bool):
+            self.fail(path, f"must be true or false (got {value!r})")
+            return bool(DEFAULTS[dkey])
+        return value
+
+    def str_map(self, obj: Mapping, key: str, path: str) -> dict[str, str]:
+        value = obj.get(key) or {}
+        if not isinstance(value, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            self.fail(path, "must be a map of strings to strings")
+            return {}
+        return dict(value)
+
+
+def _resource_block(r: _Reader, obj: Mapping, key: str, path: str) -> dict[str, dict[str, str]]:
+    block = r.section(obj, key, path)
+    out: dict[str, dict[str, str]] = {}
+    for kind in ("requests", "limits"):
+        values = r.str_map(block, kind, f"{path}.{kind}")
+        for res, qty in values.items():
+            if res == TPU_RESOURCE:
+                r.fail(f"{path}.{kind}.{res}", "is derived from spec.topology and cannot be overridden")
+            elif not QUANTITY.match(qty):
+                r.fail(f"{path}.{kind}.{res}", f"{qty!r} is not a Kubernetes quantity (e.g. \"8\", \"500m\", \"16Gi\")")
+        if values:
+            out[kind] = values
+    return out
+
+
+def parse(obj: Mapping[str, Any]) -> TPUFinetune:
+    """Parse and validate a TPUFinetune object (as from the API or a YAML file)."""
+    r = _Reader()
+    if not isinstance(obj, Mapping):
+        raise SpecError([Problem("<root>", "must be a YAML/JSON object")])
+    meta_raw = obj.get("metadata") or {}
+    name = meta_raw.get("name") if isinstance(meta_raw, Mapping) else None
+    namespace = (meta_raw.get("namespace") if isinstance(meta_raw, Mapping) else None) or "default"
+    where = f"{namespace}/{name}" if name else namespace
+    if obj.get("apiVersion") not in (None, API_VERSION):
+        r.fail("apiVersion", f"must be {API_VERSION} (got {obj.get('apiVersion')!r})")
+    if obj.get("kind") not in (None, KIND):
+        r.fail("kind", f"must be {KIND} (got {obj.get('kind')!r})")
+    if not isinstance(name, str) or not name:
+        r.fail("metadata.name", "is required")
+        name = ""
+    elif len(name) > MAX_NAME_LENGTH or not DNS_LABEL.match(name):
+        r.fail("metadata.name", f"must be a DNS label of at most {MAX_NAME_LENGTH} characters "
+               f"(lowercase letters, digits, '-'), because child names add suffixes (got {name!r})")
+    labels = meta_raw.get("labels") or {} if isinstance(meta_raw, Mapping) else {}
+    meta = ObjectMeta(name=name, namespace=namespace, uid=str(meta_raw.get("uid") or ""),
+                      generation=int(meta_raw.get("generation") or 0),
+                      labels=dict(labels) if isinstance(labels, Mapping) else {})
+
+    spec = r.section(obj, "spec", "spec", required=True)
+    slice_shape = None
+    try:
+        slice_shape = catalog.resolve_slice(spec.get("accelerator"), spec.get("topology"))
+    except catalog.CatalogError as e:
+        r.fail(e.field, e.message)
+    slices = r.integer(spec, "slices", "spec.slices", "slices")
+
+    image = r.string(spec, "image", "spec.image", required=True)
+    if image and UNSAFE.search(image):
+        r.fail("spec.image", f"{image!r} is not an image reference (no spaces or shell characters)")
+    pull = r.string(spec, "imagePullPolicy", "spec.imagePullPolicy")
+    if pull is not None and pull not in ("Always", "IfNotPresent", "Never"):
+        r.fail("spec.imagePullPolicy", f"must be Always, IfNotPresent or Never (got {pull!r})")
+    model = r.string(spec, "model", "spec.model", required=True)
+    if model and UNSAFE.search(model):
+        r.fail("spec.model", f"{model!r} must be a model id, local path or URI without spaces or shell characters")
+
+    ds = r.section(spec, "dataset", "spec.dataset", required=True)
+    ds_name = r.string(ds, "name", "spec.dataset.name", required=True)
+    ds_split = r.string(ds, "split", "spec.dataset.split", default=DEFAULTS["dataset.split"], max_len=128)
+    for p, v in (("spec.dataset.name", ds_name), ("spec.dataset.split", ds_split)):
+        if v and UNSAFE.search(v):
+            r.fail(p, f"{v!r} must not contain spaces or shell characters")
+
+    tr = r.section(spec, "training", "spec.training")
+    lr = tr.get("learningRate", DEFAULTS["training.learningRate"])
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < LEARNING_RATE_MAX:
+        r.fail("spec.training.learningRate", f"must be a number in (0, {LEARNING_RATE_MAX}) (got {lr!r})")
+        lr = DEFAULTS["training.learningRate"]
+    training = Training(
+        epochs=r.integer(tr, "epochs", "spec.training.epochs", "training.epochs"),
+        batch_size_per_device=r.integer(tr, "batchSizePerDevice", "spec.training.batchSizePerDevice",
+                                        "training.batchSizePerDevice"),
+        max_seq_length=r.integer(tr, "maxSeqLength", "spec.training.maxSeqLength", "training.maxSeqLength"),
+        learning_rate=float(lr),
+        packing=r.boolean(tr, "packing", "spec.training.packing", "training.packing"),
+        report_every_steps=r.integer(tr, "reportEverySteps", "spec.training.reportEverySteps",
+                                     "training.reportEverySteps"),
+        max_failures=r.integer(tr, "maxFailures", "spec.training.maxFailures", "training.maxFailures"),
+        max_job_retries=r.integer(tr, "maxJobRetries", "spec.training.maxJobRetries", "training.maxJobRetries"),
+    )
+
+    ck = r.section(spec, "checkpoint", "spec.checkpoint", required=True)
+    storage = r.string(ck, "storagePath", "spec.checkpoint.storagePath", required=True, max_len=1024)
+    if storage and not STORAGE_PATH.match(storage):
+        r.fail("spec.checkpoint.storagePath",
+               f"{storage!r} must be gs://BUCKET/PATH, s3://BUCKET/PATH or an absolute path on a mounted volume")
+    checkpoint = Checkpoint(
+        storage_path=storage or "",
+        every_steps=r.integer(ck, "everySteps", "spec.checkpoint.everySteps", "checkpoint.everySteps"),
+        keep=r.integer(ck, "keep", "spec.checkpoint.keep", "checkpoint.keep"),
+    )
+
+    hf = None
+    if spec.get("hfTokenSecret") is not None:
+        hs = r.section(spec, "hfTokenSecret", "spec.hfTokenSecret")
+        sname = r.string(hs, "name", "spec.hfTokenSecret.name", required=True, max_len=253)
+        skey = r.string(hs, "key", "spec.hfTokenSecret.key", required=True, max_len=253)
+        if sname and skey:
+            hf = SecretKeyRef(sname, skey)
+
+    ve = r.section(spec, "verification", "spec.verification")
+    verification = Verification(
+        enabled=r.boolean(ve, "enabled", "spec.verification.enabled", "verification.enabled"),
+        timeout_seconds=r.integer(ve, "timeoutSeconds", "spec.verification.timeoutSeconds",
+                                  "verification.timeoutSeconds"),
+    )
+
+    res = r.section(spec, "resources", "spec.resources")
+    shm = r.string(res, "shmSize", "spec.resources.shmSize", max_len=32)
+    if shm and not QUANTITY.match(shm):
+        r.fail("spec.resources.shmSize", f"{shm!r} is not a Kubernetes quantity (e.g. 100Gi)")
+    resources = Resources(
+        head=_resource_block(r, res, "head", "spec.resources.head"),
+        worker=_resource_block(r, res, "worker", "spec.resources.worker"),
+        shm_size=shm,
+    )
+
+    sc = r.section(spec, "scheduling", "spec.scheduling")
+    spot = sc.get("spot", False)
+    if not isinstance(spot, bool):
+        r.fail("spec.scheduling.spot", f"must be true or false (got {spot!r})")
+        spot = False
+    reservation = r.string(sc, "reservation", "spec.scheduling.reservation", max_len=253)
+    if spot and reservation:
+        r.fail("spec.scheduling", "spot and reservation are mutually exclusive: pick one capacity type")
+    tolerations = sc.get("tolerations") or []
+    if not isinstance(tolerations, list) or not all(isinstance(t, Mapping) for t in tolerations):
+        r.fail("spec.scheduling.tolerations", "must be a list of Kubernetes tolerations")
+        tolerations = []
+    scheduling = Scheduling(
+        spot=spot, reservation=reservation,
+        node_selector=r.str_map(sc, "nodeSelector", "spec.scheduling.nodeSelector"),
+        tolerations=tuple(dict(t) for t in tolerations),
+        priority_class_name=r.string(sc, "priorityClassName", "spec.scheduling.priorityClassName", max_len=253),
+    )
+
+    env = spec.get("env") or []
+    if not isinstance(env, list):
+        r.fail("spec.env", "must be a list of {name, value} or {name, valueFrom}")
+        env = []
+    for i, item in enumerate(env):
+        if not isinstance(item, Mapping) or not isinstance(item.get("name"), str) or not ENV_NAME.match(item["name"]):
+            r.fail(f"spec.env[{i}].name", "must be a valid environment variable name")
+        elif "value" in item and "valueFrom" in item:
+            r.fail(f"spec.env[{i}]", "set value or valueFrom, not both")
+
+    spec_obj = None
+    if slice_shape is not None and not r.problems:
+        spec_obj = Spec(
+            slice=slice_shape, slices=slices, image=image or "", image_pull_policy=pull,
+            model=model or "", dataset=Dataset(ds_name or "", ds_split or DEFAULTS["dataset.split"]),
+            training=training, checkpoint=checkpoint, hf_token_secret=hf, verification=verification,
+            provisioning_timeout_seconds=r.integer(spec, "provisioningTimeoutSeconds",
+                                                   "spec.provisioningTimeoutSeconds", "provisioningTimeoutSeconds"),
+            suspend=r.boolean(spec, "suspend", "spec.suspend", "suspend"),
+            ttl_seconds_after_finished=r.integer(spec, "ttlSecondsAfterFinished", "spec.ttlSecondsAfterFinished",
+                                                 "ttlSecondsAfterFinished"),
+            resources=resources, scheduling=scheduling,
+            labels=r.str_map(spec, "labels", "spec.labels"),
+            annotations=r.str_map(spec, "annotations", "spec.annotations"),
+            env=tuple(dict(e) for e in env),
+        )
+    else:
+        # Still visit the remaining scalars so every problem is reported in one pass.
+        r.integer(spec, "provisioningTimeoutSeconds", "spec.provisioningTimeoutSeconds", "provisioningTimeoutSeconds")
+        r.boolean(spec, "suspend", "spec.suspend", "suspend")
+        r.integer(spec, "ttlSecondsAfterFinished", "spec.ttlSecondsAfterFinished", "ttlSecondsAfterFinished")
+        r.str_map(spec, "labels", "spec.labels")
+        r.str_map(spec, "annotations", "spec.annotations")
+    if r.problems or spec_obj is None:
+        raise SpecError(r.problems or [Problem("spec", "is invalid")], where)
+    return TPUFinetune(meta=meta, spec=spec_obj)
