@@ -1,0 +1,133 @@
+"""`python -m tpuft_workload verify|train ...`: the entrypoints the operator's RayJobs run.
+
+Flag names are a contract with the operator's RayJob builder; keep them stable.
+Exit codes: 0 passed, 1 failed, 2 bad arguments, 3 timeout (verify).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from tpuft.catalog import CatalogError
+
+from tpuft_workload.platform import Target, resolve_target
+
+EXIT_USAGE = 2
+
+
+def _positive_int(v: str) -> int:
+    n = int(v)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (got {v})")
+    return n
+
+
+def _non_negative_int(v: str) -> int:
+    n = int(v)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (got {v})")
+    return n
+
+
+def _positive_float(v: str) -> float:
+    x = float(v)
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 (got {v})")
+    return x
+
+
+def _add_slice_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--accelerator", required=True,
+                   help="TPU generation (v4, v5e, v5p, v6e, tpu7x; Ray/GKE spellings accepted), gpu or cpu")
+    p.add_argument("--topology", required=True,
+                   help="slice shape such as 4x4 or 2x2x2; with cpu/gpu, the worker count")
+    p.add_argument("--slices", type=_positive_int, default=1, help="number of slices (default 1)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m tpuft_workload",
+                                     description="TPUFinetune workload: verify collectives, fine-tune.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    v = sub.add_parser("verify", help="check every device of the slice with DTensor TP + all_reduce")
+    _add_slice_args(v)
+    v.add_argument("--timeout-seconds", type=_positive_float, default=600.0,
+                   help="hard bound on the whole check, placement included (default 600)")
+
+    t = sub.add_parser("train", help="fine-tune a causal LM with Ray Train + FSDP2")
+    _add_slice_args(t)
+    t.add_argument("--model", required=True,
+                   help="hub name, local path, gs:// URI, or builtin:tiny-llama")
+    t.add_argument("--dataset", required=True,
+                   help="hub name, local file/dir, gs:// URI (json/jsonl/parquet/csv), or builtin:dolly-mini")
+    t.add_argument("--dataset-split", default="train", help="datasets split syntax, e.g. 'train[:1024]'")
+    t.add_argument("--epochs", type=_positive_int, default=3)
+    t.add_argument("--batch-size-per-device", type=_positive_int, default=4)
+    t.add_argument("--max-seq-length", type=_positive_int, default=512)
+    t.add_argument("--learning-rate", type=_positive_float, default=2e-5)
+    t.add_argument("--storage-path", required=True, help="local path or gs:// URI for checkpoints and export")
+    t.add_argument("--run-name", required=True,
+                   help="run directory under --storage-path; re-submitting the same name resumes")
+    t.add_argument("--no-packing", dest="packing", action="store_false",
+                   help="pad every example to --max-seq-length (the seed recipe) instead of packing")
+    t.add_argument("--checkpoint-every-steps", type=_non_negative_int, default=0,
+                   help="sharded checkpoint every K optimizer steps (0: only at epoch end)")
+    t.add_argument("--keep-checkpoints", type=_positive_int, default=2, help="checkpoints to keep (default 2)")
+    t.add_argument("--max-failures", type=_non_negative_int, default=0,
+                   help="worker-group restarts from the latest checkpoint before giving up")
+    t.add_argument("--report-every-steps", type=_positive_int, default=10,
+                   help="log and report metrics every K steps (and at every epoch end)")
+    t.add_argument("--seed", type=int, default=42)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Target]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        target = resolve_target(args.accelerator, args.topology, args.slices)
+    except CatalogError as e:
+        parser.error(str(e))
+    return args, target
+
+
+def _ray_init() -> None:
+    import ray
+
+    if not ray.is_initialized():
+        # In a RayJob, RAY_ADDRESS points at the cluster; locally this starts a private Ray.
+        ray.init(log_to_driver=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("TPUFT_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args, target = parse_args(argv)
+    from tpuft_workload import faults
+    from tpuft_workload.report import StatusReporter
+
+    try:
+        faults.parse_faults(faults.from_env())
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+    if args.command == "verify":
+        from tpuft_workload import verify
+
+        _ray_init()
+        res = verify.run_verification(target, args.timeout_seconds, faults.from_env())
+        verify.print_result(res)
+        StatusReporter().verification(res.to_status())
+        return res.exit_code
+
+    from tpuft_workload import train
+
+    _ray_init()
+    return train.run_training(args, target, faults.from_env())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
