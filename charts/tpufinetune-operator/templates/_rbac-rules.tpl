@@ -1,0 +1,55 @@
+{{/*
+The operator's application rules: the same list in the cluster-wide ClusterRole and in each
+watched namespace's Role. No wildcards, no Secrets (tests/chart/test_rbac.py asserts the
+exact set).
+*/}}
+{{- define "tpuft.rbac.applicationRules" -}}
+# The TPUFinetune objects it reconciles. kopf patches its own annotations on the object
+# (last-handled-configuration, progress) -> patch; never create/update/delete.
+- apiGroups: ["tpufinetune.dev"]
+  resources: ["tpufinetunes"]
+  verbs: ["get", "list", "watch", "patch"]
+# status.phase / conditions / observedGeneration. The operator also hands get+patch on
+# one CR's status to that CR's workload ServiceAccount, and RBAC lets it grant only what
+# it holds.
+- apiGroups: ["tpufinetune.dev"]
+  resources: ["tpufinetunes/status"]
+  verbs: ["get", "patch", "update"]
+# The KubeRay children: one RayCluster, then the verification and fine-tuning RayJobs.
+- apiGroups: ["ray.io"]
+  resources: ["rayclusters", "rayjobs"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# Events kopf and the handlers post about progress and errors (both Event APIs).
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+- apiGroups: ["events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+# Per-CR workload identity: a ServiceAccount plus a Role/RoleBinding allowing only
+# get,patch on tpufinetunes/status with resourceNames=[that CR]. Deletion is left to the
+# garbage collector through ownerReferences.
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+{{- end -}}
+
+{{/*
+kopf's own cluster-scoped needs (kopf 1.45, --standalone so no kopfpeerings):
+CustomResourceDefinitions list/watch in both modes (the resource observer); Namespaces
+list/watch only in namespaced mode (the namespace observer lists them only when not
+--all-namespaces).
+*/}}
+{{- define "tpuft.rbac.frameworkRules" -}}
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["list", "watch"]
+{{- if .Values.watchNamespaces }}
+- apiGroups: [""]
+  resources: ["namespaces"]
+  verbs: ["list", "watch"]
+{{- end }}
+{{- end -}}

@@ -1,0 +1,52 @@
+"""Shared helpers for tests/chart (imported by name: tests/ has no __init__.py)."""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "tpufinetune-operator"
+RELEASE = "tpuft"
+RELEASE_NAMESPACE = "tpuft-system"
+
+
+def run_helm(helm: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([helm, *args], capture_output=True, text=True, timeout=120)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+class Rendered(list):
+    """The objects `helm template` printed, with lookups by kind/name."""
+
+    def kinds(self, kind: str) -> list[dict]:
+        return [o for o in self if o["kind"] == kind]
+
+    def one(self, kind: str, name: str | None = None, namespace: str | None = None) -> dict:
+        found = [
+            o for o in self.kinds(kind)
+            if (name is None or o["metadata"]["name"] == name)
+            and (namespace is None or o["metadata"].get("namespace") == namespace)
+        ]
+        assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}: {[o['metadata'] for o in found]}"
+        return found[0]
+
+    @property
+    def deployment(self) -> dict:
+        return self.one("Deployment")
+
+    @property
+    def container(self) -> dict:
+        containers = self.deployment["spec"]["template"]["spec"]["containers"]
+        assert len(containers) == 1
+        return containers[0]
+
+
+def rbac_rules(objs: Rendered) -> dict[tuple[str, str, str], list[dict]]:
+    """{(kind, name, namespace-or-''): rules} for every Role and ClusterRole rendered."""
+    return {
+        (o["kind"], o["metadata"]["name"], o["metadata"].get("namespace", "")): o["rules"]
+        for o in objs
+        if o["kind"] in ("Role", "ClusterRole")
+    }
