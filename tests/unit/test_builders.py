@@ -1,0 +1,239 @@
+"""Pure translation: golden files per example, the seed's manifests, KubeRay's own schemas,
+and one focused test per option."""
+import copy
+
+import jsonschema
+import pytest
+import yaml
+
+from tests.paths import EXAMPLES, GOLDEN, KUBERAY_REF
+from tests.seed import missing_from, seed_rayclusters
+from tests.unit.test_spec import MINIMUM, with_
+from tpuft import builders
+from tpuft.spec import parse
+
+EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml"))
+
+
+def render(doc) -> list[dict]:
+    return builders.build_children(parse(doc))
+
+
+def by_kind(children, kind):
+    return [c for c in children if c["kind"] == kind]
+
+
+@pytest.mark.parametrize("path", EXAMPLE_FILES, ids=lambda p: p.name)
+def test_golden(path, request):
+    """Rendered children are byte-stable; regenerate with TPUFT_UPDATE_GOLDEN=1."""
+    import os
+
+    out = yaml.safe_dump_all(render(yaml.safe_load(path.read_text())), sort_keys=False, width=120)
+    golden = GOLDEN / path.name
+    if os.environ.get("TPUFT_UPDATE_GOLDEN"):
+        golden.write_text(out)
+    assert golden.exists(), f"no golden for {path.name}: run TPUFT_UPDATE_GOLDEN=1 pytest {request.node.nodeid}"
+    assert out == golden.read_text(), f"{path.name} renders differently from {golden}; if intended, regenerate"
+
+
+def test_rendering_is_deterministic():
+    doc = yaml.safe_load((EXAMPLES / "v6e-4x4.yaml").read_text())
+    assert render(doc) == render(copy.deepcopy(doc))
+
+
+@pytest.mark.parametrize("example,group", [("v6e-4x4.yaml", "v6e-16"), ("tpu7x-2x2x2.yaml", "tpu7x-16")])
+def test_every_field_the_seed_sets_is_present_with_the_seeds_value(example, group):
+    seed = seed_rayclusters()[group]
+    ours = by_kind(render(yaml.safe_load((EXAMPLES / example).read_text())), "RayCluster")[0]
+    seed["metadata"].pop("name")  # our names derive from the TPUFinetune
+    for c in seed["spec"]["headGroupSpec"]["template"]["spec"]["containers"] + \
+            seed["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"]:
+        c.pop("image")  # ${IMAGE_URI} in the seed
+    assert missing_from(seed, ours) == []
+
+
+def _crd_validator(name):
+    crd = yaml.safe_load((KUBERAY_REF / name).read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return jsonschema.Draft4Validator(schema)
+
+
+@pytest.mark.parametrize("path", EXAMPLE_FILES, ids=lambda p: p.name)
+def test_children_validate_against_kuberay_v170_schemas(path):
+    validators = {"RayCluster": _crd_validator("ray.io_rayclusters.yaml"),
+                  "RayJob": _crd_validator("ray.io_rayjobs.yaml")}
+    children = render(yaml.safe_load(path.read_text()))
+    checked = 0
+    for child in children:
+        if child["kind"] in validators:
+            errors = [f"{'.'.join(map(str, e.path))}: {e.message}" for e in validators[child["kind"]].iter_errors(child)]
+            assert errors == [], f"{child['kind']} {child['metadata']['name']}"
+            checked += 1
+    assert checked == len(by_kind(children, "RayCluster")) + len(by_kind(children, "RayJob")) >= 2
+
+
+def test_schema_validator_catches_a_wrong_type():
+    """Guard that the validation above can fail: numOfHosts as a string is rejected."""
+    cluster = by_kind(render(MINIMUM), "RayCluster")[0]
+    cluster["spec"]["workerGroupSpecs"][0]["numOfHosts"] = "4"
+    assert list(_crd_validator("ray.io_rayclusters.yaml").iter_errors(cluster))
+
+
+def worker_group(children):
+    return by_kind(children, "RayCluster")[0]["spec"]["workerGroupSpecs"][0]
+
+
+def worker_container(children):
+    return worker_group(children)["template"]["spec"]["containers"][0]
+
+
+def head_container(children):
+    return by_kind(children, "RayCluster")[0]["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+
+
+def env_names(container):
+    return [e["name"] for e in container.get("env", [])]
+
+
+@pytest.mark.parametrize("acc,topo,hosts,chips", [("v6e", "4x4", 4, "4"), ("v6e", "16x16", 64, "4"),
+                                                    ("v6e", "2x4", 1, "8"), ("tpu7x", "2x2x4", 4, "4"),
+                                                    ("v5p", "4x4x4", 16, "4")])
+def test_num_of_hosts_and_tpu_per_host_from_topology(acc, topo, hosts, chips):
+    ch = render(with_("spec.topology", topo, with_("spec.accelerator", acc)))
+    g = worker_group(ch)
+    assert g["numOfHosts"] == hosts
+    res = worker_container(ch)["resources"]
+    assert res["limits"]["google.com/tpu"] == res["requests"]["google.com/tpu"] == chips
+    sel = g["template"]["spec"]["nodeSelector"]
+    assert sel["cloud.google.com/gke-tpu-topology"] == topo
+
+
+def test_tpu7x_chiplet_settings_on_head_and_workers():
+    ch = render(with_("spec.topology", "2x2x2", with_("spec.accelerator", "TPU-V7X")))
+    assert worker_group(ch)["resources"] == {"TPU": "8"}
+    for c in (head_container(ch), worker_container(ch)):
+        assert {"name": "RAY_TPU_RESOURCE_PER_CHIP", "value": "2"} in c["env"]
+
+
+def test_v6e_has_no_chiplet_settings():
+    ch = render(MINIMUM)
+    assert "resources" not in worker_group(ch)
+    assert "RAY_TPU_RESOURCE_PER_CHIP" not in env_names(worker_container(ch)) + env_names(head_container(ch))
+
+
+def test_slices_become_replicas_of_one_group():
+    g = worker_group(render(with_("spec.slices", 3)))
+    assert (g["replicas"], g["minReplicas"], g["maxReplicas"], g["numOfHosts"]) == (3, 3, 3, 4)
+
+
+def test_cpu_mode_has_plain_cpu_workers():
+    doc = with_("spec.topology", "3", with_("spec.accelerator", "cpu"))
+    ch = render(doc)
+    g, w = worker_group(ch), worker_container(ch)
+    assert (g["replicas"], g["numOfHosts"], g["groupName"]) == (3, 1, "cpu-workers")
+    assert "google.com/tpu" not in w["resources"]["limits"]
+    assert "nodeSelector" not in g["template"]["spec"]
+
+
+def test_head_runs_no_tasks_and_exposes_ray_ports():
+    cluster = by_kind(render(MINIMUM), "RayCluster")[0]
+    assert cluster["spec"]["headGroupSpec"]["rayStartParams"] == {"num-cpus": "0"}
+    ports = {p["name"]: p["containerPort"] for p in head_container(render(MINIMUM))["ports"]}
+    assert ports == {"gcs": 6379, "dashboard": 8265, "client": 10001}
+
+
+def test_hf_token_only_by_secret_reference():
+    ch = render(MINIMUM)
+    for c in (head_container(ch), worker_container(ch)):
+        hf = [e for e in c["env"] if e["name"] == "HF_TOKEN"]
+        assert hf == [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-secret", "key": "hf_api_token"}}}]
+    assert "HF_TOKEN" not in env_names(worker_container(render(with_("spec.hfTokenSecret", None))))
+
+
+def test_shm_is_in_memory_and_sized_per_generation_or_override():
+    v = worker_group(render(MINIMUM))["template"]["spec"]["volumes"][0]
+    assert v["emptyDir"] == {"medium": "Memory", "sizeLimit": "100Gi"}
+    v7 = worker_group(render(with_("spec.topology", "2x2x2", with_("spec.accelerator", "tpu7x"))))
+    assert v7["template"]["spec"]["volumes"][0]["emptyDir"]["sizeLimit"] == "128Gi"
+    over = worker_group(render(with_("spec.resources", {"shmSize": "64Gi"})))
+    assert over["template"]["spec"]["volumes"][0]["emptyDir"]["sizeLimit"] == "64Gi"
+
+
+def test_resource_overrides_keep_tpu_count():
+    w = worker_container(render(with_("spec.resources", {"worker": {"limits": {"cpu": "100", "memory": "300Gi"}}})))
+    assert w["resources"]["limits"] == {"cpu": "100", "memory": "300Gi", "google.com/tpu": "4"}
+    assert w["resources"]["requests"]["cpu"] == "64"
+
+
+def test_spot_reservation_and_extra_selectors_never_override_topology():
+    spot = worker_group(render(with_("spec.scheduling", {"spot": True})))["template"]["spec"]["nodeSelector"]
+    assert spot["cloud.google.com/gke-spot"] == "true"
+    res = worker_group(render(with_("spec.scheduling", {"reservation": "r1", "nodeSelector": {
+        "cloud.google.com/gke-tpu-topology": "2x2", "pool": "a"}})))["template"]["spec"]
+    assert res["nodeSelector"]["cloud.google.com/reservation-name"] == "r1"
+    assert res["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == "4x4"
+    assert res["nodeSelector"]["pool"] == "a"
+
+
+def test_jobs_select_the_cluster_and_carry_deadlines():
+    ch = render(MINIMUM)
+    cluster = by_kind(ch, "RayCluster")[0]["metadata"]["name"]
+    verify, train = by_kind(ch, "RayJob")
+    for j in (verify, train):
+        assert j["spec"]["clusterSelector"] == {"ray.io/cluster": cluster}
+        assert j["spec"]["preRunningDeadlineSeconds"] == 1800
+        assert "backoffLimit" not in j["spec"] and "suspend" not in j["spec"]  # invalid with clusterSelector
+        env = yaml.safe_load(j["spec"]["runtimeEnvYAML"])["env_vars"]
+        assert env == {"TPUFT_NAMESPACE": "default", "TPUFT_NAME": "gemma4-dolly"}
+    assert verify["spec"]["activeDeadlineSeconds"] == 600 + builders.VERIFY_DEADLINE_GRACE_SECONDS
+    assert verify["spec"]["entrypoint"] == ("python -m tpuft_workload verify --accelerator v6e --topology 4x4 "
+                                            "--slices 1 --timeout-seconds 600")
+    assert "--model google/gemma-4-E2B-it" in train["spec"]["entrypoint"]
+    assert "'train[:1024]'" in train["spec"]["entrypoint"]  # shell-quoted
+    assert "--no-packing" in by_kind(render(with_("spec.training.packing", False)), "RayJob")[1]["spec"]["entrypoint"]
+
+
+def test_verification_disabled_renders_no_verify_job():
+    jobs = by_kind(render(with_("spec.verification", {"enabled": False})), "RayJob")
+    assert [j["metadata"]["name"] for j in jobs] == ["gemma4-dolly-train"]
+
+
+def test_names_fit_and_owner_references_are_set():
+    doc = with_("metadata", {"name": "a" * 40, "namespace": "ns", "uid": "u-1"})
+    for child in render(doc):
+        assert len(child["metadata"]["name"]) <= 63 - len("-head-svc") - 1
+        assert child["metadata"]["ownerReferences"] == [{
+            "apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFinetune", "name": "a" * 40,
+            "uid": "u-1", "controller": True}]
+        assert child["metadata"]["labels"]["tpufinetune.dev/name"] == "a" * 40
+
+
+def test_workload_identity_may_only_patch_its_own_status():
+    sa, role, binding = builders.build_workload_identity(parse(MINIMUM))
+    assert role["rules"] == [{"apiGroups": ["tpufinetune.dev"], "resources": ["tpufinetunes/status"],
+                              "resourceNames": ["gemma4-dolly"], "verbs": ["get", "patch"]}]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "default"}]
+    pods = by_kind(render(MINIMUM), "RayCluster")[0]["spec"]
+    assert pods["headGroupSpec"]["template"]["spec"]["serviceAccountName"] == sa["metadata"]["name"]
+
+
+def test_labels_annotations_and_kueue_queue_pass_through():
+    doc = with_("spec.labels", {"team": "ml", "tpufinetune.dev/name": "spoof"},
+                with_("spec.annotations", {"note": "x"},
+                      with_("metadata.labels", {"kueue.x-k8s.io/queue-name": "tpu-queue"})))
+    cluster = by_kind(render(doc), "RayCluster")[0]
+    assert cluster["metadata"]["labels"]["team"] == "ml"
+    assert cluster["metadata"]["labels"]["tpufinetune.dev/name"] == "gemma4-dolly"  # ours win
+    assert cluster["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "tpu-queue"
+    assert cluster["metadata"]["annotations"] == {"note": "x"}
+    assert cluster["spec"]["workerGroupSpecs"][0]["template"]["metadata"]["annotations"] == {"note": "x"}
+
+
+def test_suspend_suspends_the_cluster():
+    assert by_kind(render(with_("spec.suspend", True)), "RayCluster")[0]["spec"]["suspend"] is True
+    assert "suspend" not in by_kind(render(MINIMUM), "RayCluster")[0]["spec"]
+
+
+def test_yaml_has_no_aliases():
+    text = yaml.safe_dump_all(render(MINIMUM))
+    assert "&id" not in text and "*id" not in text

@@ -1,0 +1,155 @@
+"""Parsing a TPUFinetune: the issue's minimum spec as written, defaults, and every problem by field path."""
+import copy
+
+import pytest
+import yaml
+
+from tpuft import spec as spec_mod
+from tpuft.spec import SpecError, parse
+
+MINIMUM = yaml.safe_load("""
+apiVersion: tpufinetune.dev/v1alpha1
+kind: TPUFinetune
+metadata: {name: gemma4-dolly}
+spec:
+  accelerator: v6e
+  topology: "4x4"
+  slices: 1
+  image: REGISTRY/ray-torchtpu:latest
+  model: google/gemma-4-E2B-it
+  dataset: {name: databricks/databricks-dolly-15k, split: "train[:1024]"}
+  training: {epochs: 3, batchSizePerDevice: 4, maxSeqLength: 512, learningRate: 2.0e-5}
+  checkpoint: {storagePath: "gs://my-bucket/ray_train_torchtpu"}
+  hfTokenSecret: {name: hf-secret, key: hf_api_token}
+  verification: {enabled: true, timeoutSeconds: 600}
+  provisioningTimeoutSeconds: 1800
+""")
+
+
+def with_(path: str, value, base=MINIMUM):
+    """A copy of base with the dotted path set (value DELETE removes it)."""
+    doc = copy.deepcopy(base)
+    keys = path.split(".")
+    node = doc
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+    if value is DELETE:
+        node.pop(keys[-1], None)
+    else:
+        node[keys[-1]] = value
+    return doc
+
+
+DELETE = object()
+
+
+def test_minimum_spec_is_accepted_exactly_as_written():
+    t = parse(MINIMUM)
+    s = t.spec
+    assert (t.meta.name, t.meta.namespace) == ("gemma4-dolly", "default")
+    assert (s.accelerator, s.slice.topology, s.slices, s.num_workers) == ("v6e", "4x4", 1, 16)
+    assert (s.dataset.name, s.dataset.split) == ("databricks/databricks-dolly-15k", "train[:1024]")
+    assert (s.training.epochs, s.training.batch_size_per_device, s.training.max_seq_length) == (3, 4, 512)
+    assert s.training.learning_rate == 2.0e-5
+    assert s.hf_token_secret == spec_mod.SecretKeyRef("hf-secret", "hf_api_token")
+    assert (s.verification.enabled, s.verification.timeout_seconds, s.provisioning_timeout_seconds) == (True, 600, 1800)
+
+
+def test_defaults_match_the_documented_ones():
+    doc = yaml.safe_load("""
+    metadata: {name: x}
+    spec: {accelerator: tpu7x, topology: 2x2x2, image: i, model: m, dataset: {name: d}, checkpoint: {storagePath: /ckpt}}
+    """)
+    s = parse(doc).spec
+    assert s.slices == 1 and s.dataset.split == "train"
+    assert (s.training.epochs, s.training.batch_size_per_device, s.training.max_seq_length) == (3, 4, 512)
+    assert s.training.packing is True and s.verification.enabled is True
+    assert (s.verification.timeout_seconds, s.provisioning_timeout_seconds) == (600, 1800)
+    assert s.hf_token_secret is None and s.suspend is False
+    assert s.num_workers == 16  # 8 chips x 2 chiplets
+
+
+@pytest.mark.parametrize("spelling", ["TPU-V6E", "tpu-v6e-slice", "V6E", "trillium"])
+def test_ray_and_gke_spellings_are_accepted(spelling):
+    assert parse(with_("spec.accelerator", spelling)).spec.accelerator == "v6e"
+
+
+BAD = [
+    ("spec.accelerator", "v9", "spec.accelerator", "unknown accelerator"),
+    ("spec.accelerator", DELETE, "spec.accelerator", "must be one of"),
+    ("spec.topology", "2x2x2", "spec.topology", "2D"),
+    ("spec.topology", "16", "spec.topology", "2D"),
+    ("spec.topology", DELETE, "spec.topology", "must be a string"),
+    ("spec.slices", 0, "spec.slices", "between 1 and 64"),
+    ("spec.slices", "2", "spec.slices", "must be an integer"),
+    ("spec.slices", True, "spec.slices", "must be an integer"),
+    ("spec.image", DELETE, "spec.image", "is required"),
+    ("spec.image", "", "spec.image", "must not be empty"),
+    ("spec.image", "img; rm -rf /", "spec.image", "shell characters"),
+    ("spec.imagePullPolicy", "Sometimes", "spec.imagePullPolicy", "Always, IfNotPresent or Never"),
+    ("spec.model", DELETE, "spec.model", "is required"),
+    ("spec.model", "google/gemma $(curl x)", "spec.model", "shell characters"),
+    ("spec.model", 42, "spec.model", "must be a string"),
+    ("spec.dataset", DELETE, "spec.dataset", "is required"),
+    ("spec.dataset", "dolly", "spec.dataset", "must be an object"),
+    ("spec.dataset.name", DELETE, "spec.dataset.name", "is required"),
+    ("spec.dataset.split", "train`id`", "spec.dataset.split", "shell characters"),
+    ("spec.training.epochs", -1, "spec.training.epochs", "between 1 and 1000"),
+    ("spec.training.epochs", 1.5, "spec.training.epochs", "must be an integer"),
+    ("spec.training.batchSizePerDevice", 0, "spec.training.batchSizePerDevice", "between 1"),
+    ("spec.training.maxSeqLength", 8, "spec.training.maxSeqLength", "between 16"),
+    ("spec.training.learningRate", 0, "spec.training.learningRate", "(0, 1.0)"),
+    ("spec.training.learningRate", "fast", "spec.training.learningRate", "must be a number"),
+    ("spec.training.packing", "yes", "spec.training.packing", "true or false"),
+    ("spec.training.maxJobRetries", 99, "spec.training.maxJobRetries", "between 0 and 20"),
+    ("spec.checkpoint", DELETE, "spec.checkpoint", "is required"),
+    ("spec.checkpoint.storagePath", "my-bucket/path", "spec.checkpoint.storagePath", "gs://BUCKET/PATH"),
+    ("spec.checkpoint.storagePath", "gs://", "spec.checkpoint.storagePath", "gs://BUCKET/PATH"),
+    ("spec.checkpoint.storagePath", "relative/dir", "spec.checkpoint.storagePath", "absolute path"),
+    ("spec.checkpoint.keep", 0, "spec.checkpoint.keep", "between 1"),
+    ("spec.hfTokenSecret", {"name": "hf"}, "spec.hfTokenSecret.key", "is required"),
+    ("spec.verification.timeoutSeconds", 1, "spec.verification.timeoutSeconds", "between 10"),
+    ("spec.verification.enabled", "true", "spec.verification.enabled", "true or false"),
+    ("spec.provisioningTimeoutSeconds", -5, "spec.provisioningTimeoutSeconds", "between 5"),
+    ("spec.ttlSecondsAfterFinished", -1, "spec.ttlSecondsAfterFinished", "between 0"),
+    ("spec.resources", {"worker": {"limits": {"google.com/tpu": "8"}}},
+     "spec.resources.worker.limits.google.com/tpu", "derived from spec.topology"),
+    ("spec.resources", {"head": {"requests": {"cpu": "lots"}}}, "spec.resources.head.requests.cpu", "quantity"),
+    ("spec.resources", {"shmSize": "big"}, "spec.resources.shmSize", "quantity"),
+    ("spec.scheduling", {"spot": True, "reservation": "r1"}, "spec.scheduling", "mutually exclusive"),
+    ("spec.scheduling", {"nodeSelector": {"a": 1}}, "spec.scheduling.nodeSelector", "map of strings"),
+    ("spec.scheduling", {"tolerations": "all"}, "spec.scheduling.tolerations", "list"),
+    ("spec.labels", ["a"], "spec.labels", "map of strings"),
+    ("spec.env", [{"name": "1BAD"}], "spec.env[0].name", "valid environment variable"),
+    ("spec.env", [{"name": "A", "value": "1", "valueFrom": {}}], "spec.env[0]", "not both"),
+    ("metadata.name", "x" * 41, "metadata.name", "at most 40"),
+    ("metadata.name", "Bad_Name", "metadata.name", "DNS label"),
+    ("metadata.name", DELETE, "metadata.name", "is required"),
+    ("apiVersion", "tpufinetune.dev/v1", "apiVersion", "v1alpha1"),
+    ("kind", "RayJob", "kind", "TPUFinetune"),
+    ("spec", DELETE, "spec", "is required"),
+]
+
+
+@pytest.mark.parametrize("path,value,field,words", BAD, ids=[f"{b[0]}={b[1]!r}"[:60] for b in BAD])
+def test_every_bad_field_is_reported_by_path(path, value, field, words):
+    with pytest.raises(SpecError) as err:
+        parse(with_(path, value))
+    fields = {p.field: p.message for p in err.value.problems}
+    assert field in fields, fields
+    assert words in fields[field]
+
+
+def test_all_problems_are_reported_in_one_pass_with_where():
+    doc = with_("spec.training.epochs", 0, with_("spec.image", DELETE, with_("spec.topology", "3x3")))
+    doc["metadata"]["namespace"] = "team-a"
+    with pytest.raises(SpecError) as err:
+        parse(doc)
+    assert {p.field for p in err.value.problems} >= {"spec.topology", "spec.image", "spec.training.epochs"}
+    assert str(err.value).startswith("team-a/gemma4-dolly: ")
+
+
+def test_parsed_types_are_frozen():
+    t = parse(MINIMUM)
+    with pytest.raises(AttributeError):
+        t.spec.slices = 2  # type: ignore[misc]
