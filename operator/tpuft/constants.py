@@ -104,6 +104,49 @@ class Reason(str, enum.Enum):
     VERIFICATION_FAILED = "VerificationFailed"
     TRAINING_FAILED = "TrainingFailed"
     CHILD_DELETED = "ChildDeleted"
+    # notices (events / message notes; not phases)
+    SPEC_CHANGE_IGNORED = "SpecChangeIgnored"
+    TTL_EXPIRED = "TTLExpired"
+    RECONCILE_ERROR = "ReconcileError"
+
+
+class EventType(str, enum.Enum):
+    NORMAL = "Normal"
+    WARNING = "Warning"
+
+
+# --- KubeRay status vocabulary (ray-project/kuberay v1.7.0, ray-operator/apis/ray/v1/) ----
+RAYCLUSTER_PROVISIONED = "RayClusterProvisioned"   # RayCluster condition type
+RAYCLUSTER_HEAD_POD_READY = "HeadPodReady"
+RAYCLUSTER_REPLICA_FAILURE = "ReplicaFailure"
+RAYCLUSTER_STATE_READY = "ready"                   # status.state (deprecated but still set)
+
+
+class JobStatus(str, enum.Enum):
+    """RayJob status.jobStatus (Ray's job status)."""
+    NEW = ""
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    STOPPED = "STOPPED"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+
+
+class JobDeploymentStatus(str, enum.Enum):
+    """RayJob status.jobDeploymentStatus (KubeRay's view)."""
+    NEW = ""
+    INITIALIZING = "Initializing"
+    RUNNING = "Running"
+    COMPLETE = "Complete"
+    FAILED = "Failed"
+    VALIDATION_FAILED = "ValidationFailed"
+    SUSPENDING = "Suspending"
+    SUSPENDED = "Suspended"
+    RETRYING = "Retrying"
+    WAITING = "Waiting"
+
+
+RAYJOB_REASON_DEADLINE_EXCEEDED = "DeadlineExceeded"   # status.reason after activeDeadlineSeconds
 
 
 # --- Catalog-facing names ------------------------------------------------------------------

@@ -209,6 +209,9 @@ def status_schema() -> dict:
         "observedGeneration": integer("The metadata.generation the operator last acted on."),
         "appliedGeneration": integer("The generation the children were built from; a later spec change during "
                                      "a run is recorded, not half-applied."),
+        "appliedSpec": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                        "description": "The spec (of appliedGeneration) the children are built from; every child "
+                                       "created later in the run is built from it too, never from a newer spec."},
         "phaseTransitionTime": _p("string", "When the phase last changed.", format="date-time"),
         "startTime": _p("string", "When the operator first acted on this object.", format="date-time"),
         "completionTime": _p("string", "When it reached Succeeded or Failed.", format="date-time"),

@@ -1,0 +1,174 @@
+"""Types the reconciler passes around (observation in, decision out) and how KubeRay's status
+fields are read. Pure, like tpuft.phases, which re-exports these names.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Mapping
+
+from tpuft import builders
+from tpuft import constants as c
+from tpuft.constants import Condition
+from tpuft.spec import TPUFinetune
+
+# Status keys the operator owns. status.verification and status.training belong to the workload.
+OWNED_KEYS = ("phase", "reason", "message", "observedGeneration", "appliedGeneration", "appliedSpec",
+              "phaseTransitionTime", "startTime", "completionTime", "trainingAttempts", "conditions",
+              "children", "slice")
+LIVE_SPEC_FIELDS = ("suspend", "ttlSecondsAfterFinished")
+CONDITION_ORDER = (Condition.SLICE_PROVISIONED, Condition.COLLECTIVES_VERIFIED, Condition.TRAINING_SUCCEEDED,
+                   Condition.READY, Condition.FAILED)
+FAILED_JOB_STATES = {c.JobDeploymentStatus.FAILED.value, c.JobDeploymentStatus.VALIDATION_FAILED.value}
+FAILED_JOB_STATUSES = {c.JobStatus.FAILED.value, c.JobStatus.STOPPED.value}
+DEFAULT_VERIFY_GRACE_SECONDS = builders.VERIFY_DEADLINE_GRACE_SECONDS
+NOTE_MARK = "spec change ignored:"
+
+
+@dataclass(frozen=True)
+class ClusterObs:
+    name: str
+    status: Mapping[str, Any] = field(default_factory=dict)
+    suspended: bool = False          # spec.suspend as the object says
+
+
+@dataclass(frozen=True)
+class JobObs:
+    name: str
+    status: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AdmissionError:
+    kind: str
+    name: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What exists. None / missing key = confirmed absent (or being deleted)."""
+    cluster: ClusterObs | None = None
+    jobs: Mapping[str, JobObs] = field(default_factory=dict)
+    admission_error: AdmissionError | None = None
+
+
+class Op:
+    CREATE = "create"
+    SUSPEND = "suspend"      # patch RayCluster spec.suspend=true
+    RESUME = "resume"        # patch RayCluster spec.suspend=false
+    DELETE = "delete"
+
+
+@dataclass(frozen=True)
+class Action:
+    op: str
+    kind: str
+    name: str
+    body: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    status: dict                       # the full operator-owned status after this reconcile
+    patch: dict | None                 # merge patch for the status subresource; None = no write
+    actions: tuple[Action, ...] = ()
+    events: tuple[Event, ...] = ()
+    requeue_after: float | None = None
+
+    @property
+    def phase(self) -> str | None:
+        return self.status.get("phase")
+
+
+@dataclass(frozen=True)
+class Tunables:
+    verify_grace_seconds: float = DEFAULT_VERIFY_GRACE_SECONDS
+
+
+def fmt_time(t: datetime) -> str:
+    return t.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(s: str | None) -> datetime | None:
+    if not s:
+        return None
+    return datetime.strptime(s, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+
+
+def owned(status: Mapping | None) -> dict:
+    return {k: copy.deepcopy(v) for k, v in (status or {}).items() if k in OWNED_KEYS}
+
+
+# --- KubeRay readings ------------------------------------------------------------------------
+def cluster_provisioned(status: Mapping) -> bool:
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == c.RAYCLUSTER_PROVISIONED and cond.get("status") == "True":
+            return True
+    ready, desired = status.get("readyWorkerReplicas") or 0, status.get("desiredWorkerReplicas") or 0
+    return status.get("state") == c.RAYCLUSTER_STATE_READY and ready >= desired
+
+
+def _cond(status: Mapping, ctype: str) -> Mapping | None:
+    return next((x for x in status.get("conditions") or [] if x.get("type") == ctype), None)
+
+
+def cluster_progress(tft: TPUFinetune, obs: ClusterObs | None) -> str:
+    s = tft.spec.slice
+    want = s.hosts * tft.spec.slices
+    if obs is None:
+        return f"0/{want} worker hosts ready (RayCluster not found)"
+    st = obs.status
+    ready = st.get("readyWorkerReplicas") or 0
+    desired = st.get("desiredWorkerReplicas") or want
+    head = _cond(st, c.RAYCLUSTER_HEAD_POD_READY)
+    out = f"{ready}/{desired} worker hosts ready, head pod {'ready' if head and head.get('status') == 'True' else 'not ready'}"
+    failure = _cond(st, c.RAYCLUSTER_REPLICA_FAILURE)
+    if failure and failure.get("status") == "True":
+        out += f"; ReplicaFailure: {failure.get('message') or failure.get('reason')}"
+    return out
+
+
+def job_state(job: JobObs) -> str:
+    st = job.status
+    return (f"jobDeploymentStatus={st.get('jobDeploymentStatus') or '-'} "
+            f"jobStatus={st.get('jobStatus') or '-'}")
+
+
+def job_succeeded(job: JobObs) -> bool:
+    return job.status.get("jobStatus") == c.JobStatus.SUCCEEDED.value
+
+
+def job_failed(job: JobObs) -> bool:
+    st = job.status
+    return st.get("jobStatus") in FAILED_JOB_STATUSES or st.get("jobDeploymentStatus") in FAILED_JOB_STATES
+
+
+def job_failure_detail(job: JobObs) -> str:
+    st = job.status
+    bits = [job_state(job)]
+    if st.get("reason"):
+        bits.append(f"reason={st['reason']}")
+    if st.get("message"):
+        bits.append(str(st["message"]))
+    return f"RayJob {job.name}: " + ", ".join(bits)
+
+
+def spec_diff(a: Any, b: Any, path: str = "spec") -> list[str]:
+    """Dotted paths where two specs differ, live fields excluded."""
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        out: list[str] = []
+        for k in sorted(set(a) | set(b)):
+            if path == "spec" and k in LIVE_SPEC_FIELDS:
+                continue
+            out += spec_diff(a.get(k), b.get(k), f"{path}.{k}")
+        return out
+    return [] if a == b else [path]

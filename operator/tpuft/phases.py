@@ -1,0 +1,402 @@
+"""The reconciler's brain, pure: (the object, what its children look like, now) -> Decision.
+
+No client, no clock, no randomness: `handlers.py` gathers the observation, calls `decide`,
+performs `Decision.actions` (idempotent creates by deterministic name, patches, deletes),
+then writes `Decision.patch` (None when nothing changed) to the status subresource.
+
+Rules worth knowing (see also docs in the report / README):
+  * The spec is validated first; an invalid spec fails with InvalidSpec and creates nothing.
+    A corrected spec restarts the run, as long as nothing was ever created.
+  * The spec the children are built from is stored in status.appliedSpec. Every child made
+    later in the run (verify job, each training attempt, a recreated cluster) is built from it,
+    so a spec edit mid-run is never half-applied; it is recorded (observedGeneration, a
+    Warning event, a note in status.message). Only `suspend` and `ttlSecondsAfterFinished`
+    act live.
+  * Suspend: the RayCluster is patched suspend=true and the active RayJob is deleted (it cannot
+    outlive its pods; checkpoints stay). Resume -> Provisioning (clock restarts), then the new
+    slice is verified again, then training continues with the same attempt, resuming from its
+    checkpoint.
+  * A child deleted out from under us: the RayCluster is recreated while Provisioning; in
+    VerifyingCollectives/Training the run fails with ChildDeleted (the slice/job is gone).
+  * After Succeeded/Failed the RayCluster is deleted once ttlSecondsAfterFinished has passed.
+"""
+from __future__ import annotations
+
+import copy
+from datetime import datetime
+from typing import Any, Mapping
+
+from tpuft import builders
+from tpuft import constants as c
+from tpuft.constants import Condition, EventType, Phase, Reason
+from tpuft.spec import DEFAULTS, SpecError, TPUFinetune, parse
+from tpuft.observed import (  # noqa: F401  (re-exported)
+    OWNED_KEYS, LIVE_SPEC_FIELDS, CONDITION_ORDER, DEFAULT_VERIFY_GRACE_SECONDS, NOTE_MARK, ClusterObs,
+    JobObs, AdmissionError, Observed, Op, Action, Event, Decision, Tunables, fmt_time, parse_time, owned,
+    cluster_provisioned, cluster_progress, job_state, job_succeeded, job_failed, job_failure_detail,
+    spec_diff)
+
+
+# --- the draft status ---------------------------------------------------------------------------
+class _Draft:
+    def __init__(self, obj: Mapping, now: datetime):
+        self.prev = owned(obj.get("status"))
+        self.st = copy.deepcopy(self.prev)
+        self.now = now
+        self.generation = int((obj.get("metadata") or {}).get("generation") or 0)
+        self.conds: dict[str, tuple[str, str, str]] = {}
+        self.actions: list[Action] = []
+        self.events: list[Event] = []
+        self.requeue: float | None = None
+        self.note = ""
+        self.ttl = 0
+        try:
+            self.phase: Phase | None = Phase(self.prev["phase"]) if self.prev.get("phase") else None
+        except ValueError:
+            self.phase = None
+
+    def elapsed(self) -> float:
+        t = parse_time(self.st.get("phaseTransitionTime"))
+        return (self.now - t).total_seconds() if t else 0.0
+
+    def wake(self, seconds: float) -> None:
+        seconds = max(seconds, 0.5)
+        self.requeue = seconds if self.requeue is None else min(self.requeue, seconds)
+
+    def cond(self, ctype: Condition, status: str, reason: Reason | str, message: str = "") -> None:
+        self.conds[ctype.value] = (status, str(getattr(reason, "value", reason)), message)
+
+    def act(self, op: str, kind: str, name: str, body: Mapping | None = None) -> None:
+        self.actions.append(Action(op, kind, name, body))
+
+    def event(self, type_: EventType, reason: Reason | str, message: str) -> None:
+        self.events.append(Event(type_.value, str(getattr(reason, "value", reason)), message))
+
+    def go(self, phase: Phase, reason: Reason, message: str) -> None:
+        if self.st.get("phase") != phase.value:
+            self.st["phaseTransitionTime"] = fmt_time(self.now)
+            self.phase = phase
+        self.st["phase"], self.st["reason"], self.st["message"] = phase.value, reason.value, message
+        if phase.terminal and not self.st.get("completionTime"):
+            self.st["completionTime"] = fmt_time(self.now)
+            self.wake(self.ttl)
+
+    def fail(self, reason: Reason, message: str) -> None:
+        self.go(Phase.FAILED, reason, message)
+
+    def finish(self) -> Decision:
+        st, prev = self.st, self.prev
+        st["observedGeneration"] = self.generation
+        st.setdefault("startTime", fmt_time(self.now))
+        base = (st.get("message") or "").split(NOTE_MARK)[0].rstrip("; ")
+        st["message"] = f"{base}; {self.note}".lstrip("; ") if self.note else base
+        phase, reason = st.get("phase"), st.get("reason") or ""
+        self.cond(Condition.READY, "True" if phase == Phase.SUCCEEDED.value else "False", reason or "Pending",
+                  st.get("message") or "")
+        self.cond(Condition.FAILED, "True" if phase == Phase.FAILED.value else "False", reason or "Pending",
+                  st.get("message") if phase == Phase.FAILED.value else "")
+        old = {x.get("type"): x for x in prev.get("conditions") or []}
+        conds = []
+        for ctype in CONDITION_ORDER:
+            status, creason, cmsg = self.conds.get(ctype.value) or (
+                (old[ctype.value].get("status"), old[ctype.value].get("reason"), old[ctype.value].get("message"))
+                if ctype.value in old else ("Unknown", reason or "Pending", ""))
+            before = old.get(ctype.value) or {}
+            ltt = before.get("lastTransitionTime") if before.get("status") == status else None
+            conds.append({"type": ctype.value, "status": status, "reason": creason or "Unknown",
+                          "message": cmsg or "", "lastTransitionTime": ltt or fmt_time(self.now),
+                          "observedGeneration": self.generation})
+        st["conditions"] = conds
+        if prev.get("phase") != phase:
+            etype = EventType.WARNING if phase == Phase.FAILED.value else EventType.NORMAL
+            self.events.insert(0, Event(etype.value, reason or str(phase), f"{phase}: {st.get('message') or ''}"))
+        patch = {k: v for k, v in st.items() if prev.get(k) != v}
+        patch.update({k: None for k in prev if k not in st})
+        return Decision(status=st, patch=patch or None, actions=tuple(self.actions), events=tuple(self.events),
+                        requeue_after=self.requeue)
+
+
+# --- decide ----------------------------------------------------------------------------------------
+def decide(obj: Mapping[str, Any], observed: Observed, now: datetime, tun: Tunables = Tunables()) -> Decision:
+    d = _Draft(obj, now)
+    spec_raw = obj.get("spec") or {}
+    try:
+        current: TPUFinetune | None = parse(obj)
+        error: SpecError | None = None
+    except SpecError as e:
+        current, error = None, e
+    applied_raw = d.prev.get("appliedSpec")
+    ttl = spec_raw.get("ttlSecondsAfterFinished")  # live: read from the current spec
+    d.ttl = ttl if isinstance(ttl, int) and not isinstance(ttl, bool) else DEFAULTS["ttlSecondsAfterFinished"]
+
+    if applied_raw is None:  # nothing created yet: the current spec is the one that counts
+        # A failure before anything was applied (invalid spec, rejected at admission) is final for
+        # that generation only: editing the spec starts the run again.
+        restart = d.phase == Phase.FAILED and d.prev.get("observedGeneration") != d.generation
+        if d.phase is not None and d.phase.terminal and not restart:
+            return d.finish()
+        if error is not None:
+            msg = "invalid spec: " + "; ".join(str(p) for p in error.problems)
+            if d.phase == Phase.FAILED and d.prev.get("message") != msg:
+                d.event(EventType.WARNING, Reason.INVALID_SPEC, msg)
+            d.fail(Reason.INVALID_SPEC, msg)
+            return d.finish()
+        if restart:
+            for k in ("phase", "reason", "message", "completionTime", "phaseTransitionTime", "conditions",
+                      "startTime"):
+                d.st.pop(k, None)
+            d.phase = None
+        return _pending(d, obj, current, observed)
+
+    tft = parse({**obj, "spec": applied_raw})
+    live_suspend = spec_raw.get("suspend") if isinstance(spec_raw.get("suspend"), bool) else tft.spec.suspend
+    ignored = spec_diff(spec_raw, applied_raw)
+    if ignored or error is not None:
+        what = ", ".join(ignored[:6]) + (" ..." if len(ignored) > 6 else "")
+        if error is not None:
+            what = f"new spec is invalid ({error.problems[0]})" + (f"; changed: {what}" if what else "")
+        d.note = (f"spec change ignored: {what}; the run uses generation {d.prev.get('appliedGeneration')}'s spec "
+                  "(delete and recreate the TPUFinetune to apply it)")
+        if d.prev.get("observedGeneration") != d.generation:
+            d.event(EventType.WARNING, Reason.SPEC_CHANGE_IGNORED, d.note)
+    if d.phase is not None and d.phase.terminal:
+        return _terminal(d, tft, observed)
+    if observed.admission_error is not None:
+        e = observed.admission_error
+        d.fail(Reason.ADMISSION_REJECTED, f"{e.kind} {e.name} was rejected at admission: {e.message}")
+        return d.finish()
+    if live_suspend and d.phase != Phase.SUSPENDED:
+        return _suspend(d, tft, observed)
+    if d.phase == Phase.SUSPENDED:
+        return _suspended(d, tft, observed, live_suspend)
+    if d.phase in (None, Phase.PENDING):  # created but status lost: the creates are idempotent
+        return _pending(d, obj, tft, observed)
+    if d.phase == Phase.PROVISIONING:
+        return _provisioning(d, tft, observed)
+    if d.phase == Phase.VERIFYING:
+        return _verifying(d, obj, tft, observed, tun)
+    return _training(d, tft, observed)
+
+
+def _pending(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed) -> Decision:
+    if obs.admission_error is not None:
+        e = obs.admission_error
+        d.fail(Reason.ADMISSION_REJECTED, f"{e.kind} {e.name} was rejected at admission: {e.message}")
+        return d.finish()
+    if d.phase == Phase.PENDING and d.elapsed() >= tft.spec.provisioning_timeout_seconds:
+        d.fail(Reason.PROVISIONING_TIMEOUT, f"children could not be created within "
+               f"{tft.spec.provisioning_timeout_seconds}s: {d.prev.get('message') or 'no detail'}")
+        return d.finish()
+    n, s = builders.names(tft), tft.spec.slice
+    for body in builders.build_workload_identity(tft):
+        d.act(Op.CREATE, body["kind"], body["metadata"]["name"], body)
+    d.act(Op.CREATE, c.RAYCLUSTER_KIND, n.cluster, builders.build_raycluster(tft))
+    d.st.update({
+        "appliedGeneration": d.st.get("appliedGeneration") or d.generation,
+        "appliedSpec": copy.deepcopy(d.st.get("appliedSpec") or dict(obj.get("spec") or {})),
+        "children": {"rayCluster": n.cluster, "serviceAccount": n.identity}, "trainingAttempts": 0,
+        "slice": {"accelerator": s.generation, "topology": s.topology, "slices": tft.spec.slices,
+                  "hosts": s.hosts, "chipsPerHost": s.chips_per_host, "devicesPerHost": s.devices_per_host,
+                  "devices": tft.spec.num_workers, "rayAcceleratorType": s.ray_accelerator_type or ""}})
+    _initial_conditions(d, tft)
+    if tft.spec.suspend:
+        d.cond(Condition.SLICE_PROVISIONED, "False", Reason.SUSPENDED, "created suspended")
+        d.go(Phase.SUSPENDED, Reason.SUSPENDED, f"RayCluster {n.cluster} created suspended (spec.suspend)")
+    else:
+        d.go(Phase.PROVISIONING, Reason.WAITING_FOR_SLICE,
+             f"waiting for slice {s.generation} {s.topology}: {cluster_progress(tft, None)}")
+        d.wake(tft.spec.provisioning_timeout_seconds)
+    return d.finish()
+
+
+def _initial_conditions(d: _Draft, tft: TPUFinetune) -> None:
+    d.cond(Condition.SLICE_PROVISIONED, "False", Reason.WAITING_FOR_SLICE, "RayCluster created")
+    if tft.spec.verification.enabled:
+        d.cond(Condition.COLLECTIVES_VERIFIED, "Unknown", Reason.WAITING_FOR_SLICE, "")
+    else:
+        d.cond(Condition.COLLECTIVES_VERIFIED, "False", Reason.VERIFICATION_SKIPPED, "spec.verification.enabled is false")
+    d.cond(Condition.TRAINING_SUCCEEDED, "Unknown", Reason.WAITING_FOR_SLICE, "")
+
+
+def _provisioning(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
+    n, s, timeout = builders.names(tft), tft.spec.slice, tft.spec.provisioning_timeout_seconds
+    if obs.cluster is None:
+        body = builders.build_raycluster(tft)
+        body["spec"].pop("suspend", None)
+        d.act(Op.CREATE, c.RAYCLUSTER_KIND, n.cluster, body)
+        d.event(EventType.WARNING, Reason.CHILD_DELETED, f"RayCluster {n.cluster} not found while provisioning; "
+                "recreating it (the provisioning deadline is unchanged)")
+    elif obs.cluster.suspended:
+        d.act(Op.RESUME, c.RAYCLUSTER_KIND, n.cluster)
+    if obs.cluster is not None and cluster_provisioned(obs.cluster.status):
+        d.cond(Condition.SLICE_PROVISIONED, "True", Reason.SLICE_READY, cluster_progress(tft, obs.cluster))
+        return _start_verification(d, tft) if tft.spec.verification.enabled else _start_training(d, tft, obs)
+    progress = cluster_progress(tft, obs.cluster)
+    if d.elapsed() >= timeout:
+        where = (f"a TPU node pool with {c.GKE_TPU_ACCELERATOR_SELECTOR}={s.gke_accelerator} and "
+                 f"{c.GKE_TPU_TOPOLOGY_SELECTOR}={s.topology} ({s.hosts} hosts of {s.machine_type}) per slice"
+                 if s.is_tpu else "schedulable CPU nodes")
+        msg = (f"slice not provisioned after {timeout}s: {progress}; check {where} has capacity and quota, and "
+               f"`kubectl describe raycluster {n.cluster}` / `kubectl get pods -l {c.RAY_CLUSTER_LABEL}={n.cluster}`")
+        d.cond(Condition.SLICE_PROVISIONED, "False", Reason.PROVISIONING_TIMEOUT, msg)
+        d.fail(Reason.PROVISIONING_TIMEOUT, msg)
+        return d.finish()
+    d.cond(Condition.SLICE_PROVISIONED, "False", Reason.WAITING_FOR_SLICE, progress)
+    d.go(Phase.PROVISIONING, Reason.WAITING_FOR_SLICE, f"waiting for slice {s.generation} {s.topology}: {progress}")
+    d.wake(timeout - d.elapsed())
+    return d.finish()
+
+
+def _start_verification(d: _Draft, tft: TPUFinetune) -> Decision:
+    n = builders.names(tft)
+    d.act(Op.CREATE, c.RAYJOB_KIND, n.verify_job, builders.build_verify_job(tft))
+    d.st.setdefault("children", {})["verifyJob"] = n.verify_job
+    d.cond(Condition.COLLECTIVES_VERIFIED, "Unknown", Reason.VERIFYING, f"RayJob {n.verify_job} submitted")
+    d.go(Phase.VERIFYING, Reason.VERIFYING, f"verifying collectives on every device (RayJob {n.verify_job})")
+    return d.finish()
+
+
+def _start_training(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
+    n = builders.names(tft)
+    attempts = int(d.st.get("trainingAttempts") or 0)
+    index = max(attempts - 1, 0)  # after a resume the interrupted attempt continues from its checkpoint
+    d.act(Op.CREATE, c.RAYJOB_KIND, n.train_attempt(index), builders.build_train_job(tft, index))
+    d.st["trainingAttempts"] = max(attempts, 1)
+    d.st.setdefault("children", {})["trainJob"] = n.train_attempt(index)
+    d.cond(Condition.TRAINING_SUCCEEDED, "Unknown", Reason.TRAINING, f"RayJob {n.train_attempt(index)} submitted")
+    d.go(Phase.TRAINING, Reason.TRAINING, f"training (RayJob {n.train_attempt(index)}, attempt {index + 1} of "
+         f"{tft.spec.training.max_job_retries + 1})")
+    return d.finish()
+
+
+def _lost_cluster(d: _Draft, tft: TPUFinetune, obs: Observed) -> bool:
+    if obs.cluster is not None:
+        return False
+    d.fail(Reason.CHILD_DELETED, f"RayCluster {builders.names(tft).cluster} was deleted during {d.phase.value}; "
+           "the run cannot continue (recreate the TPUFinetune to start again; checkpoints are kept)")
+    return True
+
+
+def _verifying(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, tun: Tunables) -> Decision:
+    n, timeout = builders.names(tft), tft.spec.verification.timeout_seconds
+    if _lost_cluster(d, tft, obs):
+        return d.finish()
+    job = obs.jobs.get(n.verify_job)
+    if job is None:
+        d.fail(Reason.CHILD_DELETED, f"RayJob {n.verify_job} was deleted during verification")
+        return d.finish()
+    workload = ((obj.get("status") or {}).get("verification") or {}).get("message")
+    if job_succeeded(job):
+        d.cond(Condition.COLLECTIVES_VERIFIED, "True", Reason.VERIFIED, workload or f"RayJob {n.verify_job} succeeded")
+        return _start_training(d, tft, obs)
+    if job_failed(job):
+        timed_out = job.status.get("reason") == c.RAYJOB_REASON_DEADLINE_EXCEEDED
+        reason = Reason.COLLECTIVE_TIMEOUT if timed_out else Reason.VERIFICATION_FAILED
+        msg = f"collective verification failed: {job_failure_detail(job)}" + (f"; workload: {workload}" if workload else "")
+        d.cond(Condition.COLLECTIVES_VERIFIED, "False", reason, msg)
+        d.fail(reason, msg)
+        return d.finish()
+    bound = timeout + tun.verify_grace_seconds
+    if d.elapsed() >= bound:
+        msg = (f"collective verification did not finish within {timeout}s (+{tun.verify_grace_seconds:g}s grace): "
+               f"RayJob {n.verify_job} {job_state(job)}; a host that never joins (wrong topology, unhealthy ICI) "
+               "looks like this")
+        d.cond(Condition.COLLECTIVES_VERIFIED, "False", Reason.COLLECTIVE_TIMEOUT, msg)
+        d.fail(Reason.COLLECTIVE_TIMEOUT, msg)
+        return d.finish()
+    d.go(Phase.VERIFYING, Reason.VERIFYING, f"verifying collectives (RayJob {n.verify_job} {job_state(job)})")
+    d.wake(bound - d.elapsed())
+    return d.finish()
+
+
+def _training(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
+    n = builders.names(tft)
+    attempts = max(int(d.st.get("trainingAttempts") or 1), 1)
+    retries = tft.spec.training.max_job_retries
+    name = n.train_attempt(attempts - 1)
+    if _lost_cluster(d, tft, obs):
+        return d.finish()
+    job = obs.jobs.get(name)
+    if job is None:
+        d.fail(Reason.CHILD_DELETED, f"RayJob {name} was deleted during training")
+        return d.finish()
+    if job_succeeded(job):
+        d.cond(Condition.TRAINING_SUCCEEDED, "True", Reason.TRAINING_COMPLETE, f"RayJob {name} succeeded")
+        d.go(Phase.SUCCEEDED, Reason.TRAINING_COMPLETE, f"training complete (RayJob {name}, attempt {attempts})")
+        return d.finish()
+    if job_failed(job):
+        detail = job_failure_detail(job)
+        if attempts <= retries:
+            nxt = n.train_attempt(attempts)
+            d.act(Op.CREATE, c.RAYJOB_KIND, nxt, builders.build_train_job(tft, attempts))
+            d.st["trainingAttempts"] = attempts + 1
+            d.st.setdefault("children", {})["trainJob"] = nxt
+            msg = f"{detail}; resubmitted as {nxt} (attempt {attempts + 1} of {retries + 1}), resuming from checkpoint"
+            d.event(EventType.WARNING, Reason.RETRYING, msg)
+            d.cond(Condition.TRAINING_SUCCEEDED, "Unknown", Reason.RETRYING, msg)
+            d.go(Phase.TRAINING, Reason.RETRYING, msg)
+            return d.finish()
+        msg = f"training failed after {attempts} attempt(s): {detail}"
+        d.cond(Condition.TRAINING_SUCCEEDED, "False", Reason.TRAINING_FAILED, msg)
+        d.fail(Reason.TRAINING_FAILED, msg)
+        return d.finish()
+    d.go(Phase.TRAINING, Reason.TRAINING, f"training (RayJob {name} {job_state(job)}, attempt {attempts} of "
+         f"{retries + 1})")
+    return d.finish()
+
+
+def _suspend(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
+    n, was = builders.names(tft), d.phase or Phase.PENDING
+    if obs.cluster is not None:
+        d.act(Op.SUSPEND, c.RAYCLUSTER_KIND, n.cluster)
+    # Jobs cannot outlive their pods; the verify job goes too, so the resumed slice is verified again.
+    active = {Phase.VERIFYING: n.verify_job, Phase.TRAINING: d.st.get("children", {}).get("trainJob")}.get(was)
+    for job in sorted({n.verify_job, active} - {None}):
+        if job in obs.jobs:
+            d.act(Op.DELETE, c.RAYJOB_KIND, job)
+    d.cond(Condition.SLICE_PROVISIONED, "False", Reason.SUSPENDED, "RayCluster suspended")
+    d.go(Phase.SUSPENDED, Reason.SUSPENDED, f"suspended during {was.value}" +
+         (f" (RayJob {active} deleted; it resumes from its checkpoint)" if active else ""))
+    return d.finish()
+
+
+def _suspended(d: _Draft, tft: TPUFinetune, obs: Observed, live_suspend: bool) -> Decision:
+    n = builders.names(tft)
+    if live_suspend:
+        if obs.cluster is not None and not obs.cluster.suspended:
+            d.act(Op.SUSPEND, c.RAYCLUSTER_KIND, n.cluster)
+        return d.finish()
+    if obs.cluster is not None:
+        d.act(Op.RESUME, c.RAYCLUSTER_KIND, n.cluster)
+    d.go(Phase.PROVISIONING, Reason.WAITING_FOR_SLICE, f"resumed; waiting for slice: {cluster_progress(tft, obs.cluster)}")
+    d.cond(Condition.SLICE_PROVISIONED, "False", Reason.WAITING_FOR_SLICE, "resumed")
+    d.wake(tft.spec.provisioning_timeout_seconds)
+    return d.finish()
+
+
+def _terminal(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
+    ttl = d.ttl
+    done = parse_time(d.st.get("completionTime"))
+    name = builders.names(tft).cluster
+    if obs.cluster is not None and done is not None:
+        left = ttl - (d.now - done).total_seconds()
+        if left <= 0:
+            d.act(Op.DELETE, c.RAYCLUSTER_KIND, name)
+            d.event(EventType.NORMAL, Reason.TTL_EXPIRED, f"deleting RayCluster {name}: ttlSecondsAfterFinished "
+                    f"({ttl}s) has passed; status and checkpoints stay")
+        else:
+            d.wake(left)
+    return d.finish()
+
+
+def note_error(obj: Mapping[str, Any], error: str, now: datetime) -> dict | None:
+    """Status patch after an action failed transiently: phase kept (Pending if none), message says why."""
+    prev = owned(obj.get("status"))
+    patch: dict[str, Any] = {}
+    if not prev.get("phase"):
+        patch.update({"phase": Phase.PENDING.value, "reason": Reason.CREATED.value,
+                      "phaseTransitionTime": fmt_time(now), "startTime": fmt_time(now)})
+    msg = f"retrying: {error}"
+    if prev.get("message") != msg:
+        patch["message"] = msg
+    return patch or None

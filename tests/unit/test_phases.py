@@ -1,0 +1,475 @@
+"""tpuft.phases.decide, pure: every transition and failure reason, timeouts at the bound,
+condition stability, no-change -> no write, spec changes recorded and never half-applied."""
+from __future__ import annotations
+
+import copy
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from tpuft import builders, phases
+from tpuft import constants as c
+from tpuft.constants import Phase, Reason
+from tpuft.phases import AdmissionError, ClusterObs, JobObs, Observed, Op
+from tpuft.spec import parse
+
+T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+TUN = phases.Tunables(verify_grace_seconds=60)
+NAME, NS = "ft", "team-a"
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def make(**spec) -> dict:
+    base = {
+        "accelerator": "v6e", "topology": "4x4", "image": "img:1", "model": "m", "dataset": {"name": "d"},
+        "checkpoint": {"storagePath": "gs://bucket/ck"}, "provisioningTimeoutSeconds": 1800,
+        "verification": {"enabled": True, "timeoutSeconds": 600}, "ttlSecondsAfterFinished": 300,
+        "training": {"maxJobRetries": 0},
+    }
+    base.update(spec)
+    return {"apiVersion": c.API_VERSION, "kind": c.KIND,
+            "metadata": {"name": NAME, "namespace": NS, "uid": "u-1", "generation": 1}, "spec": base}
+
+
+def names(o: dict) -> builders.ChildNames:
+    return builders.names(parse(o))
+
+
+def apply(o: dict, d: phases.Decision) -> dict:
+    """What the API server holds after the handler writes d.patch (a JSON merge patch)."""
+    o = copy.deepcopy(o)
+    status = o.setdefault("status", {})
+    for k, v in (d.patch or {}).items():
+        if v is None:
+            status.pop(k, None)
+        else:
+            status[k] = copy.deepcopy(v)
+    return o
+
+
+def cluster(ready: int = 0, desired: int = 4, provisioned: bool = False, state: str | None = None,
+            suspended: bool = False, name: str = f"{NAME}-ray") -> ClusterObs:
+    st: dict = {"readyWorkerReplicas": ready, "desiredWorkerReplicas": desired}
+    if state:
+        st["state"] = state
+    if provisioned:
+        st["conditions"] = [{"type": "RayClusterProvisioned", "status": "True", "reason": "AllPodRunningAndReadyFirstTime"}]
+    return ClusterObs(name, st, suspended)
+
+
+def job(name: str, job_status: str = "RUNNING", deploy: str = "Running", **extra) -> JobObs:
+    return JobObs(name, {"jobStatus": job_status, "jobDeploymentStatus": deploy, **extra})
+
+
+def cond(o_or_d, ctype: c.Condition) -> dict:
+    status = o_or_d.status if isinstance(o_or_d, phases.Decision) else o_or_d["status"]
+    return next(x for x in status["conditions"] if x["type"] == ctype.value)
+
+
+def kinds(d: phases.Decision) -> list[tuple[str, str, str]]:
+    return [(a.op, a.kind, a.name) for a in d.actions]
+
+
+def run_to(o: dict, phase: Phase, t: float = 0) -> dict:
+    """Drive a fresh object through the happy path up to `phase` (at time t for every step)."""
+    n = names(o)
+    o = apply(o, phases.decide(o, Observed(), at(t), TUN))
+    if phase == Phase.PROVISIONING:
+        return o
+    o = apply(o, phases.decide(o, Observed(cluster(4, provisioned=True)), at(t), TUN))
+    if phase == Phase.VERIFYING:
+        return o
+    if o["status"]["phase"] == Phase.VERIFYING.value:
+        o = apply(o, phases.decide(o, Observed(cluster(4, provisioned=True),
+                                               {n.verify_job: job(n.verify_job, "SUCCEEDED", "Complete")}), at(t), TUN))
+    assert o["status"]["phase"] == phase.value
+    return o
+
+
+# --- validation -----------------------------------------------------------------------------------
+def test_invalid_spec_fails_naming_fields_and_creates_nothing():
+    o = make(topology="3x3", slices=0)
+    d = phases.decide(o, Observed(), at(0), TUN)
+    assert d.phase == "Failed" and d.status["reason"] == "InvalidSpec"
+    assert "spec.slices" in d.status["message"] and "topology" in d.status["message"]
+    assert d.actions == ()
+    assert cond(d, c.Condition.FAILED)["status"] == "True" and cond(d, c.Condition.READY)["status"] == "False"
+    assert [e.type for e in d.events] == ["Warning"]
+    o = apply(o, d)
+    again = phases.decide(o, Observed(), at(50), TUN)
+    assert again.patch is None and again.events == () and again.actions == ()
+
+
+def test_corrected_spec_after_invalid_starts_the_run():
+    o = apply(make(topology="3x3"), phases.decide(make(topology="3x3"), Observed(), at(0), TUN))
+    o["spec"]["topology"] = "4x4"
+    o["metadata"]["generation"] = 2
+    d = phases.decide(o, Observed(), at(10), TUN)
+    assert d.phase == "Provisioning" and d.status["appliedGeneration"] == 2
+    assert (Op.CREATE, "RayCluster", f"{NAME}-ray") in kinds(d)
+    assert "completionTime" not in d.status and d.patch["completionTime"] is None
+
+
+# --- Pending -> Provisioning ----------------------------------------------------------------------
+def test_first_reconcile_creates_identity_and_cluster():
+    o = make()
+    d = phases.decide(o, Observed(), at(0), TUN)
+    assert kinds(d) == [("create", "ServiceAccount", f"{NAME}-workload"), ("create", "Role", f"{NAME}-workload"),
+                        ("create", "RoleBinding", f"{NAME}-workload"), ("create", "RayCluster", f"{NAME}-ray")]
+    assert d.actions[-1].body == builders.build_raycluster(parse(o))
+    st = d.status
+    assert st["phase"] == "Provisioning" and st["reason"] == "WaitingForSlice"
+    assert st["appliedGeneration"] == 1 and st["observedGeneration"] == 1 and st["appliedSpec"] == o["spec"]
+    assert st["children"] == {"rayCluster": f"{NAME}-ray", "serviceAccount": f"{NAME}-workload"}
+    assert st["slice"]["hosts"] == 4 and st["slice"]["devices"] == 16 and st["slice"]["rayAcceleratorType"] == "TPU-V6E"
+    assert st["startTime"] == st["phaseTransitionTime"] == "2026-01-01T12:00:00Z"
+    assert [x["type"] for x in st["conditions"]] == ["SliceProvisioned", "CollectivesVerified", "TrainingSucceeded",
+                                                      "Ready", "Failed"]
+    assert d.requeue_after == 1800
+    assert "verification" not in st and "training" not in st
+
+
+def test_status_owned_keys_only_workload_keys_untouched():
+    o = make()
+    o["status"] = {"training": {"loss": 1.5}, "verification": {"passed": True}}
+    d = phases.decide(o, Observed(), at(0), TUN)
+    assert "training" not in d.patch and "verification" not in d.patch
+    assert apply(o, d)["status"]["training"] == {"loss": 1.5}
+
+
+@pytest.mark.parametrize("obs,provisioned", [
+    (cluster(0), False),
+    (cluster(3, state="ready"), False),                 # state ready but 3/4 hosts
+    (cluster(4, state="ready"), True),                  # pre-v1.7 signal
+    (cluster(4, provisioned=True), True),               # KubeRay v1.7.0 condition
+    (cluster(0, provisioned=True), True),
+    (ClusterObs(f"{NAME}-ray", {"conditions": [{"type": "RayClusterProvisioned", "status": "False"}]}), False),
+])
+def test_provisioned_signals(obs, provisioned):
+    o = run_to(make(), Phase.PROVISIONING)
+    d = phases.decide(o, Observed(obs), at(5), TUN)
+    assert (d.phase == "VerifyingCollectives") is provisioned
+    if provisioned:
+        assert kinds(d) == [("create", "RayJob", f"{NAME}-verify")]
+        assert cond(d, c.Condition.SLICE_PROVISIONED)["status"] == "True"
+        assert d.status["children"]["verifyJob"] == f"{NAME}-verify"
+
+
+def test_provisioning_progress_written_once():
+    o = run_to(make(), Phase.PROVISIONING)
+    d = phases.decide(o, Observed(cluster(2)), at(5), TUN)
+    assert "2/4 worker hosts ready" in d.status["message"] and d.patch and set(d.patch) <= {"message", "conditions"}
+    o = apply(o, d)
+    d2 = phases.decide(o, Observed(cluster(2)), at(9), TUN)
+    assert d2.patch is None and d2.events == () and d2.actions == ()
+    assert d2.requeue_after == pytest.approx(1800 - 9)
+
+
+@pytest.mark.parametrize("elapsed,failed", [(1799, False), (1800, True), (5000, True)])
+def test_provisioning_timeout_at_the_bound(elapsed, failed):
+    o = run_to(make(), Phase.PROVISIONING)
+    d = phases.decide(o, Observed(cluster(0)), at(elapsed), TUN)
+    assert (d.phase == "Failed") is failed
+    if failed:
+        m = d.status["message"]
+        assert d.status["reason"] == "ProvisioningTimeout"
+        assert "0/4 worker hosts ready" in m and "after 1800s" in m and "4x4" in m and "tpu-v6e-slice" in m
+        assert cond(d, c.Condition.SLICE_PROVISIONED)["reason"] == "ProvisioningTimeout"
+        assert d.events[0].type == "Warning" and d.events[0].reason == "ProvisioningTimeout"
+        assert d.status["completionTime"] == phases.fmt_time(at(elapsed))
+        assert d.actions == ()
+
+
+def test_replica_failure_is_reported_in_the_timeout_message():
+    o = run_to(make(provisioningTimeoutSeconds=10), Phase.PROVISIONING)
+    obs = cluster(0)
+    obs.status["conditions"] = [{"type": "ReplicaFailure", "status": "True", "message": "pods forbidden: quota"}]
+    d = phases.decide(o, Observed(obs), at(10), TUN)
+    assert d.status["reason"] == "ProvisioningTimeout" and "pods forbidden: quota" in d.status["message"]
+
+
+def test_admission_rejected():
+    o = make()
+    err = AdmissionError("RayCluster", f"{NAME}-ray", 'admission webhook "kuberay-tpu-webhook" denied the request: '
+                         "Number of workers in worker group not equal to specified topology")
+    d = phases.decide(o, Observed(admission_error=err), at(0), TUN)
+    assert d.phase == "Failed" and d.status["reason"] == "AdmissionRejected"
+    assert "denied the request" in d.status["message"] and d.actions == ()
+
+
+def test_cluster_deleted_while_provisioning_is_recreated_with_the_same_deadline():
+    o = run_to(make(), Phase.PROVISIONING)
+    d = phases.decide(o, Observed(None), at(100), TUN)
+    assert kinds(d) == [("create", "RayCluster", f"{NAME}-ray")] and d.phase == "Provisioning"
+    assert [e.reason for e in d.events] == ["ChildDeleted"]
+    assert phases.decide(apply(o, d), Observed(None), at(1800), TUN).status["reason"] == "ProvisioningTimeout"
+
+
+# --- verification ----------------------------------------------------------------------------------
+def verifying(**spec) -> tuple[dict, builders.ChildNames]:
+    o = run_to(make(**spec), Phase.VERIFYING)
+    return o, names(o)
+
+
+def test_verification_success_starts_training():
+    o, n = verifying()
+    d = phases.decide(o, Observed(cluster(4, provisioned=True), {n.verify_job: job(n.verify_job, "SUCCEEDED", "Complete")}),
+                      at(30), TUN)
+    assert d.phase == "Training" and kinds(d) == [("create", "RayJob", f"{NAME}-train")]
+    assert d.actions[0].body == builders.build_train_job(parse(o), 0)
+    assert cond(d, c.Condition.COLLECTIVES_VERIFIED)["status"] == "True"
+    assert d.status["trainingAttempts"] == 1 and d.status["children"]["trainJob"] == f"{NAME}-train"
+
+
+@pytest.mark.parametrize("status,reason", [
+    ({"jobStatus": "FAILED", "jobDeploymentStatus": "Failed", "reason": "AppFailed", "message": "rank 3 hung"},
+     "VerificationFailed"),
+    ({"jobStatus": "", "jobDeploymentStatus": "Failed", "reason": "SubmissionFailed"}, "VerificationFailed"),
+    ({"jobStatus": "", "jobDeploymentStatus": "ValidationFailed", "message": "bad spec"}, "VerificationFailed"),
+    ({"jobStatus": "RUNNING", "jobDeploymentStatus": "Failed", "reason": "DeadlineExceeded"}, "CollectiveTimeout"),
+    ({"jobStatus": "STOPPED", "jobDeploymentStatus": "Complete"}, "VerificationFailed"),
+])
+def test_verification_failures_never_start_training(status, reason):
+    o, n = verifying()
+    o["status"]["verification"] = {"passed": False, "message": "all_reduce mismatch on host 2"}
+    d = phases.decide(o, Observed(cluster(4, provisioned=True), {n.verify_job: JobObs(n.verify_job, status)}), at(30), TUN)
+    assert d.phase == "Failed" and d.status["reason"] == reason and d.actions == ()
+    assert n.verify_job in d.status["message"] and "all_reduce mismatch on host 2" in d.status["message"]
+    assert cond(d, c.Condition.COLLECTIVES_VERIFIED)["status"] == "False"
+    assert cond(d, c.Condition.TRAINING_SUCCEEDED)["status"] == "Unknown"
+
+
+@pytest.mark.parametrize("elapsed,failed", [(659, False), (660, True)])
+def test_collective_timeout_at_timeout_plus_grace(elapsed, failed):
+    o, n = verifying()
+    d = phases.decide(o, Observed(cluster(4, provisioned=True), {n.verify_job: job(n.verify_job)}), at(elapsed), TUN)
+    assert (d.status["reason"] == "CollectiveTimeout") is failed
+    if not failed:
+        assert d.phase == "VerifyingCollectives" and d.requeue_after == pytest.approx(660 - elapsed)
+    else:
+        assert "600s" in d.status["message"] and "jobStatus=RUNNING" in d.status["message"]
+
+
+def test_verification_disabled_goes_straight_to_training():
+    o = run_to(make(verification={"enabled": False, "timeoutSeconds": 600}), Phase.TRAINING)
+    assert cond(o, c.Condition.COLLECTIVES_VERIFIED)["reason"] == "VerificationSkipped"
+    assert o["status"]["children"].get("verifyJob") is None
+
+
+@pytest.mark.parametrize("phase", [Phase.VERIFYING, Phase.TRAINING])
+def test_cluster_deleted_mid_run_fails_child_deleted(phase):
+    o = run_to(make(), phase)
+    d = phases.decide(o, Observed(None, {}), at(40), TUN)
+    assert d.status["reason"] == "ChildDeleted" and f"{NAME}-ray" in d.status["message"] and d.actions == ()
+
+
+@pytest.mark.parametrize("phase,job_name", [(Phase.VERIFYING, f"{NAME}-verify"), (Phase.TRAINING, f"{NAME}-train")])
+def test_job_deleted_mid_run_fails_child_deleted(phase, job_name):
+    o = run_to(make(), phase)
+    d = phases.decide(o, Observed(cluster(4, provisioned=True), {}), at(40), TUN)
+    assert d.status["reason"] == "ChildDeleted" and job_name in d.status["message"]
+
+
+# --- training -------------------------------------------------------------------------------------
+def training(**spec) -> tuple[dict, builders.ChildNames]:
+    o = run_to(make(**spec), Phase.TRAINING)
+    return o, names(o)
+
+
+def test_training_success():
+    o, n = training()
+    d = phases.decide(o, Observed(cluster(4, provisioned=True), {n.train_job: job(n.train_job, "SUCCEEDED", "Complete")}),
+                      at(100), TUN)
+    assert d.phase == "Succeeded" and d.status["reason"] == "TrainingComplete"
+    assert cond(d, c.Condition.READY)["status"] == "True" and cond(d, c.Condition.TRAINING_SUCCEEDED)["status"] == "True"
+    assert cond(d, c.Condition.FAILED)["status"] == "False"
+    assert d.status["completionTime"] == phases.fmt_time(at(100))
+    assert [(e.type, e.reason) for e in d.events] == [("Normal", "TrainingComplete")]
+    assert d.requeue_after == 300
+
+
+def test_training_failure_without_retries():
+    o, n = training()
+    d = phases.decide(o, Observed(cluster(4, provisioned=True), {n.train_job: job(n.train_job, "FAILED", "Failed",
+                      reason="AppFailed", message="OOM")}), at(100), TUN)
+    assert d.status["reason"] == "TrainingFailed" and "OOM" in d.status["message"] and d.actions == ()
+
+
+def test_training_retries_then_fails():
+    o, n = training(training={"maxJobRetries": 2})
+    jobs: dict = {}
+    for attempt in range(3):
+        name = n.train_attempt(attempt)
+        assert o["status"]["trainingAttempts"] == attempt + 1 and o["status"]["children"]["trainJob"] == name
+        jobs[name] = job(name, "FAILED", "Failed", reason="AppFailed")
+        d = phases.decide(o, Observed(cluster(4, provisioned=True), dict(jobs)), at(100 + attempt), TUN)
+        if attempt < 2:
+            nxt = n.train_attempt(attempt + 1)
+            assert kinds(d) == [("create", "RayJob", nxt)] and d.phase == "Training"
+            assert d.status["reason"] == "Retrying" and [e.reason for e in d.events] == ["Retrying"]
+            assert d.actions[0].body == builders.build_train_job(parse(o), attempt + 1)
+            jobs[nxt] = job(nxt, "PENDING", "Initializing")
+        else:
+            assert d.status["reason"] == "TrainingFailed" and "after 3 attempt(s)" in d.status["message"]
+            assert d.actions == ()
+        o = apply(o, d)
+    assert [n.train_attempt(i) for i in range(3)] == [f"{NAME}-train", f"{NAME}-train-r1", f"{NAME}-train-r2"]
+
+
+# --- suspend ----------------------------------------------------------------------------------------
+def test_suspend_and_resume_in_provisioning():
+    o = run_to(make(), Phase.PROVISIONING)
+    o["spec"]["suspend"] = True
+    o["metadata"]["generation"] = 2
+    d = phases.decide(o, Observed(cluster(0)), at(50), TUN)
+    assert d.phase == "Suspended" and kinds(d) == [("suspend", "RayCluster", f"{NAME}-ray")]
+    assert not any(e.reason == "SpecChangeIgnored" for e in d.events)  # suspend is live, not a spec change
+    o = apply(o, d)
+    assert phases.decide(o, Observed(cluster(0, suspended=True)), at(5000), TUN).patch is None  # no clock while suspended
+    o["spec"]["suspend"] = False
+    o["metadata"]["generation"] = 3
+    d = phases.decide(o, Observed(cluster(0, suspended=True)), at(6000), TUN)
+    assert d.phase == "Provisioning" and kinds(d) == [("resume", "RayCluster", f"{NAME}-ray")]
+    o = apply(o, d)
+    assert phases.decide(o, Observed(cluster(0)), at(6000 + 1799), TUN).phase == "Provisioning"
+    assert phases.decide(o, Observed(cluster(0)), at(6000 + 1800), TUN).status["reason"] == "ProvisioningTimeout"
+
+
+def test_suspend_during_training_resumes_same_attempt_after_reverification():
+    o, n = training()
+    o["spec"]["suspend"] = True
+    jobs = {n.verify_job: job(n.verify_job, "SUCCEEDED", "Complete"), n.train_job: job(n.train_job)}
+    d = phases.decide(o, Observed(cluster(4, provisioned=True), jobs), at(50), TUN)
+    assert d.phase == "Suspended"
+    assert kinds(d) == [("suspend", "RayCluster", f"{NAME}-ray"), ("delete", "RayJob", n.train_job),
+                        ("delete", "RayJob", n.verify_job)]
+    o = apply(o, d)
+    o["spec"]["suspend"] = False
+    o = apply(o, phases.decide(o, Observed(cluster(0, suspended=True)), at(60), TUN))
+    o = apply(o, phases.decide(o, Observed(cluster(4, provisioned=True)), at(70), TUN))
+    assert o["status"]["phase"] == "VerifyingCollectives"
+    d = phases.decide(o, Observed(cluster(4, provisioned=True), {n.verify_job: job(n.verify_job, "SUCCEEDED", "Complete")}),
+                      at(80), TUN)
+    assert d.phase == "Training" and kinds(d) == [("create", "RayJob", n.train_job)]
+    assert d.status["trainingAttempts"] == 1
+
+
+def test_created_suspended():
+    o = make(suspend=True)
+    d = phases.decide(o, Observed(), at(0), TUN)
+    assert d.phase == "Suspended" and d.actions[-1].body["spec"]["suspend"] is True
+
+
+def test_suspend_ignored_once_finished():
+    o, n = training()
+    o = apply(o, phases.decide(o, Observed(cluster(4, provisioned=True), {n.train_job: job(n.train_job, "SUCCEEDED",
+                                                                                             "Complete")}), at(10), TUN))
+    o["spec"]["suspend"] = True
+    d = phases.decide(o, Observed(cluster(4, provisioned=True), {}), at(11), TUN)
+    assert d.phase == "Succeeded" and d.actions == ()
+
+
+# --- after the end: TTL ----------------------------------------------------------------------------
+@pytest.mark.parametrize("elapsed,deleted", [(299, False), (300, True)])
+def test_ttl_deletes_cluster(elapsed, deleted):
+    o, n = training()
+    o = apply(o, phases.decide(o, Observed(cluster(4, provisioned=True), {n.train_job: job(n.train_job, "SUCCEEDED",
+                                                                                             "Complete")}), at(100), TUN))
+    d = phases.decide(o, Observed(cluster(4, provisioned=True)), at(100 + elapsed), TUN)
+    assert (kinds(d) == [("delete", "RayCluster", f"{NAME}-ray")]) is deleted
+    assert d.patch is None
+    if not deleted:
+        assert d.requeue_after == pytest.approx(1)
+    assert phases.decide(o, Observed(None), at(100 + elapsed), TUN).actions == ()
+
+
+def test_ttl_applies_live_from_the_spec():
+    o = run_to(make(provisioningTimeoutSeconds=10), Phase.PROVISIONING)
+    o = apply(o, phases.decide(o, Observed(cluster(0)), at(10), TUN))
+    assert o["status"]["phase"] == "Failed"
+    o["spec"]["ttlSecondsAfterFinished"] = 0
+    d = phases.decide(o, Observed(cluster(0)), at(10), TUN)
+    assert kinds(d) == [("delete", "RayCluster", f"{NAME}-ray")]
+
+
+# --- spec changes mid-run --------------------------------------------------------------------------
+def test_spec_change_is_recorded_and_never_half_applied():
+    o = run_to(make(), Phase.PROVISIONING)
+    n = names(o)
+    applied = parse(o)
+    o["spec"]["training"] = {"maxJobRetries": 0, "epochs": 9}
+    o["spec"]["image"] = "img:2"
+    o["metadata"]["generation"] = 2
+    d = phases.decide(o, Observed(cluster(4, provisioned=True)), at(5), TUN)
+    assert d.status["observedGeneration"] == 2 and d.status["appliedGeneration"] == 1
+    assert "spec change ignored: spec.image, spec.training.epochs" in d.status["message"]
+    assert [e.reason for e in d.events if e.type == "Warning"] == ["SpecChangeIgnored"]
+    assert d.actions[0].body == builders.build_verify_job(applied)  # built from the applied spec
+    o = apply(o, d)
+    o = apply(o, phases.decide(o, Observed(cluster(4, provisioned=True), {n.verify_job: job(n.verify_job)}), at(6), TUN))
+    d2 = phases.decide(o, Observed(cluster(4, provisioned=True), {n.verify_job: job(n.verify_job)}), at(7), TUN)
+    assert d2.patch is None and d2.events == ()  # recorded once; the note does not grow
+    assert d2.status["message"].count(phases.NOTE_MARK) == 1
+    o["spec"] = copy.deepcopy(o["status"]["appliedSpec"])  # reverted: the note goes away
+    o["metadata"]["generation"] = 3
+    d3 = phases.decide(o, Observed(cluster(4, provisioned=True), {n.verify_job: job(n.verify_job)}), at(7), TUN)
+    assert phases.NOTE_MARK not in d3.status["message"] and d3.status["observedGeneration"] == 3
+
+
+def test_invalid_spec_edit_mid_run_is_ignored():
+    o = run_to(make(), Phase.PROVISIONING)
+    o["spec"]["topology"] = "3x3"
+    o["metadata"]["generation"] = 2
+    d = phases.decide(o, Observed(cluster(1)), at(5), TUN)
+    assert d.phase == "Provisioning" and "new spec is invalid" in d.status["message"]
+
+
+# --- stability -------------------------------------------------------------------------------------
+def test_condition_transition_times_only_move_when_status_changes():
+    o = make()
+    o = apply(o, phases.decide(o, Observed(), at(0), TUN))
+    ready0 = cond(o, c.Condition.READY)
+    o = apply(o, phases.decide(o, Observed(cluster(4, provisioned=True)), at(20), TUN))
+    assert cond(o, c.Condition.READY)["lastTransitionTime"] == ready0["lastTransitionTime"]
+    assert cond(o, c.Condition.READY)["reason"] == "Verifying"
+    assert cond(o, c.Condition.SLICE_PROVISIONED)["lastTransitionTime"] == phases.fmt_time(at(20))
+    n = names(o)
+    o = apply(o, phases.decide(o, Observed(cluster(4, provisioned=True), {n.verify_job: job(n.verify_job, "SUCCEEDED",
+                                                                                            "Complete")}), at(40), TUN))
+    assert cond(o, c.Condition.SLICE_PROVISIONED)["lastTransitionTime"] == phases.fmt_time(at(20))
+    assert cond(o, c.Condition.COLLECTIVES_VERIFIED)["lastTransitionTime"] == phases.fmt_time(at(40))
+    assert o["status"]["phaseTransitionTime"] == phases.fmt_time(at(40))
+
+
+@pytest.mark.parametrize("phase", [Phase.PROVISIONING, Phase.VERIFYING, Phase.TRAINING])
+def test_steady_state_writes_nothing(phase):
+    o = run_to(make(), phase)
+    n = names(o)
+    verify = job(n.verify_job) if phase == Phase.VERIFYING else job(n.verify_job, "SUCCEEDED", "Complete")
+    jobs = {n.verify_job: verify, n.train_job: job(n.train_job)}
+    obs = Observed(cluster(0) if phase == Phase.PROVISIONING else cluster(4, provisioned=True), jobs)
+    o = apply(o, phases.decide(o, obs, at(1), TUN))
+    d = phases.decide(o, obs, at(2), TUN)
+    assert d.patch is None and d.events == () and d.actions == ()
+
+
+def test_decide_is_idempotent_when_the_status_write_was_lost():
+    """Operator died after acting, before writing: the same creates again (409 -> adopt)."""
+    o = run_to(make(), Phase.PROVISIONING)
+    obs = Observed(cluster(4, provisioned=True))
+    assert kinds(phases.decide(o, obs, at(3), TUN)) == kinds(phases.decide(o, obs, at(4), TUN))
+
+
+def test_note_error_keeps_phase_and_pending_times_out():
+    o = make()
+    p = phases.note_error(o, "create RayCluster team-a/ft-ray: 500 etcd timeout", at(0))
+    assert p["phase"] == "Pending" and "etcd timeout" in p["message"]
+    o["status"] = p
+    assert phases.note_error(o, "create RayCluster team-a/ft-ray: 500 etcd timeout", at(1)) is None
+    d = phases.decide(o, Observed(), at(1800), TUN)
+    assert d.status["reason"] == "ProvisioningTimeout" and "etcd timeout" in d.status["message"]
+    d = phases.decide(o, Observed(), at(100), TUN)
+    assert d.phase == "Provisioning" and len(d.actions) == 4
