@@ -1,0 +1,393 @@
+"""A real, local Kubernetes control plane: etcd + kube-apiserver + kube-controller-manager.
+
+For tests (tests/conftest.py), the demo and people (`tpuft cluster up`). Everything listens
+on 127.0.0.1 only, on free ports picked at start. kube-apiserver runs with real RBAC,
+client-cert auth (admin in system:masters) and service-account tokens (TokenRequest works);
+kube-controller-manager runs the garbage collector, namespace and service-account
+controllers and ClusterRole aggregation (plus deployment/replicaset/statefulset/job, so
+workloads get Pods; no scheduler or kubelet runs, so Pods stay Pending). Binaries come from tpuft.toolchain (built once per machine).
+
+    cp = ControlPlane(state_dir).start()      # blocks until /readyz and the default SA exist
+    cp.install_crds(default_crd_paths())      # applies, waits for Established
+    cp.kubectl("get", "tft", "-A")            # CompletedProcess
+    cp.stop()
+
+Top-level imports are stdlib only: `tpuft` imports this module eagerly for its CLI.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from tpuft.toolchain import (K8S_TOOLS, REPO_ROOT, TOOLS, VERSIONS, ToolchainError, cached_path,  # noqa: F401
+                             ensure_tools, tool_path)
+
+COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager")
+KCM_CONTROLLERS = os.environ.get("TPUFT_KCM_CONTROLLERS") or ",".join([
+    "garbage-collector-controller", "namespace-controller", "serviceaccount-controller",
+    "serviceaccount-token-controller", "root-ca-certificate-publisher-controller",
+    "clusterrole-aggregation-controller",  # fills the admin/edit/view ClusterRoles
+    "deployment-controller", "replicaset-controller", "statefulset-controller", "job-controller"])
+KUBERAY_CRDS = ("ray.io_rayclusters.yaml", "ray.io_rayjobs.yaml")
+
+
+class ControlPlaneError(RuntimeError):
+    """A component failed to start or a kubectl call failed; the message says where to look."""
+
+
+def _say(msg: str) -> None:
+    print(f"[tpuft] {msg}", file=sys.stderr, flush=True)
+
+
+def default_state_dir() -> Path:
+    return Path(os.environ.get("TPUFT_HOME") or Path.home() / ".tpuft") / "cluster"
+
+
+def shared_dir() -> Path:
+    """The read-only ../shared folder beside the repository (TPUFT_SHARED overrides)."""
+    return Path(os.environ.get("TPUFT_SHARED") or REPO_ROOT.parent / "shared")
+
+
+def kuberay_crd_paths() -> list[Path]:
+    """KubeRay v1.7.0 RayCluster and RayJob CRDs, from ../shared/reference/kuberay-v1.7.0/."""
+    base = Path(os.environ.get("TPUFT_KUBERAY_CRDS") or shared_dir() / "reference" / "kuberay-v1.7.0")
+    paths = [base / name for name in KUBERAY_CRDS]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise ControlPlaneError(f"KubeRay CRDs not found: {', '.join(missing)}; "
+                                "set TPUFT_KUBERAY_CRDS to the folder holding them")
+    return paths
+
+
+def default_crd_paths() -> list[Path]:
+    """Our CRDs (crds/*.yaml in the repo) followed by the KubeRay ones."""
+    return sorted((REPO_ROOT / "crds").glob("*.yaml")) + kuberay_crd_paths()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _proc_cmdline(pid: int) -> list[str] | None:
+    """argv of a live, non-zombie process, or None."""
+    try:
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            return None
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except (OSError, IndexError):
+        return None
+
+
+def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+    import ctypes
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: die with the starting process
+
+
+class ControlPlane:
+    """etcd + kube-apiserver + kube-controller-manager whose state lives in `state_dir`.
+
+    die_with_parent: components get SIGTERM when the starting process exits (tests; not `up`).
+    fast_etcd: etcd skips fsync (tests; data may be lost on a machine crash).
+    """
+
+    def __init__(self, state_dir: str | os.PathLike, *, die_with_parent: bool = False, fast_etcd: bool = False):
+        self.state_dir = Path(state_dir).resolve()
+        self.pki = self.state_dir / "pki"
+        self.logs = self.state_dir / "logs"
+        self.kubeconfig = self.state_dir / "kubeconfig"
+        self.die_with_parent = die_with_parent
+        self.fast_etcd = fast_etcd
+        self._procs: dict[str, subprocess.Popen] = {}
+
+    # ----- state -------------------------------------------------------------------------------
+    @property
+    def _state_file(self) -> Path:
+        return self.state_dir / "state.json"
+
+    def _state(self) -> dict:
+        try:
+            return json.loads(self._state_file.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    @property
+    def server_url(self) -> str:
+        ports = self._state().get("ports", {})
+        if "kube-apiserver" not in ports:
+            raise ControlPlaneError(f"no control plane has been started in {self.state_dir}")
+        return f"https://127.0.0.1:{ports['kube-apiserver']}"
+
+    def pids(self) -> dict[str, int]:
+        """Live component processes belonging to this state dir (found via /proc)."""
+        marker, found = str(self.state_dir) + "/", {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                argv = _proc_cmdline(int(entry.name))
+                name = os.path.basename(argv[0]) if argv else ""
+                if name in COMPONENTS and any(marker in a for a in argv[1:]):
+                    found[name] = int(entry.name)
+        return found
+
+    def ready(self) -> bool:
+        return set(self.pids()) == set(COMPONENTS) and self._get("/readyz")[0] == 200
+
+    def env(self) -> dict[str, str]:
+        """Environment for running kubectl/helm against this control plane."""
+        env = dict(os.environ, KUBECONFIG=str(self.kubeconfig), KUBECACHEDIR=str(self.state_dir / "kube-cache"))
+        env["PATH"] = os.path.dirname(tool_path("kubectl")) + os.pathsep + env.get("PATH", "")
+        return env
+
+    # ----- lifecycle ---------------------------------------------------------------------------
+    def start(self, timeout: float = 180.0) -> "ControlPlane":
+        bins = ensure_tools(COMPONENTS + ("kubectl",))
+        self.stop(quiet=True)  # stale processes from an earlier run of this state dir
+        from tpuft.kubepki import ensure_pki, write_kubeconfig
+
+        for d in (self.logs, self.state_dir / "etcd", self.state_dir / "kcm-certs"):
+            d.mkdir(parents=True, exist_ok=True)
+        ensure_pki(self.pki)
+        old = self._state().get("ports", {})
+        names = ("etcd", "etcd-peer", "kube-apiserver", "kube-controller-manager")
+        ports = {n: old[n] if old.get(n) and _port_free(old[n]) else _free_port() for n in names}
+        self._state_file.write_text(json.dumps({"ports": ports}, indent=2) + "\n")
+        s, pki, deadline = self.state_dir, self.pki, time.monotonic() + timeout
+
+        etcd_url, peer_url = f"http://127.0.0.1:{ports['etcd']}", f"http://127.0.0.1:{ports['etcd-peer']}"
+        self._spawn("etcd", [
+            bins["etcd"], "--name=tpuft", f"--data-dir={s}/etcd", f"--listen-client-urls={etcd_url}",
+            f"--advertise-client-urls={etcd_url}", f"--listen-peer-urls={peer_url}",
+            f"--initial-advertise-peer-urls={peer_url}", f"--initial-cluster=tpuft={peer_url}",
+            "--log-level=warn", *(["--unsafe-no-fsync"] if self.fast_etcd else [])])
+        self._wait("etcd", lambda: self._http_ok(etcd_url + "/health"), deadline)
+
+        self._spawn("kube-apiserver", [
+            bins["kube-apiserver"], f"--etcd-servers={etcd_url}", "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1", f"--secure-port={ports['kube-apiserver']}",
+            f"--cert-dir={pki}", f"--tls-cert-file={pki}/apiserver.crt", f"--tls-private-key-file={pki}/apiserver.key",
+            f"--client-ca-file={pki}/ca.crt", "--authorization-mode=RBAC", "--anonymous-auth=false",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-account-key-file={pki}/sa.pub", f"--service-account-signing-key-file={pki}/sa.key",
+            "--service-cluster-ip-range=10.0.0.0/24", "--endpoint-reconciler-type=none",
+            "--allow-privileged=true", "--enable-priority-and-fairness=false", "--profiling=false", "--v=1"])
+        write_kubeconfig(self.kubeconfig, f"https://127.0.0.1:{ports['kube-apiserver']}", pki)
+        kcm_kubeconfig = s / "kcm.kubeconfig"
+        write_kubeconfig(kcm_kubeconfig, f"https://127.0.0.1:{ports['kube-apiserver']}", pki,
+                         client="kube-controller-manager")
+        self._wait("kube-apiserver", lambda: self._get("/readyz")[0] == 200, deadline)
+
+        self._spawn("kube-controller-manager", [
+            bins["kube-controller-manager"], f"--kubeconfig={kcm_kubeconfig}",
+            f"--authentication-kubeconfig={kcm_kubeconfig}", f"--authorization-kubeconfig={kcm_kubeconfig}",
+            "--bind-address=127.0.0.1", f"--secure-port={ports['kube-controller-manager']}",
+            f"--cert-dir={s}/kcm-certs", "--leader-elect=false", f"--controllers={KCM_CONTROLLERS}",
+            f"--service-account-private-key-file={pki}/sa.key", f"--root-ca-file={pki}/ca.crt",
+            "--use-service-account-credentials=false", "--profiling=false", "--v=1"])
+        # The serviceaccount controller creating default/default proves the controller manager works.
+        self._wait("kube-controller-manager",
+                   lambda: self._get("/api/v1/namespaces/default/serviceaccounts/default")[0] == 200, deadline)
+        _say(f"control plane ready at {self.server_url} (kubeconfig: {self.kubeconfig})")
+        return self
+
+    def stop(self, quiet: bool = False, timeout: float = 15.0) -> None:
+        """SIGTERM each component of this state dir (by PID), SIGKILL what is left after `timeout`."""
+        for name in reversed(COMPONENTS):
+            pid = self.pids().get(name)
+            if pid is None:
+                continue
+            if not quiet:
+                _say(f"stopping {name} (pid {pid})")
+            proc = self._procs.pop(name, None)
+            for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    break
+                end = time.monotonic() + wait
+                while time.monotonic() < end and _proc_cmdline(pid) is not None:
+                    if proc is not None and proc.poll() is not None:
+                        break
+                    time.sleep(0.1)
+                if _proc_cmdline(pid) is None or (proc is not None and proc.poll() is not None):
+                    break
+
+    def __enter__(self) -> "ControlPlane":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        log = self.logs / f"{name}.log"
+        _say(f"starting {name} (log: {log})")
+        with open(log, "ab") as fh:
+            fh.write(("\n==== " + time.strftime("%Y-%m-%dT%H:%M:%S ") + " ".join(argv) + "\n").encode())
+            fh.flush()
+            self._procs[name] = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT, cwd=self.state_dir,
+                start_new_session=True, preexec_fn=_set_pdeathsig if self.die_with_parent else None)
+
+    def _wait(self, name: str, check, deadline: float) -> None:
+        proc, log = self._procs[name], self.logs / f"{name}.log"
+        while True:
+            if proc.poll() is not None:
+                raise ControlPlaneError(f"{name} exited with code {proc.returncode} while starting; "
+                                        f"last lines of {log}:\n{_tail(log)}")
+            if check():
+                return
+            if time.monotonic() > deadline:
+                raise ControlPlaneError(f"{name} did not become ready in time; last lines of {log}:\n{_tail(log)}")
+            time.sleep(0.2)
+
+    # ----- talking to it ---------------------------------------------------------------------
+    def _ssl_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
+        ctx.load_cert_chain(str(self.pki / "admin.crt"), str(self.pki / "admin.key"))
+        return ctx
+
+    def _get(self, path: str) -> tuple[int | None, str]:
+        """GET `path` from kube-apiserver as admin: (status or None if unreachable, body)."""
+        try:
+            with urllib.request.urlopen(self.server_url + path, context=self._ssl_context(), timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(errors="replace")
+        except (OSError, ControlPlaneError, ssl.SSLError):
+            return None, ""
+
+    @staticmethod
+    def _http_ok(url: str) -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                return r.status == 200
+        except (OSError, ValueError):
+            return False
+
+    def kubectl(self, *args: str, check: bool = False, input: str | None = None,
+                timeout: float = 120) -> subprocess.CompletedProcess:
+        """Run kubectl against this control plane; text output. check=True raises on failure."""
+        cmd = [tool_path("kubectl"), f"--kubeconfig={self.kubeconfig}", *map(str, args)]
+        res = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout, env=self.env())
+        if check and res.returncode != 0:
+            raise ControlPlaneError(f"`kubectl {' '.join(map(str, args))}` failed ({res.returncode}):\n"
+                                    f"{res.stderr.strip() or res.stdout.strip()}")
+        return res
+
+    def install_crds(self, paths, timeout: float = 60) -> list[str]:
+        """Server-side apply each CRD file, then wait until every CRD is Established. Returns CRD names."""
+        names: list[str] = []
+        for path in paths:
+            res = self.kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=tpuft",
+                               "-f", str(path), "-o", "name", check=True)
+            names += [n for n in res.stdout.split() if n.startswith("customresourcedefinition")]
+        # Poll rather than `kubectl wait`, which errors out while .status.conditions is still unset.
+        deadline, pending = time.monotonic() + timeout, list(names)
+        while pending:
+            pending = [n for n in pending if self.kubectl(
+                "get", n, "-o", 'jsonpath={.status.conditions[?(@.type=="Established")].status}').stdout != "True"]
+            if pending and time.monotonic() > deadline:
+                raise ControlPlaneError(f"CRDs not Established after {timeout}s: {', '.join(pending)}")
+            time.sleep(0.2 if pending else 0)
+        return names
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "".join(path.read_text(errors="replace").splitlines(True)[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+# ----- `tpuft cluster ...` ----------------------------------------------------------------------
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--state-dir", type=Path, default=None,
+                        help="where `up` keeps its state (default: ${TPUFT_HOME:-~/.tpuft}/cluster)")
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    sub.add_parser("tools", help=f"build/fetch every binary ({', '.join(TOOLS)}) into the cache; prints paths")
+    up = sub.add_parser("up", help="start a persistent local control plane and install the CRDs")
+    up.add_argument("--no-crds", action="store_true", help="skip installing crds/*.yaml and the KubeRay CRDs")
+    down = sub.add_parser("down", help="stop it")
+    down.add_argument("--purge", action="store_true", help="also delete its state (etcd data, certs)")
+    sub.add_parser("status", help="is it running? (exit 0 if ready)")
+    sub.add_parser("kubeconfig", help="print the kubeconfig path")
+    sub.add_parser("env", help="print `export KUBECONFIG=...; export PATH=...` for eval")
+    path = sub.add_parser("path", help="print the path of a tool's binary (building it if needed)")
+    path.add_argument("tool", choices=TOOLS)
+    kubectl = sub.add_parser("kubectl", help="run kubectl against it: tpuft cluster kubectl -- get tft -A")
+    kubectl.add_argument("args", nargs=argparse.REMAINDER)
+
+
+def run_cluster(args: argparse.Namespace) -> int:
+    cp = ControlPlane(args.state_dir or default_state_dir())
+    try:
+        if args.action == "tools":
+            for tool, path in ensure_tools(TOOLS).items():
+                print(f"{tool:<24} {VERSIONS[tool]:<8} {path}")
+        elif args.action == "up":
+            if cp.ready():
+                _say(f"already running at {cp.server_url}")
+            else:
+                cp.start()
+            if not args.no_crds:
+                for name in cp.install_crds(default_crd_paths()):
+                    _say(f"installed {name}")
+            print(f"kubeconfig: {cp.kubeconfig}\n"
+                  f'  kubectl --kubeconfig "$(tpuft cluster kubeconfig)" get tft -A\n'
+                  f'  eval "$(tpuft cluster env)"   # KUBECONFIG and kubectl/helm on PATH\n'
+                  f"  tpuft cluster down            # stop it")
+        elif args.action == "down":
+            cp.stop()
+            if args.purge:
+                shutil.rmtree(cp.state_dir, ignore_errors=True)
+                _say(f"removed {cp.state_dir}")
+        elif args.action == "status":
+            pids = cp.pids()
+            for name in COMPONENTS:
+                print(f"{name:<24} {'pid ' + str(pids[name]) if name in pids else 'not running'}")
+            ok = cp.ready()
+            print(f"{'ready' if ok else 'NOT ready'}: {cp.server_url if cp._state() else '-'}"
+                  f" (state: {cp.state_dir})")
+            return 0 if ok else 1
+        elif args.action == "kubeconfig":
+            print(cp.kubeconfig)
+            if not cp.kubeconfig.exists():
+                _say("no kubeconfig yet: run `tpuft cluster up`")
+                return 1
+        elif args.action == "env":
+            dirs = [os.path.dirname(tool_path("kubectl"))]
+            if os.access(cached_path("helm"), os.X_OK):
+                dirs.append(str(cached_path("helm").parent))
+            print(f"export KUBECONFIG={cp.kubeconfig}\nexport PATH={os.pathsep.join(dirs)}:$PATH")
+        elif args.action == "path":
+            print(tool_path(args.tool))
+        elif args.action == "kubectl":
+            rest = args.args[1:] if args.args[:1] == ["--"] else args.args
+            return subprocess.run([tool_path("kubectl"), *rest], env=cp.env()).returncode
+        return 0
+    except (ToolchainError, ControlPlaneError) as e:
+        print(f"tpuft cluster {args.action}: {e}", file=sys.stderr)
+        return 1
+
+
+add_arguments, run = add_cluster_arguments, run_cluster

