@@ -10,7 +10,7 @@ import json
 import pytest
 import yaml
 
-from helmlib import CHART, RELEASE, RELEASE_NAMESPACE, Rendered, run_helm
+from tests.chart.helmlib import CHART, RELEASE, RELEASE_NAMESPACE, Rendered, run_helm
 
 
 @pytest.fixture(scope="session")

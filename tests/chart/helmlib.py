@@ -1,4 +1,4 @@
-"""Shared helpers for tests/chart (imported by name: tests/ has no __init__.py)."""
+"""Shared helpers for tests/chart."""
 from __future__ import annotations
 
 import subprocess

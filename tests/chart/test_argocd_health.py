@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 import yaml
 
-from helmlib import CHART, REPO
+from tests.chart.helmlib import CHART, REPO
 
 lupa = pytest.importorskip("lupa")
 

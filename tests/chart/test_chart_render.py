@@ -6,7 +6,7 @@ import re
 import pytest
 import yaml
 
-from helmlib import CHART, RELEASE, RELEASE_NAMESPACE, run_helm
+from tests.chart.helmlib import CHART, RELEASE, RELEASE_NAMESPACE, run_helm
 
 FULLNAME = f"{RELEASE}-tpufinetune-operator"
 
@@ -257,14 +257,3 @@ def test_bad_values_fail_with_a_message(helm, tmp_path, values, message):
     proc = run_helm(helm, "template", RELEASE, str(CHART), "--values", str(f), check=False)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr
-
-
-def test_notes_tell_how_to_apply_and_watch(helm, tmp_path):
-    f = tmp_path / "v.yaml"
-    f.write_text(yaml.safe_dump({"watchNamespaces": ["team-a"]}))
-    proc = run_helm(helm, "install", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE,
-                    "--dry-run=client", "--values", str(f))
-    notes = proc.stdout.split("NOTES:", 1)[1]
-    assert "kubectl get tft -n team-a -w" in notes
-    assert "kubectl apply -n team-a -f examples/" in notes
-    assert "argocd/health.lua" in notes

@@ -1,7 +1,7 @@
 """The chart ships a byte-identical copy of the repo's CRD (crds/tpufinetune.yaml is the source)."""
 from __future__ import annotations
 
-from helmlib import CHART, REPO
+from tests.chart.helmlib import CHART, REPO
 
 SOURCE = REPO / "crds" / "tpufinetune.yaml"
 COPY = CHART / "crds" / "tpufinetune.yaml"

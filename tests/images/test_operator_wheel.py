@@ -1,0 +1,99 @@
+"""The operator package installs into a clean environment the way Dockerfile.operator
+installs it: a wheel built from the Docker build context (what .dockerignore lets through),
+installed with no extras into a fresh venv. Then the operator's modules import there, and
+torch and Ray are absent.
+
+Needs the package registry (pip resolves kopf, kubernetes, pyyaml); about a minute.
+"""
+from __future__ import annotations
+
+import email.parser
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.images.dockerfile_lib import REPO, build_context
+
+BASE_DEPS = {"kopf", "kubernetes", "pyyaml"}
+FORBIDDEN = ("torch", "torch-tpu", "torch_tpu", "libtpu", "ray", "transformers", "datasets", "jax")
+
+
+def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("PYTHONPATH", None)
+    env.pop("VIRTUAL_ENV", None)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, **kw)
+
+
+def _ok(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, f"{' '.join(proc.args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def operator_venv(tmp_path_factory) -> tuple[Path, Path]:
+    tmp = tmp_path_factory.mktemp("operator-image")
+    # 1. The build context, as Docker would send it (the builder COPYs all of it).
+    ctx = tmp / "src"
+    for rel in build_context(REPO):
+        dest = ctx / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / rel, dest)
+    # 2. `pip wheel` the project only (the Dockerfile also collects dependency wheels).
+    wheels = tmp / "wheels"
+    _ok(_run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(wheels), str(ctx)]))
+    built = sorted(wheels.glob("tpufinetune_operator-*.whl"))
+    assert len(built) == 1, list(wheels.iterdir())
+    # 3. A fresh venv, no system site-packages, no extras: base dependencies only.
+    venv = tmp / "venv"
+    _ok(_run([sys.executable, "-m", "venv", str(venv)]))
+    _ok(_run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", str(built[0])]))
+    return venv, built[0]
+
+
+def test_wheel_requires_only_the_base_dependencies(operator_venv):
+    _, wheel = operator_venv
+    with zipfile.ZipFile(wheel) as z:
+        meta_name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        meta = email.parser.Parser().parsestr(z.read(meta_name).decode())
+        names = z.namelist()
+    unconditional = set()
+    for req in meta.get_all("Requires-Dist") or []:
+        if "extra ==" in req:
+            continue
+        unconditional.add(req.split(";")[0].split("[")[0].split("=")[0].split(">")[0].split("<")[0].split("~")[0].strip().lower())
+    assert unconditional == BASE_DEPS
+    assert any(n.startswith("tpuft/") for n in names)
+
+
+def test_operator_modules_import_and_heavy_ones_do_not(operator_venv):
+    venv, _ = operator_venv
+    py = str(venv / "bin" / "python")
+    _ok(_run([py, "-c", "import kopf, kubernetes, yaml, tpuft, tpuft.catalog, tpuft.constants"], cwd="/"))
+    for mod in ("torch", "ray", "transformers"):
+        proc = _run([py, "-c", f"import {mod}"], cwd="/")
+        assert proc.returncode != 0 and "ModuleNotFoundError" in proc.stderr, f"{mod} importable in the operator env"
+    # the operator package came from the wheel, not from the checkout
+    where = _ok(_run([py, "-c", "import tpuft; print(tpuft.__file__)"], cwd="/")).strip()
+    assert str(venv) in where, where
+
+
+def test_no_heavy_distributions_installed(operator_venv):
+    venv, _ = operator_venv
+    listed = _ok(_run([str(venv / "bin" / "python"), "-m", "pip", "list", "--format=freeze"]))
+    names = {line.split("==")[0].lower() for line in listed.splitlines() if "==" in line}
+    assert not names & set(FORBIDDEN), names & set(FORBIDDEN)
+    assert BASE_DEPS <= names
+
+
+def test_entrypoint_command_exists(operator_venv):
+    """The image's ENTRYPOINT starts with `kopf run`; the kopf console script must be there."""
+    venv, _ = operator_venv
+    out = _ok(_run([str(venv / "bin" / "kopf"), "run", "--help"]))
+    for flag in ("--standalone", "--liveness", "--all-namespaces", "--namespace"):
+        assert flag in out
