@@ -1,0 +1,146 @@
+"""Sharded checkpoints (torch.distributed.checkpoint) and the final Hugging Face export.
+
+A checkpoint is one directory per save: every rank writes its own DCP shard files
+(`__<rank>_0.distcp`), rank 0 adds `.metadata` and `train_state.json`. Each rank hands its
+local directory to `ray.train.report(checkpoint=...)`; Ray Train merges them into one
+directory under storage_path/run_name, so no shared filesystem is needed between hosts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+TRAIN_STATE = "train_state.json"
+EXPORT_DIR = "export"
+
+
+def _state(model, optimizer):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
+    return {"model": msd, "optim": osd}
+
+
+def save(model, optimizer, train_state: dict, directory: str, rank: int) -> None:
+    """Collective: every rank must call it with its own (local) directory."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_state(model, optimizer), checkpoint_id=directory)
+    if rank == 0:
+        with open(os.path.join(directory, TRAIN_STATE), "w") as f:
+            json.dump(train_state, f)
+
+
+def load(model, optimizer, directory: str) -> dict:
+    """Collective: restore model + optimizer shards in place; returns train_state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    path = os.path.join(directory, TRAIN_STATE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{directory} has no {TRAIN_STATE}: not a checkpoint written by tpuft_workload")
+    state = _state(model, optimizer)
+    dcp.load(state, checkpoint_id=directory)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    with open(path) as f:
+        return json.load(f)
+
+
+# ---- storage (local path or any pyarrow filesystem URI such as gs://) ----------------------
+
+def join(uri: str, *parts: str) -> str:
+    return "/".join([uri.rstrip("/"), *parts])
+
+
+def _fs(uri: str):
+    import pyarrow.fs as pafs
+
+    if "://" not in uri:
+        return pafs.LocalFileSystem(), os.path.abspath(uri)
+    return pafs.FileSystem.from_uri(uri)
+
+
+def filesystem(uri: str):
+    return _fs(uri)[0]
+
+
+def upload_dir(local_dir: str, uri: str) -> None:
+    import pyarrow.fs as pafs
+
+    fs, path = _fs(uri)
+    fs.create_dir(path, recursive=True)
+    pafs.copy_files(local_dir, path, destination_filesystem=fs)
+
+
+def download_dir(uri: str, local_dir: str) -> None:
+    import pyarrow.fs as pafs
+
+    fs, path = _fs(uri)
+    Path(local_dir).mkdir(parents=True, exist_ok=True)
+    pafs.copy_files(path, local_dir, source_filesystem=fs)
+
+
+def export_hf(model, tokenizer, dest_uri: str, rank: int, dtype=None) -> str | None:
+    """Collective: gather the full weights to rank 0's CPU and save a from_pretrained() folder.
+
+    Rank 0 rebuilds the architecture on the meta device (no second copy of random weights),
+    assigns the gathered tensors, and writes safetensors + config + tokenizer to dest_uri.
+    Returns dest_uri on rank 0, None elsewhere.
+    """
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank != 0:
+        return None
+    config = model.config
+    with torch.device("meta"):
+        fresh = AutoModelForCausalLM.from_config(config)
+    if dtype is not None:
+        full = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in full.items()}
+    missing, unexpected = fresh.load_state_dict(full, strict=False, assign=True)
+    fresh.tie_weights()
+    still_meta = [n for n, p in fresh.named_parameters() if p.is_meta]
+    if still_meta or unexpected:
+        raise RuntimeError(f"export: weights do not match {type(fresh).__name__}: "
+                           f"missing {still_meta[:5]}, unexpected {list(unexpected)[:5]}")
+    with tempfile.TemporaryDirectory() as tmp:
+        fresh.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        upload_dir(tmp, dest_uri)
+    return dest_uri
+
+
+# ---- commit markers and fallback discovery -------------------------------------------------
+# Ray Train registers a reported checkpoint only when its controller next polls the workers;
+# a worker that dies in between leaves a complete checkpoint on storage that
+# ray.train.get_checkpoint() does not know about. After every rank's upload returned, rank 0
+# writes COMMITTED into it; on restart we fall back to the newest committed checkpoint.
+COMMITTED = "COMMITTED"
+
+
+def mark_committed(checkpoint_uri: str) -> None:
+    fs, path = _fs(checkpoint_uri)
+    with fs.open_output_stream(f"{path}/{COMMITTED}") as f:
+        f.write(b"ok\n")
+
+
+def find_latest_committed(run_uri: str, prefix: str = "checkpoint_step_") -> str | None:
+    """Newest checkpoint directory under run_uri with a COMMITTED marker (by step in its name)."""
+    import pyarrow.fs as pafs
+
+    fs, path = _fs(run_uri)
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    except (FileNotFoundError, OSError):
+        return None
+    names = sorted((i.base_name for i in infos
+                    if i.type == pafs.FileType.Directory and i.base_name.startswith(prefix)), reverse=True)
+    for name in names:
+        marker = fs.get_file_info(f"{path}/{name}/{COMMITTED}")
+        if marker.type == pafs.FileType.File:
+            return join(run_uri, name)
+    return None

@@ -1,0 +1,111 @@
+"""Load a causal LM + tokenizer (built-in, hub, local or gs://) and shard it with FSDP2.
+
+Weights load on the CPU in fp32 (the optimizer's master copy); FSDP2 moves each decoder
+layer to the device as it shards it, so the full model never sits on one device. On
+accelerators compute runs in bf16 with fp32 gradient reduction (MixedPrecisionPolicy).
+The HF token, when needed, is read by huggingface_hub from HF_TOKEN; we never touch or log it.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+from tpuft_workload.platform import Platform, train_dtypes
+from tpuft_workload.tiny import BUILTIN_MODEL
+
+log = logging.getLogger(__name__)
+
+# Gemma 3n / Gemma 4 per-layer embeddings: a huge frozen-able lookup table. Like the seed, we
+# freeze it and keep it out of FSDP (sharding a gather-only table costs more than it saves).
+FROZEN_REPLICATED = ("embed_tokens_per_layer",)
+
+
+def _local_copy(uri: str) -> str:
+    """gs://... -> a local directory (downloaded once per host, under a file lock)."""
+    if "://" not in uri:
+        return uri
+    from tpuft_workload.checkpoint import download_dir
+
+    root = Path(os.environ.get("TPUFT_CACHE", "/tmp/tpuft-cache")) / hashlib.sha256(uri.encode()).hexdigest()[:16]
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{root}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / ".complete").exists():
+            download_dir(uri, str(root))
+            (root / ".complete").touch()
+    return str(root)
+
+
+def load_tokenizer(model_ref: str):
+    if model_ref == BUILTIN_MODEL:
+        from tpuft_workload.tiny import build_tokenizer
+
+        return build_tokenizer()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(_local_copy(model_ref))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token  # pads are label-masked and sit only at the end of rows
+    return tok
+
+
+def load_model(model_ref: str, tokenizer, platform: Platform, seed: int):
+    import torch
+
+    if model_ref == BUILTIN_MODEL:
+        from tpuft_workload.tiny import build_model
+
+        return build_model(len(tokenizer), seed=seed)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = _local_copy(model_ref)
+    config = AutoConfig.from_pretrained(path)
+    kwargs = {}
+    # Multimodal checkpoints (Gemma 4): drop the vision/audio towers, as the seed does.
+    for tower in ("vision_config", "audio_config"):
+        if getattr(config, tower, None) is not None:
+            kwargs[tower] = None
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32,
+        attn_implementation="eager" if platform.is_tpu else "sdpa", **kwargs)
+    model.config.get_text_config().use_cache = False
+    return model
+
+
+def _decoder_layers(model) -> list:
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:  # fall back to the usual HF layout: model.layers / language_model.layers
+        for m in model.modules():
+            if type(m).__name__.endswith("DecoderLayer"):
+                layers.append(m)
+    return layers
+
+
+def shard(model, mesh, platform: Platform, device):
+    """fully_shard every decoder layer, then the root. Returns the trainable parameters."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dtypes = train_dtypes(platform)
+    mp = MixedPrecisionPolicy(param_dtype=dtypes[0], reduce_dtype=dtypes[1]) if dtypes else MixedPrecisionPolicy()
+    ignored = set()
+    for name, p in model.named_parameters():
+        if any(k in name for k in FROZEN_REPLICATED):
+            p.requires_grad_(False)
+            if dtypes:
+                p.data = p.data.to(dtypes[0])  # frozen: no fp32 master copy needed
+            ignored.add(p)
+    layers = _decoder_layers(model)
+    if not layers:
+        raise RuntimeError(f"found no decoder layers in {type(model).__name__} to shard "
+                           "(looked for _no_split_modules and *DecoderLayer)")
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored or None)
+    model.to(device)  # moves what FSDP does not own (ignored params, buffers)
+    log.info("FSDP2: sharded %d %s layers + root over %d devices", len(layers),
+             type(layers[0]).__name__, mesh.size())
+    return [p for p in model.parameters() if p.requires_grad]
