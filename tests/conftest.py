@@ -10,13 +10,14 @@ Fixtures:
   kube_api       session  kubernetes.client.ApiClient configured from it
   kubectl        session  kubectl(*args, check=False, input=None, timeout=120) -> CompletedProcess (text)
   namespace      function str: a fresh namespace (its `default` ServiceAccount exists); deleted after
-  shared_dir     session  Path of ../shared beside the repository
+  shared_dir     session  Path of ../shared beside the repository (TPUFT_SHARED overrides)
 
 A missing toolchain or a failed build fails the session loudly; nothing is skipped.
 Tests under tests/integration/ get the `integration` marker (`pytest -m "not integration"`).
 """
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import time
@@ -26,7 +27,8 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_DIR = REPO_ROOT.parent / "shared"
+# ../shared beside the repository; TPUFT_SHARED points elsewhere (e.g. for a clone in /tmp).
+SHARED_DIR = Path(os.environ.get("TPUFT_SHARED") or REPO_ROOT.parent / "shared")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -37,7 +39,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def shared_dir() -> Path:
-    assert SHARED_DIR.is_dir(), f"{SHARED_DIR} is missing: the tests expect the shared/ folder beside the repository"
+    assert SHARED_DIR.is_dir(), (f"{SHARED_DIR} is missing: the tests expect the shared/ folder beside the "
+                                 "repository (or TPUFT_SHARED pointing at it)")
     return SHARED_DIR
 
 
