@@ -4,8 +4,9 @@ watched namespace's Role. No wildcards, no Secrets (tests/chart/test_rbac.py ass
 exact set).
 */}}
 {{- define "tpuft.rbac.applicationRules" -}}
-# The TPUFinetune objects it reconciles. kopf patches its own annotations on the object
-# (last-handled-configuration, progress) -> patch; never create/update/delete.
+# The TPUFinetune objects it reconciles. `patch` is for kopf's bookkeeping (annotations,
+# finalizers), which kopf writes only for change handlers; tpuft.handlers has none today.
+# Never create/update/delete: spec belongs to the user (or Git).
 - apiGroups: ["tpufinetune.dev"]
   resources: ["tpufinetunes"]
   verbs: ["get", "list", "watch", "patch"]
