@@ -1,0 +1,297 @@
+"""kopf wiring: one level-based reconcile per TPUFinetune, driven by watch events and a resync.
+
+    kopf run --standalone -m tpuft.handlers --all-namespaces | --namespace=NS
+
+Nothing is ever written onto the TPUFinetune's metadata: there are no kopf change handlers,
+timers or daemons (those need kopf's annotations or a finalizer, which GitOps tools see as
+drift and which block deletion when the operator is gone). Instead:
+
+  * `kopf.index` keeps the owned RayClusters / RayJobs (label tpufinetune.dev/name) and the
+    TPUFinetune keys in memory; `kopf.on.event` on all three kinds queues the owner's key.
+  * A small controller (started in `on.startup`) runs a work queue: at most one reconcile per
+    key at a time, a resync of every key every TPUFT_RESYNC_SECONDS (default 5) or sooner when
+    the decision asks (a deadline), exponential backoff (1 s .. 60 s) after API errors.
+  * reconcile: GET the TPUFinetune (fresh status), observe children (index; an expected child
+    missing from the index is confirmed with a GET), phases.decide, perform the actions
+    idempotently (create -> 409 -> adopt if ours), write status ONCE via the status subresource
+    when it changed (operator keys only), post Events.
+
+Environment: TPUFT_RESYNC_SECONDS, TPUFT_WORKERS (4), TPUFT_VERIFY_GRACE_SECONDS (60),
+TPUFT_METRICS_PORT (9090; 0 disables), TPUFT_LOG_LEVEL.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import logging
+import os
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+import kopf
+
+from tpuft import constants as c
+from tpuft import metrics, phases
+from tpuft.kube import Kube, KubeError, Rejected, new_api_client
+from tpuft.phases import AdmissionError, ClusterObs, JobObs, Observed
+
+log = logging.getLogger("tpuft.operator")
+Key = tuple[str, str]
+
+BACKOFF_MIN, BACKOFF_MAX = 1.0, 60.0
+
+
+def _tunables() -> phases.Tunables:
+    grace = os.environ.get("TPUFT_VERIFY_GRACE_SECONDS")
+    return phases.Tunables(verify_grace_seconds=float(grace)) if grace else phases.Tunables()
+
+
+# --- indexes and event handlers ----------------------------------------------------------------------
+@kopf.index(c.GROUP, c.VERSION, c.PLURAL)
+def tpufinetunes(namespace: str, name: str, **_: Any) -> dict:
+    return {(namespace, name): True}
+
+
+def _child(name: str, spec: Any, status: Any, meta: Any) -> dict:
+    return {"name": name, "status": copy.deepcopy(dict(status or {})), "suspend": bool((spec or {}).get("suspend")),
+            "deleting": bool(meta.get("deletionTimestamp"))}
+
+
+@kopf.index(c.RAY_GROUP, c.RAY_VERSION, c.RAYCLUSTER_PLURAL, labels={c.LABEL_NAME: kopf.PRESENT})
+def rayclusters_by_owner(namespace: str, name: str, labels: Any, spec: Any, status: Any, meta: Any, **_: Any) -> dict:
+    return {(namespace, labels[c.LABEL_NAME]): _child(name, spec, status, meta)}
+
+
+@kopf.index(c.RAY_GROUP, c.RAY_VERSION, c.RAYJOB_PLURAL, labels={c.LABEL_NAME: kopf.PRESENT})
+def rayjobs_by_owner(namespace: str, name: str, labels: Any, spec: Any, status: Any, meta: Any, **_: Any) -> dict:
+    return {(namespace, labels[c.LABEL_NAME]): _child(name, spec, status, meta)}
+
+
+@kopf.on.event(c.GROUP, c.VERSION, c.PLURAL)
+async def tpufinetune_event(type: str | None, namespace: str, name: str, **_: Any) -> None:
+    if _controller is not None:
+        if type == "DELETED":
+            metrics.set_phase((namespace, name), None)
+        _controller.kick((namespace, name))
+
+
+@kopf.on.event(c.RAY_GROUP, c.RAY_VERSION, c.RAYCLUSTER_PLURAL, labels={c.LABEL_NAME: kopf.PRESENT})
+async def raycluster_event(namespace: str, labels: Any, **_: Any) -> None:
+    if _controller is not None:
+        _controller.kick((namespace, labels[c.LABEL_NAME]))
+
+
+@kopf.on.event(c.RAY_GROUP, c.RAY_VERSION, c.RAYJOB_PLURAL, labels={c.LABEL_NAME: kopf.PRESENT})
+async def rayjob_event(namespace: str, labels: Any, **_: Any) -> None:
+    if _controller is not None:
+        _controller.kick((namespace, labels[c.LABEL_NAME]))
+
+
+# --- lifecycle ------------------------------------------------------------------------------------
+_controller: Controller | None = None
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
+    global _controller
+    level = os.environ.get("TPUFT_LOG_LEVEL", "").upper()
+    if level:
+        logging.getLogger("tpuft").setLevel(level)
+    settings.posting.level = logging.WARNING      # kopf's own k8s Events: only problems
+    settings.watching.server_timeout = 300        # re-list at least every 5 minutes
+    metrics.serve()
+    _controller = Controller(Kube(new_api_client()), kwargs["tpufinetunes"], kwargs["rayclusters_by_owner"],
+                             kwargs["rayjobs_by_owner"], _tunables())
+    _controller.start()
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """In-cluster ServiceAccount, else KUBECONFIG as set now (kopf's client-library login reads the
+    kubernetes client's default path, which is fixed at import time)."""
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
+@kopf.on.cleanup()
+async def cleanup(**_: Any) -> None:
+    global _controller
+    if _controller is not None:
+        await _controller.stop()
+        _controller = None
+
+
+@kopf.on.probe(id="reconciler")
+def probe(**_: Any) -> dict:
+    ctl = _controller
+    return {"queued": len(ctl.queued), "busy": len(ctl.busy)} if ctl else {"queued": 0, "busy": 0}
+
+
+# --- the controller ---------------------------------------------------------------------------------
+class Controller:
+    def __init__(self, kube: Kube, keys: Any, clusters: Any, jobs: Any, tun: phases.Tunables):
+        self.kube, self.keys, self.clusters, self.jobs, self.tun = kube, keys, clusters, jobs, tun
+        self.queue: asyncio.Queue[Key] = asyncio.Queue()
+        self.queued: set[Key] = set()
+        self.busy: set[Key] = set()
+        self.dirty: set[Key] = set()
+        self.due: dict[Key, float] = {}
+        self.failures: dict[Key, int] = {}
+        self.last_error: dict[Key, str] = {}
+        self.tasks: list[asyncio.Task] = []
+        self.resync = float(os.environ.get("TPUFT_RESYNC_SECONDS", "5"))   # read at startup: tests set it
+        self.workers = int(os.environ.get("TPUFT_WORKERS", "4"))
+
+    def start(self) -> None:
+        self.tasks = [asyncio.create_task(self._ticker(), name="tpuft-resync")]
+        self.tasks += [asyncio.create_task(self._worker(), name=f"tpuft-worker-{i}") for i in range(self.workers)]
+
+    async def stop(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    def kick(self, key: Key) -> None:
+        if key in self.busy:
+            self.dirty.add(key)
+        elif key not in self.queued:
+            self.queued.add(key)
+            self.queue.put_nowait(key)
+
+    async def _ticker(self) -> None:
+        tick = min(0.5, self.resync)
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            for key in list(self.keys.keys()):
+                if self.due.get(key, 0.0) <= now:
+                    self.kick(key)
+
+    async def _worker(self) -> None:
+        while True:
+            key = await self.queue.get()
+            self.queued.discard(key)
+            self.busy.add(key)
+            try:
+                delay = await self._reconcile(key)
+            finally:
+                self.busy.discard(key)
+            self.due[key] = time.monotonic() + delay
+            if key in self.dirty:
+                self.dirty.discard(key)
+                self.kick(key)
+
+    def _snapshot(self, key: Key) -> tuple[list[dict], list[dict]]:
+        clusters = [copy.deepcopy(x) for x in self.clusters.get(key, [])]
+        jobs = [copy.deepcopy(x) for x in self.jobs.get(key, [])]
+        return clusters, jobs
+
+    async def _reconcile(self, key: Key) -> float:
+        started = time.perf_counter()
+        try:
+            requeue = await asyncio.to_thread(self.reconcile, key, *self._snapshot(key))
+            self.failures.pop(key, None)
+            metrics.RECONCILES.labels(result="ok").inc()
+            return min(requeue if requeue is not None else self.resync, self.resync)
+        except KubeError as e:
+            n = self.failures[key] = self.failures.get(key, 0) + 1
+            delay = min(BACKOFF_MIN * 2 ** (n - 1), BACKOFF_MAX)
+            log.warning("reconcile tft=%s/%s failed attempt=%d retry_in=%.0fs error=%s", *key, n, delay, e)
+            metrics.RECONCILES.labels(result="retry").inc()
+            return delay
+        except Exception:  # a bug: log it loudly, keep the operator alive, back off
+            n = self.failures[key] = self.failures.get(key, 0) + 1
+            log.exception("reconcile tft=%s/%s crashed attempt=%d", *key, n)
+            metrics.RECONCILES.labels(result="error").inc()
+            return min(BACKOFF_MIN * 2 ** (n - 1), BACKOFF_MAX)
+        finally:
+            metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
+
+    # Everything below runs in a worker thread: plain blocking API calls.
+    def observe(self, obj: dict, clusters: list[dict], jobs: list[dict]) -> Observed:
+        ns = obj["metadata"]["namespace"]
+        children = (obj.get("status") or {}).get("children") or {}
+        live = {x["name"]: x for x in clusters if not x["deleting"]}
+        cluster = None
+        want = children.get("rayCluster")
+        if want:
+            entry = live.get(want) or self._confirm(c.RAYCLUSTER_KIND, ns, want)
+            if entry is not None:
+                cluster = ClusterObs(want, entry["status"], entry["suspend"])
+        found = {x["name"]: JobObs(x["name"], x["status"]) for x in jobs if not x["deleting"]}
+        for want in (children.get("verifyJob"), children.get("trainJob")):
+            if want and want not in found:
+                entry = self._confirm(c.RAYJOB_KIND, ns, want)
+                if entry is not None:
+                    found[want] = JobObs(want, entry["status"])
+        return Observed(cluster=cluster, jobs=found)
+
+    def _confirm(self, kind: str, ns: str, name: str) -> dict | None:
+        """The index has not seen it (yet): ask the API server before believing it is gone."""
+        obj = self.kube.get(kind, ns, name)
+        if obj is None or (obj.get("metadata") or {}).get("deletionTimestamp"):
+            return None
+        return _child(name, obj.get("spec"), obj.get("status"), obj.get("metadata") or {})
+
+    def reconcile(self, key: Key, clusters: list[dict], jobs: list[dict]) -> float | None:
+        ns, name = key
+        obj = self.kube.get(c.KIND, ns, name)
+        if obj is None or obj["metadata"].get("deletionTimestamp"):
+            metrics.set_phase(key, None)   # children go with it: ownerReferences + garbage collector
+            self.due.pop(key, None)
+            return None
+        observed = self.observe(obj, clusters, jobs)
+        now = datetime.now(timezone.utc)
+        decision = phases.decide(obj, observed, now, self.tun)
+        uid = obj["metadata"].get("uid", "")
+        done = []
+        for action in decision.actions:
+            try:
+                result = self.kube.perform(ns, uid, action)
+            except Rejected as r:
+                log.warning("tft=%s/%s %s %s rejected: %s", ns, name, action.kind, action.name, r.api_message)
+                rejected = dataclasses.replace(observed, admission_error=AdmissionError(r.kind, r.name, r.api_message))
+                decision = phases.decide(obj, rejected, now, self.tun)
+                break
+            except KubeError as e:
+                self._note_error(key, obj, str(e), now)
+                raise
+            metrics.ACTIONS.labels(op=action.op, kind=action.kind).inc()
+            done.append(f"{action.op}:{action.kind}/{action.name}={result}")
+        self.last_error.pop(key, None)
+        prev = phases.owned(obj.get("status"))
+        if decision.patch:
+            if not self.kube.patch_status(ns, name, decision.patch):
+                return None
+            metrics.STATUS_WRITES.inc()
+        for event in decision.events:
+            self.kube.post_event(obj, event)
+        self._phase_metrics(key, prev, decision.status, now)
+        if decision.patch or done:
+            log.info("reconciled tft=%s/%s phase=%s->%s reason=%s actions=[%s] wrote=%s", ns, name,
+                     prev.get("phase") or "-", decision.phase, decision.status.get("reason"), ", ".join(done),
+                     sorted(decision.patch or {}))
+        return decision.requeue_after
+
+    def _note_error(self, key: Key, obj: dict, error: str, now: datetime) -> None:
+        patch = phases.note_error(obj, error, now)
+        if patch:
+            try:
+                self.kube.patch_status(key[0], key[1], patch)
+            except KubeError as e:
+                log.warning("tft=%s/%s could not record error in status: %s", *key, e)
+        if self.last_error.get(key) != error:
+            self.last_error[key] = error
+            self.kube.post_event(obj, phases.Event(c.EventType.WARNING.value, c.Reason.RECONCILE_ERROR.value, error))
+
+    @staticmethod
+    def _phase_metrics(key: Key, prev: dict, status: dict, now: datetime) -> None:
+        before, after = prev.get("phase"), status.get("phase")
+        if before != after:
+            since = phases.parse_time(prev.get("phaseTransitionTime"))
+            if before and since:
+                metrics.PHASE_SECONDS.labels(phase=before).observe(max((now - since).total_seconds(), 0))
+            if after == c.Phase.FAILED.value:
+                metrics.FAILURES.labels(reason=status.get("reason") or "Unknown").inc()
+        metrics.set_phase(key, after)

@@ -1,0 +1,201 @@
+"""Kubernetes API I/O for the reconciler (synchronous kubernetes client; handlers.py runs it in
+a worker thread). Every error names the verb, kind and namespace/name it was about.
+
+Verbs used (and nothing else; see charts/.../_rbac-rules.tpl): tpufinetunes get + status patch;
+rayclusters/rayjobs get, create, patch, delete; serviceaccounts, roles, rolebindings get,
+create; events create. The operator never reads Secrets.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Mapping
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from tpuft import constants as c
+from tpuft.phases import Action, Event, Op
+
+log = logging.getLogger("tpuft.kube")
+MERGE_PATCH = "application/merge-patch+json"
+RBAC_GROUP, RBAC_VERSION = "rbac.authorization.k8s.io", "v1"
+REJECTED_STATUSES = {400, 403, 422}  # the API server or an admission webhook said no: retrying will not help
+REQUEST_TIMEOUT = float(os.environ.get("TPUFT_API_TIMEOUT_SECONDS", "30"))
+
+# kind -> (group, version, plural) for the objects reached through CustomObjectsApi
+CUSTOM = {
+    c.KIND: (c.GROUP, c.VERSION, c.PLURAL),
+    c.RAYCLUSTER_KIND: (c.RAY_GROUP, c.RAY_VERSION, c.RAYCLUSTER_PLURAL),
+    c.RAYJOB_KIND: (c.RAY_GROUP, c.RAY_VERSION, c.RAYJOB_PLURAL),
+    "Role": (RBAC_GROUP, RBAC_VERSION, "roles"),
+    "RoleBinding": (RBAC_GROUP, RBAC_VERSION, "rolebindings"),
+}
+
+
+class KubeError(Exception):
+    """An API call failed; retry later. `message` names verb, kind and namespace/name."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+class Rejected(KubeError):
+    """A create was refused at admission (validation, webhook, policy): a permanent answer."""
+
+    def __init__(self, kind: str, name: str, message: str, status: int | None = None):
+        super().__init__(message, status)
+        self.kind, self.name, self.api_message = kind, name, message
+
+
+def api_message(e: ApiException) -> str:
+    try:
+        return json.loads(e.body or "{}").get("message") or e.reason or str(e.status)
+    except (ValueError, AttributeError):
+        return str(e.body or e.reason or e.status)
+
+
+def _wrap(verb: str, kind: str, ns: str, name: str, e: Exception) -> KubeError:
+    if isinstance(e, ApiException):
+        return KubeError(f"{verb} {kind} {ns}/{name}: HTTP {e.status}: {api_message(e)}", e.status)
+    return KubeError(f"{verb} {kind} {ns}/{name}: {type(e).__name__}: {e}")
+
+
+def new_api_client() -> client.ApiClient:
+    """In-cluster config when running in a pod, else the kubeconfig (KUBECONFIG)."""
+    try:
+        config.load_incluster_config()
+        return client.ApiClient()
+    except config.ConfigException:
+        # KUBECONFIG read now, not at import (the client's default is fixed when it is imported).
+        return config.new_client_from_config(config_file=os.environ.get("KUBECONFIG") or None)
+
+
+@dataclass
+class Kube:
+    api: client.ApiClient
+
+    def __post_init__(self) -> None:
+        self.custom = client.CustomObjectsApi(self.api)
+        self.core = client.CoreV1Api(self.api)
+
+    # --- reads -----------------------------------------------------------------------------------
+    def get(self, kind: str, ns: str, name: str) -> dict | None:
+        """The object as a dict (camelCase), or None when it does not exist."""
+        try:
+            if kind == "ServiceAccount":
+                sa = self.core.read_namespaced_service_account(name, ns, _request_timeout=REQUEST_TIMEOUT)
+                return self.api.sanitize_for_serialization(sa)
+            g, v, p = CUSTOM[kind]
+            return self.custom.get_namespaced_custom_object(g, v, ns, p, name, _request_timeout=REQUEST_TIMEOUT)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise _wrap("get", kind, ns, name, e) from e
+        except Exception as e:  # connection errors, timeouts
+            raise _wrap("get", kind, ns, name, e) from e
+
+    # --- writes ----------------------------------------------------------------------------------
+    def create(self, kind: str, ns: str, body: Mapping[str, Any], owner_uid: str) -> str:
+        """Create, or adopt an existing object of ours with that name. Returns 'created'/'adopted'."""
+        name = body["metadata"]["name"]
+        try:
+            if kind == "ServiceAccount":
+                self.core.create_namespaced_service_account(ns, dict(body), _request_timeout=REQUEST_TIMEOUT)
+            else:
+                g, v, p = CUSTOM[kind]
+                self.custom.create_namespaced_custom_object(g, v, ns, p, dict(body), _request_timeout=REQUEST_TIMEOUT)
+            return "created"
+        except ApiException as e:
+            if e.status == 409:
+                return self._adopt(kind, ns, name, owner_uid)
+            if e.status in REJECTED_STATUSES:
+                raise Rejected(kind, name, api_message(e), e.status) from e
+            raise _wrap("create", kind, ns, name, e) from e
+        except Exception as e:
+            raise _wrap("create", kind, ns, name, e) from e
+
+    def _adopt(self, kind: str, ns: str, name: str, owner_uid: str) -> str:
+        existing = self.get(kind, ns, name)
+        if existing is None:
+            raise KubeError(f"create {kind} {ns}/{name}: AlreadyExists, then gone; will retry")
+        meta = existing.get("metadata") or {}
+        if meta.get("deletionTimestamp"):
+            raise KubeError(f"create {kind} {ns}/{name}: an older object of that name is still being deleted; "
+                            "will retry")
+        owners = [r.get("uid") for r in meta.get("ownerReferences") or []]
+        if owner_uid and owner_uid not in owners:
+            raise KubeError(f"create {kind} {ns}/{name}: an object of that name exists and is not owned by this "
+                            f"TPUFinetune (owners: {owners or 'none'}); delete or rename it")
+        return "adopted"
+
+    def patch_suspend(self, kind: str, ns: str, name: str, suspend: bool) -> None:
+        g, v, p = CUSTOM[kind]
+        try:
+            self.custom.patch_namespaced_custom_object(g, v, ns, p, name, {"spec": {"suspend": suspend}},
+                                                       _content_type=MERGE_PATCH, _request_timeout=REQUEST_TIMEOUT)
+        except ApiException as e:
+            if e.status != 404:
+                raise _wrap("patch", kind, ns, name, e) from e
+        except Exception as e:
+            raise _wrap("patch", kind, ns, name, e) from e
+
+    def delete(self, kind: str, ns: str, name: str) -> None:
+        g, v, p = CUSTOM[kind]
+        try:
+            self.custom.delete_namespaced_custom_object(g, v, ns, p, name, propagation_policy="Background",
+                                                        _request_timeout=REQUEST_TIMEOUT)
+        except ApiException as e:
+            if e.status != 404:
+                raise _wrap("delete", kind, ns, name, e) from e
+        except Exception as e:
+            raise _wrap("delete", kind, ns, name, e) from e
+
+    def perform(self, ns: str, owner_uid: str, action: Action) -> str:
+        if action.op == Op.CREATE:
+            return self.create(action.kind, ns, action.body or {}, owner_uid)
+        if action.op in (Op.SUSPEND, Op.RESUME):
+            self.patch_suspend(action.kind, ns, action.name, action.op == Op.SUSPEND)
+            return action.op
+        if action.op == Op.DELETE:
+            self.delete(action.kind, ns, action.name)
+            return "deleted"
+        raise ValueError(f"unknown action {action}")
+
+    def patch_status(self, ns: str, name: str, patch: Mapping[str, Any]) -> bool:
+        """Merge-patch the status subresource with the operator's keys only. False if the object is gone."""
+        try:
+            self.custom.patch_namespaced_custom_object_status(
+                c.GROUP, c.VERSION, ns, c.PLURAL, name, {"status": dict(patch)},
+                _content_type=MERGE_PATCH, _request_timeout=REQUEST_TIMEOUT)
+            return True
+        except ApiException as e:
+            if e.status == 404:
+                return False
+            raise _wrap("patch status of", c.KIND, ns, name, e) from e
+        except Exception as e:
+            raise _wrap("patch status of", c.KIND, ns, name, e) from e
+
+    def post_event(self, obj: Mapping[str, Any], event: Event) -> None:
+        """A core/v1 Event about the TPUFinetune (`kubectl describe tft` / `kubectl get events`). Best effort."""
+        meta = obj.get("metadata") or {}
+        ns, name = meta.get("namespace"), meta.get("name")
+        now = datetime.now(timezone.utc)
+        body = {
+            "metadata": {"name": f"{name}.{uuid.uuid4().hex[:16]}", "namespace": ns},
+            "involvedObject": {"apiVersion": c.API_VERSION, "kind": c.KIND, "name": name, "namespace": ns,
+                               "uid": meta.get("uid"), "resourceVersion": meta.get("resourceVersion")},
+            "reason": event.reason, "message": event.message[:1024], "type": event.type,
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+            "source": {"component": c.MANAGED_BY}, "reportingComponent": c.MANAGED_BY,
+            "reportingInstance": os.environ.get("HOSTNAME", c.MANAGED_BY),
+        }
+        try:
+            self.core.create_namespaced_event(ns, body, _request_timeout=REQUEST_TIMEOUT)
+        except Exception as e:  # events are best effort: never fail a reconcile over one
+            log.warning("post event %s on %s %s/%s failed: %s", event.reason, c.KIND, ns, name, e)

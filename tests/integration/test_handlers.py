@@ -1,0 +1,395 @@
+"""The operator (kopf, in-process, --standalone --namespace=NS) against the real local control
+plane, with tests/kuberay_standin.py playing KubeRay's part by writing RayCluster/RayJob status
+the way KubeRay v1.7.0 does."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+
+import pytest
+import yaml
+from kopf.testing import KopfRunner
+from kubernetes import client
+
+from tests.kuberay_standin import KubeRay
+
+NAME = "ft"
+RESYNC = "1"
+VERIFY_GRACE = "1"
+MARGIN = 4.0  # seconds the operator may take beyond a deadline (resync 1 s, watch latency, 2 cores)
+
+
+def wait_until(check, timeout=30.0, what="condition", interval=0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(interval)
+
+
+@pytest.fixture
+def operator(kubeconfig, namespace, monkeypatch):
+    """start() -> context manager running the operator for this namespace."""
+    monkeypatch.setenv("KUBECONFIG", kubeconfig)
+    monkeypatch.setenv("TPUFT_RESYNC_SECONDS", RESYNC)
+    monkeypatch.setenv("TPUFT_VERIFY_GRACE_SECONDS", VERIFY_GRACE)
+    monkeypatch.setenv("TPUFT_METRICS_PORT", "0")
+
+    @contextlib.contextmanager
+    def start():
+        args = ["run", "--standalone", f"--namespace={namespace}", "-m", "tpuft.handlers"]
+        with KopfRunner(args, timeout=60) as runner:
+            yield runner
+        assert runner.exit_code == 0, runner.output
+        assert runner.exception is None, runner.output
+
+    return start
+
+
+@pytest.fixture
+def kuberay(kube_api, namespace) -> KubeRay:
+    return KubeRay(kube_api, namespace)
+
+
+@pytest.fixture
+def tft(kube_api, namespace, kubectl):
+    api = client.CustomObjectsApi(kube_api)
+
+    class TFT:
+        def body(self, **spec) -> dict:
+            return {
+                "apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFinetune",
+                "metadata": {"name": NAME, "namespace": namespace},
+                "spec": {"accelerator": "v6e", "topology": "4x4", "image": "img:1", "model": "m",
+                         "dataset": {"name": "d"}, "checkpoint": {"storagePath": "gs://bucket/ck"}, **spec},
+            }
+
+        def apply(self, **spec):
+            kubectl("apply", "-f", "-", input=yaml.safe_dump(self.body(**spec)), check=True)
+
+        def get(self) -> dict:
+            return api.get_namespaced_custom_object("tpufinetune.dev", "v1alpha1", namespace, "tpufinetunes", NAME)
+
+        def status(self) -> dict:
+            return self.get().get("status") or {}
+
+        def patch(self, spec: dict) -> None:
+            api.patch_namespaced_custom_object("tpufinetune.dev", "v1alpha1", namespace, "tpufinetunes", NAME,
+                                               {"spec": spec})
+
+        def wait(self, phase: str, timeout: float = 30.0) -> dict:
+            def check():
+                st = self.status()
+                return st if st.get("phase") == phase else None
+            try:
+                return wait_until(check, timeout, f"phase {phase}")
+            except AssertionError:
+                raise AssertionError(f"phase {phase} not reached; status: {json.dumps(self.status(), indent=1)}")
+
+        def children(self, plural: str) -> list[str]:
+            items = api.list_namespaced_custom_object("ray.io", "v1", namespace, plural,
+                                                      label_selector=f"tpufinetune.dev/name={NAME}")["items"]
+            return sorted(i["metadata"]["name"] for i in items)
+
+        def events(self) -> list[dict]:
+            out = kubectl("get", "events", "-n", namespace, "-o", "json",
+                          f"--field-selector=involvedObject.name={NAME},involvedObject.kind=TPUFinetune", check=True)
+            return json.loads(out.stdout)["items"]
+
+    return TFT()
+
+
+def cond(status: dict, ctype: str) -> dict:
+    return next(x for x in status["conditions"] if x["type"] == ctype)
+
+
+# --- the whole run ---------------------------------------------------------------------------------
+def test_full_lifecycle_to_succeeded(operator, tft, kuberay, kubectl, namespace):
+    with operator():
+        tft.apply(ttlSecondsAfterFinished=2)
+        st = tft.wait("Provisioning")
+        uid = tft.get()["metadata"]["uid"]
+        assert st["children"] == {"rayCluster": f"{NAME}-ray", "serviceAccount": f"{NAME}-workload"}
+        assert st["slice"]["hosts"] == 4 and st["slice"]["devices"] == 16
+        assert st["observedGeneration"] == st["appliedGeneration"] == 1
+        # Children are owned by the CR (controller ownerReference) and labelled with its name.
+        for kind in ("raycluster", "serviceaccount", "role", "rolebinding"):
+            obj = json.loads(kubectl("get", kind, f"{NAME}-ray" if kind == "raycluster" else f"{NAME}-workload",
+                                     "-n", namespace, "-o", "json", check=True).stdout)
+            assert [(r["uid"], r["controller"]) for r in obj["metadata"]["ownerReferences"]] == [(uid, True)], kind
+        # The workload identity may patch only this CR's status.
+        who = f"--as=system:serviceaccount:{namespace}:{NAME}-workload"
+        can = lambda *a: kubectl("auth", "can-i", *a, "-n", namespace, who).stdout.strip()  # noqa: E731
+        assert can("patch", f"tpufinetunes.tpufinetune.dev/{NAME}", "--subresource=status") == "yes"
+        assert can("patch", "tpufinetunes.tpufinetune.dev/other", "--subresource=status") == "no"
+        assert can("patch", f"tpufinetunes.tpufinetune.dev/{NAME}") == "no"
+        assert can("delete", f"tpufinetunes.tpufinetune.dev/{NAME}") == "no"
+        assert can("get", "secrets") == "no"
+
+        kuberay.cluster_provisioning(f"{NAME}-ray", ready_workers=2)
+        wait_until(lambda: "2/4 worker hosts ready" in tft.status().get("message", ""), what="progress message")
+        kuberay.cluster_ready(f"{NAME}-ray")
+        st = tft.wait("VerifyingCollectives")
+        assert cond(st, "SliceProvisioned")["status"] == "True"
+        assert tft.children("rayjobs") == [f"{NAME}-verify"]
+        kuberay.job_initializing(f"{NAME}-verify")
+        kuberay.job_running(f"{NAME}-verify")
+        kuberay.job_succeeded(f"{NAME}-verify")
+        st = tft.wait("Training")
+        assert cond(st, "CollectivesVerified")["status"] == "True" and st["trainingAttempts"] == 1
+        # The workload reports progress with its own identity; the operator never overwrites it.
+        kubectl("patch", f"tpufinetunes.tpufinetune.dev/{NAME}", "-n", namespace, "--subresource=status",
+                "--type=merge", "-p", json.dumps({"status": {"training": {"loss": 2.5, "epoch": 1}}}), who, check=True)
+        kuberay.job_running(f"{NAME}-train")
+        wait_until(lambda: "jobStatus=RUNNING" in tft.status().get("message", ""), what="training message")
+        table = kubectl("get", "tft", NAME, "-n", namespace, "-o", "wide", check=True).stdout
+        assert "PHASE" in table and "Training" in table and "v6e" in table and "4x4" in table and "2.5" in table
+        kuberay.job_succeeded(f"{NAME}-train")
+        st = tft.wait("Succeeded")
+        assert st["training"] == {"loss": 2.5, "epoch": 1}
+        assert cond(st, "Ready")["status"] == "True" and cond(st, "TrainingSucceeded")["status"] == "True"
+        assert st["completionTime"] and st["reason"] == "TrainingComplete"
+        res = kubectl("wait", f"tft/{NAME}", "-n", namespace, "--for=condition=Ready", "--timeout=10s")
+        assert res.returncode == 0, res.stderr
+        # ttlSecondsAfterFinished: 2 -> the RayCluster goes, the jobs and status stay.
+        wait_until(lambda: tft.children("rayclusters") == [], 2 + MARGIN + 5, "the TTL deletion")
+        assert tft.children("rayjobs") == [f"{NAME}-train", f"{NAME}-verify"]
+    obj = tft.get()
+    assert not obj["metadata"].get("finalizers")
+    assert not [k for k in obj["metadata"].get("annotations", {}) if "kopf" in k]
+    reasons = [e["reason"] for e in tft.events()]
+    for reason in ("WaitingForSlice", "Verifying", "Training", "TrainingComplete", "TTLExpired"):
+        assert reason in reasons, reasons
+    from prometheus_client import generate_latest
+
+    from tpuft import metrics
+    text = generate_latest(metrics.REGISTRY).decode()
+    assert 'tpuft_reconcile_total{result="ok"}' in text and "tpuft_phase_duration_seconds_bucket" in text
+
+
+# --- failures, each with its reason ------------------------------------------------------------------
+def test_provisioning_timeout(operator, tft, kuberay, kubectl, namespace):
+    with operator():
+        tft.apply(provisioningTimeoutSeconds=5)
+        st = tft.wait("Provisioning")
+        kuberay.cluster_provisioning(f"{NAME}-ray", ready_workers=1)
+        st = tft.wait("Failed", timeout=5 + MARGIN + 2)
+        entered = time.mktime(time.strptime(st["startTime"], "%Y-%m-%dT%H:%M:%SZ"))
+        failed = time.mktime(time.strptime(st["completionTime"], "%Y-%m-%dT%H:%M:%SZ"))
+        assert 5 <= failed - entered <= 5 + MARGIN
+        assert st["reason"] == "ProvisioningTimeout"
+        assert "1/4 worker hosts ready" in st["message"] and "4x4" in st["message"], st["message"]
+        res = kubectl("wait", f"tft/{NAME}", "-n", namespace, "--for=condition=Failed", "--timeout=5s")
+        assert res.returncode == 0
+        assert tft.children("rayjobs") == []
+    assert "ProvisioningTimeout" in [e["reason"] for e in tft.events() if e["type"] == "Warning"]
+
+
+def verifying(operator_ctx, tft, kuberay, **spec):
+    tft.apply(**spec)
+    tft.wait("Provisioning")
+    kuberay.cluster_ready(f"{NAME}-ray")
+    return tft.wait("VerifyingCollectives")
+
+
+def test_collective_timeout_without_kuberay_deadline(operator, tft, kuberay):
+    with operator() as op:
+        st = verifying(op, tft, kuberay, verification={"enabled": True, "timeoutSeconds": 10})
+        kuberay.job_running(f"{NAME}-verify")
+        st = tft.wait("Failed", timeout=10 + float(VERIFY_GRACE) + MARGIN + 2)
+        assert st["reason"] == "CollectiveTimeout", st
+        began = time.mktime(time.strptime(cond(st, "CollectivesVerified")["lastTransitionTime"], "%Y-%m-%dT%H:%M:%SZ"))
+        assert "did not finish within 10s" in st["message"]
+        assert tft.children("rayjobs") == [f"{NAME}-verify"]  # never trained
+        assert began
+
+
+@pytest.mark.parametrize("how,reason", [("failed", "VerificationFailed"), ("deadline", "CollectiveTimeout")])
+def test_verification_failure_never_trains(operator, tft, kuberay, how, reason):
+    with operator() as op:
+        verifying(op, tft, kuberay)
+        kuberay.job_running(f"{NAME}-verify")
+        if how == "failed":
+            kuberay.job_failed(f"{NAME}-verify", "all_reduce sum 120 != expected 136")
+        else:
+            kuberay.job_deadline_exceeded(f"{NAME}-verify", 660)
+        st = tft.wait("Failed")
+        assert st["reason"] == reason and f"{NAME}-verify" in st["message"]
+        time.sleep(1.5)
+        assert tft.children("rayjobs") == [f"{NAME}-verify"]
+
+
+def test_training_retries_then_fails(operator, tft, kuberay):
+    with operator():
+        tft.apply(verification={"enabled": False}, training={"maxJobRetries": 1})
+        tft.wait("Provisioning")
+        kuberay.cluster_ready(f"{NAME}-ray")
+        st = tft.wait("Training")
+        assert cond(st, "CollectivesVerified")["reason"] == "VerificationSkipped"
+        kuberay.job_failed(f"{NAME}-train", "preempted")
+        wait_until(lambda: tft.status().get("trainingAttempts") == 2, what="the resubmission")
+        assert tft.children("rayjobs") == [f"{NAME}-train", f"{NAME}-train-r1"]
+        assert tft.status()["children"]["trainJob"] == f"{NAME}-train-r1"
+        kuberay.job_failed(f"{NAME}-train-r1", "preempted again")
+        st = tft.wait("Failed")
+        assert st["reason"] == "TrainingFailed" and "after 2 attempt(s)" in st["message"]
+    assert "Retrying" in [e["reason"] for e in tft.events()]
+
+
+def test_admission_rejected(operator, tft, kubectl, namespace):
+    """A ValidatingAdmissionPolicy plays the TPU webhook: it rejects multi-host worker groups."""
+    policy = f"tpu-webhook-{namespace}"
+    docs = [
+        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
+         "metadata": {"name": policy},
+         "spec": {"failurePolicy": "Fail",
+                  "matchConstraints": {"resourceRules": [{"apiGroups": ["ray.io"], "apiVersions": ["v1"],
+                                                          "operations": ["CREATE"], "resources": ["rayclusters"]}]},
+                  "validations": [{"expression": "object.spec.workerGroupSpecs.all(g, g.numOfHosts == 1)",
+                                   "message": "stand-in TPU webhook: Number of workers in worker group not equal "
+                                              "to specified topology"}]}},
+        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
+         "metadata": {"name": policy},
+         "spec": {"policyName": policy, "validationActions": ["Deny"],
+                  "matchResources": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}}}},
+    ]
+    kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs), check=True)
+    try:
+        probe = {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": {"name": "probe", "namespace": namespace},
+                 "spec": {"headGroupSpec": {"rayStartParams": {}, "template": {"spec": {"containers": [
+                     {"name": "h", "image": "i"}]}}},
+                          "workerGroupSpecs": [{"groupName": "g", "numOfHosts": 4, "rayStartParams": {},
+                                                "template": {"spec": {"containers": [{"name": "w", "image": "i"}]}}}]}}
+        wait_until(lambda: kubectl("create", "--dry-run=server", "-f", "-", input=yaml.safe_dump(probe)).returncode != 0,
+                   30, "the admission policy to take effect", interval=0.5)
+        with operator():
+            tft.apply()
+            st = tft.wait("Failed")
+            assert st["reason"] == "AdmissionRejected", st
+            assert "not equal to specified topology" in st["message"] and f"{NAME}-ray" in st["message"]
+            assert tft.children("rayclusters") == []
+    finally:
+        kubectl("delete", "validatingadmissionpolicybinding,validatingadmissionpolicy", policy, "--ignore-not-found")
+
+
+INVALID_SPECS = [  # each is rejected by tpuft.spec.parse; the API server may or may not catch it first
+    {"env": [{"name": "X", "value": "a", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]},
+    {"env": [{"name": "BAD NAME", "value": "a"}]},
+    {"resources": {"worker": {"limits": {"google.com/tpu": "8"}}}},
+    {"checkpoint": {"storagePath": "relative/path"}},
+    {"topology": "3x3"},
+]
+
+
+@pytest.mark.parametrize("bad", INVALID_SPECS, ids=["env-both", "env-name", "tpu-override", "storage", "topology"])
+def test_invalid_spec_never_creates_children(operator, tft, kubectl, namespace, bad):
+    """Either the API server refuses it (CEL/OpenAPI in the CRD) or the operator fails it with
+    InvalidSpec naming the field; in neither case is a child created."""
+    from tpuft.spec import SpecError, parse
+
+    body = tft.body(**bad)
+    with pytest.raises(SpecError) as err:
+        parse(body)
+    field = err.value.problems[0].field
+    with operator():
+        res = kubectl("apply", "-f", "-", input=yaml.safe_dump(body))
+        if res.returncode != 0:
+            leaf = field.split(".")[-1].split("[")[0]
+            assert leaf in res.stderr, (field, res.stderr)
+        else:
+            st = tft.wait("Failed")
+            assert st["reason"] == "InvalidSpec" and field in st["message"], st
+            time.sleep(1.5)
+        assert tft.children("rayclusters") == []
+        assert kubectl("get", "serviceaccount", f"{NAME}-workload", "-n", namespace).returncode != 0
+
+
+# --- suspend, children deleted, spec changes ---------------------------------------------------------
+def test_suspend_and_resume(operator, tft, kuberay):
+    with operator():
+        tft.apply()
+        tft.wait("Provisioning")
+        tft.patch({"suspend": True})
+        tft.wait("Suspended")
+        wait_until(lambda: kuberay.get("rayclusters", f"{NAME}-ray")["spec"].get("suspend") is True, what="suspend")
+        tft.patch({"suspend": False})
+        tft.wait("Provisioning")
+        wait_until(lambda: kuberay.get("rayclusters", f"{NAME}-ray")["spec"].get("suspend") is False, what="resume")
+        kuberay.cluster_ready(f"{NAME}-ray")
+        tft.wait("VerifyingCollectives")
+
+
+def test_child_deleted(operator, tft, kuberay, kubectl, namespace):
+    with operator():
+        tft.apply(verification={"enabled": False})
+        tft.wait("Provisioning")
+        first = kuberay.get("rayclusters", f"{NAME}-ray")["metadata"]["uid"]
+        kubectl("delete", "raycluster", f"{NAME}-ray", "-n", namespace, check=True)
+        wait_until(lambda: tft.children("rayclusters") == [f"{NAME}-ray"]
+                   and kuberay.get("rayclusters", f"{NAME}-ray")["metadata"]["uid"] != first, what="the recreation")
+        kuberay.cluster_ready(f"{NAME}-ray")
+        tft.wait("Training")
+        kubectl("delete", "raycluster", f"{NAME}-ray", "-n", namespace, check=True)
+        st = tft.wait("Failed")
+        assert st["reason"] == "ChildDeleted" and f"{NAME}-ray" in st["message"]
+
+
+def test_spec_change_mid_run_is_recorded_not_applied(operator, tft, kuberay):
+    with operator():
+        tft.apply()
+        tft.wait("Provisioning")
+        tft.patch({"training": {"epochs": 9}})
+        st = wait_until(lambda: (s := tft.status()).get("observedGeneration") == 2 and s, what="observedGeneration 2")
+        assert st["appliedGeneration"] == 1 and "spec change ignored: spec.training.epochs" in st["message"]
+        kuberay.cluster_ready(f"{NAME}-ray")
+        tft.wait("VerifyingCollectives")
+        kuberay.job_succeeded(f"{NAME}-verify")
+        tft.wait("Training")
+        entry = kuberay.get("rayjobs", f"{NAME}-train")["spec"]["entrypoint"]
+        assert "--epochs 3" in entry  # built from the applied generation, not the edit
+    assert "SpecChangeIgnored" in [e["reason"] for e in tft.events() if e["type"] == "Warning"]
+
+
+# --- operator restarts and deletion ------------------------------------------------------------------
+def test_operator_restarted_at_each_phase(operator, tft, kuberay, kubectl, namespace):
+    with operator():
+        tft.apply()
+        tft.wait("Provisioning")
+    kuberay.cluster_ready(f"{NAME}-ray")          # happens while the operator is down
+    with operator():
+        tft.wait("VerifyingCollectives")
+    kuberay.job_succeeded(f"{NAME}-verify")
+    with operator():
+        tft.wait("Training")
+    kuberay.job_succeeded(f"{NAME}-train")
+    with operator():
+        st = tft.wait("Succeeded")
+        time.sleep(1.5)
+    assert tft.children("rayclusters") == [f"{NAME}-ray"]
+    assert tft.children("rayjobs") == [f"{NAME}-train", f"{NAME}-verify"]
+    assert st["trainingAttempts"] == 1 and st["phase"] == "Succeeded"
+    sas = json.loads(kubectl("get", "serviceaccounts", "-n", namespace, "-o", "json",
+                             "-l", f"tpufinetune.dev/name={NAME}", check=True).stdout)["items"]
+    assert len(sas) == 1
+    transitions = [e["reason"] for e in tft.events() if e["reason"] in ("Verifying", "Training", "TrainingComplete")]
+    assert sorted(transitions) == ["Training", "TrainingComplete", "Verifying"]  # one event per transition
+
+
+def test_deletion_removes_children(operator, tft, kuberay, kubectl, namespace):
+    with operator():
+        tft.apply()
+        tft.wait("Provisioning")
+        kuberay.cluster_ready(f"{NAME}-ray")
+        tft.wait("VerifyingCollectives")
+        kubectl("delete", "tft", NAME, "-n", namespace, "--wait=true", "--timeout=20s", check=True)
+
+        def gone():
+            left = [k for k in ("raycluster", "rayjob", "serviceaccount", "role", "rolebinding")
+                    if kubectl("get", k, "-n", namespace, "-l", f"tpufinetune.dev/name={NAME}", "-o", "name",
+                               check=True).stdout.strip()]
+            return not left
+        wait_until(gone, 30, "garbage collection of the children", interval=0.5)

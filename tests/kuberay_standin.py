@@ -1,0 +1,90 @@
+"""STAND-IN for KubeRay v1.7.0 in the operator's integration tests: patches RayCluster and
+RayJob status exactly as KubeRay's controllers would (ray-project/kuberay v1.7.0,
+ray-operator/apis/ray/v1/raycluster_types.go and rayjob_types.go). Not KubeRay.
+
+Field names and values are spelled here literally, not imported from tpuft.constants, so a
+wrong constant in the operator fails the tests instead of agreeing with itself.
+"""
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from kubernetes import client
+
+GROUP, VERSION = "ray.io", "v1"
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class KubeRay:
+    def __init__(self, api_client: client.ApiClient, namespace: str):
+        self.api = client.CustomObjectsApi(api_client)
+        self.ns = namespace
+
+    def _status(self, plural: str, name: str, status: dict) -> None:
+        self.api.patch_namespaced_custom_object_status(GROUP, VERSION, self.ns, plural, name, {"status": status})
+
+    def get(self, plural: str, name: str) -> dict:
+        return self.api.get_namespaced_custom_object(GROUP, VERSION, self.ns, plural, name)
+
+    # --- RayCluster -------------------------------------------------------------------------------
+    @staticmethod
+    def _cond(ctype: str, status: str, reason: str, message: str) -> dict:
+        return {"type": ctype, "status": status, "reason": reason, "message": message,
+                "lastTransitionTime": _now()}
+
+    def desired_workers(self, name: str) -> int:
+        spec = self.get("rayclusters", name)["spec"]
+        return sum(int(g.get("replicas", 1)) * int(g.get("numOfHosts", 1)) for g in spec.get("workerGroupSpecs", []))
+
+    def cluster_provisioning(self, name: str, ready_workers: int = 0) -> None:
+        """Head up, workers still coming (e.g. no TPU node pool with that topology)."""
+        desired = self.desired_workers(name)
+        self._status("rayclusters", name, {
+            "conditions": [self._cond("HeadPodReady", "True", "HeadPodRunningAndReady", "Head Pod ready"),
+                           self._cond("RayClusterProvisioned", "False", "RayClusterPodsProvisioning",
+                                      "RayCluster Pods are being provisioned for first time")],
+            "readyWorkerReplicas": ready_workers, "availableWorkerReplicas": ready_workers,
+            "desiredWorkerReplicas": desired, "minWorkerReplicas": desired, "maxWorkerReplicas": desired,
+            "lastUpdateTime": _now()})
+
+    def cluster_ready(self, name: str) -> None:
+        desired = self.desired_workers(name)
+        self._status("rayclusters", name, {
+            "state": "ready",
+            "conditions": [self._cond("HeadPodReady", "True", "HeadPodRunningAndReady", "Head Pod ready"),
+                           self._cond("RayClusterProvisioned", "True", "AllPodRunningAndReadyFirstTime",
+                                      "All Ray Pods are ready for the first time")],
+            "readyWorkerReplicas": desired, "availableWorkerReplicas": desired, "desiredWorkerReplicas": desired,
+            "minWorkerReplicas": desired, "maxWorkerReplicas": desired, "lastUpdateTime": _now()})
+
+    # --- RayJob -----------------------------------------------------------------------------------
+    def job_initializing(self, name: str) -> None:
+        self._status("rayjobs", name, {"jobDeploymentStatus": "Initializing", "jobStatus": "",
+                                       "startTime": _now()})
+
+    def job_running(self, name: str) -> None:
+        job = self.get("rayjobs", name)
+        cluster = job["spec"].get("clusterSelector", {}).get("ray.io/cluster", "")
+        self._status("rayjobs", name, {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING",
+                                       "jobId": f"{name}-abcde", "rayClusterName": cluster,
+                                       "dashboardURL": f"{cluster}-head-svc:8265",
+                                       "startTime": job.get("status", {}).get("startTime") or _now()})
+
+    def job_succeeded(self, name: str) -> None:
+        self._status("rayjobs", name, {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED",
+                                       "endTime": _now(), "succeeded": 1, "failed": 0})
+
+    def job_failed(self, name: str, message: str = "Job entrypoint command failed with exit code 1") -> None:
+        self._status("rayjobs", name, {"jobDeploymentStatus": "Failed", "jobStatus": "FAILED",
+                                       "reason": "AppFailed", "message": message, "endTime": _now(),
+                                       "succeeded": 0, "failed": 1})
+
+    def job_deadline_exceeded(self, name: str, deadline: int) -> None:
+        """activeDeadlineSeconds passed: KubeRay fails the deployment; jobStatus stays as it was."""
+        self._status("rayjobs", name, {"jobDeploymentStatus": "Failed", "reason": "DeadlineExceeded",
+                                       "message": f"The RayJob has passed the activeDeadlineSeconds. "
+                                                  f"ActiveDeadlineSeconds: {deadline}",
+                                       "endTime": _now(), "failed": 1})
