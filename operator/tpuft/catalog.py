@@ -17,6 +17,8 @@ from tpuft.constants import CPU_ACCELERATOR, GKE_TPU_ACCELERATOR_SELECTOR, GKE_T
 
 # Largest CPU rehearsal we accept; bigger worlds belong on real hardware.
 MAX_CPU_WORKERS = 64
+# The CRD's maxLength for spec.topology; also keeps int() away from huge digit strings.
+MAX_TOPOLOGY_LENGTH = 16
 
 
 class CatalogError(ValueError):
@@ -191,10 +193,10 @@ class SliceShape:
 
 
 def parse_dims(topology: object, field: str = "spec.topology") -> tuple[int, ...]:
-    if not isinstance(topology, str) or not topology:
+    if not isinstance(topology, str) or not topology or len(topology) > MAX_TOPOLOGY_LENGTH:
         raise CatalogError(field, f"must be a string such as \"4x4\" or \"2x2x2\" (got {topology!r})")
     parts = topology.lower().split("x")
-    if not all(p.isdigit() and p == str(int(p)) and int(p) > 0 for p in parts):
+    if not all(p.isascii() and p.isdigit() and p == str(int(p)) and int(p) > 0 for p in parts):
         raise CatalogError(field, f"{topology!r} is not a shape: use positive integers joined by 'x', e.g. 4x4")
     return tuple(int(p) for p in parts)
 
@@ -205,7 +207,7 @@ def resolve_slice(accelerator: object, topology: object,
     """Validate (accelerator, topology) and derive the slice; CatalogError names the field."""
     acc = canonical_accelerator(accelerator, accelerator_field)
     if acc == CPU_ACCELERATOR:
-        if not isinstance(topology, str) or not topology.isdigit() or topology != str(int(topology)):
+        if not isinstance(topology, str) or len(topology) > MAX_TOPOLOGY_LENGTH or not (topology.isascii() and topology.isdigit()) or topology != str(int(topology)):
             raise CatalogError(topology_field, f"with accelerator cpu, topology is the worker count, e.g. \"2\" (got {topology!r})")
         n = int(topology)
         if not 1 <= n <= MAX_CPU_WORKERS:

@@ -20,6 +20,7 @@ from tpuft.constants import API_VERSION, KIND, TPU_RESOURCE
 MAX_NAME_LENGTH = 40
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 STORAGE_PATH = re.compile(r"^(gs://[a-z0-9][-a-z0-9_.]{1,221}[a-z0-9](/.*)?|s3://[^/\s]+(/.*)?|/[^\s]*)$")
+MAX_QUANTITY_LENGTH = 32
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|Mi|Gi|Ti|Pi|M|G|T|P|E|Ei)?$")
 ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
 # Characters that only ever appear in an attempt to smuggle shell into an entrypoint.
@@ -253,11 +254,15 @@ def _resource_block(r: _Reader, obj: Mapping, key: str, path: str) -> dict[str, 
     block = r.section(obj, key, path)
     out: dict[str, dict[str, str]] = {}
     for kind in ("requests", "limits"):
-        values = r.str_map(block, kind, f"{path}.{kind}")
+        raw = block.get(kind) or {}
+        # Quantities are int-or-string, as in Kubernetes (`cpu: 8`); kept as strings from here on.
+        if isinstance(raw, Mapping):
+            raw = {k: str(v) if isinstance(v, int) and not isinstance(v, bool) else v for k, v in raw.items()}
+        values = r.str_map({kind: raw}, kind, f"{path}.{kind}")
         for res, qty in values.items():
             if res == TPU_RESOURCE:
                 r.fail(f"{path}.{kind}.{res}", "is derived from spec.topology and cannot be overridden")
-            elif not QUANTITY.match(qty):
+            elif len(qty) > MAX_QUANTITY_LENGTH or not QUANTITY.fullmatch(qty):
                 r.fail(f"{path}.{kind}.{res}", f"{qty!r} is not a Kubernetes quantity (e.g. \"8\", \"500m\", \"16Gi\")")
         if values:
             out[kind] = values
@@ -270,8 +275,14 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
     if not isinstance(obj, Mapping):
         raise SpecError([Problem("<root>", "must be a YAML/JSON object")])
     meta_raw = obj.get("metadata") or {}
-    name = meta_raw.get("name") if isinstance(meta_raw, Mapping) else None
-    namespace = (meta_raw.get("namespace") if isinstance(meta_raw, Mapping) else None) or "default"
+    if not isinstance(meta_raw, Mapping):
+        r.fail("metadata", f"must be an object (got {type(meta_raw).__name__})")
+        meta_raw = {}
+    name = meta_raw.get("name")
+    namespace = meta_raw.get("namespace") or "default"
+    if not isinstance(namespace, str):
+        r.fail("metadata.namespace", f"must be a string (got {type(namespace).__name__})")
+        namespace = "default"
     where = f"{namespace}/{name}" if name else namespace
     if obj.get("apiVersion") not in (None, API_VERSION):
         r.fail("apiVersion", f"must be {API_VERSION} (got {obj.get('apiVersion')!r})")
@@ -280,12 +291,13 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
     if not isinstance(name, str) or not name:
         r.fail("metadata.name", "is required")
         name = ""
-    elif len(name) > MAX_NAME_LENGTH or not DNS_LABEL.match(name):
+    elif len(name) > MAX_NAME_LENGTH or not DNS_LABEL.fullmatch(name):
         r.fail("metadata.name", f"must be a DNS label of at most {MAX_NAME_LENGTH} characters "
                f"(lowercase letters, digits, '-'), because child names add suffixes (got {name!r})")
-    labels = meta_raw.get("labels") or {} if isinstance(meta_raw, Mapping) else {}
+    labels = meta_raw.get("labels") or {}
+    generation = meta_raw.get("generation") or 0
     meta = ObjectMeta(name=name, namespace=namespace, uid=str(meta_raw.get("uid") or ""),
-                      generation=int(meta_raw.get("generation") or 0),
+                      generation=generation if isinstance(generation, int) and not isinstance(generation, bool) else 0,
                       labels=dict(labels) if isinstance(labels, Mapping) else {})
 
     spec = r.section(obj, "spec", "spec", required=True)
@@ -333,7 +345,7 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
 
     ck = r.section(spec, "checkpoint", "spec.checkpoint", required=True)
     storage = r.string(ck, "storagePath", "spec.checkpoint.storagePath", required=True, max_len=1024)
-    if storage and not STORAGE_PATH.match(storage):
+    if storage and not STORAGE_PATH.fullmatch(storage):
         r.fail("spec.checkpoint.storagePath",
                f"{storage!r} must be gs://BUCKET/PATH, s3://BUCKET/PATH or an absolute path on a mounted volume")
     checkpoint = Checkpoint(
@@ -358,8 +370,8 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
     )
 
     res = r.section(spec, "resources", "spec.resources")
-    shm = r.string(res, "shmSize", "spec.resources.shmSize", max_len=32)
-    if shm and not QUANTITY.match(shm):
+    shm = r.string(res, "shmSize", "spec.resources.shmSize", max_len=MAX_QUANTITY_LENGTH)
+    if shm and not QUANTITY.fullmatch(shm):
         r.fail("spec.resources.shmSize", f"{shm!r} is not a Kubernetes quantity (e.g. 100Gi)")
     resources = Resources(
         head=_resource_block(r, res, "head", "spec.resources.head"),
@@ -373,7 +385,7 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
         r.fail("spec.scheduling.spot", f"must be true or false (got {spot!r})")
         spot = False
     reservation = r.string(sc, "reservation", "spec.scheduling.reservation", max_len=253)
-    if spot and reservation:
+    if spot and reservation is not None:  # as the CRD's rule: has(reservation), even when empty
         r.fail("spec.scheduling", "spot and reservation are mutually exclusive: pick one capacity type")
     tolerations = sc.get("tolerations") or []
     if not isinstance(tolerations, list) or not all(isinstance(t, Mapping) for t in tolerations):
@@ -391,10 +403,14 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
         r.fail("spec.env", "must be a list of {name, value} or {name, valueFrom}")
         env = []
     for i, item in enumerate(env):
-        if not isinstance(item, Mapping) or not isinstance(item.get("name"), str) or not ENV_NAME.match(item["name"]):
+        if not isinstance(item, Mapping) or not isinstance(item.get("name"), str) or not ENV_NAME.fullmatch(item["name"]):
             r.fail(f"spec.env[{i}].name", "must be a valid environment variable name")
         elif "value" in item and "valueFrom" in item:
             r.fail(f"spec.env[{i}]", "set value or valueFrom, not both")
+        elif "value" in item and not isinstance(item["value"], str):
+            r.fail(f"spec.env[{i}].value", f"must be a string (got {type(item['value']).__name__}); quote numbers")
+        elif "valueFrom" in item and not isinstance(item["valueFrom"], Mapping):
+            r.fail(f"spec.env[{i}].valueFrom", "must be an object (an EnvVarSource such as secretKeyRef)")
 
     spec_obj = None
     if slice_shape is not None and not r.problems:
