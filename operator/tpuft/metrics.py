@@ -1,6 +1,6 @@
 """Prometheus metrics for the operator, served on TPUFT_METRICS_PORT (default 9090; 0 disables).
 
-  tpuft_reconcile_total{result}                 reconciles by result: ok, retry (API error), rejected
+  tpuft_reconcile_total{result}                 reconciles by result: ok, retry (API error, backing off), error (bug)
   tpuft_reconcile_duration_seconds               histogram of one reconcile (read, decide, act, write)
   tpuft_objects{phase}                           TPUFinetunes this operator sees, per phase
   tpuft_phase_duration_seconds{phase}            histogram of time spent in a phase, observed when it is left

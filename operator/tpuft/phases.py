@@ -198,19 +198,19 @@ def _pending(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed) -> Decisi
         "slice": {"accelerator": s.generation, "topology": s.topology, "slices": tft.spec.slices,
                   "hosts": s.hosts, "chipsPerHost": s.chips_per_host, "devicesPerHost": s.devices_per_host,
                   "devices": tft.spec.num_workers, "rayAcceleratorType": s.ray_accelerator_type or ""}})
-    _initial_conditions(d, tft)
+    progress = cluster_progress(tft, ClusterObs(n.cluster))  # what the next reconcile will see: no write then
+    _initial_conditions(d, tft, progress)
     if tft.spec.suspend:
         d.cond(Condition.SLICE_PROVISIONED, "False", Reason.SUSPENDED, "created suspended")
         d.go(Phase.SUSPENDED, Reason.SUSPENDED, f"RayCluster {n.cluster} created suspended (spec.suspend)")
     else:
-        d.go(Phase.PROVISIONING, Reason.WAITING_FOR_SLICE,
-             f"waiting for slice {s.generation} {s.topology}: {cluster_progress(tft, None)}")
+        d.go(Phase.PROVISIONING, Reason.WAITING_FOR_SLICE, f"waiting for slice {s.generation} {s.topology}: {progress}")
         d.wake(tft.spec.provisioning_timeout_seconds)
     return d.finish()
 
 
-def _initial_conditions(d: _Draft, tft: TPUFinetune) -> None:
-    d.cond(Condition.SLICE_PROVISIONED, "False", Reason.WAITING_FOR_SLICE, "RayCluster created")
+def _initial_conditions(d: _Draft, tft: TPUFinetune, progress: str) -> None:
+    d.cond(Condition.SLICE_PROVISIONED, "False", Reason.WAITING_FOR_SLICE, progress)
     if tft.spec.verification.enabled:
         d.cond(Condition.COLLECTIVES_VERIFIED, "Unknown", Reason.WAITING_FOR_SLICE, "")
     else:
@@ -226,12 +226,12 @@ def _provisioning(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
         d.act(Op.CREATE, c.RAYCLUSTER_KIND, n.cluster, body)
         d.event(EventType.WARNING, Reason.CHILD_DELETED, f"RayCluster {n.cluster} not found while provisioning; "
                 "recreating it (the provisioning deadline is unchanged)")
-    elif obs.cluster.suspended:
-        d.act(Op.RESUME, c.RAYCLUSTER_KIND, n.cluster)
     if obs.cluster is not None and cluster_provisioned(obs.cluster.status):
         d.cond(Condition.SLICE_PROVISIONED, "True", Reason.SLICE_READY, cluster_progress(tft, obs.cluster))
         return _start_verification(d, tft) if tft.spec.verification.enabled else _start_training(d, tft, obs)
     progress = cluster_progress(tft, obs.cluster)
+    if obs.cluster is not None and obs.cluster.suspended:  # not by us (we resume on leaving Suspended): Kueue?
+        progress += "; the RayCluster is suspended (waiting for admission, e.g. by Kueue)"
     if d.elapsed() >= timeout:
         where = (f"a TPU node pool with {c.GKE_TPU_ACCELERATOR_SELECTOR}={s.gke_accelerator} and "
                  f"{c.GKE_TPU_TOPOLOGY_SELECTOR}={s.topology} ({s.hosts} hosts of {s.machine_type}) per slice"

@@ -9,7 +9,7 @@ import pytest
 
 from tpuft import builders, phases
 from tpuft import constants as c
-from tpuft.constants import Phase, Reason
+from tpuft.constants import Phase
 from tpuft.phases import AdmissionError, ClusterObs, JobObs, Observed, Op
 from tpuft.spec import parse
 
@@ -189,6 +189,13 @@ def test_replica_failure_is_reported_in_the_timeout_message():
     obs.status["conditions"] = [{"type": "ReplicaFailure", "status": "True", "message": "pods forbidden: quota"}]
     d = phases.decide(o, Observed(obs), at(10), TUN)
     assert d.status["reason"] == "ProvisioningTimeout" and "pods forbidden: quota" in d.status["message"]
+
+
+def test_cluster_suspended_by_someone_else_is_left_alone():
+    """Kueue suspends RayClusters carrying its queue label until admitted: never fight it."""
+    o = run_to(make(), Phase.PROVISIONING)
+    d = phases.decide(o, Observed(cluster(0, suspended=True)), at(5), TUN)
+    assert d.actions == () and "suspended (waiting for admission" in d.status["message"]
 
 
 def test_admission_rejected():

@@ -1,0 +1,122 @@
+"""handlers.Controller.reconcile with a fake API: actions before the single status write,
+admission rejections, transient errors, index misses confirmed with a GET."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from tpuft import handlers, phases
+from tpuft.kube import KubeError, Rejected
+
+NS, NAME = "team-a", "ft"
+
+
+def tft() -> dict:
+    return {"apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFinetune",
+            "metadata": {"name": NAME, "namespace": NS, "uid": "u-1", "generation": 1},
+            "spec": {"accelerator": "v6e", "topology": "4x4", "image": "img:1", "model": "m",
+                     "dataset": {"name": "d"}, "checkpoint": {"storagePath": "gs://bucket/ck"}}}
+
+
+class FakeKube:
+    def __init__(self, obj: dict | None):
+        self.objects: dict[tuple[str, str], dict] = {}
+        if obj is not None:
+            self.objects[("TPUFinetune", NAME)] = obj
+        self.log: list[tuple] = []
+        self.fail: dict[tuple[str, str], Exception] = {}
+
+    def get(self, kind, ns, name):
+        self.log.append(("get", kind, name))
+        obj = self.objects.get((kind, name))
+        return copy.deepcopy(obj) if obj else None
+
+    def perform(self, ns, uid, action):
+        self.log.append((action.op, action.kind, action.name))
+        err = self.fail.get((action.kind, action.name))
+        if err:
+            raise err
+        if action.op == phases.Op.CREATE:
+            self.objects[(action.kind, action.name)] = copy.deepcopy(dict(action.body))
+        return "created"
+
+    def patch_status(self, ns, name, patch):
+        self.log.append(("patch_status", tuple(sorted(patch))))
+        st = self.objects[("TPUFinetune", NAME)].setdefault("status", {})
+        for k, v in patch.items():
+            if v is None:
+                st.pop(k, None)
+            else:
+                st[k] = copy.deepcopy(v)
+        return True
+
+    def post_event(self, obj, event):
+        self.log.append(("event", event.type, event.reason))
+
+    def ops(self, *kinds):
+        return [x for x in self.log if x[0] in kinds]
+
+
+def controller(kube) -> handlers.Controller:
+    return handlers.Controller(kube, {}, {}, {}, phases.Tunables(verify_grace_seconds=1))
+
+
+def test_first_reconcile_acts_then_writes_status_once():
+    kube = FakeKube(tft())
+    requeue = controller(kube).reconcile((NS, NAME), [], [])
+    writes = kube.ops("patch_status")
+    assert len(writes) == 1
+    creates = kube.ops("create")
+    assert [c[1] for c in creates] == ["ServiceAccount", "Role", "RoleBinding", "RayCluster"]
+    assert kube.log.index(creates[-1]) < kube.log.index(writes[0])  # act first, then record
+    assert kube.objects[("TPUFinetune", NAME)]["status"]["phase"] == "Provisioning"
+    assert ("event", "Normal", "WaitingForSlice") in kube.log
+    assert requeue == 1800
+    kube.log.clear()
+    # The index has not caught up yet: the cluster is confirmed with a GET, nothing is recreated.
+    controller(kube).reconcile((NS, NAME), [], [])
+    assert ("get", "RayCluster", f"{NAME}-ray") in kube.log
+    assert kube.ops("create", "patch_status", "event") == []
+
+
+def test_admission_rejection_becomes_the_status():
+    kube = FakeKube(tft())
+    kube.fail[("RayCluster", f"{NAME}-ray")] = Rejected("RayCluster", f"{NAME}-ray", "denied: numOfHosts", 403)
+    controller(kube).reconcile((NS, NAME), [], [])
+    st = kube.objects[("TPUFinetune", NAME)]["status"]
+    assert st["phase"] == "Failed" and st["reason"] == "AdmissionRejected" and "denied: numOfHosts" in st["message"]
+    assert len(kube.ops("patch_status")) == 1 and ("event", "Warning", "AdmissionRejected") in kube.log
+
+
+def test_transient_error_is_recorded_once_and_raised():
+    kube = FakeKube(tft())
+    kube.fail[("RayCluster", f"{NAME}-ray")] = KubeError("create RayCluster team-a/ft-ray: HTTP 500: etcd timeout")
+    ctl = controller(kube)
+    for _ in range(2):
+        with pytest.raises(KubeError):
+            ctl.reconcile((NS, NAME), [], [])
+    st = kube.objects[("TPUFinetune", NAME)]["status"]
+    assert st["phase"] == "Pending" and "etcd timeout" in st["message"]
+    assert len(kube.ops("patch_status")) == 1
+    assert [x for x in kube.log if x[0] == "event"] == [("event", "Warning", "ReconcileError")]
+    del kube.fail[("RayCluster", f"{NAME}-ray")]
+    ctl.reconcile((NS, NAME), [], [])
+    assert kube.objects[("TPUFinetune", NAME)]["status"]["phase"] == "Provisioning"
+
+
+def test_gone_object_is_forgotten():
+    kube = FakeKube(None)
+    assert controller(kube).reconcile((NS, NAME), [], []) is None
+    assert kube.ops("create", "patch_status", "event") == []
+
+
+def test_deleting_children_in_the_index_count_as_absent():
+    kube = FakeKube(tft())
+    ctl = controller(kube)
+    ctl.reconcile((NS, NAME), [], [])
+    obj = kube.objects[("TPUFinetune", NAME)]
+    entry = {"name": f"{NAME}-ray", "status": {}, "suspend": False, "deleting": True}
+    del kube.objects[("RayCluster", f"{NAME}-ray")]
+    observed = ctl.observe(obj, [entry], [])
+    assert observed.cluster is None
