@@ -1,4 +1,5 @@
-"""Fixtures for the Helm chart tests: the helm binary and `helm template` rendering.
+"""Fixtures for the Helm chart tests: the helm binary, `helm template` rendering, and helm
+against the real local control plane (tests/conftest.py's control_plane, kubectl, namespace).
 
 helm comes from the project's toolchain (`tpuft.toolchain.tool_path("helm")`, built once
 per machine and cached; `make test` runs `tpuft cluster tools` first).
@@ -6,6 +7,7 @@ per machine and cached; `make test` runs `tpuft cluster tools` first).
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 import yaml
@@ -36,3 +38,37 @@ def render(helm, tmp_path_factory):
     return _render
 
 
+@pytest.fixture
+def helm_env(control_plane, tmp_path):
+    env = control_plane.env()
+    for var in ("HELM_CACHE_HOME", "HELM_CONFIG_HOME", "HELM_DATA_HOME"):
+        env[var] = str(tmp_path / var.lower())
+    return env
+
+
+@pytest.fixture
+def helm_cli(helm, helm_env, kubeconfig):
+    def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+        proc = subprocess.run([helm, f"--kubeconfig={kubeconfig}", *args], capture_output=True, text=True,
+                              env=helm_env, timeout=180)
+        if check:
+            assert proc.returncode == 0, f"helm {' '.join(args)}:\n{proc.stdout}\n{proc.stderr}"
+        return proc
+
+    return run
+
+
+@pytest.fixture
+def extra_namespace(kubectl, namespace):
+    """A second fresh namespace (named after the first), deleted afterwards."""
+    created = []
+
+    def make(suffix: str) -> str:
+        name = f"{namespace[:50]}-{suffix}"
+        kubectl("create", "namespace", name, check=True)
+        created.append(name)
+        return name
+
+    yield make
+    for name in created:
+        kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found")

@@ -39,7 +39,6 @@ FRAMEWORK_NAMESPACED = {
 MODES = {
     "cluster-wide": {},
     "namespaced": {"watchNamespaces": ["team-a", "team-b"]},
-    "namespaced-no-clusterrole": {"watchNamespaces": ["team-a"], "rbac": {"frameworkClusterRole": False}},
     "metrics-on": {"metrics": {"service": {"enabled": True}, "serviceMonitor": {"enabled": True}}},
 }
 

@@ -181,13 +181,6 @@ def test_namespaced_mode_uses_roles(render):
     assert [b["roleRef"]["name"] for b in objs.kinds("ClusterRoleBinding")] == [f"{FULLNAME}-framework"]
 
 
-def test_namespaced_mode_without_framework_clusterrole_is_cluster_scope_free(render):
-    values = dict(NAMESPACED_VALUES, rbac={"create": True, "frameworkClusterRole": False})
-    objs = render(values)
-    assert not objs.kinds("ClusterRole") and not objs.kinds("ClusterRoleBinding")
-    assert len(objs.kinds("Role")) == 2
-
-
 def test_rbac_create_false_renders_no_rbac(render):
     objs = render({"rbac": {"create": False}})
     assert not [o for o in objs if o["kind"] in ("Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding")]

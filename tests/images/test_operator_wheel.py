@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import email.parser
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,7 +20,16 @@ import pytest
 
 from tests.images.dockerfile_lib import REPO, build_context
 
-BASE_DEPS = {"kopf", "kubernetes", "pyyaml"}
+def _base_deps() -> set[str]:
+    """Names in pyproject's [project].dependencies (the operator's runtime deps)."""
+    import re
+    import tomllib
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    return {re.split(r"[\[<>=!~ ;]", d, maxsplit=1)[0].lower().replace("_", "-") for d in deps}
+
+
+BASE_DEPS = _base_deps()
 FORBIDDEN = ("torch", "torch-tpu", "torch_tpu", "libtpu", "ray", "transformers", "datasets", "jax")
 
 
@@ -28,6 +38,10 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     env.pop("PYTHONPATH", None)
     env.pop("VIRTUAL_ENV", None)
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, **kw)
+
+
+def _pip(venv: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), *args]
 
 
 def _ok(proc: subprocess.CompletedProcess) -> str:
@@ -50,9 +64,10 @@ def operator_venv(tmp_path_factory) -> tuple[Path, Path]:
     built = sorted(wheels.glob("tpufinetune_operator-*.whl"))
     assert len(built) == 1, list(wheels.iterdir())
     # 3. A fresh venv, no system site-packages, no extras: base dependencies only.
+    # (--without-pip, then this pip drives it with --python: skips ensurepip, same result)
     venv = tmp / "venv"
-    _ok(_run([sys.executable, "-m", "venv", str(venv)]))
-    _ok(_run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", str(built[0])]))
+    _ok(_run([sys.executable, "-m", "venv", "--without-pip", str(venv)]))
+    _ok(_run(_pip(venv, "install", "-q", str(built[0]))))
     return venv, built[0]
 
 
@@ -66,8 +81,9 @@ def test_wheel_requires_only_the_base_dependencies(operator_venv):
     for req in meta.get_all("Requires-Dist") or []:
         if "extra ==" in req:
             continue
-        unconditional.add(req.split(";")[0].split("[")[0].split("=")[0].split(">")[0].split("<")[0].split("~")[0].strip().lower())
+        unconditional.add(re.split(r"[\[<>=!~ ;(]", req, maxsplit=1)[0].strip().lower().replace("_", "-"))
     assert unconditional == BASE_DEPS
+    assert not unconditional & set(FORBIDDEN), "torch/ray must stay in the workload extra"
     assert any(n.startswith("tpuft/") for n in names)
 
 
@@ -85,10 +101,10 @@ def test_operator_modules_import_and_heavy_ones_do_not(operator_venv):
 
 def test_no_heavy_distributions_installed(operator_venv):
     venv, _ = operator_venv
-    listed = _ok(_run([str(venv / "bin" / "python"), "-m", "pip", "list", "--format=freeze"]))
+    listed = _ok(_run(_pip(venv, "list", "--format=freeze")))
     names = {line.split("==")[0].lower() for line in listed.splitlines() if "==" in line}
     assert not names & set(FORBIDDEN), names & set(FORBIDDEN)
-    assert BASE_DEPS <= names
+    assert {n.replace("_", "-") for n in BASE_DEPS} <= {n.replace("_", "-") for n in names}
 
 
 def test_entrypoint_command_exists(operator_venv):
