@@ -129,6 +129,43 @@ def test_workload_installs_repo_without_deps_and_keeps_base_torch():
             assert "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in r
 
 
+# Top-level modules the workload imports -> the requirement in Dockerfile.workload that
+# provides them (directly or as a dependency of one listed there), or "base" for the image.
+WORKLOAD_MODULE_SOURCES = {
+    "torch": "base", "torch_tpu": "base",
+    "ray": "ray", "pyarrow": "ray", "transformers": "transformers", "tokenizers": "transformers",
+    "safetensors": "safetensors", "datasets": "datasets", "kubernetes": "kubernetes", "yaml": "pyyaml",
+    "numpy": "transformers",
+}
+
+
+def test_workload_image_covers_every_workload_import():
+    import ast
+    import sys
+
+    first_party = {"tpuft", "tpuft_workload"}
+    imported: dict[str, str] = {}
+    for path in sorted((REPO / "workload").rglob("*.py")) + [REPO / "operator" / "tpuft" / "catalog.py",
+                                                           REPO / "operator" / "tpuft" / "constants.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for n in names:
+                top = n.split(".")[0]
+                if top not in sys.stdlib_module_names and top not in first_party:
+                    imported.setdefault(top, str(path.relative_to(REPO)))
+    unknown = {m: where for m, where in imported.items() if m not in WORKLOAD_MODULE_SOURCES}
+    assert not unknown, f"third-party imports with no source in Dockerfile.workload: {unknown}"
+    reqs = {re.split(r"[\[<>=!~ ;]", q, maxsplit=1)[0].lower()
+            for r in WORKLOAD.runs() for a in pip_install_args(r) for q in _requirements(a)}
+    for module in imported:
+        source = WORKLOAD_MODULE_SOURCES[module]
+        assert source == "base" or source in reqs, f"{module} ({imported[module]}) needs {source} in Dockerfile.workload"
+
+
 def test_workload_copies_both_packages():
     copies = " ".join(c.value for c in WORKLOAD.final.all("COPY"))
     assert "operator" in copies and "workload" in copies and "pyproject.toml" in copies
