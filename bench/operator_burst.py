@@ -66,6 +66,7 @@ CHILD_RESOURCES = {"rayclusters", "rayjobs", "serviceaccounts", "roles", "rolebi
                    "jobs", "configmaps", "secrets", "ingresses", "routes", "networkpolicies"}
 WRITE_VERBS = {"POST", "PUT", "PATCH", "DELETE", "DELETECOLLECTION", "APPLY"}
 CREATORS = 8
+PROFILE = os.environ.get("BENCH_PYSPY")  # path of a py-spy binary: profile our operator
 
 
 def say(msg: str) -> None:
@@ -225,9 +226,9 @@ class Proc:
 
     def stop(self) -> None:
         if self.p.poll() is None:
-            self.p.send_signal(signal.SIGTERM)
+            os.killpg(self.p.pid, signal.SIGINT)  # its own session (start_new_session): py-spy writes, kopf exits
             try:
-                self.p.wait(20)
+                self.p.wait(30)
             except subprocess.TimeoutExpired:
                 self.p.kill()
                 self.p.wait(10)
@@ -394,8 +395,11 @@ def run_ours(cl: Cluster, n: int, tag: str, idle_s: float, lifecycle: bool, work
     for k in ("TPUFT_RESYNC_SECONDS", "TPUFT_WORKERS"):
         env.pop(k, None)  # production defaults
     kopf = str(Path(sys.executable).with_name("kopf"))
-    op = Proc([kopf, "run", "--standalone", "-m", "tpuft.handlers", f"--namespace={ns}"], env,
-              workdir / f"ours-{n}-{tag}.log")
+    argv = [kopf, "run", "--standalone", "-m", "tpuft.handlers", f"--namespace={ns}"]
+    if PROFILE:  # sampled stacks of every thread, idle included (RSS is then py-spy's, not the operator's)
+        argv = [PROFILE, "record", "--idle", "--threads", "--format", "raw", "--rate", "50",
+                "-o", str(workdir / f"ours-{n}-{tag}.pyspy.txt"), "--"] + argv
+    op = Proc(argv, env, workdir / f"ours-{n}-{tag}.log")
     state = TftState()
     w1 = Watcher(cl, GROUP, VERSION, PLURAL, ns, state.on_tft)
     w2 = Watcher(cl, *RAY, "rayclusters", ns, state.on_cluster)
@@ -597,6 +601,18 @@ def run_peer(cl: Cluster, n: int, tag: str, workdir: Path) -> dict:
     return result
 
 
+def code_state() -> dict:
+    """Which operator code a run measured: the working tree is shared and may hold uncommitted edits."""
+    import hashlib
+
+    def git(*a):
+        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    files = ["operator/tpuft/handlers.py", "operator/tpuft/kube.py", "operator/tpuft/phases.py"]
+    return {"head": git("rev-parse", "--short", "HEAD"),
+            "uncommitted": git("status", "--porcelain", "--", "operator/tpuft").splitlines(),
+            "sha256": {f: hashlib.sha256((REPO / f).read_bytes()).hexdigest()[:12] for f in files}}
+
+
 # --- report -------------------------------------------------------------------------------------
 def fmt(v, digits=0) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
@@ -625,8 +641,11 @@ def aggregate(runs: list[dict]) -> dict:
 
 
 def table(runs: list[dict], agg: dict, meta: dict) -> str:
+    code = meta.get("code") or {}
     lines = [f"operator_burst  {meta['started']}  machine: {meta['machine']}",
-             f"command: {meta['command']}", ""]
+             f"command: {meta['command']}",
+             f"operator code: HEAD {code.get('head')}, uncommitted in operator/tpuft: {code.get('uncommitted') or 'none'}",
+             f"peer: {meta.get('peer')}", ""]
     lines.append("Per-object latency, create returned -> ours: phase Provisioning with children created; "
                  "peer: its RayCluster created (medians over runs)")
     hdr = f"{'operator':<18}{'N':>5}{'runs':>5}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}{'max ms':>9}{'burst s':>9}" \
@@ -732,6 +751,7 @@ def main() -> int:
     plan = [(int(n), int(r)) for n, r in (x.split(":") for x in args.runs.split(","))]
     if not args.ours_only:
         build_peer()
+    code_at_start = code_state()
     state = Path(tempfile.mkdtemp(prefix="tpuft-bench-burst-"))
     cl = Cluster(state / "cp").start()
     runs: list[dict] = []
@@ -758,7 +778,7 @@ def main() -> int:
     meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": " ".join(["python"] + sys.argv),
             "machine": f"{os.cpu_count()} cores, load avg {os.getloadavg()[0]:.1f} at end (shared)",
             "peer": f"{PEER_MODULE} {PEER_VERSION} (v1.7.0 not served by the Go module proxy)",
-            "wall_s": time.monotonic() - t_start, "ratios": ratios, "targets": targets}
+            "wall_s": time.monotonic() - t_start, "ratios": ratios, "targets": targets, "code": code_at_start}
     text = table(runs, agg, meta)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
