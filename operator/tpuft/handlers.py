@@ -11,8 +11,10 @@ drift and which block deletion when the operator is gone). Instead:
   * A small controller (started in `on.startup`) runs a work queue: at most one reconcile per
     key at a time, a resync of every key every TPUFT_RESYNC_SECONDS (default 5) or sooner when
     the decision asks (a deadline), exponential backoff (1 s .. 60 s) after API errors.
-  * reconcile: GET the TPUFinetune (fresh status), observe children (index; an expected child
-    missing from the index is confirmed with a GET), phases.decide, perform the actions
+  * reconcile: the TPUFinetune from the index, with the status keys the operator owns overlaid
+    by what this process last wrote until the index catches up (no GET per reconcile: an idle
+    resync makes no API request); observe children (index; an expected child missing from the
+    index is confirmed with a GET), phases.decide, perform the actions
     idempotently (create -> 409 -> adopt if ours), write status ONCE via the status subresource
     when it changed (operator keys only), post Events.
 
@@ -50,8 +52,9 @@ def _tunables() -> phases.Tunables:
 
 # --- indexes and event handlers ----------------------------------------------------------------------
 @kopf.index(c.GROUP, c.VERSION, c.PLURAL)
-def tpufinetunes(namespace: str, name: str, **_: Any) -> dict:
-    return {(namespace, name): True}
+def tpufinetunes(namespace: str, name: str, body: Any, **_: Any) -> dict:
+    """The object itself: the reconciler reads it from here (an informer cache), not with a GET."""
+    return {(namespace, name): copy.deepcopy(dict(body))}
 
 
 def _child(name: str, spec: Any, status: Any, meta: Any) -> dict:
@@ -139,6 +142,7 @@ class Controller:
         self.due: dict[Key, float] = {}
         self.failures: dict[Key, int] = {}
         self.last_error: dict[Key, str] = {}
+        self.written: dict[Key, dict] = {}     # operator-owned status as last written, until the index shows it
         self.tasks: list[asyncio.Task] = []
         self.resync = float(os.environ.get("TPUFT_RESYNC_SECONDS", "5"))   # read at startup: tests set it
         self.workers = int(os.environ.get("TPUFT_WORKERS", "4"))
@@ -182,10 +186,11 @@ class Controller:
                 self.dirty.discard(key)
                 self.kick(key)
 
-    def _snapshot(self, key: Key) -> tuple[list[dict], list[dict]]:
+    def _snapshot(self, key: Key) -> tuple[dict | None, list[dict], list[dict]]:
+        body = next(iter(self.keys.get(key, [])), None)
         clusters = [copy.deepcopy(x) for x in self.clusters.get(key, [])]
         jobs = [copy.deepcopy(x) for x in self.jobs.get(key, [])]
-        return clusters, jobs
+        return copy.deepcopy(body), clusters, jobs
 
     async def _reconcile(self, key: Key) -> float:
         started = time.perf_counter()
@@ -234,13 +239,31 @@ class Controller:
             return None
         return _child(name, obj.get("spec"), obj.get("status"), obj.get("metadata") or {})
 
-    def reconcile(self, key: Key, clusters: list[dict], jobs: list[dict]) -> float | None:
+    def current(self, key: Key, body: dict) -> dict:
+        """The indexed object with the operator's own status keys as this process last wrote them.
+
+        The index lags our writes by one watch event; the operator is the only writer of those
+        keys, so until the index shows them, our copy is the truth (spec and the workload's keys
+        always come from the index)."""
+        mine = self.written.get(key)
+        if mine is None:
+            return body
+        status = body.get("status") or {}
+        if phases.owned(status) == mine:
+            del self.written[key]      # caught up
+            return body
+        merged = {k: v for k, v in status.items() if k not in phases.OWNED_KEYS}
+        merged.update(copy.deepcopy(mine))
+        return {**body, "status": merged}
+
+    def reconcile(self, key: Key, body: dict | None, clusters: list[dict], jobs: list[dict]) -> float | None:
         ns, name = key
-        obj = self.kube.get(c.KIND, ns, name)
-        if obj is None or obj["metadata"].get("deletionTimestamp"):
+        if body is None or body["metadata"].get("deletionTimestamp"):
             metrics.set_phase(key, None)   # children go with it: ownerReferences + garbage collector
             self.due.pop(key, None)
+            self.written.pop(key, None)
             return None
+        obj = self.current(key, body)
         observed = self.observe(obj, clusters, jobs)
         now = datetime.now(timezone.utc)
         decision = phases.decide(obj, observed, now, self.tun)
@@ -264,6 +287,7 @@ class Controller:
         if decision.patch:
             if not self.kube.patch_status(ns, name, decision.patch):
                 return None
+            self.written[key] = copy.deepcopy(decision.status)
             metrics.STATUS_WRITES.inc()
         for event in decision.events:
             self.kube.post_event(obj, event)
@@ -278,7 +302,10 @@ class Controller:
         patch = phases.note_error(obj, error, now)
         if patch:
             try:
-                self.kube.patch_status(key[0], key[1], patch)
+                if self.kube.patch_status(key[0], key[1], patch):
+                    mine = phases.owned(obj.get("status"))
+                    mine.update(patch)
+                    self.written[key] = mine
             except KubeError as e:
                 log.warning("tft=%s/%s could not record error in status: %s", *key, e)
         if self.last_error.get(key) != error:

@@ -207,7 +207,8 @@ def test_collective_timeout_without_kuberay_deadline(operator, tft, kuberay):
         kuberay.job_running(f"{NAME}-verify")
         st = tft.wait("Failed", timeout=bound + MARGIN + 2)
         took = time.monotonic() - began
-        assert bound - 1 <= took <= bound + MARGIN, took  # -1: status times have 1 s resolution
+        # Lower bound: status times have 1 s resolution and the phase was entered before we saw it.
+        assert bound - 2 <= took <= bound + MARGIN, took
         assert st["reason"] == "CollectiveTimeout", st
         assert "did not finish within 10s" in st["message"] and "jobStatus=RUNNING" in st["message"]
         assert tft.children("rayjobs") == [f"{NAME}-verify"]  # never trained

@@ -62,9 +62,16 @@ def controller(kube) -> handlers.Controller:
     return handlers.Controller(kube, {}, {}, {}, phases.Tunables(verify_grace_seconds=1))
 
 
+def indexed(kube) -> dict:
+    """What the index holds once it has caught up with the API server."""
+    return copy.deepcopy(kube.objects[("TPUFinetune", NAME)])
+
+
 def test_first_reconcile_acts_then_writes_status_once():
     kube = FakeKube(tft())
-    requeue = controller(kube).reconcile((NS, NAME), [], [])
+    ctl = controller(kube)
+    stale = indexed(kube)
+    requeue = ctl.reconcile((NS, NAME), stale, [], [])
     writes = kube.ops("patch_status")
     assert len(writes) == 1
     creates = kube.ops("create")
@@ -74,16 +81,22 @@ def test_first_reconcile_acts_then_writes_status_once():
     assert ("event", "Normal", "WaitingForSlice") in kube.log
     assert requeue == 1800
     kube.log.clear()
-    # The index has not caught up yet: the cluster is confirmed with a GET, nothing is recreated.
-    controller(kube).reconcile((NS, NAME), [], [])
+    # Neither index has caught up: our own status write is overlaid, the cluster is confirmed
+    # with a GET; nothing is created, written or announced twice.
+    ctl.reconcile((NS, NAME), stale, [], [])
     assert ("get", "RayCluster", f"{NAME}-ray") in kube.log
     assert kube.ops("create", "patch_status", "event") == []
+    # Caught up: no request at all.
+    kube.log.clear()
+    cluster = {"name": f"{NAME}-ray", "status": {}, "suspend": False, "deleting": False}
+    ctl.reconcile((NS, NAME), indexed(kube), [cluster], [])
+    assert kube.log == [] and (NS, NAME) not in ctl.written
 
 
 def test_admission_rejection_becomes_the_status():
     kube = FakeKube(tft())
     kube.fail[("RayCluster", f"{NAME}-ray")] = Rejected("RayCluster", f"{NAME}-ray", "denied: numOfHosts", 403)
-    controller(kube).reconcile((NS, NAME), [], [])
+    controller(kube).reconcile((NS, NAME), indexed(kube), [], [])
     st = kube.objects[("TPUFinetune", NAME)]["status"]
     assert st["phase"] == "Failed" and st["reason"] == "AdmissionRejected" and "denied: numOfHosts" in st["message"]
     assert len(kube.ops("patch_status")) == 1 and ("event", "Warning", "AdmissionRejected") in kube.log
@@ -93,28 +106,29 @@ def test_transient_error_is_recorded_once_and_raised():
     kube = FakeKube(tft())
     kube.fail[("RayCluster", f"{NAME}-ray")] = KubeError("create RayCluster team-a/ft-ray: HTTP 500: etcd timeout")
     ctl = controller(kube)
+    stale = indexed(kube)
     for _ in range(2):
         with pytest.raises(KubeError):
-            ctl.reconcile((NS, NAME), [], [])
+            ctl.reconcile((NS, NAME), stale, [], [])
     st = kube.objects[("TPUFinetune", NAME)]["status"]
     assert st["phase"] == "Pending" and "etcd timeout" in st["message"]
     assert len(kube.ops("patch_status")) == 1
     assert [x for x in kube.log if x[0] == "event"] == [("event", "Warning", "ReconcileError")]
     del kube.fail[("RayCluster", f"{NAME}-ray")]
-    ctl.reconcile((NS, NAME), [], [])
+    ctl.reconcile((NS, NAME), indexed(kube), [], [])
     assert kube.objects[("TPUFinetune", NAME)]["status"]["phase"] == "Provisioning"
 
 
 def test_gone_object_is_forgotten():
     kube = FakeKube(None)
-    assert controller(kube).reconcile((NS, NAME), [], []) is None
+    assert controller(kube).reconcile((NS, NAME), None, [], []) is None
     assert kube.ops("create", "patch_status", "event") == []
 
 
 def test_deleting_children_in_the_index_count_as_absent():
     kube = FakeKube(tft())
     ctl = controller(kube)
-    ctl.reconcile((NS, NAME), [], [])
+    ctl.reconcile((NS, NAME), indexed(kube), [], [])
     obj = kube.objects[("TPUFinetune", NAME)]
     entry = {"name": f"{NAME}-ray", "status": {}, "suspend": False, "deleting": True}
     del kube.objects[("RayCluster", f"{NAME}-ray")]
