@@ -143,7 +143,9 @@ class LocalRay:
 
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+        # Job entrypoints say `python`: make that this environment's interpreter, as the image's is.
+        path = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
+        env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PATH=path)
         cmd = [self._ray_bin(), "start", "--head", f"--num-cpus={self.num_cpus}", "--disable-usage-stats",
                "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}"]
         log.info("starting local Ray: %s", " ".join(cmd))
