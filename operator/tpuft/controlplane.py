@@ -31,7 +31,7 @@ import urllib.request
 from pathlib import Path
 
 from tpuft.toolchain import (K8S_TOOLS, REPO_ROOT, TOOLS, VERSIONS, ToolchainError, cached_path,  # noqa: F401
-                             ensure_tools, tool_path)
+                             ensure_tools, set_pdeathsig, tool_path)
 
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager")
 KCM_CONTROLLERS = os.environ.get("TPUFT_KCM_CONTROLLERS") or ",".join([
@@ -100,11 +100,6 @@ def _proc_cmdline(pid: int) -> list[str] | None:
         return None
 
 
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
-    import ctypes
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: die with the starting process
-
-
 class ControlPlane:
     """etcd + kube-apiserver + kube-controller-manager whose state lives in `state_dir`.
 
@@ -161,18 +156,32 @@ class ControlPlane:
 
     # ----- lifecycle ---------------------------------------------------------------------------
     def start(self, timeout: float = 180.0) -> "ControlPlane":
+        """Start all three (first stopping stale ones of this state dir); returns once usable."""
         bins = ensure_tools(COMPONENTS + ("kubectl",))
-        self.stop(quiet=True)  # stale processes from an earlier run of this state dir
+        for attempt in range(3):
+            self.stop(quiet=True)  # stale processes from an earlier run of this state dir
+            try:
+                self._launch(bins, time.monotonic() + timeout, new_ports=attempt > 0)
+                break
+            except ControlPlaneError as e:  # another process took a port between pick and bind
+                if "address already in use" not in str(e) or attempt == 2:
+                    self.stop(quiet=True)
+                    raise
+                _say("a port was taken meanwhile; retrying on new ports")
+        _say(f"control plane ready at {self.server_url} (kubeconfig: {self.kubeconfig})")
+        return self
+
+    def _launch(self, bins: dict[str, str], deadline: float, new_ports: bool) -> None:
         from tpuft.kubepki import ensure_pki, write_kubeconfig
 
         for d in (self.logs, self.state_dir / "etcd", self.state_dir / "kcm-certs"):
             d.mkdir(parents=True, exist_ok=True)
         ensure_pki(self.pki)
-        old = self._state().get("ports", {})
+        old = {} if new_ports else self._state().get("ports", {})
         names = ("etcd", "etcd-peer", "kube-apiserver", "kube-controller-manager")
         ports = {n: old[n] if old.get(n) and _port_free(old[n]) else _free_port() for n in names}
         self._state_file.write_text(json.dumps({"ports": ports}, indent=2) + "\n")
-        s, pki, deadline = self.state_dir, self.pki, time.monotonic() + timeout
+        s, pki = self.state_dir, self.pki
 
         etcd_url, peer_url = f"http://127.0.0.1:{ports['etcd']}", f"http://127.0.0.1:{ports['etcd-peer']}"
         self._spawn("etcd", [
@@ -186,7 +195,7 @@ class ControlPlane:
             bins["kube-apiserver"], f"--etcd-servers={etcd_url}", "--bind-address=127.0.0.1",
             "--advertise-address=127.0.0.1", f"--secure-port={ports['kube-apiserver']}",
             f"--cert-dir={pki}", f"--tls-cert-file={pki}/apiserver.crt", f"--tls-private-key-file={pki}/apiserver.key",
-            f"--client-ca-file={pki}/ca.crt", "--authorization-mode=RBAC", "--anonymous-auth=false",
+            f"--client-ca-file={pki}/ca.crt", "--authorization-mode=RBAC",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={pki}/sa.pub", f"--service-account-signing-key-file={pki}/sa.key",
             "--service-cluster-ip-range=10.0.0.0/24", "--endpoint-reconciler-type=none",
@@ -207,8 +216,6 @@ class ControlPlane:
         # The serviceaccount controller creating default/default proves the controller manager works.
         self._wait("kube-controller-manager",
                    lambda: self._get("/api/v1/namespaces/default/serviceaccounts/default")[0] == 200, deadline)
-        _say(f"control plane ready at {self.server_url} (kubeconfig: {self.kubeconfig})")
-        return self
 
     def stop(self, quiet: bool = False, timeout: float = 15.0) -> None:
         """SIGTERM each component of this state dir (by PID), SIGKILL what is left after `timeout`."""
@@ -246,7 +253,7 @@ class ControlPlane:
             fh.flush()
             self._procs[name] = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT, cwd=self.state_dir,
-                start_new_session=True, preexec_fn=_set_pdeathsig if self.die_with_parent else None)
+                start_new_session=True, preexec_fn=set_pdeathsig if self.die_with_parent else None)
 
     def _wait(self, name: str, check, deadline: float) -> None:
         proc, log = self._procs[name], self.logs / f"{name}.log"

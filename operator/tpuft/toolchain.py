@@ -115,6 +115,12 @@ def _install(built: Path, tool: str) -> None:
     _say(f"{tool} {VERSIONS[tool]} -> {dest}")
 
 
+def set_pdeathsig() -> None:
+    """Popen preexec_fn: the child gets SIGTERM when the process that started it dies (Linux)."""
+    import ctypes
+    ctypes.CDLL(None).prctl(1, 15)  # PR_SET_PDEATHSIG, SIGTERM
+
+
 def _go() -> str:
     go = shutil.which("go") or next((p for p in ("/usr/local/go/bin/go", "/usr/lib/go/bin/go") if _usable(Path(p))), None)
     if go is None:
@@ -133,13 +139,19 @@ def _run_logged(cmd: list[str], what: str, log: Path, cwd: Path, env: dict[str, 
     with open(log, "w") as fh:
         fh.write("$ " + " ".join(cmd) + f"\n(cwd {cwd})\n")
         fh.flush()
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=fh, stderr=subprocess.STDOUT)
-        next_report = 30.0
-        while proc.poll() is None:
-            time.sleep(1)
-            if time.monotonic() - start >= next_report:
-                _say(f"  still building {what}: {_elapsed(start)} elapsed (log: {log})")
-                next_report += 30
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                preexec_fn=set_pdeathsig)
+        try:
+            next_report = 30.0
+            while proc.poll() is None:
+                time.sleep(1)
+                if time.monotonic() - start >= next_report:
+                    _say(f"  still building {what}: {_elapsed(start)} elapsed (log: {log})")
+                    next_report += 30
+        finally:
+            if proc.poll() is None:  # interrupted: don't leave a compiler running
+                proc.kill()
+                proc.wait()
     if proc.returncode != 0:
         tail = "".join(log.read_text(errors="replace").splitlines(True)[-25:])
         raise ToolchainError(f"building {what} failed (exit {proc.returncode}) after {_elapsed(start)}.\n"
