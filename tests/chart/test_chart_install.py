@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from tests.chart.helmlib import CHART
+
+pytestmark = pytest.mark.integration  # the real local control plane (tests/conftest.py)
 
 CRD = "tpufinetunes.tpufinetune.dev"
 

@@ -28,6 +28,8 @@ from tests.images.dockerfile_lib import REPO, parse
 pytest.importorskip("tpuft.handlers", reason="the operator's handlers are not in this checkout yet")
 from tests.kuberay_standin import KubeRay  # noqa: E402
 
+pytestmark = pytest.mark.integration  # the real local control plane (tests/conftest.py)
+
 NAME = "ft"
 PERMISSION_ERRORS = ("403", "Forbidden", "forbidden", "Not enough permissions")
 

@@ -1,6 +1,7 @@
 """`helm lint` and `helm template` of charts/tpufinetune-operator: what the chart renders."""
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -237,16 +238,36 @@ def test_servicemonitor_alone_brings_its_service(render):
     assert objs.one("Service") and objs.one("ServiceMonitor")
 
 
-@pytest.mark.parametrize("values,message", [
-    ({"watchNamespaces": ["Team_A"]}, "not a valid namespace name"),
-    ({"watchNamespaces": ["a", "a"]}, "listed twice"),
-    ({"logLevel": "trace"}, "logLevel must be one of"),
-    ({"metrics": {"enabled": False, "service": {"enabled": True}}}, "need metrics.enabled=true"),
-    ({"serviceAccount": {"create": False, "name": ""}}, "serviceAccount.name is required"),
-])
-def test_bad_values_fail_with_a_message(helm, tmp_path, values, message):
+BAD_VALUES = [
+    # (values, message from values.schema.json, message from the templates' own checks or None)
+    ({"watchNamespaces": ["Team_A"]}, "does not match pattern", "not a valid namespace name"),
+    ({"watchNamespaces": ["a", "a"]}, "are equal", "listed twice"),
+    ({"logLevel": "trace"}, "value must be one of", "logLevel must be one of"),
+    ({"watchNamespace": ["a"]}, "additional properties 'watchNamespace' not allowed", None),
+    ({"metrics": {"port": 8080}}, "/metrics/port", None),
+    ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy", None),
+    ({"metrics": {"enabled": False, "service": {"enabled": True}}}, None, "need metrics.enabled=true"),
+    ({"serviceAccount": {"create": False, "name": ""}}, None, "serviceAccount.name is required"),
+]
+
+
+@pytest.mark.parametrize("values,schema_msg,template_msg", BAD_VALUES,
+                         ids=[json.dumps(v, separators=(",", ":")) for v, _, _ in BAD_VALUES])
+def test_bad_values_fail_with_a_message(helm, tmp_path, values, schema_msg, template_msg):
     f = tmp_path / "v.yaml"
     f.write_text(yaml.safe_dump(values))
     proc = run_helm(helm, "template", RELEASE, str(CHART), "--values", str(f), check=False)
     assert proc.returncode != 0
-    assert message in proc.stderr, proc.stderr
+    assert (schema_msg or template_msg) in proc.stderr, proc.stderr
+    if template_msg:
+        # the templates check too, for tools that skip the values schema
+        proc = run_helm(helm, "template", RELEASE, str(CHART), "--values", str(f), "--skip-schema-validation",
+                        check=False)
+        assert proc.returncode != 0 and template_msg in proc.stderr, proc.stderr
+
+
+def test_values_schema_covers_every_top_level_key():
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert set(values) <= set(schema["properties"])
+    assert schema["additionalProperties"] is False
