@@ -1,7 +1,7 @@
 """Kubernetes API I/O for the reconciler (synchronous kubernetes client; handlers.py runs it in
 a worker thread). Every error names the verb, kind and namespace/name it was about.
 
-Verbs used (and nothing else; see charts/.../_rbac-rules.tpl): tpufinetunes get + status patch;
+Verbs used (and nothing else; see charts/.../_rbac-rules.tpl): tpufinetunes status patch (kopf lists/watches);
 rayclusters/rayjobs get, create, patch, delete; serviceaccounts, roles, rolebindings get,
 create; events create. The operator never reads Secrets.
 """

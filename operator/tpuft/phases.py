@@ -148,7 +148,12 @@ def decide(obj: Mapping[str, Any], observed: Observed, now: datetime, tun: Tunab
             d.phase = None
         return _pending(d, obj, current, observed)
 
-    tft = parse({**obj, "spec": applied_raw})
+    try:
+        tft = parse({**obj, "spec": applied_raw})
+    except SpecError as e:  # e.g. an operator upgrade dropped a shape this run was started with
+        if not (d.phase and d.phase.terminal):
+            d.fail(Reason.INVALID_SPEC, "the applied spec no longer validates: " + "; ".join(map(str, e.problems)))
+        return d.finish()
     live_suspend = spec_raw.get("suspend") if isinstance(spec_raw.get("suspend"), bool) else tft.spec.suspend
     ignored = spec_diff(spec_raw, applied_raw)
     if ignored or error is not None:

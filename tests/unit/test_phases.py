@@ -480,3 +480,10 @@ def test_note_error_keeps_phase_and_pending_times_out():
     assert d.status["reason"] == "ProvisioningTimeout" and "etcd timeout" in d.status["message"]
     d = phases.decide(o, Observed(), at(100), TUN)
     assert d.phase == "Provisioning" and len(d.actions) == 4
+
+
+def test_applied_spec_that_no_longer_parses_fails_instead_of_crashing():
+    o = run_to(make(), Phase.PROVISIONING)
+    o["status"]["appliedSpec"]["topology"] = "3x3"
+    d = phases.decide(o, Observed(cluster(0)), at(5), TUN)
+    assert d.status["reason"] == "InvalidSpec" and "no longer validates" in d.status["message"]
