@@ -195,3 +195,25 @@ def test_every_copy_source_is_in_the_context(dockerfile):
                 src = src.rstrip("/")
                 assert src in ctx or any(p.startswith(src + "/") for p in ctx), \
                     f"{dockerfile.path.name}:{c.line}: COPY {src} is missing from the build context"
+
+
+# --- cross-check with Docker's own parser ---------------------------------------------
+
+@pytest.mark.parametrize("df", [OPERATOR, WORKLOAD], ids=["operator", "workload"])
+def test_docker_parser_reads_the_same_instructions(df):
+    """`dockerfile` (PyPI) wraps BuildKit's Go parser: it must accept the file, and see the
+    same instructions on the same lines as the small parser the other tests use."""
+    import dockerfile as official  # the `test` extra in pyproject.toml
+
+    theirs = official.parse_file(str(df.path))
+    ours = [("ARG", None)] * len(df.global_args)
+    for st in df.stages:
+        ours.append(("FROM", None))
+        ours += [(i.cmd, i.line) for i in st.instructions]
+    assert [c.cmd.upper() for c in theirs] == [cmd for cmd, _ in ours]
+    for c, (cmd, line) in zip(theirs, ours):
+        if line is not None:
+            assert c.start_line == line, (c, line)
+    entry = [c for c in theirs if c.cmd.upper() == "ENTRYPOINT"]
+    if df is OPERATOR:
+        assert entry[-1].json and list(entry[-1].value) == OPERATOR.final.all("ENTRYPOINT")[-1].json_args
