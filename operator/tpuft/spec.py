@@ -23,6 +23,19 @@ STORAGE_PATH = re.compile(r"^(gs://[a-z0-9][-a-z0-9_.]{1,221}[a-z0-9](/.*)?|s3:/
 MAX_QUANTITY_LENGTH = 32
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|Mi|Gi|Ti|Pi|M|G|T|P|E|Ei)?$")
 ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+# What Kubernetes requires of the values that reach children and pods (labels, node selectors,
+# secret references): checked here and in the CRD, so an accepted TPUFinetune never yields a child
+# or pod the API server rejects. The patterns are RE2-compatible (the CRD uses them as is).
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")
+QUALIFIED_NAME = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                            r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+MAX_QUALIFIED_NAME_LENGTH = 317  # 253 (DNS subdomain prefix) + "/" + 63
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+CONFIG_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+MAX_MAP_ENTRIES = 64
+TOLERATION_OPERATORS = ("Exists", "Equal")
+TOLERATION_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+ENV_SOURCES = ("secretKeyRef", "configMapKeyRef", "fieldRef", "resourceFieldRef")
 # Characters that only ever appear in an attempt to smuggle shell into an entrypoint.
 UNSAFE = re.compile(r"[\s;&|`$<>\\'\"]")
 
@@ -241,12 +254,26 @@ class _Reader:
             return bool(DEFAULTS[dkey])
         return value
 
-    def str_map(self, obj: Mapping, key: str, path: str) -> dict[str, str]:
+    def str_map(self, obj: Mapping, key: str, path: str, keys: re.Pattern | None = None,
+                values: re.Pattern | None = None) -> dict[str, str]:
         value = obj.get(key) or {}
         if not isinstance(value, Mapping) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
             self.fail(path, "must be a map of strings to strings")
             return {}
+        if keys is not None or values is not None:
+            if len(value) > MAX_MAP_ENTRIES:
+                self.fail(path, f"has {len(value)} entries; at most {MAX_MAP_ENTRIES}")
+            bad = [k for k in value if keys is not None and (
+                len(k) > MAX_QUALIFIED_NAME_LENGTH or not keys.fullmatch(k)
+                or len(k.rpartition("/")[0]) > 253)]
+            if bad:
+                self.fail(path, f"keys must be Kubernetes qualified names (optional DNS prefix/, then at most 63 "
+                          f"of [-A-Za-z0-9_.]); got {bad[0]!r}")
+            for k, v in value.items():
+                if values is not None and not values.fullmatch(v):
+                    self.fail(f"{path}.{k}", f"{v!r} is not a valid label value (at most 63 of [-A-Za-z0-9_.], "
+                              "starting and ending alphanumeric)")
         return dict(value)
 
 
@@ -258,7 +285,7 @@ def _resource_block(r: _Reader, obj: Mapping, key: str, path: str) -> dict[str, 
         # Quantities are int-or-string, as in Kubernetes (`cpu: 8`); kept as strings from here on.
         if isinstance(raw, Mapping):
             raw = {k: str(v) if isinstance(v, int) and not isinstance(v, bool) else v for k, v in raw.items()}
-        values = r.str_map({kind: raw}, kind, f"{path}.{kind}")
+        values = r.str_map({kind: raw}, kind, f"{path}.{kind}", keys=QUALIFIED_NAME)
         for res, qty in values.items():
             if res == TPU_RESOURCE:
                 r.fail(f"{path}.{kind}.{res}", "is derived from spec.topology and cannot be overridden")
@@ -359,6 +386,12 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
         hs = r.section(spec, "hfTokenSecret", "spec.hfTokenSecret")
         sname = r.string(hs, "name", "spec.hfTokenSecret.name", required=True, max_len=253)
         skey = r.string(hs, "key", "spec.hfTokenSecret.key", required=True, max_len=253)
+        if sname and not DNS_SUBDOMAIN.fullmatch(sname):
+            r.fail("spec.hfTokenSecret.name", f"{sname!r} is not a Secret name (lowercase DNS subdomain)")
+            sname = None
+        if skey and not CONFIG_KEY.fullmatch(skey):
+            r.fail("spec.hfTokenSecret.key", f"{skey!r} is not a Secret key (letters, digits, '-', '_', '.')")
+            skey = None
         if sname and skey:
             hf = SecretKeyRef(sname, skey)
 
@@ -384,19 +417,27 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
     if not isinstance(spot, bool):
         r.fail("spec.scheduling.spot", f"must be true or false (got {spot!r})")
         spot = False
-    reservation = r.string(sc, "reservation", "spec.scheduling.reservation", max_len=253)
+    reservation = r.string(sc, "reservation", "spec.scheduling.reservation", max_len=63)
+    if reservation and not LABEL_VALUE.fullmatch(reservation):  # it becomes a node selector value
+        r.fail("spec.scheduling.reservation", f"{reservation!r} is not a GKE reservation name")
     if spot and reservation is not None:  # as the CRD's rule: has(reservation), even when empty
         r.fail("spec.scheduling", "spot and reservation are mutually exclusive: pick one capacity type")
     tolerations = sc.get("tolerations") or []
     if not isinstance(tolerations, list) or not all(isinstance(t, Mapping) for t in tolerations):
         r.fail("spec.scheduling.tolerations", "must be a list of Kubernetes tolerations")
         tolerations = []
+    for i, t in enumerate(tolerations):
+        for k, allowed in (("operator", TOLERATION_OPERATORS), ("effect", TOLERATION_EFFECTS)):
+            if t.get(k) is not None and t.get(k) not in allowed:
+                r.fail(f"spec.scheduling.tolerations[{i}].{k}", f"must be one of {', '.join(allowed)} (got {t.get(k)!r})")
     scheduling = Scheduling(
         spot=spot, reservation=reservation,
-        node_selector=r.str_map(sc, "nodeSelector", "spec.scheduling.nodeSelector"),
+        node_selector=r.str_map(sc, "nodeSelector", "spec.scheduling.nodeSelector", QUALIFIED_NAME, LABEL_VALUE),
         tolerations=tuple(dict(t) for t in tolerations),
         priority_class_name=r.string(sc, "priorityClassName", "spec.scheduling.priorityClassName", max_len=253),
     )
+    if scheduling.priority_class_name and not DNS_SUBDOMAIN.fullmatch(scheduling.priority_class_name):
+        r.fail("spec.scheduling.priorityClassName", f"{scheduling.priority_class_name!r} is not a PriorityClass name")
 
     env = spec.get("env") or []
     if not isinstance(env, list):
@@ -409,8 +450,9 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
             r.fail(f"spec.env[{i}]", "set value or valueFrom, not both")
         elif "value" in item and not isinstance(item["value"], str):
             r.fail(f"spec.env[{i}].value", f"must be a string (got {type(item['value']).__name__}); quote numbers")
-        elif "valueFrom" in item and not isinstance(item["valueFrom"], Mapping):
-            r.fail(f"spec.env[{i}].valueFrom", "must be an object (an EnvVarSource such as secretKeyRef)")
+        elif "valueFrom" in item and (not isinstance(item["valueFrom"], Mapping) or len(item["valueFrom"]) != 1
+                                      or next(iter(item["valueFrom"])) not in ENV_SOURCES):
+            r.fail(f"spec.env[{i}].valueFrom", f"must hold exactly one of {', '.join(ENV_SOURCES)}")
 
     spec_obj = None
     if slice_shape is not None and not r.problems:
@@ -424,8 +466,8 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
             ttl_seconds_after_finished=r.integer(spec, "ttlSecondsAfterFinished", "spec.ttlSecondsAfterFinished",
                                                  "ttlSecondsAfterFinished"),
             resources=resources, scheduling=scheduling,
-            labels=r.str_map(spec, "labels", "spec.labels"),
-            annotations=r.str_map(spec, "annotations", "spec.annotations"),
+            labels=r.str_map(spec, "labels", "spec.labels", QUALIFIED_NAME, LABEL_VALUE),
+            annotations=r.str_map(spec, "annotations", "spec.annotations", QUALIFIED_NAME),
             env=tuple(dict(e) for e in env),
         )
     else:
@@ -433,8 +475,8 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
         r.integer(spec, "provisioningTimeoutSeconds", "spec.provisioningTimeoutSeconds", "provisioningTimeoutSeconds")
         r.boolean(spec, "suspend", "spec.suspend", "suspend")
         r.integer(spec, "ttlSecondsAfterFinished", "spec.ttlSecondsAfterFinished", "ttlSecondsAfterFinished")
-        r.str_map(spec, "labels", "spec.labels")
-        r.str_map(spec, "annotations", "spec.annotations")
+        r.str_map(spec, "labels", "spec.labels", QUALIFIED_NAME, LABEL_VALUE)
+        r.str_map(spec, "annotations", "spec.annotations", QUALIFIED_NAME)
     if r.problems or spec_obj is None:
         raise SpecError(r.problems or [Problem("spec", "is invalid")], where)
     return TPUFinetune(meta=meta, spec=spec_obj)

@@ -4,8 +4,8 @@
   generation x every offered topology, every accelerator spelling, int quantities, env valueFrom, ...)
   are accepted by a server-side create, and tpuft.spec.parse accepts what the server stored and
   derives the same Spec as from the local document (the server applies tpuft.spec.DEFAULTS exactly).
-- INVALID: 170 invalid TPUFinetunes (test_table_counts checks these numbers and prints them).
-  168 are rejected at admission (HTTP 422) with an error naming the field, and tpuft.spec.parse
+- INVALID: 190 invalid TPUFinetunes (test_table_counts checks these numbers and prints them).
+  188 are rejected at admission (HTTP 422) with an error naming the field, and tpuft.spec.parse
   rejects each of them with the same field too (server and parser agree row by row).
   2 rows are PARSER-ONLY, marked PARSER_ONLY in the table: the CRD cannot express them because the
   API server refuses the request before schema validation (HTTP 400: a wrong apiVersion; metadata
@@ -159,6 +159,8 @@ INVALID = [
     row("hf-no-name", ("spec.hfTokenSecret", {"key": "k"}), "spec.hfTokenSecret.name"),
     row("hf-empty-name", ("spec.hfTokenSecret", {"name": "", "key": "k"}), "spec.hfTokenSecret.name"),
     row("hf-string", ("spec.hfTokenSecret", "hf-secret"), "spec.hfTokenSecret"),
+    row("hf-name-invalid", ("spec.hfTokenSecret", {"name": "HF_Secret", "key": "k"}), "spec.hfTokenSecret.name"),
+    row("hf-key-invalid", ("spec.hfTokenSecret", {"name": "hf", "key": "hf token"}), "spec.hfTokenSecret.key"),
     # --- verification, timeouts, suspend ---
     row("verify-timeout-1", ("spec.verification.timeoutSeconds", 1), "spec.verification.timeoutSeconds"),
     row("verify-timeout-1e9", ("spec.verification.timeoutSeconds", 10 ** 9), "spec.verification.timeoutSeconds"),
@@ -179,6 +181,8 @@ INVALID = [
         "spec.resources.worker.limits.memory"),
     row("quantity-negative-int", ("spec.resources", {"worker": {"limits": {"cpu": -1}}}),
         "spec.resources.worker.limits.cpu"),
+    row("resource-name-invalid", ("spec.resources", {"head": {"requests": {"my cpu": "1"}}}),
+        "spec.resources.head.requests"),
     row("shm-word", ("spec.resources", {"shmSize": "big"}), "spec.resources.shmSize"),
     row("shm-int", ("spec.resources", {"shmSize": 100}), "spec.resources.shmSize"),
     # --- scheduling ---
@@ -189,17 +193,42 @@ INVALID = [
     row("tolerations-string", ("spec.scheduling", {"tolerations": "all"}), "spec.scheduling.tolerations"),
     row("tolerations-items", ("spec.scheduling", {"tolerations": ["all"]}), "spec.scheduling.tolerations"),
     row("reservation-too-long", ("spec.scheduling", {"reservation": "r" * 254}), "spec.scheduling.reservation"),
+    row("reservation-64-chars", ("spec.scheduling", {"reservation": "r" * 64}), "spec.scheduling.reservation"),
+    row("reservation-space", ("spec.scheduling", {"reservation": "res 1"}), "spec.scheduling.reservation"),
+    row("node-selector-value-space", ("spec.scheduling", {"nodeSelector": {"pool": "a b"}}),
+        "spec.scheduling.nodeSelector"),
+    row("node-selector-key-space", ("spec.scheduling", {"nodeSelector": {"my pool": "a"}}),
+        "spec.scheduling.nodeSelector"),
+    row("toleration-operator", ("spec.scheduling", {"tolerations": [{"key": "a", "operator": "Bogus"}]}),
+        "spec.scheduling.tolerations[0].operator"),
+    row("toleration-effect", ("spec.scheduling", {"tolerations": [{"key": "a", "effect": "NoWay"}]}),
+        "spec.scheduling.tolerations[0].effect"),
     row("priority-class-int", ("spec.scheduling", {"priorityClassName": 5}), "spec.scheduling.priorityClassName"),
+    row("priority-class-invalid", ("spec.scheduling", {"priorityClassName": "High_Prio"}),
+        "spec.scheduling.priorityClassName"),
     # --- labels, annotations, env ---
     row("labels-list", ("spec.labels", ["a"]), "spec.labels"),
     row("labels-int-value", ("spec.labels", {"a": 1}), "spec.labels"),
+    row("labels-value-too-long", ("spec.labels", {"team": "x" * 64}), "spec.labels"),
+    row("labels-value-space", ("spec.labels", {"team": "ml ops"}), "spec.labels"),
+    row("labels-key-space", ("spec.labels", {"my team": "ml"}), "spec.labels"),
+    row("labels-key-name-64", ("spec.labels", {"example.com/" + "n" * 64: "ml"}), "spec.labels"),
+    row("labels-too-many", ("spec.labels", {f"l{i}": "v" for i in range(65)}), "spec.labels"),
     row("annotations-string", ("spec.annotations", "x"), "spec.annotations"),
+    row("annotations-key-two-slashes", ("spec.annotations", {"a/b/c": "x"}), "spec.annotations"),
+    row("annotations-key-injection", ("spec.annotations", {"$(curl x)": "x"}), "spec.annotations"),
     row("env-string", ("spec.env", "A=1"), "spec.env"),
     row("env-bad-name", ("spec.env", [{"name": "1BAD"}]), "spec.env[0].name"),
     row("env-injection-name", ("spec.env", [{"name": "A;rm", "value": "1"}]), "spec.env[0].name"),
     row("env-no-name", ("spec.env", [{"value": "1"}]), "spec.env[0].name"),
     row("env-value-and-value-from", ("spec.env", [{"name": "A", "value": "1", "valueFrom": {}}]), "spec.env[0]"),
     row("env-int-value", ("spec.env", [{"name": "A", "value": 1}]), "spec.env[0].value"),
+    row("env-value-from-empty", ("spec.env", [{"name": "A", "valueFrom": {}}]), "spec.env[0].valueFrom"),
+    row("env-value-from-unknown", ("spec.env", [{"name": "A", "valueFrom": {"shellRef": {"cmd": "id"}}}]),
+        "spec.env[0].valueFrom"),
+    row("env-value-from-two-sources", ("spec.env", [{"name": "A", "valueFrom": {
+        "secretKeyRef": {"name": "s", "key": "k"}, "configMapKeyRef": {"name": "c", "key": "k"}}}]),
+        "spec.env[0].valueFrom"),
     # --- metadata: names too long for derived child names ---
     row("name-41-chars", ("metadata.name", "x" * 41), "metadata.name"),
     row("name-63-chars", ("metadata.name", "a" * 63), "metadata.name"),
@@ -224,7 +253,7 @@ COUNTS = {
     "admission": sum(1 for p in INVALID if p.values[2] == ADMISSION),
     "parser_only": sum(1 for p in INVALID if p.values[2] == PARSER_ONLY),
 }
-DOCUMENTED_COUNTS = {"total": 170, "admission": 168, "parser_only": 2}  # as the module docstring says
+DOCUMENTED_COUNTS = {"total": 190, "admission": 188, "parser_only": 2}  # as the module docstring says
 
 
 # --- helpers ------------------------------------------------------------------------------------
@@ -356,6 +385,20 @@ EDGE_VALID = [
         ("spot", [("spec.scheduling", {"spot": True})]),
         ("no-verification-suspended", [("spec.verification", {"enabled": False}), ("spec.suspend", True)]),
         ("labels-annotations", [("spec.labels", {"team": "ml"}), ("spec.annotations", {"note": "hi there"})]),
+        ("qualified-keys-and-label-values", [
+            ("spec.labels", {"app.kubernetes.io/part-of": "fine-tuning", "tpufinetune.dev/team": "", "k": "V_1.a-b"}),
+            ("spec.annotations", {"example.com/" + "n" * 63: "any text; even $(this)", "a": ""}),
+            ("spec.scheduling", {"nodeSelector": {"cloud.google.com/gke-nodepool": "pool-1"},
+                                 "reservation": "r" * 63,
+                                 "tolerations": [{"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"},
+                                                 {"key": "k", "operator": "Equal", "value": "v", "effect": "NoExecute",
+                                                  "tolerationSeconds": 30}, {"operator": "Exists"}]})]),
+        ("64-labels", [("spec.labels", {f"l{i}": "v" for i in range(64)})]),
+        ("env-sources-and-secret-names", [
+            ("spec.hfTokenSecret", {"name": "hf.secret-1", "key": "HF_TOKEN.v2"}),
+            ("spec.env", [{"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                          {"name": "CM", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}},
+                          {"name": "MEM", "valueFrom": {"resourceFieldRef": {"resource": "limits.memory"}}}])]),
         ("split-slice-syntax", [("spec.dataset.split", "train[10%:20%]+validation")]),
     ]
 ]
@@ -487,3 +530,32 @@ def _assert_subset(sent, got, where):
             _assert_subset(a, b, f"{where}[{i}]")
     else:
         assert sent == got or str(sent) == str(got), f"{where}: sent {sent!r}, got {got!r}"
+
+
+def test_children_of_every_edge_valid_spec_pass_server_dry_runs_down_to_the_pods(kubectl, ns):
+    """What the server accepts as a TPUFinetune must also give children the server accepts: the
+    RayCluster, RayJobs and RBAC objects (strict dry run against the KubeRay CRDs) and the Pods
+    KubeRay will make from the head and worker templates (a Pod dry run also checks labels, node
+    selectors, env and resources, which the RayCluster CRD leaves unchecked)."""
+    children, pods, accounts = [], [], set()
+    for p in EDGE_VALID:
+        doc = copy.deepcopy(p.values[0])
+        doc["metadata"]["namespace"] = ns
+        tft = parse(doc)
+        kids = builders.build_children(tft)
+        children += kids
+        accounts.add(builders.names(tft).identity)
+        rc = kids[0]
+        for group in [rc["spec"]["headGroupSpec"], *rc["spec"]["workerGroupSpecs"]]:
+            template = copy.deepcopy(group["template"])
+            template["metadata"]["generateName"] = f"{rc['metadata']['name']}-"
+            pods.append({"apiVersion": "v1", "kind": "Pod", "metadata": template["metadata"], "spec": template["spec"]})
+    for sa in sorted(accounts):  # the ServiceAccount admission plugin needs the pods' account to exist
+        kubectl("create", "serviceaccount", sa, "-n", ns)
+    kubectl("create", "priorityclass", "high", "--value=1000")  # used by an EDGE_VALID spec; may exist
+    for what, verb, items in (("children", "apply", children), ("pods", "create", pods)):
+        listing = json.dumps({"apiVersion": "v1", "kind": "List", "items": items})
+        res = kubectl(verb, "--dry-run=server", "--validate=strict", "-n", ns, "-o", "name", "-f", "-",
+                      input=listing, timeout=300)
+        assert res.returncode == 0, f"{what}: {res.stderr[-3000:]}"
+        assert len(res.stdout.split()) == len(items), (what, res.stdout)
