@@ -66,6 +66,18 @@ def filesystem(uri: str):
     return _fs(uri)[0]
 
 
+def write_json(uri: str, obj) -> None:
+    fs, path = _fs(uri)
+    with fs.open_output_stream(path) as f:
+        f.write(json.dumps(obj, sort_keys=True).encode())
+
+
+def read_json(uri: str):
+    fs, path = _fs(uri)
+    with fs.open_input_stream(path) as f:
+        return json.loads(f.read().decode())
+
+
 def upload_dir(local_dir: str, uri: str) -> None:
     import pyarrow.fs as pafs
 

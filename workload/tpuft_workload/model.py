@@ -29,7 +29,7 @@ def _local_copy(uri: str) -> str:
         return uri
     from tpuft_workload.checkpoint import download_dir
 
-    root = Path(os.environ.get("TPUFT_CACHE", "/tmp/tpuft-cache")) / hashlib.sha256(uri.encode()).hexdigest()[:16]
+    root = Path(os.environ.get("TPUFT_MODEL_CACHE", "/tmp/tpuft-model-cache")) / hashlib.sha256(uri.encode()).hexdigest()[:16]
     root.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{root}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -50,11 +50,15 @@ class StatusReporter:
         if self._api is None:
             from kubernetes import client, config
 
+            # Our own ApiClient, never the library-wide default configuration.
+            cfg = client.Configuration()
             if os.environ.get("KUBERNETES_SERVICE_HOST"):
-                config.load_incluster_config()
-            else:
-                config.load_kube_config()
-            self._api = client.CustomObjectsApi()
+                config.load_incluster_config(client_configuration=cfg)
+            else:  # KUBECONFIG read now (the library reads it once, at import)
+                config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None,
+                                        client_configuration=cfg)
+            cfg.retries = 1  # a down API server must not hold rank 0 for long
+            self._api = client.CustomObjectsApi(client.ApiClient(cfg))
         return self._api
 
     def _patch(self, key: str, value: dict) -> bool:
@@ -85,6 +89,54 @@ class StatusReporter:
             raise ValueError(f"not a status.training key: {sorted(unknown)}")
         fields.setdefault("updatedAt", now_rfc3339())
         return self._patch("training", fields)
+
+
+class BackgroundReporter:
+    """Sends status.training patches from a daemon thread so a slow or unreachable API server
+    never stalls rank 0 (and with it every rank, at the next collective). Pending patches
+    coalesce: the newest fields win. `close()` flushes what is left, with a bound."""
+
+    def __init__(self, reporter: StatusReporter):
+        import threading
+
+        self.reporter = reporter
+        self._pending: dict = {}
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="tpuft-status", daemon=True)
+        if reporter.enabled:
+            self._thread.start()
+
+    @property
+    def enabled(self) -> bool:
+        return self.reporter.enabled
+
+    def training(self, **fields) -> None:
+        if not self.enabled:
+            return
+        unknown = set(fields) - set(TRAINING_KEYS)
+        if unknown:
+            raise ValueError(f"not a status.training key: {sorted(unknown)}")
+        with self._cv:
+            self._pending.update(fields, updatedAt=now_rfc3339())
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending and not self._closed:
+                    self._cv.wait()
+                if not self._pending and self._closed:
+                    return
+                fields, self._pending = self._pending, {}
+            self.reporter.training(**fields)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
 
 
 class Throttle:

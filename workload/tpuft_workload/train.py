@@ -24,11 +24,12 @@ from tpuft_workload import checkpoint as ckptlib
 from tpuft_workload import data as datalib
 from tpuft_workload import faults as faultlib
 from tpuft_workload.platform import PLATFORMS, Target, load_backend
-from tpuft_workload.report import StatusReporter, Throttle
+from tpuft_workload.report import BackgroundReporter, StatusReporter, Throttle
 
 log = logging.getLogger(__name__)
 
 RESULT_PREFIX = "TPUFT_TRAIN_RESULT"
+SUMMARY = "summary.json"  # under storage_path/run_name, written by rank 0 when a run completes
 
 
 def _ckpt_name(step: int) -> str:
@@ -98,7 +99,8 @@ def train_loop(cfg: dict) -> None:
     load_backend(plat)
     device = ray.train.torch.get_device()
     faults = faultlib.parse_faults(cfg["fault"])
-    reporter = StatusReporter(cfg["cr_namespace"], cfg["cr_name"]) if rank == 0 else StatusReporter("", "")
+    reporter = BackgroundReporter(StatusReporter(cfg["cr_namespace"], cfg["cr_name"]) if rank == 0
+                                  else StatusReporter("", ""))
     throttle = Throttle(cfg["status_every_s"])
     torch.manual_seed(cfg["seed"])
 
@@ -204,11 +206,15 @@ def train_loop(cfg: dict) -> None:
 
     exported = ckptlib.export_hf(model, tokenizer, cfg["export_uri"], rank,
                                  dtype=_t.bfloat16 if plat.mixed_precision else None)
+    summary = {"step": step, "totalSteps": total_steps, "resumedFromStep": resumed_from,
+               "lastCheckpoint": last_ckpt, "exportedModel": exported}
     if rank == 0:
         print(f"[tpuft] exported Hugging Face model to {exported}", flush=True)
         status(True, epoch=cfg["epochs"], step=step, lastCheckpoint=last_ckpt, exportedModel=exported)
-    ray.train.report({"step": step, "total_steps": total_steps, "resumed_from_step": resumed_from,
-                      "exported_model": cfg["export_uri"], "done": True})
+        # Result.metrics is the latest *checkpoint's* metrics (maybe from an earlier attempt):
+        # this file is what the final attempt actually did.
+        ckptlib.write_json(ckptlib.join(cfg["run_dir"], SUMMARY), summary)
+    reporter.close()
 
 
 def build_trainer(args, target: Target, fault_spec: str = ""):
@@ -267,10 +273,8 @@ def run_training(args, target: Target, fault_spec: str = "") -> int:
                                                  f"{msg[-1] if msg else ''}"[:500]}), flush=True)
         log.error("training failed: %s", e)
         return 1
-    metrics = dict(result.metrics or {})
-    body = {"succeeded": True, "seconds": round(time.monotonic() - t0, 1), "step": metrics.get("step"),
-            "exportedModel": cfg["export_uri"], "checkpoint": str(result.checkpoint.path) if result.checkpoint else None,
-            "resumedFromStep": metrics.get("resumed_from_step")}
+    body = {"succeeded": True, "seconds": round(time.monotonic() - t0, 1),
+            **ckptlib.read_json(ckptlib.join(cfg["run_dir"], SUMMARY))}
     print(f"{RESULT_PREFIX} {json.dumps(body)}", flush=True)
     return 0
 

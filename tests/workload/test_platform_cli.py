@@ -1,0 +1,142 @@
+"""Platform table, TPU env check, CLI contract with the operator, fault specs, status reporting."""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from tpuft_workload import __main__ as cli
+from tpuft_workload import faults, platform
+from tpuft_workload.report import TRAINING_KEYS, VERIFICATION_KEYS, StatusReporter
+
+
+@pytest.mark.parametrize("acc,topo,slices,kind,backend,device,world", [
+    ("v6e", "4x4", 1, "tpu", "tpu_dist", "tpu", 16),
+    ("TPU-V6E", "4x4", 2, "tpu", "tpu_dist", "tpu", 32),
+    ("tpu7x", "2x2x2", 1, "tpu", "tpu_dist", "tpu", 16),     # 2 devices per chip
+    ("v5e", "2x4", 1, "tpu", "tpu_dist", "tpu", 8),
+    ("cpu", "2", 1, "cpu", "gloo", "cpu", 2),
+    ("gpu", "4", 1, "gpu", "nccl", "cuda", 4),
+])
+def test_platform_selection(acc, topo, slices, kind, backend, device, world):
+    t = platform.resolve_target(acc, topo, slices)
+    assert (t.platform.kind, t.platform.backend, t.platform.device_type, t.world_size) == \
+        (kind, backend, device, world)
+    assert t.platform.mixed_precision is (kind != "cpu")
+
+
+def test_tpu_env_check_names_missing_variables():
+    multi = platform.resolve_target("v6e", "4x4").shape
+    single = platform.resolve_target("v6e", "2x2").shape
+    env = {"TPU_WORKER_ID": "0", "TORCH_TPU_TOPOLOGY": "4,4,1"}
+    assert platform.missing_tpu_env(multi, env) == ["TPU_WORKER_HOSTNAMES", "TORCH_TPU_SLICEBUILDER_ADDRESSES"]
+    assert platform.missing_tpu_env(single, env) == ["TORCH_TPU_SLICEBUILDER_ADDRESSES"]  # one host: no list
+    full = {**env, "TPU_WORKER_HOSTNAMES": "a,b,c,d", "TORCH_TPU_SLICEBUILDER_ADDRESSES": "a:8471"}
+    assert platform.missing_tpu_env(multi, full) == []
+    msg = platform.tpu_env_error(["TORCH_TPU_TOPOLOGY"], "host-1")
+    assert "TORCH_TPU_TOPOLOGY" in msg and "webhook" in msg and "host-1" in msg
+
+
+def test_cpu_path_never_imports_torch_tpu():
+    import sys
+
+    platform.load_backend(platform.PLATFORMS["cpu"])
+    assert "torch_tpu" not in sys.modules
+
+
+def test_cli_train_flags_match_the_operator_contract():
+    args, target = cli.parse_args([
+        "train", "--accelerator", "v6e", "--topology", "4x4", "--slices", "1",
+        "--model", "google/gemma-4-E2B-it", "--dataset", "databricks/databricks-dolly-15k",
+        "--dataset-split", "train[:1024]", "--epochs", "3", "--batch-size-per-device", "4",
+        "--max-seq-length", "512", "--learning-rate", "2e-05", "--storage-path", "gs://b/p",
+        "--run-name", "run-1", "--no-packing", "--checkpoint-every-steps", "50",
+        "--keep-checkpoints", "3", "--max-failures", "2", "--report-every-steps", "5"])
+    assert target.world_size == 16 and target.platform.backend == "tpu_dist"
+    assert (args.model, args.dataset_split, args.epochs, args.batch_size_per_device) == \
+        ("google/gemma-4-E2B-it", "train[:1024]", 3, 4)
+    assert (args.max_seq_length, args.learning_rate, args.storage_path, args.run_name) == \
+        (512, 2e-5, "gs://b/p", "run-1")
+    assert args.packing is False
+    assert (args.checkpoint_every_steps, args.keep_checkpoints, args.max_failures, args.report_every_steps) == \
+        (50, 3, 2, 5)
+    args, _ = cli.parse_args(["verify", "--accelerator", "cpu", "--topology", "2", "--timeout-seconds", "30"])
+    assert args.timeout_seconds == 30.0 and args.slices == 1
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["verify", "--accelerator", "v6e", "--topology", "3x3"], "--topology"),
+    (["verify", "--accelerator", "v9", "--topology", "4x4"], "--accelerator"),
+    (["verify", "--accelerator", "cpu", "--topology", "2", "--timeout-seconds", "0"], "timeout-seconds"),
+    (["train", "--accelerator", "cpu", "--topology", "2"], "required"),
+])
+def test_cli_rejects_bad_arguments_with_exit_2(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(argv)
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_fault_specs():
+    assert faults.parse_faults("hang-rank:1, kill-rank:0:step:7") == [
+        faults.Fault("hang", 1), faults.Fault("kill", 0, 7)]
+    assert faults.parse_faults("") == []
+    with pytest.raises(ValueError, match="hang-rank:R"):
+        faults.parse_faults("hang:1")
+
+
+def test_status_reporter_is_a_no_op_without_the_cr_identity(monkeypatch):
+    monkeypatch.delenv("TPUFT_NAMESPACE", raising=False)
+    monkeypatch.delenv("TPUFT_NAME", raising=False)
+    r = StatusReporter()
+    assert not r.enabled and r.training(step=1) is False and r.failures == 0
+
+
+def test_status_reporter_swallows_api_errors(monkeypatch, tmp_path):
+    bad = tmp_path / "kubeconfig"
+    bad.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "x",
+        "clusters": [{"name": "x", "cluster": {"server": "http://127.0.0.1:9"}}],
+        "contexts": [{"name": "x", "context": {"cluster": "x", "user": "x"}}],
+        "users": [{"name": "x", "user": {"token": "secret-token-never-logged"}}]}))
+    monkeypatch.setenv("KUBECONFIG", str(bad))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    r = StatusReporter("ns", "name", timeout_s=2)
+    assert r.training(step=3, loss=1.0) is False          # connection refused: logged, not raised
+    assert r.failures == 1 and "secret-token" not in (r.last_error or "")
+
+
+def test_status_reporter_writes_status_subresource(kubeconfig, namespace, kube_api, monkeypatch):
+    from pathlib import Path
+
+    from kubernetes import client
+
+    from tpuft.constants import GROUP, PLURAL, VERSION
+
+    api = client.CustomObjectsApi(kube_api)
+    example = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "local-cpu.yaml").read_text())
+    example["metadata"] = {"name": "status-test"}
+    api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, example)
+    # the operator owns the other status keys: they must survive our patches
+    api.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, "status-test",
+                                              {"status": {"phase": "Training"}},
+                                              _content_type="application/merge-patch+json")
+    monkeypatch.setenv("KUBECONFIG", kubeconfig)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("TPUFT_NAMESPACE", namespace)
+    monkeypatch.setenv("TPUFT_NAME", "status-test")
+    r = StatusReporter()
+    assert r.verification({"passed": True, "ranks": 2, "hosts": 1, "allReduceSum": 3.0, "expectedSum": 3.0,
+                           "maxAbsDiff": 2e-7, "seconds": 4.2, "message": "ok", "extra": "dropped"})
+    assert r.training(epoch=1, epochs=3, step=10, totalSteps=30, loss=2.5, tokensPerSecond=100.0,
+                      paddedTokensPerSecond=120.0, stepTimeSeconds=0.1, padFraction=0.17,
+                      lastCheckpoint="/ckpt/checkpoint_step_0000010")
+    assert r.training(step=20, loss=2.0, exportedModel="/ckpt/export")  # merges, keeps epoch etc.
+    with pytest.raises(ValueError, match="not a status.training key"):
+        r.training(phase="Succeeded")
+    status = api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "status-test")["status"]
+    assert status["phase"] == "Training"
+    assert set(status["verification"]) == set(VERIFICATION_KEYS)
+    assert status["verification"]["allReduceSum"] == 3.0
+    assert set(status["training"]) <= set(TRAINING_KEYS)
+    assert status["training"]["epoch"] == 1 and status["training"]["step"] == 20
+    assert status["training"]["exportedModel"] == "/ckpt/export" and status["training"]["updatedAt"].endswith("Z")

@@ -1,0 +1,50 @@
+"""Collective verification on 2 real CPU workers (gloo): pass, injected hang, injected failure."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from tpuft_workload import verify
+from tpuft_workload.platform import resolve_target
+
+
+def test_two_cpu_workers_pass_with_the_right_sum_and_parity(ray_cluster):
+    res = verify.run_verification(resolve_target("cpu", "2"), timeout_s=120)
+    assert res.passed, res.message
+    assert res.exit_code == 0 and res.ranks == 2 and res.hosts == 1
+    assert res.all_reduce_sums == [[3.0] * 4, [3.0] * 4]
+    assert res.all_reduce_sum == res.expected_sum == 3.0
+    assert res.max_abs_diff < 1e-5                     # gloo TP vs single-device reference
+    status = res.to_status()
+    assert set(status) == {"passed", "ranks", "hosts", "allReduceSum", "expectedSum", "maxAbsDiff",
+                           "seconds", "message"}
+
+
+def test_a_hung_rank_ends_in_a_timeout_failure_within_its_bound(ray_cluster):
+    """The CLI, as a RayJob runs it: exit code 3, 'timeout' in the message, JSON on stdout."""
+    timeout_s = 12
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster, "TPUFT_FAULT": "hang-rank:1", "RAY_AUTH_MODE": "disabled"}
+    cmd = [sys.executable, "-m", "tpuft_workload", "verify", "--accelerator", "cpu", "--topology", "2",
+           "--timeout-seconds", str(timeout_s)]
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    elapsed = time.monotonic() - t0
+    assert p.returncode == verify.EXIT_TIMEOUT, p.stdout[-2000:] + p.stderr[-2000:]
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith(verify.RESULT_PREFIX))
+    body = json.loads(line[len(verify.RESULT_PREFIX):])
+    assert body["passed"] is False and body["timedOut"] is True
+    assert body["message"].startswith("timeout")
+    assert "rank 1" in body["message"] and "not joined" in body["message"]  # says which rank, where
+    assert body["seconds"] <= timeout_s + 2
+    assert elapsed < timeout_s + 30                    # + interpreter/torch import and Ray connect
+
+
+def test_a_failing_rank_fails_fast_without_waiting_for_the_timeout(ray_cluster):
+    t0 = time.monotonic()
+    res = verify.run_verification(resolve_target("cpu", "2"), timeout_s=120, fault_spec="fail-rank:0")
+    assert not res.passed and not res.timed_out and res.exit_code == verify.EXIT_FAILED
+    assert "rank 0" in res.message and "injected failure" in res.message
+    assert time.monotonic() - t0 < 60
