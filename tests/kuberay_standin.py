@@ -39,10 +39,15 @@ class KubeRay:
         spec = self.get("rayclusters", name)["spec"]
         return sum(int(g.get("replicas", 1)) * int(g.get("numOfHosts", 1)) for g in spec.get("workerGroupSpecs", []))
 
+    def _cluster_status(self, name: str, status: dict) -> None:
+        """KubeRay records the generation it reconciled (status.observedGeneration)."""
+        status["observedGeneration"] = self.get("rayclusters", name)["metadata"]["generation"]
+        self._status("rayclusters", name, status)
+
     def cluster_provisioning(self, name: str, ready_workers: int = 0) -> None:
         """Head up, workers still coming (e.g. no TPU node pool with that topology)."""
         desired = self.desired_workers(name)
-        self._status("rayclusters", name, {
+        self._cluster_status(name, {
             "conditions": [self._cond("HeadPodReady", "True", "HeadPodRunningAndReady", "Head Pod ready"),
                            self._cond("RayClusterProvisioned", "False", "RayClusterPodsProvisioning",
                                       "RayCluster Pods are being provisioned for first time")],
@@ -52,7 +57,7 @@ class KubeRay:
 
     def cluster_ready(self, name: str) -> None:
         desired = self.desired_workers(name)
-        self._status("rayclusters", name, {
+        self._cluster_status(name, {
             "state": "ready",
             "conditions": [self._cond("HeadPodReady", "True", "HeadPodRunningAndReady", "Head Pod ready"),
                            self._cond("RayClusterProvisioned", "True", "AllPodRunningAndReadyFirstTime",

@@ -119,6 +119,8 @@ class EventType(str, enum.Enum):
 RAYCLUSTER_PROVISIONED = "RayClusterProvisioned"   # RayCluster condition type
 RAYCLUSTER_HEAD_POD_READY = "HeadPodReady"
 RAYCLUSTER_REPLICA_FAILURE = "ReplicaFailure"
+RAYCLUSTER_SUSPENDING = "RayClusterSuspending"
+RAYCLUSTER_SUSPENDED = "RayClusterSuspended"
 RAYCLUSTER_STATE_READY = "ready"                   # status.state (deprecated but still set)
 
 

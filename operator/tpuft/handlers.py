@@ -59,7 +59,7 @@ def tpufinetunes(namespace: str, name: str, body: Any, **_: Any) -> dict:
 
 def _child(name: str, spec: Any, status: Any, meta: Any) -> dict:
     return {"name": name, "status": copy.deepcopy(dict(status or {})), "suspend": bool((spec or {}).get("suspend")),
-            "deleting": bool(meta.get("deletionTimestamp"))}
+            "deleting": bool(meta.get("deletionTimestamp")), "generation": meta.get("generation")}
 
 
 @kopf.index(c.RAY_GROUP, c.RAY_VERSION, c.RAYCLUSTER_PLURAL, labels={c.LABEL_NAME: kopf.PRESENT})
@@ -223,7 +223,7 @@ class Controller:
         if want:
             entry = live.get(want) or self._confirm(c.RAYCLUSTER_KIND, ns, want)
             if entry is not None:
-                cluster = ClusterObs(want, entry["status"], entry["suspend"])
+                cluster = ClusterObs(want, entry["status"], entry["suspend"], entry.get("generation"))
         found = {x["name"]: JobObs(x["name"], x["status"]) for x in jobs if not x["deleting"]}
         for want in (children.get("verifyJob"), children.get("trainJob")):
             if want and want not in found:

@@ -31,6 +31,7 @@ class ClusterObs:
     name: str
     status: Mapping[str, Any] = field(default_factory=dict)
     suspended: bool = False          # spec.suspend as the object says
+    generation: int | None = None    # metadata.generation: status older than this is stale
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,16 @@ def owned(status: Mapping | None) -> dict:
 
 
 # --- KubeRay readings ------------------------------------------------------------------------
-def cluster_provisioned(status: Mapping) -> bool:
+def cluster_provisioned(status: Mapping, generation: int | None = None) -> bool:
+    """KubeRay v1.7.0: condition RayClusterProvisioned=True; older: state ready with all workers.
+    Not while suspending/suspended, and not from a status KubeRay wrote for an older spec (right
+    after a resume, the status may still describe the cluster as it was before the suspend)."""
+    seen = status.get("observedGeneration")
+    if generation is not None and isinstance(seen, int) and seen < generation:
+        return False
+    if any(x.get("type") in (c.RAYCLUSTER_SUSPENDING, c.RAYCLUSTER_SUSPENDED) and x.get("status") == "True"
+           for x in status.get("conditions") or []):
+        return False
     for cond in status.get("conditions") or []:
         if cond.get("type") == c.RAYCLUSTER_PROVISIONED and cond.get("status") == "True":
             return True

@@ -231,7 +231,7 @@ def _provisioning(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
         d.act(Op.CREATE, c.RAYCLUSTER_KIND, n.cluster, body)
         d.event(EventType.WARNING, Reason.CHILD_DELETED, f"RayCluster {n.cluster} not found while provisioning; "
                 "recreating it (the provisioning deadline is unchanged)")
-    if obs.cluster is not None and cluster_provisioned(obs.cluster.status):
+    if obs.cluster is not None and cluster_provisioned(obs.cluster.status, obs.cluster.generation):
         d.cond(Condition.SLICE_PROVISIONED, "True", Reason.SLICE_READY, cluster_progress(tft, obs.cluster))
         return _start_verification(d, tft) if tft.spec.verification.enabled else _start_training(d, tft, obs)
     progress = cluster_progress(tft, obs.cluster)

@@ -314,17 +314,27 @@ def test_invalid_spec_stored_under_a_looser_crd(operator, tft, kubectl, namespac
 
 # --- suspend, children deleted, spec changes ---------------------------------------------------------
 def test_suspend_and_resume(operator, tft, kuberay):
+    """Suspended mid-verification: cluster suspended, verify job deleted; resumed: the slice is
+    waited for again (KubeRay's pre-suspend 'ready' status is not trusted) and re-verified."""
     with operator():
         tft.apply()
         tft.wait("Provisioning")
+        kuberay.cluster_ready(f"{NAME}-ray")
+        tft.wait("VerifyingCollectives")
+        first = kuberay.get("rayjobs", f"{NAME}-verify")["metadata"]["uid"]
         tft.patch({"suspend": True})
-        tft.wait("Suspended")
+        st = tft.wait("Suspended")
+        assert "suspended during VerifyingCollectives" in st["message"]
         wait_until(lambda: kuberay.get("rayclusters", f"{NAME}-ray")["spec"].get("suspend") is True, what="suspend")
+        wait_until(lambda: tft.children("rayjobs") == [], what="the verify job's deletion")
         tft.patch({"suspend": False})
         tft.wait("Provisioning")
         wait_until(lambda: kuberay.get("rayclusters", f"{NAME}-ray")["spec"].get("suspend") is False, what="resume")
+        time.sleep(2)
+        assert tft.status()["phase"] == "Provisioning"  # the old "ready" describes the pre-suspend cluster
         kuberay.cluster_ready(f"{NAME}-ray")
         tft.wait("VerifyingCollectives")
+        assert kuberay.get("rayjobs", f"{NAME}-verify")["metadata"]["uid"] != first
 
 
 def test_child_deleted(operator, tft, kuberay, kubectl, namespace):

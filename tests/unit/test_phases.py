@@ -147,6 +147,11 @@ def test_status_owned_keys_only_workload_keys_untouched():
     (cluster(4, provisioned=True), True),               # KubeRay v1.7.0 condition
     (cluster(0, provisioned=True), True),
     (ClusterObs(f"{NAME}-ray", {"conditions": [{"type": "RayClusterProvisioned", "status": "False"}]}), False),
+    # right after a resume: KubeRay has not looked at the new spec yet (observedGeneration 2 < 3)
+    (ClusterObs(f"{NAME}-ray", {**cluster(4, provisioned=True).status, "observedGeneration": 2}, generation=3), False),
+    (ClusterObs(f"{NAME}-ray", {**cluster(4, provisioned=True).status, "observedGeneration": 3}, generation=3), True),
+    (ClusterObs(f"{NAME}-ray", {"state": "ready", "readyWorkerReplicas": 4, "desiredWorkerReplicas": 4, "conditions": [
+        {"type": "RayClusterSuspending", "status": "True"}]}), False),
 ])
 def test_provisioned_signals(obs, provisioned):
     o = run_to(make(), Phase.PROVISIONING)
