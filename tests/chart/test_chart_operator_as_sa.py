@@ -3,8 +3,10 @@ chart's ServiceAccount, against the real local control plane.
 
 No kubelet runs, so the Deployment's pod never starts; this test runs its process here
 instead: the image's ENTRYPOINT (parsed from Dockerfile.operator, liveness moved to a free
-loopback port), the Deployment's args and env as the API server stored them, and a
-kubeconfig holding a token of the chart's ServiceAccount (TokenRequest). KubeRay's part is
+loopback port) in the image's Python environment (the wheel of the build context installed
+with no extras into a fresh venv, tests/images/dockerfile_lib.operator_image_venv), the
+Deployment's args and env as the API server stored them, and a kubeconfig holding a token
+of the chart's ServiceAccount (TokenRequest). KubeRay's part is
 played by tests/kuberay_standin.py. A full run to Succeeded under those credentials shows
 the chart's RBAC is enough; a log without any 403 shows kopf found nothing missing either.
 """
@@ -15,15 +17,15 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.chart.helmlib import CHART
-from tests.images.dockerfile_lib import REPO, parse
+from tests.images.dockerfile_lib import REPO, operator_image_venv, parse
 
 pytest.importorskip("tpuft.handlers", reason="the operator's handlers are not in this checkout yet")
 from tests.kuberay_standin import KubeRay  # noqa: E402
@@ -65,13 +67,13 @@ def _sa_kubeconfig(kubectl, admin_kubeconfig: str, ns: str, sa: str, path) -> st
     return str(path)
 
 
-def _container_command(deployment: dict, liveness_port: int) -> tuple[list[str], dict[str, str]]:
+def _container_command(python: Path, deployment: dict, liveness_port: int) -> tuple[list[str], dict[str, str]]:
     entrypoint = parse(REPO / "Dockerfile.operator").final.all("ENTRYPOINT")[-1].json_args
     assert entrypoint[0] == "kopf"
     entrypoint = [a.replace("http://0.0.0.0:8080/", f"http://127.0.0.1:{liveness_port}/") for a in entrypoint]
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
-    return [sys.executable, "-m", "kopf", *entrypoint[1:], *container["args"]], env
+    return [str(python), "-m", "kopf", *entrypoint[1:], *container["args"]], env
 
 
 MODES = {
@@ -82,7 +84,8 @@ MODES = {
 
 @pytest.mark.parametrize("mode", MODES)
 def test_operator_runs_a_tpufinetune_to_succeeded_as_the_chart_sa(
-        mode, helm_cli, kubectl, kubeconfig, kube_api, namespace, extra_namespace, tmp_path):
+        mode, helm_cli, kubectl, kubeconfig, kube_api, namespace, extra_namespace, tmp_path, tmp_path_factory):
+    venv, _ = operator_image_venv(tmp_path_factory.getbasetemp())
     team = extra_namespace("team")
     release = f"op-{namespace[-6:]}"
     values = MODES[mode](team)
@@ -94,15 +97,16 @@ def test_operator_runs_a_tpufinetune_to_succeeded_as_the_chart_sa(
         fullname = f"{release}-tpufinetune-operator"
         deployment = json.loads(kubectl("get", "deployment", fullname, "-n", namespace, "-o", "json", check=True).stdout)
         port = _free_port()
-        cmd, deploy_env = _container_command(deployment, port)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBE", "TPUFT_"))}
+        cmd, deploy_env = _container_command(venv / "bin" / "python", deployment, port)
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("KUBE", "TPUFT_")) and k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         env.update(deploy_env)
         env.update({
             "KUBECONFIG": _sa_kubeconfig(kubectl, kubeconfig, namespace, fullname, tmp_path / "sa.kubeconfig"),
             "TPUFT_METRICS_PORT": "0",          # several operators may run on this machine
             "TPUFT_RESYNC_SECONDS": "1",
             "TPUFT_VERIFY_GRACE_SECONDS": "1",
-            "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO / "workload")]),
+            "PYTHONDONTWRITEBYTECODE": "1",
         })
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)

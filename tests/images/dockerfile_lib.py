@@ -3,11 +3,15 @@ matcher with Docker's semantics (patterns match a path or any of its parent dire
 the last matching pattern wins; `!` re-includes). No Docker engine needed."""
 from __future__ import annotations
 
+import fcntl
 import fnmatch
 import json
 import os
 import re
 import shlex
+import shutil
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -177,3 +181,50 @@ def build_context(root: Path) -> list[str]:
         dirnames[:] = sorted(keep)
         out += [here + f for f in sorted(filenames) if not ignored(here + f, rules)]
     return out
+
+
+# --- the operator image's Python environment, without Docker -----------------------------
+
+def run_clean(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    """Run with no PYTHONPATH/VIRTUAL_ENV leaking in from the test environment."""
+    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("PYTHONPATH", None)
+    env.pop("VIRTUAL_ENV", None)
+    kw.setdefault("timeout", 300)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, **kw)
+
+
+def _ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"{' '.join(map(str, proc.args))} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+def operator_image_venv(base: Path) -> tuple[Path, Path]:
+    """Build, once per test session (`base` = pytest's session temp dir), what
+    Dockerfile.operator installs: a wheel of the build context (.dockerignore applied),
+    installed with no extras into a fresh venv. Returns (venv, wheel)."""
+    root = base / "operator-image"
+    root.mkdir(parents=True, exist_ok=True)
+    venv, wheels, done = root / "venv", root / "wheels", root / "done"
+    with open(root / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            for p in (root / "src", wheels, venv):
+                shutil.rmtree(p, ignore_errors=True)
+            # 1. The build context, as Docker would send it (the builder COPYs all of it).
+            for rel in build_context(REPO):
+                dest = root / "src" / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(REPO / rel, dest)
+            # 2. A wheel of the project only (the Dockerfile also collects dependency wheels).
+            _ok(run_clean([sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(wheels),
+                           str(root / "src")]))
+            # 3. A fresh venv, no extras: base dependencies only. (--without-pip, then this pip
+            # drives it with --python: skips ensurepip, same result.)
+            _ok(run_clean([sys.executable, "-m", "venv", "--without-pip", str(venv)]))
+            built = sorted(wheels.glob("tpufinetune_operator-*.whl"))
+            assert len(built) == 1, list(wheels.iterdir())
+            _ok(run_clean([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"),
+                           "install", "-q", str(built[0])]))
+            done.write_text("ok\n")
+    (wheel,) = sorted(wheels.glob("tpufinetune_operator-*.whl"))
+    return venv, wheel

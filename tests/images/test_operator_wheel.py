@@ -3,14 +3,13 @@ installs it: a wheel built from the Docker build context (what .dockerignore let
 installed with no extras into a fresh venv. Then the operator's modules import there, and
 torch and Ray are absent.
 
-Needs the package registry (pip resolves kopf, kubernetes, pyyaml); about a minute.
+Needs the package registry (pip resolves the base dependencies); about a minute. The same
+environment runs the operator in tests/chart/test_chart_operator_as_sa.py.
 """
 from __future__ import annotations
 
 import email.parser
-import os
 import re
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -18,7 +17,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.images.dockerfile_lib import REPO, build_context
+from tests.images.dockerfile_lib import REPO, operator_image_venv, run_clean as _run
+
+
+def _ok(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, f"{' '.join(proc.args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def _pip(venv: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), *args]
+
 
 def _base_deps() -> set[str]:
     """Names in pyproject's [project].dependencies (the operator's runtime deps)."""
@@ -33,42 +42,9 @@ BASE_DEPS = _base_deps()
 FORBIDDEN = ("torch", "torch-tpu", "torch_tpu", "libtpu", "ray", "transformers", "datasets", "jax")
 
 
-def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    env.pop("PYTHONPATH", None)
-    env.pop("VIRTUAL_ENV", None)
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, **kw)
-
-
-def _pip(venv: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), *args]
-
-
-def _ok(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 0, f"{' '.join(proc.args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
-
-
 @pytest.fixture(scope="module")
 def operator_venv(tmp_path_factory) -> tuple[Path, Path]:
-    tmp = tmp_path_factory.mktemp("operator-image")
-    # 1. The build context, as Docker would send it (the builder COPYs all of it).
-    ctx = tmp / "src"
-    for rel in build_context(REPO):
-        dest = ctx / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO / rel, dest)
-    # 2. `pip wheel` the project only (the Dockerfile also collects dependency wheels).
-    wheels = tmp / "wheels"
-    _ok(_run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(wheels), str(ctx)]))
-    built = sorted(wheels.glob("tpufinetune_operator-*.whl"))
-    assert len(built) == 1, list(wheels.iterdir())
-    # 3. A fresh venv, no system site-packages, no extras: base dependencies only.
-    # (--without-pip, then this pip drives it with --python: skips ensurepip, same result)
-    venv = tmp / "venv"
-    _ok(_run([sys.executable, "-m", "venv", "--without-pip", str(venv)]))
-    _ok(_run(_pip(venv, "install", "-q", str(built[0]))))
-    return venv, built[0]
+    return operator_image_venv(tmp_path_factory.getbasetemp())
 
 
 def test_wheel_requires_only_the_base_dependencies(operator_venv):
@@ -91,6 +67,8 @@ def test_operator_modules_import_and_heavy_ones_do_not(operator_venv):
     venv, _ = operator_venv
     py = str(venv / "bin" / "python")
     _ok(_run([py, "-c", "import kopf, kubernetes, yaml, tpuft, tpuft.catalog, tpuft.constants"], cwd="/"))
+    # the module the image's ENTRYPOINT loads (`kopf run ... -m tpuft.handlers`)
+    _ok(_run([py, "-c", "import tpuft.handlers"], cwd="/"))
     for mod in ("torch", "ray", "transformers"):
         proc = _run([py, "-c", f"import {mod}"], cwd="/")
         assert proc.returncode != 0 and "ModuleNotFoundError" in proc.stderr, f"{mod} importable in the operator env"
