@@ -10,10 +10,13 @@ Fixtures:
   kube_api       session  kubernetes.client.ApiClient configured from it
   kubectl        session  kubectl(*args, check=False, input=None, timeout=120) -> CompletedProcess (text)
   namespace      function str: a fresh namespace (its `default` ServiceAccount exists); deleted after
+  fresh_control_plane  function  a private ControlPlane (CRDs installed) for tests that change
+                 cluster-wide state (CRDs, ClusterRoles); use its .kubectl()/.kubeconfig directly
   shared_dir     session  Path of ../shared beside the repository (TPUFT_SHARED overrides)
 
 A missing toolchain or a failed build fails the session loudly; nothing is skipped.
-Tests under tests/integration/ get the `integration` marker (`pytest -m "not integration"`).
+Tests under tests/integration/, and any test using a control plane, get the `integration`
+marker (`pytest -m "not integration"` runs the rest).
 """
 from __future__ import annotations
 
@@ -33,7 +36,8 @@ SHARED_DIR = Path(os.environ.get("TPUFT_SHARED") or REPO_ROOT.parent / "shared")
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "integration" in Path(str(item.fspath)).parts:
+        uses_cluster = {"control_plane", "fresh_control_plane"} & set(getattr(item, "fixturenames", ()))
+        if uses_cluster or "integration" in Path(str(item.fspath)).parts:
             item.add_marker(pytest.mark.integration)
 
 
@@ -49,6 +53,21 @@ def control_plane(tmp_path_factory):
     from tpuft.controlplane import ControlPlane, default_crd_paths
 
     cp = ControlPlane(tmp_path_factory.mktemp("controlplane"), die_with_parent=True, fast_etcd=True)
+    try:
+        cp.start()
+        cp.install_crds(default_crd_paths())
+        yield cp
+    finally:
+        cp.stop(quiet=True)
+
+
+@pytest.fixture
+def fresh_control_plane(tmp_path_factory):
+    """A private control plane (same CRDs installed) for one test that changes cluster-wide
+    state, e.g. replaces a CRD, so the shared one stays as the other tests expect. ~10 s."""
+    from tpuft.controlplane import ControlPlane, default_crd_paths
+
+    cp = ControlPlane(tmp_path_factory.mktemp("fresh-controlplane"), die_with_parent=True, fast_etcd=True)
     try:
         cp.start()
         cp.install_crds(default_crd_paths())

@@ -134,6 +134,13 @@ def test_cli_up_status_kubectl_down(tmp_path):
     assert tpuft("status").returncode == 1
 
 
+def test_fresh_control_plane_is_separate(fresh_control_plane, control_plane, namespace):
+    assert fresh_control_plane.server_url != control_plane.server_url
+    assert fresh_control_plane.kubectl("get", "namespace", namespace).returncode != 0
+    crds = fresh_control_plane.kubectl("get", "crd", "-o", "name", check=True).stdout
+    assert "rayclusters.ray.io" in crds and "rayjobs.ray.io" in crds
+
+
 @pytest.mark.parametrize("tool", ["kubectl", "helm"])
 def test_cli_path_prints_binary(tool):
     res = subprocess.run([sys.executable, "-m", "tpuft.cli", "cluster", "path", tool],
