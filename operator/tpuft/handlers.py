@@ -181,7 +181,8 @@ class Controller:
                 delay = await self._reconcile(key)
             finally:
                 self.busy.discard(key)
-            self.due[key] = time.monotonic() + delay
+            if key in self.keys:
+                self.due[key] = time.monotonic() + delay
             if key in self.dirty:
                 self.dirty.discard(key)
                 self.kick(key)
@@ -260,8 +261,8 @@ class Controller:
         ns, name = key
         if body is None or body["metadata"].get("deletionTimestamp"):
             metrics.set_phase(key, None)   # children go with it: ownerReferences + garbage collector
-            self.due.pop(key, None)
-            self.written.pop(key, None)
+            for table in (self.due, self.written, self.failures, self.last_error):
+                table.pop(key, None)
             return None
         obj = self.current(key, body)
         observed = self.observe(obj, clusters, jobs)
