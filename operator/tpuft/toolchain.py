@@ -105,11 +105,11 @@ def _build_lock():
         yield
 
 
-def _install(built: Path, tool: str) -> None:
+def _install(built: Path, tool: str, move: bool = False) -> None:
     dest = cached_path(tool)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(dest.name + ".tmp")
-    shutil.copy2(built, tmp)
+    (shutil.move if move else shutil.copy2)(built, tmp)
     tmp.chmod(0o755)
     os.replace(tmp, dest)  # atomic: a reader sees the whole binary or none
     _say(f"{tool} {VERSIONS[tool]} -> {dest}")
@@ -186,7 +186,7 @@ def _build_k8s(tools: list[str]) -> None:
     _run_logged(cmd, f"{', '.join(tools)} {K8S_VERSION}", cache_dir() / "logs" / f"build-k8s-{K8S_VERSION}.log",
                 K8S_MODULE_DIR, _go_env())
     for t in tools:
-        _install(out / t, t)
+        _install(out / t, t, move=True)
 
 
 def _build_helm() -> None:
@@ -202,7 +202,7 @@ def _build_helm() -> None:
                           for k, v in (("Major", "1"), ("Minor", HELM_K8S_MINOR))])
     cmd = [_go(), "install", "-trimpath", f"-ldflags={ldflags}", f"helm.sh/helm/v3/cmd/helm@{HELM_VERSION}"]
     _run_logged(cmd, f"helm {HELM_VERSION}", cache_dir() / "logs" / f"build-helm-{HELM_VERSION}.log", out, env)
-    _install(out / "helm", "helm")
+    _install(out / "helm", "helm", move=True)
 
 
 def _fetch_etcd() -> None:
