@@ -96,14 +96,16 @@ def test_operator_runs_a_tpufinetune_to_succeeded_as_the_chart_sa(
     try:
         fullname = f"{release}-tpufinetune-operator"
         deployment = json.loads(kubectl("get", "deployment", fullname, "-n", namespace, "-o", "json", check=True).stdout)
-        port = _free_port()
+        port, metrics_port = _free_port(), _free_port()
+        ports = {p["name"]: p["containerPort"] for p in deployment["spec"]["template"]["spec"]["containers"][0]["ports"]}
+        assert ports == {"healthz": 8080, "metrics": 9090}
         cmd, deploy_env = _container_command(venv / "bin" / "python", deployment, port)
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("KUBE", "TPUFT_")) and k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         env.update(deploy_env)
         env.update({
             "KUBECONFIG": _sa_kubeconfig(kubectl, kubeconfig, namespace, fullname, tmp_path / "sa.kubeconfig"),
-            "TPUFT_METRICS_PORT": "0",          # several operators may run on this machine
+            "TPUFT_METRICS_PORT": str(metrics_port),   # the chart's 9090 may be taken on this machine
             "TPUFT_RESYNC_SECONDS": "1",
             "TPUFT_VERIFY_GRACE_SECONDS": "1",
             "PYTHONDONTWRITEBYTECODE": "1",
@@ -160,6 +162,11 @@ def test_operator_runs_a_tpufinetune_to_succeeded_as_the_chart_sa(
                                     f"--field-selector=involvedObject.name={NAME}", check=True).stdout)["items"]
         assert events, "the operator posted no Events"
         assert healthy()
+        # What the chart's ServiceMonitor scrapes: /metrics on the metrics port.
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        assert 'tpuft_objects{phase="Succeeded"} 1.0' in text, text[:2000]
+        assert "tpuft_status_writes_total" in text
     finally:
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
