@@ -20,7 +20,7 @@ from tests.unit.test_spec import MINIMUM
 from tpuft import builders, catalog
 from tpuft.spec import MAX_NAME_LENGTH, SpecError, TPUFinetune, parse
 
-SETTINGS = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
 # spec/metadata/apiVersion/kind, then .key or [index] segments (keys may contain '/' and '.',
 # e.g. spec.resources.worker.limits.google.com/tpu).
