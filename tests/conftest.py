@@ -104,7 +104,7 @@ def namespace(request, kubectl):
     name = f"{base}-{uuid.uuid4().hex[:6]}"
     kubectl("create", "namespace", name, check=True)
     # Pods can only be created once the serviceaccount controller has made `default`.
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 90  # generous: a loaded 2-core machine
     while kubectl("get", "serviceaccount", "default", "-n", name).returncode != 0:
         assert time.monotonic() < deadline, f"serviceaccount default never appeared in namespace {name}"
         time.sleep(0.2)

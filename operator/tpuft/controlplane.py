@@ -301,7 +301,7 @@ class ControlPlane:
                                     f"{res.stderr.strip() or res.stdout.strip()}")
         return res
 
-    def install_crds(self, paths, timeout: float = 60) -> list[str]:
+    def install_crds(self, paths, timeout: float = 120) -> list[str]:
         """Server-side apply each CRD file, then wait until every CRD is Established. Returns CRD names."""
         names: list[str] = []
         for path in paths:
@@ -311,8 +311,13 @@ class ControlPlane:
         # Poll rather than `kubectl wait`, which errors out while .status.conditions is still unset.
         deadline, pending = time.monotonic() + timeout, list(names)
         while pending:
-            pending = [n for n in pending if self.kubectl(
-                "get", n, "-o", 'jsonpath={.status.conditions[?(@.type=="Established")].status}').stdout != "True"]
+            res = self.kubectl("get", *pending, "-o", "json")
+            doc = json.loads(res.stdout) if res.returncode == 0 else {}
+            established = {"customresourcedefinition.apiextensions.k8s.io/" + o["metadata"]["name"]
+                           for o in doc.get("items", [doc] if doc else [])
+                           if any(c["type"] == "Established" and c["status"] == "True"
+                                  for c in o.get("status", {}).get("conditions") or [])}
+            pending = [n for n in pending if n not in established]
             if pending and time.monotonic() > deadline:
                 raise ControlPlaneError(f"CRDs not Established after {timeout}s: {', '.join(pending)}")
             time.sleep(0.2 if pending else 0)
