@@ -50,3 +50,23 @@ def rbac_rules(objs: Rendered) -> dict[tuple[str, str, str], list[dict]]:
         for o in objs
         if o["kind"] in ("Role", "ClusterRole")
     }
+
+
+# --- Argo CD health check -----------------------------------------------------------------
+HEALTH_LUA = CHART / "argocd" / "health.lua"
+
+
+def run_health(obj: dict) -> dict:
+    """Evaluate argocd/health.lua the way Argo CD does (gopher-lua is Lua 5.1: lupa's lua51):
+    `obj` is a global holding the resource, the chunk returns the health table."""
+    import json
+
+    try:
+        from lupa import lua51 as lua_impl
+    except ImportError:  # a lupa build without Lua 5.1: the script uses nothing newer
+        import lupa as lua_impl
+    lua = lua_impl.LuaRuntime(unpack_returned_tuples=True)
+    # Through JSON, as Argo CD sees the object (timestamps are strings, ints are numbers).
+    lua.globals().obj = lua.table_from(json.loads(json.dumps(obj, default=str)), recursive=True)
+    hs = lua.execute(HEALTH_LUA.read_text())
+    return dict(hs.items())

@@ -2,38 +2,17 @@
 a Lua 5.1 implementation) over the TPUFinetune fixtures in fixtures/argocd/."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
 
-from tests.chart.helmlib import CHART, REPO
+from tests.chart.helmlib import CHART, REPO, run_health
 
-lupa = pytest.importorskip("lupa")
 
-HEALTH_LUA = CHART / "argocd" / "health.lua"
 FIXTURES = sorted((Path(__file__).parent / "fixtures" / "argocd").glob("*.yaml"))
 ARGO_STATUSES = {"Healthy", "Progressing", "Degraded", "Suspended", "Missing", "Unknown"}
-
-
-def _lua_runtime():
-    try:
-        from lupa import lua51
-        return lua51.LuaRuntime(unpack_returned_tuples=True)
-    except ImportError:  # a lupa build without Lua 5.1: the script uses nothing newer
-        return lupa.LuaRuntime(unpack_returned_tuples=True)
-
-
-def run_health(obj: dict) -> dict:
-    """Evaluate health.lua the way Argo CD does: `obj` is a global, the chunk returns hs."""
-    lua = _lua_runtime()
-    # Through JSON, as Argo CD sees the object (timestamps are strings, ints are numbers).
-    plain = json.loads(json.dumps(obj, default=str))
-    lua.globals().obj = lua.table_from(plain, recursive=True)
-    hs = lua.execute(HEALTH_LUA.read_text())
-    return {k: v for k, v in hs.items()}
 
 
 def _status_schema() -> dict:

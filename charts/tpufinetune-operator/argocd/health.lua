@@ -3,17 +3,18 @@
 -- (see README.md next to this file). Plain Lua 5.1 (Argo CD runs gopher-lua): no libraries.
 --
 --   status.phase            health       message
---   Succeeded               Healthy      TrainingSucceeded/Ready condition message
---   Pending, Provisioning,  Progressing  "<phase>: <message of that phase's condition>"
---   VerifyingCollectives,
+--   Succeeded               Healthy      status.message (else Ready/TrainingSucceeded condition's)
+--   Pending, Provisioning,  Progressing  "<phase>: " .. status.message (else the message of
+--   VerifyingCollectives,                that phase's condition, else Ready's)
 --   Training
---   Failed                  Degraded     Failed (else Ready) condition message
---   Suspended               Suspended    Ready condition message
+--   Failed                  Degraded     Failed condition message (else Ready's, else status.message)
+--   Suspended               Suspended    status.message (else Ready condition's)
 --   no status, or status.observedGeneration < metadata.generation: Progressing
 --   (the operator has not looked at the latest spec yet; judging the old status would
 --   flap between the old and the new outcome)
 --   anything else           Unknown
--- A missing condition message falls back to status.message.
+-- status.message is the operator's one-line summary of the current phase; conditions keep
+-- the last message of each step, which can lag behind it.
 
 local hs = {}
 
@@ -42,6 +43,14 @@ local function condition_message(status, types, default)
     return status.message
   end
   return default
+end
+
+-- status.message if set, else condition_message(status, types, default).
+local function summary(status, types, default)
+  if status.message ~= nil and status.message ~= "" then
+    return status.message
+  end
+  return condition_message(status, types, default)
 end
 
 local status = obj.status
@@ -75,16 +84,16 @@ local progress_condition = {
 
 if phase == "Succeeded" then
   hs.status = "Healthy"
-  hs.message = condition_message(status, {"TrainingSucceeded", "Ready"}, "Fine-tuning succeeded")
+  hs.message = summary(status, {"Ready", "TrainingSucceeded"}, "Fine-tuning succeeded")
 elseif phase == "Failed" then
   hs.status = "Degraded"
   hs.message = condition_message(status, {"Failed", "Ready"}, "Fine-tuning failed")
 elseif phase == "Suspended" then
   hs.status = "Suspended"
-  hs.message = condition_message(status, {"Ready"}, "Suspended")
+  hs.message = summary(status, {"Ready"}, "Suspended")
 elseif progress_condition[phase] ~= nil then
   hs.status = "Progressing"
-  local detail = condition_message(status, {progress_condition[phase], "Ready"}, nil)
+  local detail = summary(status, {progress_condition[phase], "Ready"}, nil)
   if detail ~= nil then
     hs.message = phase .. ": " .. detail
   else
