@@ -199,7 +199,10 @@ def operator_as_chart_sa(helm_cli, kubectl, kubeconfig, kube_api, namespace, ext
             kubectl("delete", "tft", "--all", "-n", team, "--ignore-not-found", "--wait=false")
             helm_cli("uninstall", release, "--namespace", namespace, check=False)
         log = run.log_path.read_text()
-        bad = [line for line in log.splitlines() if any(p in line for p in PERMISSION_ERRORS)]
+        # (A cluster-wide operator may also meet objects left by earlier tests in namespaces being
+        # deleted; the API server answers those creates 403 "is being terminated": not RBAC.)
+        bad = [line for line in log.splitlines()
+               if any(p in line for p in PERMISSION_ERRORS) and "being terminated" not in line]
         assert not bad, "permission errors in the operator log:\n" + "\n".join(bad)
 
     return start
