@@ -103,14 +103,20 @@ def _env(tft: TPUFinetune) -> list[dict]:
 
 
 def _resources(cpu: str, memory: str, override: dict, tpu_chips: int | None) -> dict:
-    out = {}
-    for kind in ("requests", "limits"):
-        values = {"cpu": cpu, "memory": memory}
-        values.update(override.get(kind, {}))
-        if tpu_chips is not None:
-            values[c.TPU_RESOURCE] = str(tpu_chips)
-        out[kind] = values
-    return {"limits": out["limits"], "requests": out["requests"]}
+    """Requests equal limits (as the seed sets them) unless the user sets both apart.
+
+    An override on one side moves the other with it, so `requests.cpu: 100` alone never
+    produces a pod whose request exceeds the default limit (which the API server rejects).
+    """
+    req_over, lim_over = override.get("requests", {}), override.get("limits", {})
+    requests, limits = {}, {}
+    for key in dict.fromkeys(["cpu", "memory", *req_over, *lim_over]):
+        default = {"cpu": cpu, "memory": memory}.get(key)
+        requests[key] = req_over.get(key, lim_over.get(key, default))
+        limits[key] = lim_over.get(key, requests[key])
+    if tpu_chips is not None:
+        requests[c.TPU_RESOURCE] = limits[c.TPU_RESOURCE] = str(tpu_chips)
+    return {"limits": limits, "requests": requests}
 
 
 def _pod_template(tft: TPUFinetune, component: c.Component, containers: list[dict],

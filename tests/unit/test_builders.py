@@ -162,7 +162,16 @@ def test_shm_is_in_memory_and_sized_per_generation_or_override():
 def test_resource_overrides_keep_tpu_count():
     w = worker_container(render(with_("spec.resources", {"worker": {"limits": {"cpu": "100", "memory": "300Gi"}}})))
     assert w["resources"]["limits"] == {"cpu": "100", "memory": "300Gi", "google.com/tpu": "4"}
-    assert w["resources"]["requests"]["cpu"] == "64"
+    assert w["resources"]["requests"] == w["resources"]["limits"]  # one side moves the other
+
+
+def test_a_request_override_alone_never_exceeds_the_limit():
+    head = head_container(render(with_("spec.resources", {"head": {"requests": {"cpu": "100"}}})))
+    assert head["resources"]["requests"]["cpu"] == head["resources"]["limits"]["cpu"] == "100"
+    both = worker_container(render(with_("spec.resources", {"worker": {
+        "requests": {"cpu": "32"}, "limits": {"cpu": "64", "ephemeral-storage": "100Gi"}}})))
+    assert both["resources"]["requests"]["cpu"] == "32" and both["resources"]["limits"]["cpu"] == "64"
+    assert both["resources"]["requests"]["ephemeral-storage"] == "100Gi"
 
 
 def test_spot_reservation_and_extra_selectors_never_override_topology():
