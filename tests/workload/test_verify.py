@@ -25,7 +25,7 @@ def test_two_cpu_workers_pass_with_the_right_sum_and_parity(ray_cluster):
 
 def test_a_hung_rank_ends_in_a_timeout_failure_within_its_bound(ray_cluster):
     """The CLI, as a RayJob runs it: exit code 3, 'timeout' in the message, JSON on stdout."""
-    timeout_s = 12
+    timeout_s = 20
     env = {**os.environ, "RAY_ADDRESS": ray_cluster, "TPUFT_FAULT": "hang-rank:1", "RAY_AUTH_MODE": "disabled"}
     cmd = [sys.executable, "-m", "tpuft_workload", "verify", "--accelerator", "cpu", "--topology", "2",
            "--timeout-seconds", str(timeout_s)]

@@ -102,6 +102,9 @@ def _ray_init() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The driver never needs torch_tpu (workers import it explicitly on the TPU path); keep
+    # `import torch` on a TPU image's CPU-only head pod from auto-loading it.
+    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
     logging.basicConfig(level=os.environ.get("TPUFT_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args, target = parse_args(argv)

@@ -123,6 +123,14 @@ class CollectiveWorker:
         return self._phase
 
     def describe(self) -> dict:
+        # Import torch (and the TPU backend) now, under the start-up deadline, so run() reaches
+        # the process group quickly and a stuck rank's phase says where it really is.
+        import torch.distributed  # noqa: F401
+        import torch.distributed.tensor.parallel  # noqa: F401
+
+        from tpuft_workload.platform import load_backend
+
+        load_backend(self.target.platform)
         t = self.target
         info = {"bundle": self.bundle_index, "node_ip": ray.util.get_node_ip_address(),
                 "hostname": socket.gethostname(), "missing_env": []}
@@ -130,7 +138,7 @@ class CollectiveWorker:
             info["missing_env"] = missing_tpu_env(t.shape)
             local = int(ray.get_runtime_context().get_accelerator_ids().get("TPU", ["0"])[0])
             worker_id = int(os.environ.get("TPU_WORKER_ID") or 0)
-            slice_idx = _slice_index(self.bundle_index, t.shape.devices)
+            slice_idx = _slice_index(self.bundle_index, t.shape.devices) if t.slices > 1 else 0
             info.update(local_rank=local, worker_id=worker_id,
                         rank=slice_idx * t.shape.devices + worker_id * t.shape.devices_per_host + local)
         else:

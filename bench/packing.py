@@ -1,0 +1,134 @@
+"""Benchmark: the seed recipe (pad every example to 512) vs sequence packing, on CPU.
+
+Same tiny model (builtin:tiny-llama), same batch size, same number of optimizer steps for
+both recipes; what changes is how many real (non-padding) tokens each step carries.
+Two datasets:
+  dolly-mini   the shipped builtin:dolly-mini (short records, median ~60 tokens)
+  dolly-shape  synthetic records with a dolly-15k-like length distribution: log-normal,
+               median ~150 tokens, long tail (a few beyond 512, which the seed recipe truncates)
+
+    .venv/bin/python bench/packing.py [--steps 20] [--batch 4] [--seq 512]
+
+Prints a table and writes bench/results/packing.json. Single process, no Ray: this measures
+the data recipe, not the cluster.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform as _platform
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from tpuft_workload import data, tiny
+
+OUT = Path(__file__).resolve().parent / "results" / "packing.json"
+
+
+def synthetic_records(tok, n: int, seed: int, median_tokens: float = 150.0, sigma: float = 0.75) -> list[dict]:
+    """Records whose token counts follow a dolly-15k-like log-normal (prompt ~1/3, response ~2/3)."""
+    rng = random.Random(seed)
+    words = [w for w in tok.get_vocab() if w.isalpha()]
+    records = []
+    for _ in range(n):
+        total = max(8, min(4000, int(math.exp(rng.gauss(math.log(median_tokens), sigma)))))
+        has_ctx = rng.random() < 0.3
+        p = max(3, total // 3)
+        ctx = " ".join(rng.choices(words, k=p // 2)) if has_ctx else ""
+        instr = " ".join(rng.choices(words, k=max(2, p - len(ctx.split()))))
+        resp = " ".join(rng.choices(words, k=max(1, total - p - 12)))  # ~12 tokens of template
+        records.append({"instruction": instr, "context": ctx, "response": resp, "category": "synthetic"})
+    return records
+
+
+def run_recipe(tok, blocks: list, steps: int, batch: int, seed: int) -> dict:
+    model = tiny.build_model(len(tok), seed=0)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rng = random.Random(seed)
+    order = list(range(len(blocks)))
+    rng.shuffle(order)
+    needed = steps * batch
+    order = (order * (needed // len(order) + 1))[:needed]
+    real = padded = 0
+    times = []
+    for s in range(steps + 1):  # step 0 is warm-up, not timed
+        idx = order[(s % steps) * batch:(s % steps + 1) * batch]
+        b = data.collate(blocks, idx)
+        t0 = time.perf_counter()
+        loss = model(**b).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        if s:
+            times.append(dt)
+            real += sum(blocks[i].n_real for i in idx)
+            padded += b["input_ids"].numel()
+    secs = sum(times)
+    n_real_all = sum(bl.n_real for bl in blocks)
+    return {"rows": len(blocks), "padFraction": round(data.pad_fraction(blocks), 4),
+            "stepTimeSeconds": round(statistics.median(times), 4),
+            "realTokensPerSecond": round(real / secs, 1), "paddedTokensPerSecond": round(padded / secs, 1),
+            "stepsPerEpoch": math.ceil(len(blocks) / batch), "realTokensPerEpoch": n_real_all,
+            "estimatedEpochSeconds": round(math.ceil(len(blocks) / batch) * statistics.median(times), 2),
+            "finalLoss": round(float(loss.detach()), 4)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--records", type=int, default=400)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=OUT)
+    a = ap.parse_args()
+    torch.manual_seed(a.seed)
+    tok = tiny.build_tokenizer()
+    datasets = {
+        "dolly-mini": data.load_records("builtin:dolly-mini", "train")[:a.records],
+        "dolly-shape": synthetic_records(tok, a.records, a.seed),
+    }
+    results = {}
+    for name, recs in datasets.items():
+        lengths = sorted(len(data.tokenize_example(tok, r).input_ids) for r in recs)
+        row = {"records": len(recs), "medianTokens": lengths[len(lengths) // 2],
+               "p90Tokens": lengths[int(len(lengths) * 0.9)], "maxTokens": lengths[-1],
+               "overSeq": sum(n > a.seq for n in lengths)}
+        for recipe, packing in (("seed-pad-to-max", False), ("packed", True)):
+            blocks = data.build_blocks(tok, recs, a.seq, packing)
+            row[recipe] = run_recipe(tok, blocks, a.steps, a.batch, a.seed)
+        s, p = row["seed-pad-to-max"], row["packed"]
+        row["realTokensPerSecondRatio"] = round(p["realTokensPerSecond"] / s["realTokensPerSecond"], 2)
+        row["epochSpeedup"] = round(s["estimatedEpochSeconds"] / p["estimatedEpochSeconds"], 2)
+        results[name] = row
+
+    hdr = f"{'dataset':<12} {'recipe':<16} {'rows':>5} {'pad%':>6} {'step s':>7} {'real tok/s':>11} {'padded tok/s':>13} {'epoch s':>8}"
+    print(hdr)
+    print("-" * len(hdr))
+    for name, row in results.items():
+        for recipe in ("seed-pad-to-max", "packed"):
+            r = row[recipe]
+            print(f"{name:<12} {recipe:<16} {r['rows']:>5} {100 * r['padFraction']:>5.1f}% {r['stepTimeSeconds']:>7.3f} "
+                  f"{r['realTokensPerSecond']:>11.1f} {r['paddedTokensPerSecond']:>13.1f} {r['estimatedEpochSeconds']:>8.2f}")
+        print(f"{name:<12} {'packed/seed':<16} real tokens/s x{row['realTokensPerSecondRatio']}, "
+              f"epoch time /{row['epochSpeedup']} (median {row['medianTokens']} tokens, "
+              f"{row['overSeq']} records > {a.seq} truncated by the seed recipe)")
+    out = {"config": {"steps": a.steps, "batch": a.batch, "seq": a.seq, "records": a.records, "seed": a.seed,
+                      "model": "builtin:tiny-llama", "device": "cpu", "torchThreads": torch.get_num_threads(),
+                      "machine": _platform.machine(), "python": _platform.python_version(),
+                      "torch": torch.__version__},
+           "results": results}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
