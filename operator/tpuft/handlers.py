@@ -143,6 +143,7 @@ class Controller:
         self.failures: dict[Key, int] = {}
         self.last_error: dict[Key, str] = {}
         self.written: dict[Key, dict] = {}     # operator-owned status as last written, until the index shows it
+        self.unsure: set[Key] = set()          # a status write failed: it may have landed anyway; re-read first
         self.tasks: list[asyncio.Task] = []
         self.resync = float(os.environ.get("TPUFT_RESYNC_SECONDS", "5"))   # read at startup: tests set it
         self.workers = int(os.environ.get("TPUFT_WORKERS", "4"))
@@ -263,7 +264,15 @@ class Controller:
             metrics.set_phase(key, None)   # children go with it: ownerReferences + garbage collector
             for table in (self.due, self.written, self.failures, self.last_error):
                 table.pop(key, None)
+            self.unsure.discard(key)
             return None
+        if key in self.unsure:  # the index may lag a write whose answer we lost: deciding from it could go back
+            fresh = self.kube.get(c.KIND, ns, name)
+            if fresh is None:
+                return None
+            body = fresh
+            self.written[key] = phases.owned(fresh.get("status"))   # until the index shows what the server has
+            self.unsure.discard(key)
         obj = self.current(key, body)
         observed = self.observe(obj, clusters, jobs)
         now = datetime.now(timezone.utc)
@@ -286,7 +295,7 @@ class Controller:
         self.last_error.pop(key, None)
         prev = phases.owned(obj.get("status"))
         if decision.patch:
-            if not self.kube.patch_status(ns, name, decision.patch):
+            if not self._patch_status(key, decision.patch):
                 return None
             self.written[key] = copy.deepcopy(decision.status)
             metrics.STATUS_WRITES.inc()
@@ -299,11 +308,18 @@ class Controller:
                      sorted(decision.patch or {}))
         return decision.requeue_after
 
+    def _patch_status(self, key: Key, patch: dict) -> bool:
+        try:
+            return self.kube.patch_status(key[0], key[1], patch)
+        except KubeError:
+            self.unsure.add(key)   # a timeout or a 5xx may come after the write was applied
+            raise
+
     def _note_error(self, key: Key, obj: dict, error: str, now: datetime) -> None:
         patch = phases.note_error(obj, error, now)
         if patch:
             try:
-                if self.kube.patch_status(key[0], key[1], patch):
+                if self._patch_status(key, patch):
                     mine = phases.owned(obj.get("status"))
                     mine.update(patch)
                     self.written[key] = mine
