@@ -115,3 +115,15 @@ def test_builtin_dataset_split_and_columns():
 def test_tokenizer_is_deterministic(tok):
     again = tiny.build_tokenizer()
     assert again.get_vocab() == tok.get_vocab()
+
+
+def test_padding_does_not_change_the_loss(tok):
+    """--no-packing rows: pads are masked out of attention and loss (same loss as unpadded)."""
+    model = tiny.build_model(len(tok), seed=0).eval()
+    rec = data.load_records("builtin:dolly-mini", "train[:1]")[0]
+    e = data.tokenize_example(tok, rec)
+    padded = data.pad_examples([e], len(e.input_ids) + 37, tok.pad_token_id)
+    with torch.no_grad():
+        a = model(**data.collate(padded, [0])).loss
+        b = model(input_ids=torch.tensor([e.input_ids]), labels=torch.tensor([e.labels])).loss
+    assert torch.allclose(a, b, atol=1e-5)

@@ -188,8 +188,9 @@ def train_loop(cfg: dict) -> None:
                        paddedTokensPerSecond=round(m["padded_tokens_per_s"], 1),
                        stepTimeSeconds=round(m["step_time_s"], 4), padFraction=round(m["pad_fraction"], 4),
                        lastCheckpoint=last_ckpt or None)
-                # restart the window after report(): it waits on the controller's poll, which is
-                # not training time (epoch_time still includes it, like the seed's).
+                # restart the window after report(): a report waits for the controller to poll the
+                # previous one (result queue of size 1, polled every 2 s), which is not training
+                # time (epoch_time still includes it, like the seed's).
                 win = _Window(device)
         m = epoch_win.reduce()
         if rank == 0:
@@ -202,10 +203,9 @@ def train_loop(cfg: dict) -> None:
                stepTimeSeconds=round(m["step_time_s"], 4), padFraction=round(m["pad_fraction"], 4),
                lastCheckpoint=last_ckpt)
 
-    import torch as _t
-
+    # bf16 export on accelerators (the dtype the model trains in); fp32 on CPU
     exported = ckptlib.export_hf(model, tokenizer, cfg["export_uri"], rank,
-                                 dtype=_t.bfloat16 if plat.mixed_precision else None)
+                                 dtype=torch.bfloat16 if plat.mixed_precision else None)
     summary = {"step": step, "totalSteps": total_steps, "resumedFromStep": resumed_from,
                "lastCheckpoint": last_ckpt, "exportedModel": exported}
     if rank == 0:
