@@ -46,38 +46,57 @@ def synthetic_records(tok, n: int, seed: int, median_tokens: float = 150.0, sigm
     return records
 
 
-def run_recipe(tok, blocks: list, steps: int, batch: int, seed: int) -> dict:
-    model = tiny.build_model(len(tok), seed=0)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    rng = random.Random(seed)
-    order = list(range(len(blocks)))
-    rng.shuffle(order)
-    needed = steps * batch
-    order = (order * (needed // len(order) + 1))[:needed]
-    real = padded = 0
-    times = []
-    for s in range(steps + 1):  # step 0 is warm-up, not timed
-        idx = order[(s % steps) * batch:(s % steps + 1) * batch]
-        b = data.collate(blocks, idx)
+class _Runner:
+    """One recipe: its own tiny model/optimizer, its rows, its counters."""
+
+    def __init__(self, tok, blocks: list, steps: int, batch: int, seed: int):
+        self.blocks, self.batch = blocks, batch
+        self.model = tiny.build_model(len(tok), seed=0)
+        self.model.train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        order = list(range(len(blocks)))
+        random.Random(seed).shuffle(order)
+        need = (steps + 1) * batch
+        self.order = (order * (need // len(order) + 1))[:need]
+        self.real = self.padded = 0
+        self.times: list[float] = []
+        self.loss = float("nan")
+
+    def step(self, s: int) -> None:
+        idx = self.order[s * self.batch:(s + 1) * self.batch]
+        b = data.collate(self.blocks, idx)
         t0 = time.perf_counter()
-        loss = model(**b).loss
+        loss = self.model(**b).loss
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
-        if s:
-            times.append(dt)
-            real += sum(blocks[i].n_real for i in idx)
-            padded += b["input_ids"].numel()
-    secs = sum(times)
-    n_real_all = sum(bl.n_real for bl in blocks)
-    return {"rows": len(blocks), "padFraction": round(data.pad_fraction(blocks), 4),
-            "stepTimeSeconds": round(statistics.median(times), 4),
-            "realTokensPerSecond": round(real / secs, 1), "paddedTokensPerSecond": round(padded / secs, 1),
-            "stepsPerEpoch": math.ceil(len(blocks) / batch), "realTokensPerEpoch": n_real_all,
-            "estimatedEpochSeconds": round(math.ceil(len(blocks) / batch) * statistics.median(times), 2),
-            "finalLoss": round(float(loss.detach()), 4)}
+        self.loss = float(loss.detach())
+        if s:  # step 0 is warm-up, not timed
+            self.times.append(dt)
+            self.real += sum(self.blocks[i].n_real for i in idx)
+            self.padded += b["input_ids"].numel()
+
+    def summary(self) -> dict:
+        secs = sum(self.times)
+        med = statistics.median(self.times)
+        steps_per_epoch = math.ceil(len(self.blocks) / self.batch)
+        return {"rows": len(self.blocks), "padFraction": round(data.pad_fraction(self.blocks), 4),
+                "stepTimeSeconds": round(med, 4),
+                "realTokensPerSecond": round(self.real / secs, 1),
+                "paddedTokensPerSecond": round(self.padded / secs, 1),
+                "stepsPerEpoch": steps_per_epoch, "realTokensPerEpoch": sum(b.n_real for b in self.blocks),
+                "estimatedEpochSeconds": round(steps_per_epoch * med, 2), "lastLoss": round(self.loss, 4)}
+
+
+def run_pair(tok, recs: list[dict], steps: int, batch: int, seq: int, seed: int) -> dict:
+    """Both recipes, steps interleaved so they share whatever load the machine has."""
+    runners = {"seed-pad-to-max": _Runner(tok, data.build_blocks(tok, recs, seq, False), steps, batch, seed),
+               "packed": _Runner(tok, data.build_blocks(tok, recs, seq, True), steps, batch, seed)}
+    for s in range(steps + 1):
+        for r in runners.values():
+            r.step(s)
+    return {k: r.summary() for k, r in runners.items()}
 
 
 def main() -> None:
@@ -87,8 +106,10 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--records", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: least sensitive to machine load)")
     ap.add_argument("--out", type=Path, default=OUT)
     a = ap.parse_args()
+    torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     tok = tiny.build_tokenizer()
     datasets = {
@@ -101,9 +122,7 @@ def main() -> None:
         row = {"records": len(recs), "medianTokens": lengths[len(lengths) // 2],
                "p90Tokens": lengths[int(len(lengths) * 0.9)], "maxTokens": lengths[-1],
                "overSeq": sum(n > a.seq for n in lengths)}
-        for recipe, packing in (("seed-pad-to-max", False), ("packed", True)):
-            blocks = data.build_blocks(tok, recs, a.seq, packing)
-            row[recipe] = run_recipe(tok, blocks, a.steps, a.batch, a.seed)
+        row.update(run_pair(tok, recs, a.steps, a.batch, a.seq, a.seed))
         s, p = row["seed-pad-to-max"], row["packed"]
         row["realTokensPerSecondRatio"] = round(p["realTokensPerSecond"] / s["realTokensPerSecond"], 2)
         row["epochSpeedup"] = round(s["estimatedEpochSeconds"] / p["estimatedEpochSeconds"], 2)

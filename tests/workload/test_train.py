@@ -124,13 +124,24 @@ def test_export_loads_and_generates(killed_run):
     assert tok.decode(new, skip_special_tokens=True).strip()  # real words, not only specials
 
 
-def test_resubmitted_job_with_same_run_name_resumes(killed_run):
+def test_resubmitted_job_with_same_run_name_resumes(killed_run, capsys):
+    """The CLI path a RayJob runs: a second submission finds the finished run and retrains nothing."""
     storage, args, cfg, first = killed_run
     total = first.metrics["total_steps"]
     args2, target = _args(storage, args.run_name, checkpoint_every_steps=CKPT_EVERY, keep_checkpoints=20)
-    trainer, _ = train.build_trainer(args2, target)
-    trainer.fit()
-    s = _summary(cfg)
-    assert s["resumedFromStep"] == total and s["step"] == total  # nothing retrained
+    assert train.run_training(args2, target) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(train.RESULT_PREFIX))
+    body = json.loads(line[len(train.RESULT_PREFIX):])
+    assert body["succeeded"] and body["resumedFromStep"] == total and body["step"] == total
+    assert body["exportedModel"] == cfg["export_uri"]
     state = json.loads(Path(cfg["run_dir"], f"checkpoint_step_{total:07d}", "train_state.json").read_text())
     assert state["step"] == total
+
+
+def test_too_little_data_fails_with_a_clear_reason(ray_cluster, tmp_path, capsys):
+    args, target = _args(tmp_path, "too-small", dataset_split="train[:3]")
+    assert train.run_training(args, target) == 1
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(train.RESULT_PREFIX))
+    body = json.loads(line[len(train.RESULT_PREFIX):])
+    assert body["succeeded"] is False
+    assert "cannot fill one global batch" in body["error"] and "--batch-size-per-device" in body["error"]
