@@ -191,8 +191,12 @@ def operator_as_chart_sa(helm_cli, kubectl, kubeconfig, kube_api, namespace, ext
                 "TPUFT_METRICS_PORT": str(run.metrics_port),   # the chart's 9090 may be taken on this machine
                 "TPUFT_RESYNC_SECONDS": "1",
                 "TPUFT_VERIFY_GRACE_SECONDS": "1",
-                "PYTHONDONTWRITEBYTECODE": "1",
+                "PYTHONDONTWRITEBYTECODE": "1",     # as the image's ENV
+                "HOME": str(tmp_path / "nonexistent"),  # as the image's user: no home directory
             })
+            # readOnlyRootFilesystem stand-in: the process must write nothing into its install tree
+            # or HOME (the chart gives it only an emptyDir at /tmp).
+            installed_before = _tree(venv)
             with open(run.log_path, "w") as log:
                 run.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
             wait_until(run.healthy, 60, "the operator's /healthz")
@@ -201,6 +205,8 @@ def operator_as_chart_sa(helm_cli, kubectl, kubeconfig, kube_api, namespace, ext
             stop(run)
             kubectl("delete", "tft", "--all", "-n", team, "--ignore-not-found", "--wait=false")
             helm_cli("uninstall", release, "--namespace", namespace, check=False)
+        assert _tree(venv) == installed_before, "the operator wrote into its install tree"
+        assert not (tmp_path / "nonexistent").exists(), "the operator created its HOME"
         log = run.log_path.read_text()
         # (A cluster-wide operator may also meet objects left by earlier tests in namespaces being
         # deleted; the API server answers those creates 403 "is being terminated": not RBAC.)
@@ -209,6 +215,10 @@ def operator_as_chart_sa(helm_cli, kubectl, kubeconfig, kube_api, namespace, ext
         assert not bad, "permission errors in the operator log:\n" + "\n".join(bad)
 
     return start
+
+
+def _tree(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*") if p.is_file()}
 
 
 def stop(run: OperatorRun) -> None:
