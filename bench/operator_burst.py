@@ -8,13 +8,14 @@ What it does, per run (a fresh namespace each, operators run one at a time, neve
 
   ours  `kopf run --standalone -m tpuft.handlers --namespace=NS` as a subprocess (production defaults:
         TPUFT_RESYNC_SECONDS=5, TPUFT_WORKERS=4). After a warm-up object, N TPUFinetunes (v6e 4x4, so
-        nothing executes) are created by 8 client threads; per object: create returned -> the harness's
-        watch sees phase Provisioning with status.children set (the children are created before that
+        nothing executes) are created by 8 client threads; per object, from t0 (its create call returned
+        or the harness's watch saw it ADDED, whichever came first) -> the harness's watch sees phase
+        Provisioning with status.children set (the children are created before that
         status write), and -> its RayCluster ADDED. Then an idle window (requests/s while every object
         waits in Provisioning: the resync), then every object is driven to Succeeded by writing
         KubeRay-shaped RayCluster/RayJob status (as tests/kuberay_standin.py does).
   peer  KubeRay's operator (bench/kuberay/, built from the Go module proxy) with N RayJobs that carry
-        an inline rayClusterSpec (small CPU head + 1 worker): create returned -> its RayCluster ADDED.
+        an inline rayClusterSpec (small CPU head + 1 worker): t0 (as above) -> its RayCluster ADDED.
 
 API requests come from the API server's own /metrics (apiserver_request_total, diffed), minus the
 requests this harness made itself (counted exactly here). The harness observes through watches,
@@ -66,6 +67,7 @@ CHILD_RESOURCES = {"rayclusters", "rayjobs", "serviceaccounts", "roles", "rolebi
                    "jobs", "configmaps", "secrets", "ingresses", "routes", "networkpolicies"}
 WRITE_VERBS = {"POST", "PUT", "PATCH", "DELETE", "DELETECOLLECTION", "APPLY"}
 CREATORS = 8
+OURS_ENV: dict[str, str] = {}  # --ours-env K=V
 PROFILE = os.environ.get("BENCH_PYSPY")  # path of a py-spy binary: profile our operator
 
 
@@ -157,6 +159,24 @@ class Cluster:
                     return
             time.sleep(1)
         say(f"namespace {name} still terminating after {wait}s; going on")
+
+
+def settle(cl: "Cluster", quiet_s: float = 2.0, limit_s: float = 90.0) -> tuple[Counter, float]:
+    """Wait until the API server has counted no new write for `quiet_s` (the operator's follow-up work
+    is done); returns the counters then and how long it took."""
+    t0 = time.monotonic()
+    last = cl.requests()
+    quiet_since = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        time.sleep(0.5)
+        now = cl.requests()
+        if sum(v for (verb, _, _), v in now.items() if verb in WRITE_VERBS) != \
+                sum(v for (verb, _, _), v in last.items() if verb in WRITE_VERBS):
+            quiet_since = time.monotonic()
+        last = now
+        if time.monotonic() - quiet_since >= quiet_s:
+            break
+    return last, time.monotonic() - t0
 
 
 def diff(after: Counter, before: Counter, harness: Counter) -> Counter:
@@ -290,6 +310,7 @@ class TftState:
     def __init__(self):
         self.lock = threading.Lock()
         self.phase: dict[str, str] = {}
+        self.added_at: dict[str, float] = {}
         self.provisioning_at: dict[str, float] = {}
         self.cluster_at: dict[str, float] = {}
         self.status_versions: dict[str, list[dict]] = defaultdict(list)  # each distinct status seen
@@ -299,6 +320,7 @@ class TftState:
         name = obj["metadata"]["name"]
         st = obj.get("status") or {}
         with self.lock:
+            self.added_at.setdefault(name, t)
             versions = self.status_versions[name]
             if st and (not versions or versions[-1] != st):
                 versions.append(st)
@@ -369,6 +391,12 @@ def latencies(start: dict[str, float], end: dict[str, float], names: list[str]) 
     return [(end[n] - start[n]) * 1000 for n in names if n in end and n in start]
 
 
+def first_known(created: dict[str, float], added: dict[str, float]) -> dict[str, float]:
+    """t0 per object: the earliest moment the harness knew it existed (its create call returned, or its
+    watch saw it ADDED, whichever came first; under load either can lag)."""
+    return {n: min(t, added.get(n, t)) for n, t in created.items()}
+
+
 def summarize_ms(xs: list[float]) -> dict:
     return {"n": len(xs), "p50_ms": pct(xs, 50), "p95_ms": pct(xs, 95), "p99_ms": pct(xs, 99), "max_ms": max(xs) if xs else None}
 
@@ -393,7 +421,8 @@ def run_ours(cl: Cluster, n: int, tag: str, idle_s: float, lifecycle: bool, work
     port = free_port()
     env = dict(os.environ, KUBECONFIG=str(cl.cp.kubeconfig), TPUFT_METRICS_PORT=str(port), PYTHONUNBUFFERED="1")
     for k in ("TPUFT_RESYNC_SECONDS", "TPUFT_WORKERS"):
-        env.pop(k, None)  # production defaults
+        env.pop(k, None)  # production defaults, unless --ours-env says otherwise
+    env.update(OURS_ENV)
     kopf = str(Path(sys.executable).with_name("kopf"))
     argv = [kopf, "run", "--standalone", "-m", "tpuft.handlers", f"--namespace={ns}"]
     if PROFILE:  # sampled stacks of every thread, idle included (RSS is then py-spy's, not the operator's)
@@ -418,14 +447,16 @@ def run_ours(cl: Cluster, n: int, tag: str, idle_s: float, lifecycle: bool, work
             lambda nm: cl.custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, tft_body(nm)), names)
         harness[("POST", PLURAL, "")] += n
         t_done = wait_for(lambda: all(x in state.provisioning_at for x in names), 300, "all Provisioning")
-        time.sleep(1.0)  # let the follow-up reconciles (triggered by its own writes) land
-        m1 = cl.requests()
+        cpu1 = op.cpu_seconds()
+        m1, settle_s = settle(cl)  # the follow-up reconciles (triggered by its own writes) land
         burst_reqs = diff(m1, m0, harness)
+        created = first_known(created, state.added_at)
         result.update({
             "create_to_provisioning": summarize_ms(latencies(created, state.provisioning_at, names)),
             "create_to_raycluster": summarize_ms(latencies(created, state.cluster_at, names)),
             "creates_s": t_last_create - t_first, "burst_total_s": t_done - t_first,
-            "requests_burst_per_object": by_kind(burst_reqs, n),
+            "requests_burst_per_object": by_kind(burst_reqs, n), "settle_s": settle_s,
+            "cpu_burst_s": (cpu1 or 0) - (cpu0 or 0),
         })
         say(f"ours n={n}: p50={result['create_to_provisioning']['p50_ms']:.0f}ms "
             f"p99={result['create_to_provisioning']['p99_ms']:.0f}ms total={result['burst_total_s']:.2f}s")
@@ -559,7 +590,12 @@ def run_peer(cl: Cluster, n: int, tag: str, workdir: Path) -> dict:
     op = Proc(peer_args(ns, free_port(), free_port()) + [f"--kubeconfig={cl.cp.kubeconfig}"], env,
               workdir / f"peer-{n}-{tag}.log")
     cluster_at: dict[str, float] = {}
+    added_at: dict[str, float] = {}
     lock = threading.Lock()
+
+    def on_job(etype, obj, t):
+        with lock:
+            added_at.setdefault(obj["metadata"]["name"], t)
 
     def on_cluster(etype, obj, t):
         owners = [r.get("name") for r in obj["metadata"].get("ownerReferences") or [] if r.get("kind") == "RayJob"]
@@ -568,10 +604,11 @@ def run_peer(cl: Cluster, n: int, tag: str, workdir: Path) -> dict:
                 cluster_at.setdefault(owners[0], t)
 
     w = Watcher(cl, *RAY, "rayclusters", ns, on_cluster)
+    wj = Watcher(cl, *RAY, "rayjobs", ns, on_job)
     result: dict = {"operator": f"kuberay-{PEER_VERSION}", "n": n, "namespace": ns}
     try:
-        w.start()
-        w.ready.wait(30)
+        w.start(), wj.start()
+        w.ready.wait(30), wj.ready.wait(30)
         cl.custom.create_namespaced_custom_object(*RAY, ns, "rayjobs", rayjob_body("warmup"))
         wait_for(lambda: "warmup" in cluster_at, 120, "the warm-up RayJob's RayCluster")
         time.sleep(2.0)
@@ -583,13 +620,14 @@ def run_peer(cl: Cluster, n: int, tag: str, workdir: Path) -> dict:
             lambda nm: cl.custom.create_namespaced_custom_object(*RAY, ns, "rayjobs", rayjob_body(nm)), names)
         harness[("POST", "rayjobs", "")] += n
         t_done = wait_for(lambda: all(x in cluster_at for x in names), 300, "all RayClusters")
-        time.sleep(1.0)
-        m1 = cl.requests()
+        cpu1 = op.cpu_seconds()
+        m1, settle_s = settle(cl)  # until it stops writing: pods, services, statuses of the new clusters
+        created = first_known(created, added_at)
         result.update({
             "create_to_raycluster": summarize_ms(latencies(created, cluster_at, names)),
             "creates_s": t_last_create - t_first, "burst_total_s": t_done - t_first,
-            "requests_burst_per_object": by_kind(diff(m1, m0, harness), n),
-            "cpu_s": (op.cpu_seconds() or 0) - (cpu0 or 0),
+            "requests_burst_per_object": by_kind(diff(m1, m0, harness), n), "settle_s": settle_s,
+            "cpu_burst_s": (cpu1 or 0) - (cpu0 or 0), "cpu_s": (op.cpu_seconds() or 0) - (cpu0 or 0),
         })
         say(f"peer n={n}: p50={result['create_to_raycluster']['p50_ms']:.0f}ms "
             f"p99={result['create_to_raycluster']['p99_ms']:.0f}ms total={result['burst_total_s']:.2f}s")
@@ -597,8 +635,18 @@ def run_peer(cl: Cluster, n: int, tag: str, workdir: Path) -> dict:
         result["peak_rss_mb"] = (op.status_kb("VmHWM") or 0) / 1024
         result["alive_at_end"] = op.alive()
         op.stop()
-        w.stop()
+        w.stop(), wj.stop()
+        drop_finalizers(cl, ns)
     return result
+
+
+def drop_finalizers(cl: Cluster, ns: str) -> None:
+    """KubeRay puts a finalizer on RayJobs; with its operator stopped the namespace could never go."""
+    todo = [(plural, o["metadata"]["name"]) for plural in ("rayjobs", "rayclusters")
+            for o in cl.custom.list_namespaced_custom_object(*RAY, ns, plural)["items"] if o["metadata"].get("finalizers")]
+    with cf.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda pn: cl.custom.patch_namespaced_custom_object(
+            *RAY, ns, pn[0], pn[1], {"metadata": {"finalizers": None}}), todo))
 
 
 def code_state() -> dict:
@@ -633,7 +681,7 @@ def aggregate(runs: list[dict]) -> dict:
         a["burst_total_s"] = med([r["burst_total_s"] for r in rs])
         a["creates_s"] = med([r["creates_s"] for r in rs])
         a["peak_rss_mb"] = max(r["peak_rss_mb"] for r in rs)
-        a["cpu_s"] = med([r.get("cpu_s") for r in rs])
+        a["cpu_burst_s"] = med([r.get("cpu_burst_s") for r in rs])
         a["writes_burst_per_object"] = med([r["requests_burst_per_object"]["writes.total"] for r in rs])
         a["reads_burst_per_object"] = med([r["requests_burst_per_object"]["reads.total"] for r in rs])
         out[f"{opname}@{n}"] = a
@@ -645,20 +693,22 @@ def table(runs: list[dict], agg: dict, meta: dict) -> str:
     lines = [f"operator_burst  {meta['started']}  machine: {meta['machine']}",
              f"command: {meta['command']}",
              f"operator code: HEAD {code.get('head')}, uncommitted in operator/tpuft: {code.get('uncommitted') or 'none'}",
-             f"peer: {meta.get('peer')}", ""]
-    lines.append("Per-object latency, create returned -> ours: phase Provisioning with children created; "
+             f"peer: {meta.get('peer')}; our operator's environment: {meta.get('ours_env')}", ""]
+    lines.append("Per-object latency, t0 (create returned or ADDED seen, the earlier) -> ours: phase Provisioning with children created; "
                  "peer: its RayCluster created (medians over runs)")
     hdr = f"{'operator':<18}{'N':>5}{'runs':>5}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}{'max ms':>9}{'burst s':>9}" \
-          f"{'->RC p99':>10}{'RSS MB':>8}{'cpu s':>7}{'W/obj':>7}{'R/obj':>7}"
+          f"{'create s':>9}{'->RC p99':>10}{'RSS MB':>8}{'cpu s':>7}{'W/obj':>7}{'R/obj':>7}"
     lines.append(hdr)
     for key, a in agg.items():
         opname, n = key.split("@")
         lines.append(f"{opname:<18}{n:>5}{a['runs']:>5}{fmt(a['p50_ms']):>9}{fmt(a['p95_ms']):>9}{fmt(a['p99_ms']):>9}"
-                     f"{fmt(a['max_ms']):>9}{fmt(a['burst_total_s'], 2):>9}{fmt(a['raycluster_p99_ms']):>10}"
-                     f"{fmt(a['peak_rss_mb'], 0):>8}{fmt(a['cpu_s'], 1):>7}{fmt(a['writes_burst_per_object'], 2):>7}"
+                     f"{fmt(a['max_ms']):>9}{fmt(a['burst_total_s'], 2):>9}{fmt(a['creates_s'], 2):>9}"
+                     f"{fmt(a['raycluster_p99_ms']):>10}{fmt(a['peak_rss_mb'], 0):>8}{fmt(a['cpu_burst_s'], 1):>7}{fmt(a['writes_burst_per_object'], 2):>7}"
                      f"{fmt(a['reads_burst_per_object'], 2):>7}")
-    lines.append("(W/obj, R/obj: API writes/reads per object during the burst, from apiserver_request_total; "
-                 "->RC p99: create -> RayCluster ADDED)")
+    lines.append("(burst s: first create -> last object done; create s: the harness's own 8 threads creating the N "
+                 "objects; ->RC p99: t0 -> RayCluster ADDED; cpu s: operator CPU during the burst; W/obj, R/obj: API "
+                 "writes/reads per object from the burst until the API server saw no write for 2 s, from "
+                 "apiserver_request_total; the peer's include its RayCluster controller's pods/services/status)")
     ratios = meta.get("ratios") or {}
     if ratios:
         lines.append("")
@@ -683,11 +733,12 @@ def table(runs: list[dict], agg: dict, meta: dict) -> str:
                      "patches / phase changes, target <= 1; same-phase st = status changes the watch saw that kept the "
                      "phase)")
         idle = [r for r in runs if r["operator"] == "ours" and r.get("idle_requests_per_object_per_s")]
-        if idle:
+        if idle or any("idle_requests_per_object_per_s" in r for r in runs):
             lines.append("")
             lines.append("Ours, idle (every object waiting in Provisioning): requests per object per second")
-            for r in idle:
-                lines.append(f"  N={r['n']}: {r['idle_requests_per_object_per_s']}")
+            for r in runs:
+                if r["operator"] == "ours" and "idle_requests_per_object_per_s" in r:
+                    lines.append(f"  N={r['n']} ({r['idle_window_s']:g} s): {r['idle_requests_per_object_per_s'] or 'none'}")
     targets = meta.get("targets") or {}
     if targets:
         lines.append("")
@@ -743,11 +794,14 @@ def main() -> int:
     ap.add_argument("--build-peer", action="store_true", help="build/cache KubeRay's operator and exit")
     ap.add_argument("--idle", type=float, default=10.0, help="idle window after the burst, seconds")
     ap.add_argument("--no-lifecycle", action="store_true")
+    ap.add_argument("--ours-env", action="append", default=[], metavar="K=V",
+                    help="environment for our operator (e.g. TPUFT_WORKERS=16); default: production defaults")
     ap.add_argument("--out", type=Path, default=RESULTS / "operator_burst.json")
     args = ap.parse_args()
     if args.build_peer:
         print(build_peer())
         return 0
+    OURS_ENV.update(dict(x.split("=", 1) for x in args.ours_env))
     plan = [(int(n), int(r)) for n, r in (x.split(":") for x in args.runs.split(","))]
     if not args.ours_only:
         build_peer()
@@ -778,6 +832,7 @@ def main() -> int:
     meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": " ".join(["python"] + sys.argv),
             "machine": f"{os.cpu_count()} cores, load avg {os.getloadavg()[0]:.1f} at end (shared)",
             "peer": f"{PEER_MODULE} {PEER_VERSION} (v1.7.0 not served by the Go module proxy)",
+            "ours_env": OURS_ENV or "production defaults",
             "wall_s": time.monotonic() - t_start, "ratios": ratios, "targets": targets, "code": code_at_start}
     text = table(runs, agg, meta)
     print(text)
