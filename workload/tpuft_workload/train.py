@@ -32,6 +32,13 @@ RESULT_PREFIX = "TPUFT_TRAIN_RESULT"
 SUMMARY = "summary.json"  # under storage_path/run_name, written by rank 0 when a run completes
 
 
+def _say(msg: str) -> None:
+    """One line on the worker's stdout. Not print(): Ray Train v2 patches print() to also log
+    it, and the RayJob log then shows every line twice."""
+    sys.stdout.write(msg + "\n")
+    sys.stdout.flush()
+
+
 def _ckpt_name(step: int) -> str:
     return f"checkpoint_step_{step:07d}"
 
@@ -45,7 +52,7 @@ def _maybe_kill(faults: list, rank: int, step: int, run_dir: str) -> None:
         return  # already fired once (or remote storage: test hook is local-only)
     os.makedirs(run_dir, exist_ok=True)
     open(marker, "w").close()
-    print(f"[tpuft] injected fault: killing rank {rank} at step {step}", flush=True)
+    _say(f"[tpuft] injected fault: killing rank {rank} at step {step}")
     os._exit(17)
 
 
@@ -61,6 +68,7 @@ class _Window:
         self.real = 0
         self.padded = 0
         self.t0 = time.perf_counter()
+        self.excluded = 0.0  # time spent in reports/checkpoints, kept out of the rates
 
     def add(self, loss, real: int, padded: int) -> None:
         self.loss += loss.detach().float()
@@ -78,8 +86,9 @@ class _Window:
                          torch.tensor(float(self.padded), device=self.device)])
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         loss_sum, steps, real, padded = t.cpu().tolist()
-        secs = max(time.perf_counter() - self.t0, 1e-9)
-        return {"loss": loss_sum / max(steps, 1), "seconds": secs,
+        wall = time.perf_counter() - self.t0
+        secs = max(wall - self.excluded, 1e-9)
+        return {"loss": loss_sum / max(steps, 1), "seconds": wall,
                 "tokens_per_s": real / secs, "padded_tokens_per_s": padded / secs,
                 "step_time_s": secs / max(self.steps, 1),
                 "pad_fraction": 1.0 - real / padded if padded else 0.0}
@@ -112,9 +121,9 @@ def train_loop(cfg: dict) -> None:
     datalib.rank_batches(len(blocks), world, rank, bsz, 0, cfg["seed"])  # fail early if too small
     total_steps = spe * cfg["epochs"]
     if rank == 0:
-        print(f"[tpuft] {len(records)} examples -> {len(blocks)} rows of {cfg['max_seq_length']} tokens "
+        _say(f"[tpuft] {len(records)} examples -> {len(blocks)} rows of {cfg['max_seq_length']} tokens "
               f"({'packed' if cfg['packing'] else 'padded'}, pad fraction {datalib.pad_fraction(blocks):.1%}); "
-              f"{spe} steps/epoch x {cfg['epochs']} epochs on {world} workers", flush=True)
+              f"{spe} steps/epoch x {cfg['epochs']} epochs on {world} workers")
 
     model = modellib.load_model(cfg["model"], tokenizer, plat, cfg["seed"])
     mesh = init_device_mesh(plat.device_type, (world,))
@@ -133,7 +142,7 @@ def train_loop(cfg: dict) -> None:
             state = ckptlib.load(model, opt, d)
         step, resumed_from, last_ckpt = int(state["step"]), int(state["step"]), state.get("path", "")
         if rank == 0:
-            print(f"[tpuft] resumed from checkpoint at step {step} ({source})", flush=True)
+            _say(f"[tpuft] resumed from checkpoint at step {step} ({source})")
 
     def status(force: bool, **fields) -> None:
         if rank == 0 and reporter.enabled and throttle.ready(force):
@@ -177,26 +186,29 @@ def train_loop(cfg: dict) -> None:
                 break
             save = bool(every_ckpt) and step % every_ckpt == 0
             if step % every_rep == 0 or save:
+                paused = time.perf_counter()
                 m = win.reduce()
                 if rank == 0:
-                    print(f"Epoch {epoch + 1}/{cfg['epochs']} | step {step}/{total_steps} | loss={m['loss']:.4f} | "
-                          f"step_time={m['step_time_s']:.3f}s | tokens/s={m['tokens_per_s']:.1f} | "
-                          f"padded_tokens/s={m['padded_tokens_per_s']:.1f}", flush=True)
+                    _say(f"Epoch {epoch + 1}/{cfg['epochs']} | step {step}/{total_steps} | loss={m['loss']:.4f} | "
+                         f"step_time={m['step_time_s']:.3f}s | tokens/s={m['tokens_per_s']:.1f} | "
+                         f"padded_tokens/s={m['padded_tokens_per_s']:.1f}")
                 report({"epoch": epoch + 1, **m}, save)
                 status(save, epoch=epoch + 1, step=step, loss=round(m["loss"], 5),
                        tokensPerSecond=round(m["tokens_per_s"], 1),
                        paddedTokensPerSecond=round(m["padded_tokens_per_s"], 1),
                        stepTimeSeconds=round(m["step_time_s"], 4), padFraction=round(m["pad_fraction"], 4),
                        lastCheckpoint=last_ckpt or None)
-                # restart the window after report(): a report waits for the controller to poll the
-                # previous one (result queue of size 1, polled every 2 s), which is not training
-                # time (epoch_time still includes it, like the seed's).
+                # Reports and checkpoints are not training time: a report waits for the controller
+                # to poll the previous one (result queue of size 1, polled every 2 s). Rates leave
+                # them out (the seed's epoch timer also stops before its checkpoint); epoch_time
+                # is the wall clock.
+                epoch_win.excluded += time.perf_counter() - paused
                 win = _Window(device)
         m = epoch_win.reduce()
         if rank == 0:
-            print(f"Epoch {epoch + 1}/{cfg['epochs']} | loss={m['loss']:.4f} | epoch_time={m['seconds']:.2f}s | "
-                  f"tokens/s={m['tokens_per_s']:.1f} | padded_tokens/s={m['padded_tokens_per_s']:.1f} | "
-                  f"pad={m['pad_fraction']:.1%}", flush=True)
+            _say(f"Epoch {epoch + 1}/{cfg['epochs']} | loss={m['loss']:.4f} | epoch_time={m['seconds']:.2f}s | "
+                 f"tokens/s={m['tokens_per_s']:.1f} | padded_tokens/s={m['padded_tokens_per_s']:.1f} | "
+                 f"pad={m['pad_fraction']:.1%}")
         report({"epoch": epoch + 1, "epoch_loss": m["loss"], "epoch_time_s": m["seconds"], **m}, True)
         status(True, epoch=epoch + 1, step=step, loss=round(m["loss"], 5),
                tokensPerSecond=round(m["tokens_per_s"], 1), paddedTokensPerSecond=round(m["padded_tokens_per_s"], 1),
@@ -209,7 +221,7 @@ def train_loop(cfg: dict) -> None:
     summary = {"step": step, "totalSteps": total_steps, "resumedFromStep": resumed_from,
                "lastCheckpoint": last_ckpt, "exportedModel": exported}
     if rank == 0:
-        print(f"[tpuft] exported Hugging Face model to {exported}", flush=True)
+        _say(f"[tpuft] exported Hugging Face model to {exported}")
         status(True, epoch=cfg["epochs"], step=step, lastCheckpoint=last_ckpt, exportedModel=exported)
         # Result.metrics is the latest *checkpoint's* metrics (maybe from an earlier attempt):
         # this file is what the final attempt actually did.
@@ -266,7 +278,7 @@ def run_training(args, target: Target, fault_spec: str = "") -> int:
           f"({target.platform.backend}), run={cfg['run_dir']}", flush=True)
     t0 = time.monotonic()
     try:
-        result = trainer.fit()
+        trainer.fit()
     except Exception as e:  # noqa: BLE001 - one clear line for the RayJob log and the operator
         msg = str(e).strip().splitlines()
         print(f"{RESULT_PREFIX} " + json.dumps({"succeeded": False, "error": f"{type(e).__name__}: "
