@@ -140,3 +140,37 @@ def test_status_reporter_writes_status_subresource(kubeconfig, namespace, kube_a
     assert set(status["training"]) <= set(TRAINING_KEYS)
     assert status["training"]["epoch"] == 1 and status["training"]["step"] == 20
     assert status["training"]["exportedModel"] == "/ckpt/export" and status["training"]["updatedAt"].endswith("Z")
+
+
+def test_tpu_rank_layout():
+    from tpuft_workload.verify import _slice_index, tpu_rank
+
+    v6e = platform.resolve_target("v6e", "4x4").shape       # 4 hosts x 4 devices
+    assert [tpu_rank(v6e, 0, w, d) for w, d in ((0, 0), (1, 0), (3, 3))] == [0, 4, 15]
+    assert tpu_rank(v6e, 1, 0, 0) == 16                      # second slice starts after the first
+    x7 = platform.resolve_target("tpu7x", "2x2x2").shape     # 2 hosts x 8 devices (2 per chip)
+    assert tpu_rank(x7, 0, 1, 7) == 15
+    assert _slice_index(20, 16) == 1                         # no TPU_NAME: bundle order
+
+
+@pytest.mark.parametrize("acc,topo,slices,workers,ray_type", [
+    ("v6e", "4x4", 1, 16, "TPU-V6E"),
+    ("v6e", "4x4", 2, 32, "TPU-V6E"),
+    ("tpu7x", "2x2x2", 1, 16, "TPU-V7X"),
+])
+def test_tpu_scaling_config_passes_ray_validation(acc, topo, slices, workers, ray_type, monkeypatch):
+    """Ray's ScalingConfig validates TPU worker counts at construction: ours must agree."""
+    from tpuft_workload import train
+
+    if acc == "tpu7x":
+        monkeypatch.setenv("RAY_TPU_RESOURCE_PER_CHIP", "2")   # the operator sets it on every pod
+    else:
+        monkeypatch.delenv("RAY_TPU_RESOURCE_PER_CHIP", raising=False)
+    args, target = cli.parse_args(["train", "--accelerator", acc, "--topology", topo, "--slices", str(slices),
+                                   "--model", "m", "--dataset", "d", "--storage-path", "gs://b/p",
+                                   "--run-name", "r"])
+    trainer, cfg = train.build_trainer(args, target)
+    sc = trainer.scaling_config
+    assert (sc.use_tpu, sc.topology, sc.accelerator_type, sc.num_workers, sc.resources_per_worker) == \
+        (True, topo, ray_type, workers, {"TPU": 1})
+    assert cfg["platform"] == "tpu" and cfg["export_uri"] == "gs://b/p/r/export"

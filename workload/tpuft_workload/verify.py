@@ -140,7 +140,7 @@ class CollectiveWorker:
             worker_id = int(os.environ.get("TPU_WORKER_ID") or 0)
             slice_idx = _slice_index(self.bundle_index, t.shape.devices) if t.slices > 1 else 0
             info.update(local_rank=local, worker_id=worker_id,
-                        rank=slice_idx * t.shape.devices + worker_id * t.shape.devices_per_host + local)
+                        rank=tpu_rank(t.shape, slice_idx, worker_id, local))
         else:
             gpus = ray.get_runtime_context().get_accelerator_ids().get("GPU") or []
             info.update(local_rank=int(gpus[0]) if gpus else 0, worker_id=self.bundle_index,
@@ -206,6 +206,11 @@ class CollectiveWorker:
         self._phase = "done"
         return {"rank": self.rank, "all_reduce_sum": sums, "max_abs_diff": max_abs_diff,
                 "seconds": time.monotonic() - t0}
+
+
+def tpu_rank(shape, slice_index: int, worker_id: int, local_device: int) -> int:
+    """Global rank of a TPU device: slices, then hosts (TPU_WORKER_ID), then local device id."""
+    return slice_index * shape.devices + worker_id * shape.devices_per_host + local_device
 
 
 def _slice_index(bundle_index: int, devices_per_slice: int) -> int:
