@@ -100,6 +100,7 @@ def test_install_cluster_wide(helm_cli, kubectl, namespace, extra_namespace, tmp
             assert can_i(kubectl, "patch", "tpufinetunes.tpufinetune.dev", sa, ns, subresource="status")
             assert not can_i(kubectl, "delete", "tpufinetunes.tpufinetune.dev", sa, ns)
             assert not can_i(kubectl, "update", "tpufinetunes.tpufinetune.dev", sa, ns)
+            assert not can_i(kubectl, "patch", "tpufinetunes.tpufinetune.dev", sa, ns)  # spec/metadata are the user's
             assert not can_i(kubectl, "get", "configmaps", sa, ns)
             assert not can_i(kubectl, "create", "pods", sa, ns)
         assert can_i(kubectl, "watch", "customresourcedefinitions.apiextensions.k8s.io", sa, None)

@@ -12,10 +12,10 @@ FULLNAME = f"{RELEASE}-tpufinetune-operator"
 
 # What the operator (handlers + kopf) does, per namespace it serves.
 APPLICATION = {
-    # its own CR: kopf watches it and patches its bookkeeping annotations
-    ("tpufinetune.dev", "tpufinetunes"): {"get", "list", "watch", "patch"},
+    # its own CR: read only (no annotations, no finalizers, spec belongs to the user)
+    ("tpufinetune.dev", "tpufinetunes"): {"get", "list", "watch"},
     # status; also granted onwards (get, patch) to each CR's workload ServiceAccount
-    ("tpufinetune.dev", "tpufinetunes/status"): {"get", "patch", "update"},
+    ("tpufinetune.dev", "tpufinetunes/status"): {"get", "patch"},
     # KubeRay children
     ("ray.io", "rayclusters"): {"get", "list", "watch", "create", "patch", "delete"},
     ("ray.io", "rayjobs"): {"get", "list", "watch", "create", "patch", "delete"},

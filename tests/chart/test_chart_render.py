@@ -18,7 +18,6 @@ NAMESPACED_VALUES = {
                 "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}, "interval": "15s"}},
     "image": {"repository": "example.com/tpuft/operator", "tag": "1.2.3", "pullPolicy": "Always"},
     "imagePullSecrets": [{"name": "regcred"}],
-    "workloadImageDefault": "example.com/tpuft/workload:1.2.3",
     "nodeSelector": {"kubernetes.io/os": "linux"},
     "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ops", "effect": "NoSchedule"}],
     "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
@@ -140,7 +139,6 @@ def test_deployment_args_cluster_wide(render):
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["TPUFT_LOG_LEVEL"] == "INFO"
     assert env["TPUFT_METRICS_PORT"] == "9090"
-    assert "TPUFT_WORKLOAD_IMAGE_DEFAULT" not in env
     assert c["image"] == "ghcr.io/tpufinetune/tpufinetune-operator:0.1.0"
     assert {p["name"]: p["containerPort"] for p in c["ports"]}["metrics"] == 9090
 
@@ -198,7 +196,6 @@ def test_namespaced_args_and_settings(render):
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["TPUFT_LOG_LEVEL"] == "DEBUG"
     assert env["TPUFT_METRICS_PORT"] == "9191"
-    assert env["TPUFT_WORKLOAD_IMAGE_DEFAULT"] == "example.com/tpuft/workload:1.2.3"
     assert c["image"] == "example.com/tpuft/operator:1.2.3"
     assert c["imagePullPolicy"] == "Always"
     assert pod["imagePullSecrets"] == [{"name": "regcred"}]

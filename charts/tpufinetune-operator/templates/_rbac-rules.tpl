@@ -4,18 +4,17 @@ watched namespace's Role. No wildcards, no Secrets (tests/chart/test_rbac.py ass
 exact set).
 */}}
 {{- define "tpuft.rbac.applicationRules" -}}
-# The TPUFinetune objects it reconciles. `patch` is for kopf's bookkeeping (annotations,
-# finalizers), which kopf writes only for change handlers; tpuft.handlers has none today.
-# Never create/update/delete: spec belongs to the user (or Git).
+# The TPUFinetune objects it reconciles: read only. The operator writes no annotations or
+# finalizers (no kopf change handlers), and spec belongs to the user (or Git).
 - apiGroups: ["tpufinetune.dev"]
   resources: ["tpufinetunes"]
-  verbs: ["get", "list", "watch", "patch"]
+  verbs: ["get", "list", "watch"]
 # status.phase / conditions / observedGeneration. The operator also hands get+patch on
 # one CR's status to that CR's workload ServiceAccount, and RBAC lets it grant only what
 # it holds.
 - apiGroups: ["tpufinetune.dev"]
   resources: ["tpufinetunes/status"]
-  verbs: ["get", "patch", "update"]
+  verbs: ["get", "patch"]
 # The KubeRay children: one RayCluster, then the verification and fine-tuning RayJobs.
 - apiGroups: ["ray.io"]
   resources: ["rayclusters", "rayjobs"]
