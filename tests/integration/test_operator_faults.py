@@ -1,26 +1,37 @@
 """The operator under faults: SIGKILLs and a misbehaving API server, each promise checked with a count.
 
+Summary (seed 9, TPUFT_CHAOS_SEED overrides; ~2.5 min for the module on 2 noisy cores incl. the
+~40 s control plane start):
   test_sigkill_chaos      20 concurrent lifecycles (8 Succeeded, 4 Failed/VerificationFailed,
-                          4 Failed/ProvisioningTimeout, 4 Succeeded after one training retry)
-                          while the operator (a real `kopf run` subprocess) is SIGKILLed 5 times
-                          at seeded random moments and restarted.
-  test_api_fault_proxy    10 lifecycles (4/2/2/2 of the same kinds) with the operator talking to
-                          the API server through tests/faultproxy.py, which injects on a seeded
-                          schedule 500s (before and after forwarding), 429s with Retry-After,
-                          409s on writes, dropped watch streams and slow responses; each fault
-                          type is asserted to have fired at least MIN_EACH_FAULT times.
+                          4 Failed/ProvisioningTimeout, 4 Succeeded after 1 training retry via
+                          spec.training.maxJobRetries) while the operator (a real `kopf run`
+                          subprocess) is SIGKILLed 5 times and restarted. Each kill comes at a seeded
+                          random moment 0-2.5 s after that run's first status write; >= 3 of the 5
+                          must land in a run that wrote status while lifecycles were unfinished.
+                          Typical: ~75 phase changes watched, ~10 children created by a killed run
+                          and adopted by the next.
+  test_api_fault_proxy    10 lifecycles (4/2/2/2 of the same kinds), the operator talking to the
+                          API server through tests/faultproxy.py, which injects on a seeded schedule
+                          500s (before forwarding, and after: write applied, response lost), 429s
+                          with Retry-After, 409s on writes, dropped watch streams and slow responses;
+                          each type must fire >= MIN_EACH_FAULT (2) times. Typical per run: ~350
+                          proxied requests, ~15 500s, ~15 429s, ~16 409s, ~30 drops, ~20 slow.
+  test_lost_status_write_response_never_regresses
+                          the bug the proxy found (Provisioning -> Pending after a lost 500),
+                          pinned deterministically with the unit tests' fake API.
 
-End checks, both tests: every TPUFinetune in its expected terminal phase with its expected
-reason; exactly the expected children per object (RayCluster, RayJobs, workload
-ServiceAccount/Role/RoleBinding), each with a single controller ownerReference to its
-TPUFinetune, and no other RayCluster/RayJob in the namespace; no status regression (a watch
-records every phase each object shows: the sequence never goes backwards in
-Pending < Provisioning < VerifyingCollectives < Training < Succeeded|Failed, and a terminal
-phase/reason never changes); nothing more is created after the end; the operator never
-logged a crashed reconcile (a bug, not an API error). Each test prints its counts.
+End checks, both lifecycle tests: every TPUFinetune in its expected terminal phase with its
+expected reason (and trainingAttempts); exactly the expected children per object (RayCluster,
+RayJobs, workload ServiceAccount/Role/RoleBinding: 112 for 20 objects, 56 for 10), each with a
+single controller ownerReference to its TPUFinetune, and no other RayCluster/RayJob/Role/
+RoleBinding in the namespace; no status regression (a watch records every (phase, reason) each
+object shows: the sequence never goes backwards in Pending < Provisioning < VerifyingCollectives
+< Training < Succeeded|Failed, and a terminal phase/reason never changes); the same after 3 more
+seconds of resyncs; no transition Event posted twice; the operator never logged a crashed
+reconcile (a bug, not an API error). Each test prints a COUNTS line.
 
 KubeRay's part is played by a background thread ("Player") writing RayCluster/RayJob status
-through tests/kuberay_standin.py, with seeded random delays, while the operator runs or not.
+through tests/kuberay_standin.py, with seeded random delays, whether the operator runs or not.
 """
 from __future__ import annotations
 
@@ -56,6 +67,8 @@ SCRIPTS = {
 }
 PROVISIONING_TIMEOUT = 15  # s, for the "timeout" script (the CRD's minimum is 5)
 IDENTITY_KINDS = ("serviceaccounts", "roles", "rolebindings")
+TRANSITION_REASONS = ("WaitingForSlice", "Verifying", "Training", "TrainingComplete", "VerificationFailed",
+                      "ProvisioningTimeout", "Retrying")
 
 
 # --- the operator as a real subprocess ------------------------------------------------------------
@@ -345,7 +358,15 @@ def check_end_state(kube_api, namespace: str, scripts: dict[str, str], recorder:
     text = op.text()
     assert " crashed attempt=" not in text, op.tail(120)  # a reconcile raised something not an API error
     transitions = sum(len(seq) - 1 for seq in recorder.seen.values())
+    # Events: one per transition at most (one may be lost when the operator dies between the status
+    # write and the event post; never posted twice).
+    events = collections.Counter(
+        (e.involved_object.name, e.reason) for e in core.list_namespaced_event(namespace).items
+        if e.reporting_component == "tpufinetune-operator" and e.reason in TRANSITION_REASONS)
+    duplicated = {k: n for k, n in events.items() if n > 1}
+    assert not duplicated, duplicated
     return {"lifecycles": len(scripts), "children": total, "phase_changes_observed": transitions,
+            "transition_events": sum(events.values()), "children_adopted": text.count("=adopted"),
             "by_outcome": dict(collections.Counter(f"{SCRIPTS[s][0]}/{SCRIPTS[s][1]}" for s in scripts.values()))}
 
 
@@ -440,3 +461,37 @@ def test_api_fault_proxy(kubeconfig, kube_api, namespace, tmp_path, control_plan
     assert counts["lifecycles"] == 10
     for t in TYPES:
         assert faults[t] >= MIN_EACH_FAULT, faults
+
+
+# --- the bug the proxy found, pinned without a control plane ------------------------------------------------
+def test_lost_status_write_response_never_regresses():
+    """A status write that lands but whose response is lost (the proxy's 'error500-after-write'),
+    then a reconcile from the still-lagging index whose create fails: the error note must not
+    write phase Pending over the Provisioning the server already has (it did, before
+    handlers.Controller re-read the object after a failed status write)."""
+    from tests.unit.test_reconcile import NAME as UNAME, NS as UNS, FakeKube, controller, indexed, tft
+    from tpuft.kube import KubeError
+
+    class LostResponse(FakeKube):
+        lose_next = True
+
+        def patch_status(self, ns, name, patch):
+            applied = super().patch_status(ns, name, patch)
+            if self.lose_next:
+                self.lose_next = False
+                raise KubeError("patch status: HTTP 500: response lost after the write")
+            return applied
+
+    kube = LostResponse(tft())
+    ctl = controller(kube)
+    stale = indexed(kube)                      # the index: no status yet, and it stays that way below
+    with pytest.raises(KubeError):
+        ctl.reconcile((UNS, UNAME), stale, [], [])
+    assert kube.objects[("TPUFinetune", UNAME)]["status"]["phase"] == "Provisioning"
+    kube.fail[("RoleBinding", f"{UNAME}-workload")] = KubeError("create RoleBinding: HTTP 500")
+    try:
+        ctl.reconcile((UNS, UNAME), stale, [], [])
+    except KubeError:
+        pass
+    assert kube.objects[("TPUFinetune", UNAME)]["status"]["phase"] == "Provisioning"
+    assert ("get", "TPUFinetune", UNAME) in kube.log
