@@ -48,3 +48,15 @@ def test_a_failing_rank_fails_fast_without_waiting_for_the_timeout(ray_cluster):
     assert not res.passed and not res.timed_out and res.exit_code == verify.EXIT_FAILED
     assert "rank 0" in res.message and "injected failure" in res.message
     assert time.monotonic() - t0 < 60
+
+
+def test_a_tpu_slice_that_never_appears_times_out_within_its_bound(ray_cluster):
+    """No TPU nodes here: the slice placement group can never be ready. Single-host slices
+    leave a pending placement group, multi-host ones block on the head reservation; both must
+    end as a timeout failure, not a hang (the TPU code path up to the actors runs on CPU)."""
+    for topo, hosts in (("2x2", 1), ("4x4", 4)):
+        t0 = time.monotonic()
+        res = verify.run_verification(resolve_target("v6e", topo), timeout_s=6)
+        assert res.exit_code == verify.EXIT_TIMEOUT and res.message.startswith("timeout"), res.message
+        assert f"{hosts} hosts" in res.message and "placement group" in res.message
+        assert time.monotonic() - t0 < 6 + 5
