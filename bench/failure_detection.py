@@ -179,7 +179,8 @@ def table(results: list[dict], anchor: list[dict], meta: dict) -> str:
                      "preRunningDeadlineSeconds, RayCluster never ready:")
         for s in anchor:
             lines.append(f"  after {s['elapsed_s']:>6.1f} s ({s['when']}): jobDeploymentStatus={s['jobDeploymentStatus']} "
-                         f"jobStatus={s['jobStatus'] or '-'} reason={s['reason'] or '-'}")
+                         f"jobStatus={s['jobStatus'] or '-'} reason={s['reason'] or '-'} "
+                         f"(KubeRay operator {'running' if s['kuberay_alive'] else 'NOT running'})")
     return "\n".join(lines)
 
 

@@ -67,6 +67,13 @@ CHILD_RESOURCES = {"rayclusters", "rayjobs", "serviceaccounts", "roles", "rolebi
                    "jobs", "configmaps", "secrets", "ingresses", "routes", "networkpolicies"}
 WRITE_VERBS = {"POST", "PUT", "PATCH", "DELETE", "DELETECOLLECTION", "APPLY"}
 CREATORS = 8
+RAYSERVICE_STUB_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "rayservices.ray.io"},
+    "spec": {"group": "ray.io", "scope": "Namespaced",
+             "names": {"plural": "rayservices", "singular": "rayservice", "kind": "RayService", "listKind": "RayServiceList"},
+             "versions": [{"name": "v1", "served": True, "storage": True, "subresources": {"status": {}},
+                           "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]}}
 OURS_ENV: dict[str, str] = {}  # --ours-env K=V
 PROFILE = os.environ.get("BENCH_PYSPY")  # path of a py-spy binary: profile our operator
 
@@ -105,6 +112,11 @@ class Cluster:
         say(f"starting the control plane in {self.cp.state_dir}")
         self.cp.start()
         self.cp.install_crds(default_crd_paths())
+        # KubeRay's operator also runs its RayService controller, whose informer must sync within 2 min
+        # or the whole manager exits; a stub CRD (no RayService is ever created) lets it sync.
+        self.cp.kubectl("apply", "-f", "-", input=json.dumps(RAYSERVICE_STUB_CRD), check=True)
+        self.cp.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                        "crd/rayservices.ray.io", check=True)
         self.api = config.new_client_from_config(config_file=str(self.cp.kubeconfig))
         self.api.configuration.connection_pool_maxsize = 32
         self.api = config.new_client_from_config(config_file=str(self.cp.kubeconfig),
