@@ -19,10 +19,6 @@ RAY_LOCK = "/tmp/tpuft-ray.lock"
 @pytest.fixture(scope="module")
 def ray_cluster():
     """Start a local Ray (4 logical CPUs: 2 workers + the Train controller fit on 2 cores)."""
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # Ray 2.60 turns on token auth for local clusters
-    # Ray Train's controller polls workers every 2 s and a report() waits for that poll; a
-    # shorter interval keeps the many small reports of these tests from dominating their time.
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     wait_s = float(os.environ.get("TPUFT_RAY_LOCK_WAIT_S", "900"))
     lock = open(RAY_LOCK, "w")
     deadline = time.monotonic() + wait_s
@@ -38,10 +34,16 @@ def ray_cluster():
             time.sleep(1)
     import ray
 
+    env = pytest.MonkeyPatch()
+    env.setenv("RAY_AUTH_MODE", "disabled")  # Ray 2.60 turns on token auth for local clusters
+    # Ray Train's controller polls workers every 2 s and a report() waits for that poll; a
+    # shorter interval keeps the many small reports of these tests from dominating their time.
+    env.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5"))
     try:
         ctx = ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True)
         yield ctx.address_info["gcs_address"]
     finally:
         ray.shutdown()
+        env.undo()
         fcntl.flock(lock, fcntl.LOCK_UN)
         lock.close()

@@ -25,9 +25,11 @@ KILL_STEP = 8
 @pytest.fixture(scope="module")
 def cluster_with_kubeconfig(kubeconfig):
     """Ray workers inherit the environment of the process that starts Ray: set KUBECONFIG first."""
-    os.environ["KUBECONFIG"] = kubeconfig
-    os.environ.pop("KUBERNETES_SERVICE_HOST", None)
-    return kubeconfig
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KUBECONFIG", kubeconfig)
+    mp.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    yield kubeconfig
+    mp.undo()  # other test modules in the session must not inherit it
 
 
 @pytest.fixture(scope="module")
