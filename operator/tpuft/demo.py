@@ -54,6 +54,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--down", action="store_true", help="stop the local control plane at the end")
     p.add_argument("--timeout", type=float, default=1200, help="seconds to wait for a terminal phase")
     p.add_argument("--storage-path", default=None, help="override spec.checkpoint.storagePath")
+    p.add_argument("--provisioning-timeout", type=int, default=None,
+                   help="override spec.provisioningTimeoutSeconds (see a slice that never comes up fail fast)")
     p.add_argument("--rehearse-tpu", action="store_true",
                    help="let the stand-in run TPU examples in CPU mode on a scaled-down world")
     p.add_argument("--result", type=Path, default=None, help="write the final status and the loss history as JSON")
@@ -195,6 +197,8 @@ def run_demo(args: argparse.Namespace) -> int:
         manifest = yaml.safe_load(args.example.read_text())
         if args.storage_path:
             manifest["spec"].setdefault("checkpoint", {})["storagePath"] = args.storage_path
+        if args.provisioning_timeout is not None:
+            manifest["spec"]["provisioningTimeoutSeconds"] = args.provisioning_timeout
         if args.use_kubeconfig:
             kubeconfig = os.environ.get("KUBECONFIG") or str(Path.home() / ".kube" / "config")
             _step(clock, 1, f"using the cluster in {kubeconfig}")

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from datetime import datetime
 
 from tests.paths import EXAMPLES, REPO
 
@@ -47,3 +48,29 @@ def test_demo_runs_the_cpu_example_to_succeeded(tmp_path):
     assert os.path.isfile(os.path.join(export, "config.json"))
     assert any(f.endswith(".safetensors") for f in os.listdir(export))
     assert "control plane stopped" in out
+
+
+def test_demo_tpu_example_without_capacity_fails_fast_with_a_reason(tmp_path):
+    """The stand-in has no TPU to give: the v6e slice never provisions. The run must end
+    Failed/ProvisioningTimeout at the configured bound, not sit in Provisioning forever."""
+    result = tmp_path / "result.json"
+    env = dict(os.environ, TPUFT_HOME=str(tmp_path / "home"), RAY_AUTH_MODE="disabled")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tpuft.cli", "demo", "--down", "--namespace", "e2e-tpu",
+         "--example", str(EXAMPLES / "v6e-4x4.yaml"), "--provisioning-timeout", "15", "--timeout", "300",
+         "--result", str(result)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-4000:]
+    status = json.loads(result.read_text())["object"]["status"]
+    assert (status["phase"], status["reason"]) == ("Failed", "ProvisioningTimeout")
+    assert "0/4 worker hosts ready" in status["message"] and "tpu-v6e-slice" in status["message"]
+    provisioned = next(c for c in status["conditions"] if c["type"] == "SliceProvisioned")
+    assert provisioned["status"] == "False"
+    took = _seconds(status["completionTime"]) - _seconds(status["startTime"])
+    assert 15 <= took <= 15 + 10, took  # the configured bound plus a small margin
+    assert "Failed: ProvisioningTimeout" in out
+
+
+def _seconds(timestamp: str) -> float:
+    return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
