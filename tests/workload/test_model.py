@@ -1,0 +1,87 @@
+"""The non-built-in model path, FSDP2 sharding, DCP save/restore and the HF export, in one
+process (a world of 1 over gloo, no Ray): what every training worker does around its loop."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tpuft_workload import checkpoint, data, model as modellib, tiny
+from tpuft_workload.platform import PLATFORMS
+
+CPU = PLATFORMS["cpu"]
+
+
+@pytest.fixture(scope="module")
+def hub_like_dir(tmp_path_factory):
+    """A folder shaped like a downloaded hub model: config, safetensors, tokenizer."""
+    d = tmp_path_factory.mktemp("hub-model")
+    tok = tiny.build_tokenizer()
+    tiny.build_model(len(tok), seed=3).save_pretrained(d)
+    tok.save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+def _batch(tok):
+    recs = data.load_records("builtin:dolly-mini", "train[:16]")
+    blocks = data.build_blocks(tok, recs, 64, packing=True)
+    return data.collate(blocks, [0, 1])
+
+
+def test_load_shard_checkpoint_export_roundtrip(hub_like_dir, world_of_one, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    tok = modellib.load_tokenizer(hub_like_dir)
+    m = modellib.load_model(hub_like_dir, tok, CPU, seed=0)
+    assert type(m).__name__ == "LlamaForCausalLM" and next(m.parameters()).dtype == torch.float32
+    assert [type(x).__name__ for x in modellib._decoder_layers(m)] == ["LlamaDecoderLayer"] * 2
+
+    params = modellib.shard(m, world_of_one, CPU, torch.device("cpu"))
+    assert type(m).__name__.startswith("FSDP")                 # fully_shard wrapped the root
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    batch = _batch(tok)
+
+    def step():
+        m(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    checkpoint.save(m, opt, {"step": 1}, str(ckpt), rank=0)
+    with torch.no_grad():
+        saved_loss = m(**batch).loss.item()
+    step()                                                     # move away from the checkpoint
+    with torch.no_grad():
+        assert m(**batch).loss.item() != pytest.approx(saved_loss, abs=1e-7)
+    assert checkpoint.load(m, opt, str(ckpt)) == {"step": 1}
+    with torch.no_grad():
+        assert m(**batch).loss.item() == pytest.approx(saved_loss, abs=1e-6)
+
+    export = tmp_path / "export"
+    assert checkpoint.export_hf(m, tok, str(export), rank=0) == str(export)
+    reloaded = AutoModelForCausalLM.from_pretrained(str(export))
+    with torch.no_grad():
+        assert reloaded(**batch).loss.item() == pytest.approx(saved_loss, abs=1e-5)
+
+    checkpoint.mark_committed(str(ckpt))
+    assert checkpoint.find_latest_committed(str(tmp_path)) is None  # not named checkpoint_step_*
+    named = tmp_path / "checkpoint_step_0000001"
+    ckpt.rename(named)
+    (tmp_path / "checkpoint_step_0000002").mkdir()            # newer but never committed
+    assert checkpoint.find_latest_committed(str(tmp_path)) == str(named)
