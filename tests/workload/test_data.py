@@ -127,3 +127,16 @@ def test_padding_does_not_change_the_loss(tok):
         a = model(**data.collate(padded, [0])).loss
         b = model(input_ids=torch.tensor([e.input_ids]), labels=torch.tensor([e.labels])).loss
     assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_local_dataset_files_and_a_clear_error_for_wrong_columns(tmp_path):
+    import json
+
+    good = tmp_path / "mine.jsonl"
+    good.write_text("".join(json.dumps({"instruction": f"q{i}", "context": "", "response": f"a{i}"}) + "\n"
+                            for i in range(5)))
+    assert [r["instruction"] for r in data.load_records(str(good), "train[:2]")] == ["q0", "q1"]
+    bad = tmp_path / "other.jsonl"
+    bad.write_text(json.dumps({"prompt": "x", "completion": "y"}) + "\n")
+    with pytest.raises(ValueError, match=r"no \['instruction', 'response'\] columns"):
+        data.load_records(str(bad), "train")
