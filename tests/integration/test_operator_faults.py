@@ -2,15 +2,16 @@
 
 Summary (seed 9, TPUFT_CHAOS_SEED overrides; ~2.5 min for the module on 2 noisy cores incl. the
 ~40 s control plane start):
-  test_sigkill_chaos      20 concurrent lifecycles (8 Succeeded, 4 Failed/VerificationFailed,
-                          4 Failed/ProvisioningTimeout, 4 Succeeded after 1 training retry via
-                          spec.training.maxJobRetries) while the operator (a real `kopf run`
+  test_sigkill_chaos      20 concurrent lifecycles (6 Succeeded, 2 Succeeded with
+                          ttlSecondsAfterFinished 1 so the RayCluster is deleted, 4 Failed/
+                          VerificationFailed, 4 Failed/ProvisioningTimeout, 4 Succeeded after 1
+                          training retry via spec.training.maxJobRetries) while the operator (a real `kopf run`
                           subprocess) is SIGKILLed 5 times and restarted. Each kill comes at a seeded
                           random moment 0-2.5 s after that run's first status write; >= 3 of the 5
                           must land in a run that wrote status while lifecycles were unfinished.
                           Typical: ~75 phase changes watched, ~10 children created by a killed run
                           and adopted by the next.
-  test_api_fault_proxy    10 lifecycles (4/2/2/2 of the same kinds), the operator talking to the
+  test_api_fault_proxy    10 lifecycles (3/1/2/2/2 of the same kinds), the operator talking to the
                           API server through tests/faultproxy.py, which injects on a seeded schedule
                           500s (before forwarding, and after: write applied, response lost), 429s
                           with Retry-After, 409s on writes, dropped watch streams and slow responses;
@@ -22,12 +23,13 @@ Summary (seed 9, TPUFT_CHAOS_SEED overrides; ~2.5 min for the module on 2 noisy 
 
 End checks, both lifecycle tests: every TPUFinetune in its expected terminal phase with its
 expected reason (and trainingAttempts); exactly the expected children per object (RayCluster,
-RayJobs, workload ServiceAccount/Role/RoleBinding: 112 for 20 objects, 56 for 10), each with a
+RayJobs, workload ServiceAccount/Role/RoleBinding: 110 for 20 objects, 55 for 10), each with a
 single controller ownerReference to its TPUFinetune, and no other RayCluster/RayJob/Role/
 RoleBinding in the namespace; no status regression (a watch records every (phase, reason) each
 object shows: the sequence never goes backwards in Pending < Provisioning < VerifyingCollectives
 < Training < Succeeded|Failed, and a terminal phase/reason never changes); the same after 3 more
-seconds of resyncs; no transition Event posted twice; the operator never logged a crashed
+seconds of resyncs (a TTL-deleted RayCluster stays deleted); no transition or TTLExpired Event
+posted twice; the operator never logged a crashed
 reconcile (a bug, not an API error). Each test prints a COUNTS line.
 
 KubeRay's part is played by a background thread ("Player") writing RayCluster/RayJob status
@@ -61,6 +63,7 @@ TERMINAL = ("Succeeded", "Failed")
 # script -> (expected phase, reason, RayJob name suffixes, trainingAttempts or None)
 SCRIPTS = {
     "ok": ("Succeeded", "TrainingComplete", ("verify", "train"), 1),
+    "ttl": ("Succeeded", "TrainingComplete", ("verify", "train"), 1),   # ttlSecondsAfterFinished 1: cluster goes
     "verifyfail": ("Failed", "VerificationFailed", ("verify",), 0),
     "timeout": ("Failed", "ProvisioningTimeout", (), 0),
     "retry": ("Succeeded", "TrainingComplete", ("verify", "train", "train-r1"), 2),
@@ -68,7 +71,7 @@ SCRIPTS = {
 PROVISIONING_TIMEOUT = 15  # s, for the "timeout" script (the CRD's minimum is 5)
 IDENTITY_KINDS = ("serviceaccounts", "roles", "rolebindings")
 TRANSITION_REASONS = ("WaitingForSlice", "Verifying", "Training", "TrainingComplete", "VerificationFailed",
-                      "ProvisioningTimeout", "Retrying")
+                      "ProvisioningTimeout", "Retrying", "TTLExpired")
 
 
 # --- the operator as a real subprocess ------------------------------------------------------------
@@ -270,6 +273,8 @@ class PhaseRecorder(threading.Thread):
 def tft_body(namespace: str, name: str, script: str) -> dict:
     spec = {"accelerator": "v6e", "topology": "4x4", "image": "img:1", "model": "m", "dataset": {"name": "d"},
             "checkpoint": {"storagePath": "gs://bucket/ck"}, "ttlSecondsAfterFinished": 3600}
+    if script == "ttl":
+        spec["ttlSecondsAfterFinished"] = 1
     if script == "timeout":
         spec["provisioningTimeoutSeconds"] = PROVISIONING_TIMEOUT
     if script == "retry":
@@ -339,7 +344,7 @@ def check_end_state(kube_api, namespace: str, scripts: dict[str, str], recorder:
     children["rolebindings"] = [rbac.api_client.sanitize_for_serialization(x) for x in
                                 rbac.list_namespaced_role_binding(namespace).items]
     expected = {
-        "rayclusters": sorted(f"{n}-ray" for n in scripts),
+        "rayclusters": sorted(f"{n}-ray" for n, s in scripts.items() if s != "ttl"),
         "rayjobs": sorted(f"{n}-{suffix}" for n, s in scripts.items() for suffix in SCRIPTS[s][2]),
         **{k: sorted(f"{n}-workload" for n in scripts) for k in IDENTITY_KINDS},
     }
@@ -371,7 +376,12 @@ def check_end_state(kube_api, namespace: str, scripts: dict[str, str], recorder:
 
 
 def settle_and_recheck(kube_api, namespace, scripts, recorder, op, seconds: float = 3.0) -> dict:
-    """All terminal: let the operator run a few more resyncs, then check everything twice apart."""
+    """All terminal: once the TTL deletions are done, check everything twice, some resyncs apart."""
+    custom, deadline = client.CustomObjectsApi(kube_api), time.monotonic() + 30
+    want = sorted(f"{n}-ray" for n, s in scripts.items() if s != "ttl")
+    while sorted(x["metadata"]["name"] for x in custom.list_namespaced_custom_object(
+            "ray.io", "v1", namespace, "rayclusters")["items"]) != want and time.monotonic() < deadline:
+        time.sleep(0.5)
     first = check_end_state(kube_api, namespace, scripts, recorder, op)
     time.sleep(seconds)
     second = check_end_state(kube_api, namespace, scripts, recorder, op)
@@ -386,7 +396,7 @@ KILLS = 5
 def test_sigkill_chaos(kubeconfig, kube_api, namespace, tmp_path):
     seed = int(os.environ.get("TPUFT_CHAOS_SEED", "9"))
     rng = random.Random(seed)
-    scripts = make_scripts({"ok": 8, "verifyfail": 4, "timeout": 4, "retry": 4})
+    scripts = make_scripts({"ok": 6, "ttl": 2, "verifyfail": 4, "timeout": 4, "retry": 4})
     op = OperatorProcess(kubeconfig, namespace, tmp_path / "operator.log")
     recorder = PhaseRecorder(kubeconfig, namespace)
     player = Player(kubeconfig, namespace, scripts, seed)
@@ -432,7 +442,7 @@ MIN_EACH_FAULT = 2
 def test_api_fault_proxy(kubeconfig, kube_api, namespace, tmp_path, control_plane):
     seed = int(os.environ.get("TPUFT_CHAOS_SEED", "9"))
     rng = random.Random(seed)
-    scripts = make_scripts({"ok": 4, "verifyfail": 2, "timeout": 2, "retry": 2})
+    scripts = make_scripts({"ok": 3, "ttl": 1, "verifyfail": 2, "timeout": 2, "retry": 2})
     proxy = FaultProxy(control_plane.server_url, control_plane.pki, seed=seed, plan=FaultPlan()).start()
     op = OperatorProcess(proxy.write_kubeconfig(tmp_path / "proxy.kubeconfig"), namespace, tmp_path / "operator.log")
     recorder = PhaseRecorder(kubeconfig, namespace)
