@@ -12,12 +12,10 @@ actors only makes the error clearer when it fires first.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 import ray
@@ -25,64 +23,16 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tpuft_workload import faults as faultlib
+from tpuft_workload.verify_result import (  # noqa: F401  (re-exported: the CLI and tests use them)
+    EXIT_FAILED, EXIT_PASSED, EXIT_TIMEOUT, RESULT_PREFIX, VerifyResult, print_result)
 from tpuft_workload.platform import Target, missing_tpu_env, tpu_env_error
 
 log = logging.getLogger(__name__)
-
-RESULT_PREFIX = "TPUFT_VERIFY_RESULT"
-EXIT_PASSED = 0
-EXIT_FAILED = 1
-EXIT_TIMEOUT = 3
 
 SEED = 42
 HIDDEN = 128
 BATCH = 64
 PARITY_TOLERANCE = 1e-2   # the seed's atol; TPU matmuls run at reduced precision (~2.5e-3 seen)
-
-
-@dataclass
-class VerifyResult:
-    passed: bool
-    ranks: int
-    hosts: int = 0
-    all_reduce_sums: list = field(default_factory=list)  # per rank, in rank order
-    expected_sum: float = 0.0
-    max_abs_diff: float | None = None
-    seconds: float = 0.0
-    message: str = ""
-    timed_out: bool = False
-    per_rank: list = field(default_factory=list)
-
-    @property
-    def all_reduce_sum(self) -> float | None:
-        """The value every rank agreed on, or None when they did not all agree."""
-        vals = {v for s in self.all_reduce_sums for v in (s or [None])}
-        return vals.pop() if len(vals) == 1 else None
-
-    @property
-    def exit_code(self) -> int:
-        if self.passed:
-            return EXIT_PASSED
-        return EXIT_TIMEOUT if self.timed_out else EXIT_FAILED
-
-    def to_status(self) -> dict:
-        """The `status.verification` object (exactly these keys; the operator owns the rest)."""
-        return {
-            "passed": self.passed,
-            "ranks": self.ranks,
-            "hosts": self.hosts,
-            "allReduceSum": self.all_reduce_sum,
-            "expectedSum": self.expected_sum,
-            "maxAbsDiff": self.max_abs_diff,
-            "seconds": round(self.seconds, 3),
-            "message": self.message,
-        }
-
-    def to_json_line(self) -> str:
-        body = self.to_status()
-        body["allReduceSums"] = self.all_reduce_sums
-        body["timedOut"] = self.timed_out
-        return f"{RESULT_PREFIX} {json.dumps(body, sort_keys=True)}"
 
 
 def _free_port() -> int:
@@ -401,12 +351,3 @@ def run_verification(target: Target, timeout_s: float, fault_spec: str = "") -> 
                 release()
             except Exception:  # noqa: BLE001
                 pass
-
-
-def print_result(res: VerifyResult) -> None:
-    for r in res.per_rank:
-        print(f"Rank {r['rank']:2d}: all_reduce_sum={r['all_reduce_sum']} max_abs_diff={r['max_abs_diff']:.3g}")
-    print(("PASSED: " if res.passed else "FAILED: ") + res.message)
-    print(res.to_json_line(), flush=True)
-
-
