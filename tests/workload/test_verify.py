@@ -6,6 +6,9 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+import yaml
 
 from tpuft_workload import verify
 from tpuft_workload.platform import resolve_target
@@ -23,10 +26,21 @@ def test_two_cpu_workers_pass_with_the_right_sum_and_parity(ray_cluster):
                            "seconds", "message"}
 
 
-def test_a_hung_rank_ends_in_a_timeout_failure_within_its_bound(ray_cluster):
-    """The CLI, as a RayJob runs it: exit code 3, 'timeout' in the message, JSON on stdout."""
+def test_a_hung_rank_ends_in_a_timeout_failure_within_its_bound(ray_cluster, kubeconfig, kube_api, namespace):
+    """The CLI, as a RayJob runs it: exit code 3, 'timeout' in the message, JSON on stdout,
+    and the same verdict in status.verification of its TPUFinetune (real API server)."""
+    from kubernetes import client
+
+    from tpuft.constants import GROUP, PLURAL, VERSION
+
+    api = client.CustomObjectsApi(kube_api)
+    body = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "local-cpu.yaml").read_text())
+    body["metadata"] = {"name": "hang"}
+    api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
     timeout_s = 20
-    env = {**os.environ, "RAY_ADDRESS": ray_cluster, "TPUFT_FAULT": "hang-rank:1", "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster, "TPUFT_FAULT": "hang-rank:1", "RAY_AUTH_MODE": "disabled",
+           "TPUFT_NAMESPACE": namespace, "TPUFT_NAME": "hang", "KUBECONFIG": kubeconfig}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
     cmd = [sys.executable, "-m", "tpuft_workload", "verify", "--accelerator", "cpu", "--topology", "2",
            "--timeout-seconds", str(timeout_s)]
     t0 = time.monotonic()
@@ -40,6 +54,11 @@ def test_a_hung_rank_ends_in_a_timeout_failure_within_its_bound(ray_cluster):
     assert "rank 1" in body["message"] and "not joined" in body["message"]  # says which rank, where
     assert body["seconds"] <= timeout_s + 2
     assert elapsed < timeout_s + 30                    # + interpreter/torch import and Ray connect
+    status = api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "hang")["status"]
+    v = status["verification"]
+    assert v["passed"] is False and v["message"] == body["message"] and v["ranks"] == 2
+    assert v["expectedSum"] == 3.0 and "allReduceSum" not in v   # null in a merge patch: absent
+    assert set(status) == {"verification"}               # nothing else written
 
 
 def test_a_failing_rank_fails_fast_without_waiting_for_the_timeout(ray_cluster):
