@@ -11,6 +11,9 @@ kube-apiserver with the admin client certificate, and on a seeded schedule answe
   drop       a watch stream cut mid-way (connection closed without the chunked terminator)
              after 0.5-4 s.
   slow       a response held back 0.5-2.5 s (still forwarded).
+  gone       (only with FaultPlan.p_gone, on watches whose path contains `gone_only`) the watch is
+             held `gone_hold` s, then answered with a 410 Expired ERROR event, as after an etcd
+             compaction: the client must re-list, and never sees what was deleted meanwhile.
 
 Bounded: each fault type has a cap (`FaultPlan.max_per_type`) and faults are only injected while
 `active` is set, so the operator always gets a clean run in the end. Loopback only. The decision
@@ -47,6 +50,9 @@ class FaultPlan:
     p_drop: float = 0.9        # of watch requests
     p_slow: float = 0.05
     max_per_type: int = 40
+    p_gone: float = 0.0        # of watch requests whose path contains gone_only
+    gone_only: str = ""
+    gone_hold: float = 3.0
 
 
 def _status(code: int, reason: str, message: str) -> dict:
@@ -132,7 +138,7 @@ class FaultProxy:
             await self._session.close()
 
     # --- the schedule ----------------------------------------------------------------------------
-    def _decide(self, method: str, watch: bool) -> tuple[str | None, float]:
+    def _decide(self, method: str, watch: bool, path: str = "") -> tuple[str | None, float]:
         """(fault type or None, a parameter), drawn from the seeded RNG once per request."""
         with self._lock:
             self.requests += 1
@@ -140,7 +146,8 @@ class FaultProxy:
             if not self.active.is_set():
                 return None, 0.0
             p = self.plan
-            bands = [("drop", p.p_drop if watch else 0.0),
+            bands = [("gone", p.p_gone if watch and p.gone_only in path else 0.0),
+                     ("drop", p.p_drop if watch else 0.0),
                      ("conflict", p.p_conflict if method in WRITES and not watch else 0.0),
                      ("error500", 0.0 if watch else p.p_error500),
                      ("throttle", p.p_throttle),
@@ -163,7 +170,18 @@ class FaultProxy:
         watch = request.query.get("watch") in ("true", "1")
         if len(self.seen) < MAX_SEEN:
             self.seen.append((request.method, request.rel_url.path_qs))
-        fault, param = self._decide(request.method, watch)
+        fault, param = self._decide(request.method, watch, request.path)
+        if fault == "gone":
+            await asyncio.sleep(self.plan.gone_hold)
+            resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+            try:
+                await resp.prepare(request)
+                await resp.write((json.dumps({"type": "ERROR", "object": _status(
+                    410, "Expired", "faultproxy: injected 410: too old resource version")}) + "\n").encode())
+                await resp.write_eof()
+            except (ConnectionResetError, aiohttp.ClientError):
+                pass
+            return resp
         if fault == "error500":
             return web.json_response(_status(500, "InternalError", "faultproxy: injected 500"), status=500)
         if fault == "throttle":

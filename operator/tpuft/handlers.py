@@ -144,6 +144,8 @@ class Controller:
         self.last_error: dict[Key, str] = {}
         self.written: dict[Key, dict] = {}     # operator-owned status as last written, until the index shows it
         self.unsure: set[Key] = set()          # a status write failed: it may have landed anyway; re-read first
+        self.removed: dict[Key, set[tuple[str, str]]] = {}  # children we deleted: after a relist (410) kopf's
+        # index can keep them forever (it never sees their DELETED event), so they are confirmed with a GET
         self.tasks: list[asyncio.Task] = []
         self.resync = float(os.environ.get("TPUFT_RESYNC_SECONDS", "5"))   # read at startup: tests set it
         self.workers = int(os.environ.get("TPUFT_WORKERS", "4"))
@@ -219,14 +221,16 @@ class Controller:
     def observe(self, obj: dict, clusters: list[dict], jobs: list[dict]) -> Observed:
         ns = obj["metadata"]["namespace"]
         children = (obj.get("status") or {}).get("children") or {}
-        live = {x["name"]: x for x in clusters if not x["deleting"]}
+        removed = self.removed.get((ns, obj["metadata"]["name"]), set())
+        live = {x["name"]: x for x in clusters if not x["deleting"] and (c.RAYCLUSTER_KIND, x["name"]) not in removed}
         cluster = None
         want = children.get("rayCluster")
         if want:
             entry = live.get(want) or self._confirm(c.RAYCLUSTER_KIND, ns, want)
             if entry is not None:
                 cluster = ClusterObs(want, entry["status"], entry["suspend"], entry.get("generation"))
-        found = {x["name"]: JobObs(x["name"], x["status"]) for x in jobs if not x["deleting"]}
+        found = {x["name"]: JobObs(x["name"], x["status"]) for x in jobs
+                 if not x["deleting"] and (c.RAYJOB_KIND, x["name"]) not in removed}
         for want in (children.get("verifyJob"), children.get("trainJob")):
             if want and want not in found:
                 entry = self._confirm(c.RAYJOB_KIND, ns, want)
@@ -262,7 +266,7 @@ class Controller:
         ns, name = key
         if body is None or body["metadata"].get("deletionTimestamp"):
             metrics.set_phase(key, None)   # children go with it: ownerReferences + garbage collector
-            for table in (self.due, self.written, self.failures, self.last_error):
+            for table in (self.due, self.written, self.failures, self.last_error, self.removed):
                 table.pop(key, None)
             self.unsure.discard(key)
             return None
@@ -291,6 +295,10 @@ class Controller:
                 self._note_error(key, obj, str(e), now)
                 raise
             metrics.ACTIONS.labels(op=action.op, kind=action.kind).inc()
+            if action.op == phases.Op.DELETE:
+                self.removed.setdefault(key, set()).add((action.kind, action.name))
+            elif action.op == phases.Op.CREATE:
+                self.removed.get(key, set()).discard((action.kind, action.name))
             done.append(f"{action.op}:{action.kind}/{action.name}={result}")
         self.last_error.pop(key, None)
         prev = phases.owned(obj.get("status"))

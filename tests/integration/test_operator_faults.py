@@ -17,6 +17,10 @@ Summary (seed 9, TPUFT_CHAOS_SEED overrides; ~2.5 min for the module on 2 noisy 
                           with Retry-After, 409s on writes, dropped watch streams and slow responses;
                           each type must fire >= MIN_EACH_FAULT (2) times. Typical per run: ~350
                           proxied requests, ~15 500s, ~15 429s, ~16 409s, ~30 drops, ~20 slow.
+  test_watch_expired_relist_keeps_deleted_child_out
+                          3 TTL lifecycles; every RayCluster watch held 3 s then answered 410
+                          Expired (>= 3 injected), so kopf re-lists and its index keeps the deleted
+                          RayClusters: exactly 3 DELETEs and 3 TTLExpired Events (the second bug).
   test_lost_status_write_response_never_regresses
                           the bug the proxy found (Provisioning -> Pending after a lost 500),
                           pinned deterministically with the unit tests' fake API.
@@ -505,3 +509,38 @@ def test_lost_status_write_response_never_regresses():
         pass
     assert kube.objects[("TPUFinetune", UNAME)]["status"]["phase"] == "Provisioning"
     assert ("get", "TPUFinetune", UNAME) in kube.log
+
+
+def test_watch_expired_relist_keeps_deleted_child_out(kubeconfig, kube_api, namespace, tmp_path, control_plane):
+    """Every RayCluster watch is held 3 s then answered 410 Expired, so kopf re-lists and never sees
+    a DELETED event: its index keeps a TTL-deleted RayCluster forever. The operator must not take
+    that entry for the cluster (it did: DELETE + a TTLExpired Event on every resync, 13 in 20 s)."""
+    scripts = make_scripts({"ttl": 3})
+    plan = FaultPlan(p_error500=0, p_throttle=0, p_conflict=0, p_drop=0, p_slow=0, p_gone=1.0,
+                     gone_only="/rayclusters", gone_hold=3.0)
+    proxy = FaultProxy(control_plane.server_url, control_plane.pki, seed=1, plan=plan).start()
+    op = OperatorProcess(proxy.write_kubeconfig(tmp_path / "proxy.kubeconfig"), namespace, tmp_path / "operator.log")
+    recorder = PhaseRecorder(kubeconfig, namespace)
+    player = Player(kubeconfig, namespace, scripts, seed=1)
+    began = time.monotonic()
+    try:
+        recorder.start()
+        player.start()
+        proxy.active.set()
+        op.start()
+        create_staggered(client.CustomObjectsApi(kube_api), namespace, scripts, random.Random(1), 1.0).join(30)
+        wait_all_terminal(recorder, scripts, 90, op)
+        counts = settle_and_recheck(kube_api, namespace, scripts, recorder, op, seconds=6.0)  # > 5 resyncs
+    finally:
+        player.halt.set()
+        recorder.halt.set()
+        op.stop()
+        proxy.stop()
+    deletes = [p for m, p in proxy.seen if m == "DELETE" and "/rayclusters/" in p]
+    ttl_events = [e for e in client.CoreV1Api(kube_api).list_namespaced_event(namespace).items
+                  if e.reason == "TTLExpired"]
+    counts.update({"gone_410s": proxy.counts["gone"], "raycluster_deletes": len(deletes),
+                   "ttl_events": len(ttl_events), "wall_s": round(time.monotonic() - began, 1)})
+    print("\nCOUNTS test_watch_expired_relist_keeps_deleted_child_out:", json.dumps(counts))
+    assert proxy.counts["gone"] >= 3
+    assert len(deletes) == 3 and len(ttl_events) == 3, (deletes, [e.message for e in ttl_events])
