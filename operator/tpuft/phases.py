@@ -309,7 +309,9 @@ def _verifying(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, tun: Tu
         d.cond(Condition.COLLECTIVES_VERIFIED, "False", Reason.COLLECTIVE_TIMEOUT, msg)
         d.fail(Reason.COLLECTIVE_TIMEOUT, msg)
         return d.finish()
-    d.go(Phase.VERIFYING, Reason.VERIFYING, f"verifying collectives (RayJob {n.verify_job} {job_state(job)})")
+    # Same message as on entry: the job's own progress lives in the RayJob's status, and an
+    # unchanged message means no status write (one write per phase change).
+    d.go(Phase.VERIFYING, Reason.VERIFYING, f"verifying collectives on every device (RayJob {n.verify_job})")
     d.wake(bound - d.elapsed())
     return d.finish()
 
@@ -345,8 +347,7 @@ def _training(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
         d.cond(Condition.TRAINING_SUCCEEDED, "False", Reason.TRAINING_FAILED, msg)
         d.fail(Reason.TRAINING_FAILED, msg)
         return d.finish()
-    d.go(Phase.TRAINING, Reason.TRAINING, f"training (RayJob {name} {job_state(job)}, attempt {attempts} of "
-         f"{retries + 1})")
+    d.go(Phase.TRAINING, Reason.TRAINING, f"training (RayJob {name}, attempt {attempts} of {retries + 1})")
     return d.finish()
 
 

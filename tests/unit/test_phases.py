@@ -468,6 +468,21 @@ def test_steady_state_writes_nothing(phase):
     assert d.patch is None and d.events == () and d.actions == ()
 
 
+@pytest.mark.parametrize("phase", [Phase.VERIFYING, Phase.TRAINING])
+def test_one_status_write_per_phase_change_while_the_job_progresses(phase):
+    """Entering the phase writes status once; the RayJob moving through KubeRay's states
+    (no status yet, Initializing/PENDING, Running/RUNNING) writes nothing more."""
+    o = run_to(make(), phase)
+    n = names(o)
+    name = n.verify_job if phase == Phase.VERIFYING else n.train_job
+    done = {n.verify_job: job(n.verify_job, "SUCCEEDED", "Complete")} if phase == Phase.TRAINING else {}
+    for t, st in enumerate([{}, {"jobDeploymentStatus": "Initializing"},
+                            {"jobDeploymentStatus": "Running", "jobStatus": "PENDING"},
+                            {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"}], start=1):
+        d = phases.decide(o, Observed(cluster(4, provisioned=True), {**done, name: JobObs(name, st)}), at(t), TUN)
+        assert d.patch is None, (st, d.patch)
+
+
 def test_decide_is_idempotent_when_the_status_write_was_lost():
     """Operator died after acting, before writing: the same creates again (409 -> adopt)."""
     o = run_to(make(), Phase.PROVISIONING)
