@@ -11,7 +11,8 @@ kube-apiserver with the admin client certificate, and on a seeded schedule answe
   drop       a watch stream cut mid-way (connection closed without the chunked terminator)
              after 0.5-4 s.
   slow       a response held back 0.5-2.5 s (still forwarded).
-  gone       (only with FaultPlan.p_gone, on watches whose path contains `gone_only`) the watch is
+  gone       (only with FaultPlan.p_gone, on watches whose path contains one of the '|'-separated
+             `gone_only`) the watch is
              held `gone_hold` s, then answered with a 410 Expired ERROR event, as after an etcd
              compaction: the client must re-list, and never sees what was deleted meanwhile.
 
@@ -50,7 +51,7 @@ class FaultPlan:
     p_drop: float = 0.9        # of watch requests
     p_slow: float = 0.05
     max_per_type: int = 40
-    p_gone: float = 0.0        # of watch requests whose path contains gone_only
+    p_gone: float = 0.0        # of watch requests whose path contains one of gone_only.split("|")
     gone_only: str = ""
     gone_hold: float = 3.0
 
@@ -146,7 +147,8 @@ class FaultProxy:
             if not self.active.is_set():
                 return None, 0.0
             p = self.plan
-            bands = [("gone", p.p_gone if watch and p.gone_only in path else 0.0),
+            gone = watch and any(g in path for g in p.gone_only.split("|"))
+            bands = [("gone", p.p_gone if gone else 0.0),
                      ("drop", p.p_drop if watch else 0.0),
                      ("conflict", p.p_conflict if method in WRITES and not watch else 0.0),
                      ("error500", 0.0 if watch else p.p_error500),

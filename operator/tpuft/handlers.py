@@ -146,6 +146,7 @@ class Controller:
         self.unsure: set[Key] = set()          # a status write failed: it may have landed anyway; re-read first
         self.removed: dict[Key, set[tuple[str, str]]] = {}  # children we deleted: after a relist (410) kopf's
         # index can keep them forever (it never sees their DELETED event), so they are confirmed with a GET
+        self.gone: dict[Key, str] = {}         # uid of a TPUFinetune the API server says is deleted (same reason)
         self.tasks: list[asyncio.Task] = []
         self.resync = float(os.environ.get("TPUFT_RESYNC_SECONDS", "5"))   # read at startup: tests set it
         self.workers = int(os.environ.get("TPUFT_WORKERS", "4"))
@@ -266,13 +267,16 @@ class Controller:
         ns, name = key
         if body is None or body["metadata"].get("deletionTimestamp"):
             metrics.set_phase(key, None)   # children go with it: ownerReferences + garbage collector
-            for table in (self.due, self.written, self.failures, self.last_error, self.removed):
+            for table in (self.due, self.written, self.failures, self.last_error, self.removed, self.gone):
                 table.pop(key, None)
             self.unsure.discard(key)
             return None
+        if self.gone.get(key) == body["metadata"].get("uid"):
+            return None   # deleted while kopf's watch was re-listing: its index never dropped it
         if key in self.unsure:  # the index may lag a write whose answer we lost: deciding from it could go back
             fresh = self.kube.get(c.KIND, ns, name)
             if fresh is None:
+                self.gone[key] = body["metadata"].get("uid")
                 return None
             body = fresh
             self.written[key] = phases.owned(fresh.get("status"))   # until the index shows what the server has
@@ -303,7 +307,8 @@ class Controller:
         self.last_error.pop(key, None)
         prev = phases.owned(obj.get("status"))
         if decision.patch:
-            if not self._patch_status(key, decision.patch):
+            if not self._patch_status(key, decision.patch):   # 404: the object is gone
+                self.gone[key] = uid
                 return None
             self.written[key] = copy.deepcopy(decision.status)
             metrics.STATUS_WRITES.inc()

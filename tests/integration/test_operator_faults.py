@@ -17,10 +17,12 @@ Summary (seed 9, TPUFT_CHAOS_SEED overrides; 2:15-2:45 for the module on 2 noisy
                           with Retry-After, 409s on writes, dropped watch streams and slow responses;
                           each type must fire >= MIN_EACH_FAULT (2) times. Typical per run: ~350
                           proxied requests, ~15 500s, ~15 429s, ~16 409s, ~30 drops, ~20 slow.
-  test_watch_expired_relist_keeps_deleted_child_out
-                          3 TTL lifecycles; every RayCluster watch held 3 s then answered 410
-                          Expired (>= 3 injected), so kopf re-lists and its index keeps the deleted
-                          RayClusters: exactly 3 DELETEs and 3 TTLExpired Events (the second bug).
+  test_watch_expired_relist_deleted_objects_left_alone
+                          every RayCluster/TPUFinetune watch held 3 s then answered 410 Expired
+                          (>= 3 injected), so kopf only re-lists and its indexes keep deleted
+                          objects: 3 TTL lifecycles -> exactly 3 DELETEs and 3 TTLExpired Events;
+                          1 TPUFinetune deleted while Provisioning -> <= 1 RayCluster recreate and
+                          <= 3 status writes, no RayCluster left (bugs 2 and 3).
   test_lost_status_write_response_never_regresses
                           the bug the proxy found (Provisioning -> Pending after a lost 500),
                           pinned deterministically with the unit tests' fake API.
@@ -475,6 +477,90 @@ def test_api_fault_proxy(kubeconfig, kube_api, namespace, tmp_path, control_plan
     assert counts["lifecycles"] == 10
     for t in TYPES:
         assert faults[t] >= MIN_EACH_FAULT, faults
+
+
+# --- the bug the proxy found, pinned without a control plane ------------------------------------------------
+def test_lost_status_write_response_never_regresses():
+    """A status write that lands but whose response is lost (the proxy's 'error500-after-write'),
+    then a reconcile from the still-lagging index whose create fails: the error note must not
+    write phase Pending over the Provisioning the server already has (it did, before
+    handlers.Controller re-read the object after a failed status write)."""
+    from tests.unit.test_reconcile import NAME as UNAME, NS as UNS, FakeKube, controller, indexed, tft
+    from tpuft.kube import KubeError
+
+    class LostResponse(FakeKube):
+        lose_next = True
+
+        def patch_status(self, ns, name, patch):
+            applied = super().patch_status(ns, name, patch)
+            if self.lose_next:
+                self.lose_next = False
+                raise KubeError("patch status: HTTP 500: response lost after the write")
+            return applied
+
+    kube = LostResponse(tft())
+    ctl = controller(kube)
+    stale = indexed(kube)                      # the index: no status yet, and it stays that way below
+    with pytest.raises(KubeError):
+        ctl.reconcile((UNS, UNAME), stale, [], [])
+    assert kube.objects[("TPUFinetune", UNAME)]["status"]["phase"] == "Provisioning"
+    kube.fail[("RoleBinding", f"{UNAME}-workload")] = KubeError("create RoleBinding: HTTP 500")
+    try:
+        ctl.reconcile((UNS, UNAME), stale, [], [])
+    except KubeError:
+        pass
+    assert kube.objects[("TPUFinetune", UNAME)]["status"]["phase"] == "Provisioning"
+    assert ("get", "TPUFinetune", UNAME) in kube.log
+
+
+def test_watch_expired_relist_deleted_objects_left_alone(kubeconfig, kube_api, namespace, tmp_path, control_plane):
+    """Every RayCluster and TPUFinetune watch is held 3 s then answered 410 Expired, so kopf only
+    ever re-lists and never sees a DELETED event: its indexes keep deleted objects forever.
+      * 3 TTL lifecycles: the TTL-deleted RayCluster must not be taken as still there (it was:
+        DELETE + a TTLExpired Event on every resync, 13 in 20 s);
+      * 1 TPUFinetune deleted while Provisioning: the operator must not keep recreating its
+        RayCluster against the garbage collector (it did: ~14 POSTs + status PATCHes a second)."""
+    scripts = make_scripts({"ttl": 3})
+    plan = FaultPlan(p_error500=0, p_throttle=0, p_conflict=0, p_drop=0, p_slow=0, p_gone=1.0,
+                     gone_only="/rayclusters|/tpufinetunes", gone_hold=3.0)
+    proxy = FaultProxy(control_plane.server_url, control_plane.pki, seed=1, plan=plan).start()
+    op = OperatorProcess(proxy.write_kubeconfig(tmp_path / "proxy.kubeconfig"), namespace, tmp_path / "operator.log")
+    recorder = PhaseRecorder(kubeconfig, namespace)
+    player = Player(kubeconfig, namespace, scripts, seed=1)
+    custom = client.CustomObjectsApi(kube_api)
+    began = time.monotonic()
+    try:
+        recorder.start()
+        player.start()
+        proxy.active.set()
+        op.start()
+        custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, tft_body(namespace, "doomed", "ok"))
+        deadline = time.monotonic() + 60
+        while recorder.phases().get("doomed") != "Provisioning":
+            assert time.monotonic() < deadline, op.tail()
+            time.sleep(0.2)
+        custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "doomed")
+        create_staggered(custom, namespace, scripts, random.Random(1), 1.0).join(30)
+        wait_all_terminal(recorder, scripts, 90, op)
+        counts = settle_and_recheck(kube_api, namespace, scripts, recorder, op)  # 3 s: 3 resyncs
+    finally:
+        player.halt.set()
+        recorder.halt.set()
+        op.stop()
+        proxy.stop()
+    deletes = [p for m, p in proxy.seen if m == "DELETE" and "/rayclusters/" in p]
+    creates = [p for m, p in proxy.seen if m == "POST" and p.split("?")[0].endswith("/rayclusters")]
+    doomed_writes = [p for m, p in proxy.seen if m == "PATCH" and "/tpufinetunes/doomed/" in p]
+    ttl_events = [e for e in client.CoreV1Api(kube_api).list_namespaced_event(namespace).items
+                  if e.reason == "TTLExpired"]
+    counts.update({"gone_410s": proxy.counts["gone"], "raycluster_deletes": len(deletes),
+                   "raycluster_creates": len(creates), "doomed_status_writes": len(doomed_writes),
+                   "ttl_events": len(ttl_events), "wall_s": round(time.monotonic() - began, 1)})
+    print("\nCOUNTS test_watch_expired_relist_deleted_objects_left_alone:", json.dumps(counts))
+    assert proxy.counts["gone"] >= 3
+    assert len(deletes) == 3 and len(ttl_events) == 3, (deletes, [e.message for e in ttl_events])
+    # 3 + doomed's first, + at most one recreate (and one status write) before the 404 says it is gone.
+    assert len(creates) <= 5 and len(doomed_writes) <= 3, counts
 
 
 # --- the bug the proxy found, pinned without a control plane ------------------------------------------------
