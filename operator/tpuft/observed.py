@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, Mapping
 
 from tpuft import builders
@@ -96,6 +96,10 @@ class Tunables:
 
 
 def fmt_time(t: datetime) -> str:
+    """Whole seconds, as Kubernetes writes times, rounded UP: deadlines measured from a stored
+    time then fire at or after their bound, never up to a second early."""
+    if t.microsecond:
+        t = t.replace(microsecond=0) + timedelta(seconds=1)
     return t.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 

@@ -507,3 +507,11 @@ def test_applied_spec_that_no_longer_parses_fails_instead_of_crashing():
     o["status"]["appliedSpec"]["topology"] = "3x3"
     d = phases.decide(o, Observed(cluster(0)), at(5), TUN)
     assert d.status["reason"] == "InvalidSpec" and "no longer validates" in d.status["message"]
+
+
+def test_timeouts_never_fire_early_when_the_phase_starts_mid_second():
+    """Stored times have whole-second resolution; rounding down would fail a run up to 1 s early."""
+    o = make(provisioningTimeoutSeconds=10)
+    o = apply(o, phases.decide(o, Observed(), at(0.7), TUN))
+    assert phases.decide(o, Observed(cluster(0)), at(10.6), TUN).status["phase"] == Phase.PROVISIONING.value
+    assert phases.decide(o, Observed(cluster(0)), at(11.0), TUN).status["phase"] == Phase.FAILED.value
