@@ -1,7 +1,7 @@
 """The operator under faults: SIGKILLs and a misbehaving API server, each promise checked with a count.
 
-Summary (seed 9, TPUFT_CHAOS_SEED overrides; 2:15-2:45 for the module on 2 noisy cores incl. the
-~40 s control plane start):
+Summary (seed 9, TPUFT_CHAOS_SEED overrides; 2:00-3:10 for the module on 2 noisy cores incl. the
+25-40 s control plane start; the proxy test is 40 s unless a key backs off the full 60 s):
   test_sigkill_chaos      20 concurrent lifecycles (6 Succeeded, 2 Succeeded with
                           ttlSecondsAfterFinished 1 so the RayCluster is deleted, 4 Failed/
                           VerificationFailed, 4 Failed/ProvisioningTimeout, 4 Succeeded after 1
@@ -460,7 +460,7 @@ def test_api_fault_proxy(kubeconfig, kube_api, namespace, tmp_path, control_plan
         proxy.active.set()
         op.start()
         create_staggered(client.CustomObjectsApi(kube_api), namespace, scripts, rng, spread=5.0).join(30)
-        wait_all_terminal(recorder, scripts, 150, op)
+        wait_all_terminal(recorder, scripts, 240, op)  # a key can back off 60 s after 7 faults in a row
         proxy.active.clear()
         counts = settle_and_recheck(kube_api, namespace, scripts, recorder, op)
     finally:
@@ -561,72 +561,3 @@ def test_watch_expired_relist_deleted_objects_left_alone(kubeconfig, kube_api, n
     assert len(deletes) == 3 and len(ttl_events) == 3, (deletes, [e.message for e in ttl_events])
     # 3 + doomed's first, + at most one recreate (and one status write) before the 404 says it is gone.
     assert len(creates) <= 5 and len(doomed_writes) <= 3, counts
-
-
-# --- the bug the proxy found, pinned without a control plane ------------------------------------------------
-def test_lost_status_write_response_never_regresses():
-    """A status write that lands but whose response is lost (the proxy's 'error500-after-write'),
-    then a reconcile from the still-lagging index whose create fails: the error note must not
-    write phase Pending over the Provisioning the server already has (it did, before
-    handlers.Controller re-read the object after a failed status write)."""
-    from tests.unit.test_reconcile import NAME as UNAME, NS as UNS, FakeKube, controller, indexed, tft
-    from tpuft.kube import KubeError
-
-    class LostResponse(FakeKube):
-        lose_next = True
-
-        def patch_status(self, ns, name, patch):
-            applied = super().patch_status(ns, name, patch)
-            if self.lose_next:
-                self.lose_next = False
-                raise KubeError("patch status: HTTP 500: response lost after the write")
-            return applied
-
-    kube = LostResponse(tft())
-    ctl = controller(kube)
-    stale = indexed(kube)                      # the index: no status yet, and it stays that way below
-    with pytest.raises(KubeError):
-        ctl.reconcile((UNS, UNAME), stale, [], [])
-    assert kube.objects[("TPUFinetune", UNAME)]["status"]["phase"] == "Provisioning"
-    kube.fail[("RoleBinding", f"{UNAME}-workload")] = KubeError("create RoleBinding: HTTP 500")
-    try:
-        ctl.reconcile((UNS, UNAME), stale, [], [])
-    except KubeError:
-        pass
-    assert kube.objects[("TPUFinetune", UNAME)]["status"]["phase"] == "Provisioning"
-    assert ("get", "TPUFinetune", UNAME) in kube.log
-
-
-def test_watch_expired_relist_keeps_deleted_child_out(kubeconfig, kube_api, namespace, tmp_path, control_plane):
-    """Every RayCluster watch is held 3 s then answered 410 Expired, so kopf re-lists and never sees
-    a DELETED event: its index keeps a TTL-deleted RayCluster forever. The operator must not take
-    that entry for the cluster (it did: DELETE + a TTLExpired Event on every resync, 13 in 20 s)."""
-    scripts = make_scripts({"ttl": 3})
-    plan = FaultPlan(p_error500=0, p_throttle=0, p_conflict=0, p_drop=0, p_slow=0, p_gone=1.0,
-                     gone_only="/rayclusters", gone_hold=3.0)
-    proxy = FaultProxy(control_plane.server_url, control_plane.pki, seed=1, plan=plan).start()
-    op = OperatorProcess(proxy.write_kubeconfig(tmp_path / "proxy.kubeconfig"), namespace, tmp_path / "operator.log")
-    recorder = PhaseRecorder(kubeconfig, namespace)
-    player = Player(kubeconfig, namespace, scripts, seed=1)
-    began = time.monotonic()
-    try:
-        recorder.start()
-        player.start()
-        proxy.active.set()
-        op.start()
-        create_staggered(client.CustomObjectsApi(kube_api), namespace, scripts, random.Random(1), 1.0).join(30)
-        wait_all_terminal(recorder, scripts, 90, op)
-        counts = settle_and_recheck(kube_api, namespace, scripts, recorder, op)  # 3 s: 3 resyncs
-    finally:
-        player.halt.set()
-        recorder.halt.set()
-        op.stop()
-        proxy.stop()
-    deletes = [p for m, p in proxy.seen if m == "DELETE" and "/rayclusters/" in p]
-    ttl_events = [e for e in client.CoreV1Api(kube_api).list_namespaced_event(namespace).items
-                  if e.reason == "TTLExpired"]
-    counts.update({"gone_410s": proxy.counts["gone"], "raycluster_deletes": len(deletes),
-                   "ttl_events": len(ttl_events), "wall_s": round(time.monotonic() - began, 1)})
-    print("\nCOUNTS test_watch_expired_relist_keeps_deleted_child_out:", json.dumps(counts))
-    assert proxy.counts["gone"] >= 3
-    assert len(deletes) == 3 and len(ttl_events) == 3, (deletes, [e.message for e in ttl_events])
