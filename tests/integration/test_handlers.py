@@ -144,7 +144,9 @@ def test_full_lifecycle_to_succeeded(operator, tft, kuberay, kubectl, namespace)
         kubectl("patch", f"tpufinetunes.tpufinetune.dev/{NAME}", "-n", namespace, "--subresource=status",
                 "--type=merge", "-p", json.dumps({"status": {"training": {"loss": 2.5, "epoch": 1}}}), who, check=True)
         kuberay.job_running(f"{NAME}-train")
-        wait_until(lambda: "jobStatus=RUNNING" in tft.status().get("message", ""), what="training message")
+        wait_until(lambda: (tft.status().get("training") or {}).get("loss") == 2.5, what="the workload's report")
+        time.sleep(1)  # a running job must not change what the operator wrote: one write per phase change
+        assert tft.status()["message"].startswith(f"training (RayJob {NAME}-train, attempt 1 of ")
         table = kubectl("get", "tft", NAME, "-n", namespace, "-o", "wide", check=True).stdout
         assert "PHASE" in table and "Training" in table and "v6e" in table and "4x4" in table and "2.5" in table
         kuberay.job_succeeded(f"{NAME}-train")
