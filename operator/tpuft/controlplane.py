@@ -75,7 +75,7 @@ def default_crd_paths() -> list[Path]:
     return sorted((REPO_ROOT / "crds").glob("*.yaml")) + kuberay_crd_paths()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -179,7 +179,7 @@ class ControlPlane:
         ensure_pki(self.pki)
         old = {} if new_ports else self._state().get("ports", {})
         names = ("etcd", "etcd-peer", "kube-apiserver", "kube-controller-manager")
-        ports = {n: old[n] if old.get(n) and _port_free(old[n]) else _free_port() for n in names}
+        ports = {n: old[n] if old.get(n) and _port_free(old[n]) else free_port() for n in names}
         self._state_file.write_text(json.dumps({"ports": ports}, indent=2) + "\n")
         s, pki = self.state_dir, self.pki
 

@@ -17,7 +17,6 @@ import fcntl
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 import yaml
 
 from tpuft import constants as c
+from tpuft.controlplane import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_EXAMPLE = REPO / "examples" / "local-cpu.yaml"
@@ -222,7 +222,7 @@ def run_demo(args: argparse.Namespace) -> int:
         env.update(RAY_AUTH_MODE="disabled", TPUFT_METRICS_PORT=env.get("TPUFT_METRICS_PORT", "0"))
 
         _step(clock, 3, f"operator: kopf run -m tpuft.handlers --namespace={args.namespace} (log: {state}/operator.log)")
-        liveness_port = _free_port()
+        liveness_port = free_port()
         operator = _spawn([sys.executable, "-m", "kopf", "run", "--standalone", "-m", "tpuft.handlers",
                            f"--namespace={args.namespace}", f"--liveness=http://127.0.0.1:{liveness_port}/healthz"],
                           state / "operator.log", env)
@@ -284,11 +284,6 @@ def _summary(obj: dict, losses: list[float], clock: Clock, state: Path, args) ->
           file=sys.stderr, flush=True)
     return 1
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 add_arguments, run = add_demo_arguments, run_demo

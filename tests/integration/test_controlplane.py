@@ -6,20 +6,15 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import yaml
 
 from tpuft import toolchain
+from tests.waiting import wait_until
 from tpuft.controlplane import ControlPlane
 
 
-def wait_until(check, timeout=60.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.25)
 
 
 def test_readyz_and_kubectl(control_plane, kubectl):

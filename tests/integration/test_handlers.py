@@ -13,6 +13,7 @@ from kopf.testing import KopfRunner
 from kubernetes import client
 
 from tests.kuberay_standin import KubeRay
+from tests.waiting import wait_until
 
 NAME = "ft"
 RESYNC = "1"
@@ -20,14 +21,6 @@ VERIFY_GRACE = "1"
 MARGIN = 4.0  # seconds the operator may take beyond a deadline (resync 1 s, watch latency, 2 cores)
 
 
-def wait_until(check, timeout=30.0, what="condition", interval=0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(interval)
 
 
 @pytest.fixture
