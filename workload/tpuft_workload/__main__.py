@@ -6,6 +6,7 @@ Exit codes: 0 passed, 1 failed, 2 bad arguments, 3 timeout (verify).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -126,8 +127,13 @@ def main(argv: list[str] | None = None) -> int:
         StatusReporter().verification(res.to_status())
         return res.exit_code
 
-    from tpuft_workload import train
+    from tpuft_workload import checkpoint, train
 
+    try:  # before Ray and any worker: a bad storage path fails in seconds, with its name
+        checkpoint.check_writable(checkpoint.join(args.storage_path, args.run_name))
+    except checkpoint.StorageError as e:
+        print(f"{train.RESULT_PREFIX} " + json.dumps({"succeeded": False, "error": str(e)}), flush=True)
+        return 1
     _ray_init()
     return train.run_training(args, target, faults.from_env())
 

@@ -66,6 +66,25 @@ def filesystem(uri: str):
     return _fs(uri)[0]
 
 
+class StorageError(RuntimeError):
+    """The checkpoint storage path cannot be written: found before any worker starts."""
+
+
+def check_writable(uri: str) -> None:
+    """Create `uri` and write, read back and delete a probe file, so a wrong, read-only or full
+    storage path fails in seconds with its name instead of after a slice spent an epoch."""
+    fs, path = _fs(uri)
+    probe = f"{path.rstrip('/')}/.tpuft-write-probe"
+    try:
+        fs.create_dir(path, recursive=True)
+        with fs.open_output_stream(probe) as f:
+            f.write(b"ok")
+        fs.delete_file(probe)
+    except Exception as e:  # noqa: BLE001 - pyarrow raises OSError, ArrowException, PermissionError...
+        raise StorageError(f"checkpoint storage path {uri} is not writable ({type(e).__name__}: {e}); "
+                           "fix spec.checkpoint.storagePath or the workload's access to it") from None
+
+
 def write_json(uri: str, obj) -> None:
     fs, path = _fs(uri)
     with fs.open_output_stream(path) as f:
