@@ -20,6 +20,7 @@ marker (`pytest -m "not integration"` runs the rest).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -48,32 +49,32 @@ def shared_dir() -> Path:
     return SHARED_DIR
 
 
-@pytest.fixture(scope="session")
-def control_plane(tmp_path_factory):
+@contextlib.contextmanager
+def _running_control_plane(state_dir):
+    """Start a control plane in state_dir with our and KubeRay's CRDs; stop it afterwards."""
     from tpuft.controlplane import ControlPlane, default_crd_paths
 
-    cp = ControlPlane(tmp_path_factory.mktemp("controlplane"), die_with_parent=True, fast_etcd=True)
+    cp = ControlPlane(state_dir, die_with_parent=True, fast_etcd=True)
     try:
         cp.start()
         cp.install_crds(default_crd_paths())
         yield cp
     finally:
         cp.stop(quiet=True)
+
+
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory):
+    with _running_control_plane(tmp_path_factory.mktemp("controlplane")) as cp:
+        yield cp
 
 
 @pytest.fixture
 def fresh_control_plane(tmp_path_factory):
     """A private control plane (same CRDs installed) for one test that changes cluster-wide
     state, e.g. replaces a CRD, so the shared one stays as the other tests expect. ~10 s."""
-    from tpuft.controlplane import ControlPlane, default_crd_paths
-
-    cp = ControlPlane(tmp_path_factory.mktemp("fresh-controlplane"), die_with_parent=True, fast_etcd=True)
-    try:
-        cp.start()
-        cp.install_crds(default_crd_paths())
+    with _running_control_plane(tmp_path_factory.mktemp("fresh-controlplane")) as cp:
         yield cp
-    finally:
-        cp.stop(quiet=True)
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,6 @@ import copy
 import json
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -35,6 +34,7 @@ import yaml
 from kubernetes import client
 
 from tests.unit.test_spec import DELETE, MINIMUM, with_
+from tests.waiting import wait_until
 from tpuft import builders, catalog, crd
 from tpuft.constants import GROUP, PLURAL, VERSION
 from tpuft.spec import DEFAULTS, SpecError, parse
@@ -453,14 +453,6 @@ def test_invalid_spec_is_rejected_naming_the_field(objects, ns, doc, field, how)
 
 # --- kubectl: printer columns, explain, short name ------------------------------------------------
 
-def _wait_for(check, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.5)
 
 
 def test_kubectl_get_printer_columns_and_short_name(objects, ns, kubectl):
@@ -487,7 +479,7 @@ def test_kubectl_explain_prints_the_field_descriptions(kubectl):
     def explain():
         res = kubectl("explain", "tpufinetune.spec.topology")
         return res if res.returncode == 0 else None
-    res = _wait_for(explain, what="kubectl explain (the CRD's OpenAPI is published)")
+    res = wait_until(explain, interval=0.5, what="kubectl explain (the CRD's OpenAPI is published)")
     text = " ".join(res.stdout.split())
     assert "FIELD: topology <string>" in text
     description = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
