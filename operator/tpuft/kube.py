@@ -136,25 +136,24 @@ class Kube:
 
     def patch_suspend(self, kind: str, ns: str, name: str, suspend: bool) -> None:
         g, v, p = CUSTOM[kind]
-        try:
-            self.custom.patch_namespaced_custom_object(g, v, ns, p, name, {"spec": {"suspend": suspend}},
-                                                       _content_type=MERGE_PATCH, _request_timeout=REQUEST_TIMEOUT)
-        except ApiException as e:
-            if e.status != 404:
-                raise _wrap("patch", kind, ns, name, e) from e
-        except Exception as e:
-            raise _wrap("patch", kind, ns, name, e) from e
+        self._unless_gone("patch", kind, ns, name, lambda: self.custom.patch_namespaced_custom_object(
+            g, v, ns, p, name, {"spec": {"suspend": suspend}}, _content_type=MERGE_PATCH,
+            _request_timeout=REQUEST_TIMEOUT))
 
     def delete(self, kind: str, ns: str, name: str) -> None:
         g, v, p = CUSTOM[kind]
+        self._unless_gone("delete", kind, ns, name, lambda: self.custom.delete_namespaced_custom_object(
+            g, v, ns, p, name, propagation_policy="Background", _request_timeout=REQUEST_TIMEOUT))
+
+    @staticmethod
+    def _unless_gone(verb: str, kind: str, ns: str, name: str, call) -> None:
+        """Run a write on an existing child; one already gone (404) needs nothing more."""
         try:
-            self.custom.delete_namespaced_custom_object(g, v, ns, p, name, propagation_policy="Background",
-                                                        _request_timeout=REQUEST_TIMEOUT)
-        except ApiException as e:
-            if e.status != 404:
-                raise _wrap("delete", kind, ns, name, e) from e
-        except Exception as e:
-            raise _wrap("delete", kind, ns, name, e) from e
+            call()
+        except Exception as e:  # ApiException and connection errors/timeouts alike name the object
+            if isinstance(e, ApiException) and e.status == 404:
+                return
+            raise _wrap(verb, kind, ns, name, e) from e
 
     def perform(self, ns: str, owner_uid: str, action: Action) -> str:
         if action.op == Op.CREATE:
