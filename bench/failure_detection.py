@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import operator_burst as ob  # noqa: E402  (sets TPUFT_KCM_CONTROLLERS before tpuft.controlplane is imported)
+import operator_burst as ob  # noqa: E402  (sets TPUFT_KCM_CONTROLLERS before tpuft_local.controlplane is imported)
 
 TIMEOUT = 10
 

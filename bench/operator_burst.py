@@ -56,8 +56,8 @@ os.environ.setdefault("TPUFT_KCM_CONTROLLERS", ",".join([
 
 from kubernetes import client, config, watch  # noqa: E402
 
-from tpuft.controlplane import ControlPlane, default_crd_paths  # noqa: E402
-from tpuft.toolchain import cache_dir  # noqa: E402
+from tpuft_local.controlplane import ControlPlane, default_crd_paths  # noqa: E402
+from tpuft_local.toolchain import cache_dir  # noqa: E402
 
 PEER_VERSION = "v1.6.2"  # v1.7.0 is not served by the Go module proxy (403); see bench/kuberay/go.mod
 PEER_MODULE = "github.com/ray-project/kuberay/ray-operator"

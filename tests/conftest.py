@@ -5,7 +5,7 @@ asks for one of these fixtures. Our CRDs (crds/*.yaml) and the KubeRay v1.7.0 Ra
 RayJob CRDs are installed and Established before the first test runs.
 
 Fixtures:
-  control_plane  session  tpuft.controlplane.ControlPlane (.server_url, .kubeconfig, .install_crds, ...)
+  control_plane  session  tpuft_local.controlplane.ControlPlane (.server_url, .kubeconfig, .install_crds, ...)
   kubeconfig     session  str: path of an admin kubeconfig (system:masters)
   kube_api       session  kubernetes.client.ApiClient configured from it
   kubectl        session  kubectl(*args, check=False, input=None, timeout=120) -> CompletedProcess (text)
@@ -52,7 +52,7 @@ def shared_dir() -> Path:
 @contextlib.contextmanager
 def _running_control_plane(state_dir):
     """Start a control plane in state_dir with our and KubeRay's CRDs; stop it afterwards."""
-    from tpuft.controlplane import ControlPlane, default_crd_paths
+    from tpuft_local.controlplane import ControlPlane, default_crd_paths
 
     cp = ControlPlane(state_dir, die_with_parent=True, fast_etcd=True)
     try:

@@ -11,8 +11,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "topology": ("tpuft.cli_core", "print the slice facts for an accelerator and topology as JSON"),
     "validate": ("tpuft.cli_core", "validate TPUFinetune manifests; list every problem by field path"),
     "render": ("tpuft.cli_core", "print the RayCluster and RayJobs a TPUFinetune becomes"),
-    "cluster": ("tpuft.controlplane", "a real local kube-apiserver + etcd: tools|up|down|status|kubeconfig"),
-    "demo": ("tpuft.demo", "run the whole system locally on the CPU example"),
+    "cluster": ("tpuft_local.controlplane", "a real local kube-apiserver + etcd: tools|up|down|status|kubeconfig"),
+    "demo": ("tpuft_local.demo", "run the whole system locally on the CPU example"),
 }
 
 

@@ -1,7 +1,7 @@
 """Fixtures for the Helm chart tests: the helm binary, `helm template` rendering, and helm
 against the real local control plane (tests/conftest.py's control_plane, kubectl, namespace).
 
-helm comes from the project's toolchain (`tpuft.toolchain.tool_path("helm")`, built once
+helm comes from the project's toolchain (`tpuft_local.toolchain.tool_path("helm")`, built once
 per machine and cached; `make test` runs `tpuft cluster tools` first).
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from tests.chart.helmlib import CHART, RELEASE, RELEASE_NAMESPACE, Rendered, run
 
 @pytest.fixture(scope="session")
 def helm() -> str:
-    from tpuft.toolchain import tool_path
+    from tpuft_local.toolchain import tool_path
 
     return tool_path("helm")
 

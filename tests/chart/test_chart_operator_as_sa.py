@@ -36,7 +36,7 @@ from tests.images.dockerfile_lib import REPO, operator_image_venv, parse
 pytest.importorskip("tpuft.handlers", reason="the operator's handlers are not in this checkout yet")
 from tests.kuberay_standin import KubeRay  # noqa: E402
 from tests.waiting import wait_until  # noqa: E402
-from tpuft.controlplane import free_port  # noqa: E402
+from tpuft_local.controlplane import free_port  # noqa: E402
 
 pytestmark = pytest.mark.integration  # the real local control plane (tests/conftest.py)
 

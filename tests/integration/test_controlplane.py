@@ -12,7 +12,7 @@ import yaml
 
 from tpuft import toolchain
 from tests.waiting import wait_until
-from tpuft.controlplane import ControlPlane
+from tpuft_local.controlplane import ControlPlane
 
 
 

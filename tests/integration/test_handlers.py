@@ -284,7 +284,7 @@ def test_invalid_spec_stored_under_a_looser_crd(operator, tft, kubectl, namespac
     """The CRD rejects every invalid spec at admission (tests/integration/test_crd.py); an object
     stored before the CRD gained a rule still reaches the operator: Failed InvalidSpec naming
     the field, nothing created. Simulated by dropping one CEL rule for the duration."""
-    from tpuft.controlplane import REPO_ROOT
+    from tpuft_local.controlplane import REPO_ROOT
 
     bad = {"env": [{"name": "X", "value": "a", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]}
     crd = "tpufinetunes.tpufinetune.dev"

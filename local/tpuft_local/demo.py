@@ -4,7 +4,7 @@
    cluster in $KUBECONFIG with --use-kubeconfig;
 2. our CRD and KubeRay's CRDs;
 3. the operator, started exactly as the image starts it (`kopf run -m tpuft.handlers`);
-4. the LOCAL STAND-IN for KubeRay's pod layer (tpuft.standin), which runs a real local Ray;
+4. the LOCAL STAND-IN for KubeRay's pod layer (tpuft_local.standin), which runs a real local Ray;
 5. `examples/local-cpu.yaml`, streamed phase by phase until Succeeded or Failed.
 
 Every step says what it is doing; a failing step says which and what to do.
@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from tpuft import constants as c
-from tpuft.controlplane import free_port
+from tpuft_local.controlplane import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_EXAMPLE = REPO / "examples" / "local-cpu.yaml"
@@ -203,13 +203,13 @@ def run_demo(args: argparse.Namespace) -> int:
             kubeconfig = os.environ.get("KUBECONFIG") or str(Path.home() / ".kube" / "config")
             _step(clock, 1, f"using the cluster in {kubeconfig}")
             env = dict(os.environ, KUBECONFIG=kubeconfig)
-            from tpuft.toolchain import tool_path
+            from tpuft_local.toolchain import tool_path
 
             _step(clock, 2, "installing the TPUFinetune CRD (KubeRay's must already be installed there)")
             subprocess.run([tool_path("kubectl"), "apply", "--server-side", "-f", str(REPO / "crds")],
                            check=True, env=env, capture_output=True)
         else:
-            from tpuft.controlplane import ControlPlane, default_crd_paths, default_state_dir
+            from tpuft_local.controlplane import ControlPlane, default_crd_paths, default_state_dir
 
             cp = ControlPlane(default_state_dir())
             _step(clock, 1, f"local control plane (etcd + kube-apiserver + kube-controller-manager) in {cp.state_dir}")
@@ -231,7 +231,7 @@ def run_demo(args: argparse.Namespace) -> int:
         with ray_lock(clock):
             _step(clock, 4, f"LOCAL STAND-IN for KubeRay's pod layer, running a real local Ray "
                             f"(log: {state}/standin.log)")
-            standin = _spawn([sys.executable, "-m", "tpuft.standin", f"--namespace={args.namespace}",
+            standin = _spawn([sys.executable, "-m", "tpuft_local.standin", f"--namespace={args.namespace}",
                               f"--state-dir={state / 'standin'}", *(["--rehearse-tpu"] if args.rehearse_tpu else [])],
                              state / "standin.log", env)
             try:

@@ -1,4 +1,4 @@
-"""Keys, certificates and kubeconfigs for the local control plane (tpuft.controlplane).
+"""Keys, certificates and kubeconfigs for the local control plane (tpuft_local.controlplane).
 
 One CA signs the kube-apiserver serving cert (127.0.0.1/localhost/kubernetes.default.svc)
 and client certs for the admin and kube-controller-manager identities, both in

@@ -37,7 +37,7 @@ import yaml
 
 from tpuft import constants as c
 
-log = logging.getLogger("tpuft.standin")
+log = logging.getLogger("tpuft_local.standin")
 
 # Ray's job states -> KubeRay's jobStatus values (identical strings in KubeRay's JobStatus).
 TERMINAL_JOB_STATUS = {"SUCCEEDED", "FAILED", "STOPPED"}
@@ -353,7 +353,7 @@ class StandIn:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tpuft.standin", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tpuft_local.standin", description=__doc__.splitlines()[0])
     p.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG"))
     p.add_argument("--namespace", action="append", help="watch only these (repeatable); default all")
     p.add_argument("--state-dir", type=Path, default=Path(".tpuft/standin"))

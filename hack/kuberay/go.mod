@@ -2,7 +2,7 @@
 // Go module proxy. v1.7.0 was the pick, but the proxy answers 403 "This module version is
 // not available" for github.com/ray-project/kuberay/ray-operator@v1.7.0 (and v1.7.0-rc.*,
 // and the tag's commit as a pseudo-version); v1.6.2 is the newest it serves. Its go.mod has
-// no replace directives. Built by bench/operator_burst.py (`--build-peer`).
+// no replace directives. Built by tpuft.toolchain (the local cluster runs it; bench/operator_burst.py uses it as the peer).
 module tpuft.local/kuberaybench
 
 go 1.25.0

@@ -5,7 +5,7 @@ on 127.0.0.1 only, on free ports picked at start. kube-apiserver runs with real 
 client-cert auth (admin in system:masters) and service-account tokens (TokenRequest works);
 kube-controller-manager runs the garbage collector, namespace and service-account
 controllers and ClusterRole aggregation (plus deployment/replicaset/statefulset/job, so
-workloads get Pods; no scheduler or kubelet runs, so Pods stay Pending). Binaries come from tpuft.toolchain (built once per machine).
+workloads get Pods; no scheduler or kubelet runs, so Pods stay Pending). Binaries come from tpuft_local.toolchain (built once per machine).
 
     cp = ControlPlane(state_dir).start()      # blocks until /readyz and the default SA exist
     cp.install_crds(default_crd_paths())      # applies, waits for Established
@@ -30,7 +30,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tpuft.toolchain import (K8S_TOOLS, REPO_ROOT, TOOLS, VERSIONS, ToolchainError, cached_path,  # noqa: F401
+from tpuft_local.toolchain import (K8S_TOOLS, REPO_ROOT, TOOLS, VERSIONS, ToolchainError, cached_path,  # noqa: F401
                              ensure_tools, set_pdeathsig, tool_path)
 
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager")
@@ -172,7 +172,7 @@ class ControlPlane:
         return self
 
     def _launch(self, bins: dict[str, str], deadline: float, new_ports: bool) -> None:
-        from tpuft.kubepki import ensure_pki, write_kubeconfig
+        from tpuft_local.kubepki import ensure_pki, write_kubeconfig
 
         for d in (self.logs, self.state_dir / "etcd", self.state_dir / "kcm-certs"):
             d.mkdir(parents=True, exist_ok=True)

