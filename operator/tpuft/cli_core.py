@@ -13,7 +13,8 @@ import yaml
 
 from tpuft import builders, catalog
 from tpuft.constants import KIND
-from tpuft.spec import Problem, SpecError, parse
+from tpuft.spec import Problem, SpecError
+from tpuft.strictfields import parse_strict
 
 EXIT_INVALID = 2
 
@@ -71,7 +72,7 @@ def run_validate(args: argparse.Namespace) -> int:
             continue
         for label, doc in docs:
             try:
-                tft = parse(doc)
+                tft = parse_strict(doc)
             except SpecError as e:
                 failed += 1
                 for problem in e.problems:
@@ -89,7 +90,7 @@ def run_render(args: argparse.Namespace) -> int:
         for _, doc in docs:
             if args.namespace and isinstance(doc, dict):
                 doc.setdefault("metadata", {}).setdefault("namespace", args.namespace)
-            rendered.extend(builders.build_children(parse(doc)))
+            rendered.extend(builders.build_children(parse_strict(doc)))
     except SpecError as e:
         for problem in e.problems:
             print(f"tpuft render: {e.where}: {problem}", file=sys.stderr)
