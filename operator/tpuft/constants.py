@@ -1,7 +1,10 @@
 """Every name the operator shares with Kubernetes, KubeRay and the workload, in one place.
 
-Other modules import these; none of them spells an API group, label, condition type or
-reason as a string literal.
+The names that more than one module (or the workload) relies on: API groups, labels, phases,
+condition types and statuses, reasons, KubeRay's status vocabulary. Closed sets are enums, so a
+typo is an AttributeError. Core Kubernetes kinds and field names (ServiceAccount, Role, spec,
+metadata) are spelled where they are used; tests/kuberay_standin.py spells KubeRay's strings
+literally on purpose, so a wrong constant here fails a test.
 """
 from __future__ import annotations
 
@@ -84,8 +87,20 @@ class Condition(str, enum.Enum):
     FAILED = "Failed"    # overall: True once Failed
 
 
+class ConditionStatus(str, enum.Enum):
+    """metav1.Condition status."""
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+    @classmethod
+    def of(cls, flag: bool) -> ConditionStatus:
+        return cls.TRUE if flag else cls.FALSE
+
+
 class Reason(str, enum.Enum):
     # progress
+    PENDING = "Pending"  # before the first phase has a reason of its own
     CREATED = "Created"
     WAITING_FOR_SLICE = "WaitingForSlice"
     SLICE_READY = "SliceReady"
@@ -104,7 +119,7 @@ class Reason(str, enum.Enum):
     VERIFICATION_FAILED = "VerificationFailed"
     TRAINING_FAILED = "TrainingFailed"
     CHILD_DELETED = "ChildDeleted"
-    # notices (events / message notes; not phases)
+    # notices (events / status.ignoredSpecChange; not phases)
     SPEC_CHANGE_IGNORED = "SpecChangeIgnored"
     TTL_EXPIRED = "TTLExpired"
     RECONCILE_ERROR = "ReconcileError"

@@ -232,7 +232,7 @@ def spec_schema() -> dict:
 def _condition() -> dict:
     return _obj("A condition, as in metav1.Condition.", {
         "type": _p("string", "SliceProvisioned, CollectivesVerified, TrainingSucceeded, Ready or Failed."),
-        "status": _p("string", "True, False or Unknown.", enum=["True", "False", "Unknown"]),
+        "status": _p("string", "True, False or Unknown.", enum=[s.value for s in c.ConditionStatus]),
         "reason": _p("string", "CamelCase reason."),
         "message": _p("string", "Human-readable detail."),
         "lastTransitionTime": _p("string", "When status last changed.", format="date-time"),
@@ -258,6 +258,15 @@ def status_schema() -> dict:
         "startTime": _p("string", "When the operator first acted on this object.", format="date-time"),
         "completionTime": _p("string", "When it reached Succeeded or Failed.", format="date-time"),
         "trainingAttempts": integer("Training RayJobs submitted so far (1 + retries)."),
+        "ignoredSpecChange": _obj("A spec edit made during the run that the run does not apply (children are "
+                                  "built from appliedSpec); gone once the spec matches it again.", {
+            "observedGeneration": integer("The metadata.generation whose spec is not applied."),
+            "fields": {"type": "array", "items": {"type": "string"},
+                       "description": "Spec fields that differ from appliedSpec (suspend and "
+                                      "ttlSecondsAfterFinished act live and are never listed)."},
+            "valid": _p("boolean", "Whether the edited spec is valid at all."),
+            "message": _p("string", "What is ignored, and how to apply it."),
+        }),
         "conditions": {"type": "array", "description": "Conditions; `kubectl wait --for=condition=Ready` works.",
                        "items": _condition(), "x-kubernetes-list-type": "map",
                        "x-kubernetes-list-map-keys": ["type"]},

@@ -8,12 +8,12 @@ drift and which block deletion when the operator is gone). Instead:
 
   * `kopf.index` keeps the owned RayClusters / RayJobs (label tpufinetune.dev/name) and the
     TPUFinetune keys in memory; `kopf.on.event` on all three kinds queues the owner's key.
-  * A small controller (started in `on.startup`) runs a work queue: at most one reconcile per
+  * A small controller (started in `on.startup`, kept in kopf's `memo`) runs a work queue: at most one reconcile per
     key at a time, a resync of every key every TPUFT_RESYNC_SECONDS (default 5) or sooner when
     the decision asks (a deadline), exponential backoff (1 s .. 60 s) after API errors.
   * reconcile: the TPUFinetune from the index, with the status keys the operator owns overlaid
-    by what this process last wrote until the index catches up (no GET per reconcile: an idle
-    resync makes no API request); observe children (index; an expected child missing from the
+    by what this process last wrote until the index catches up (tpuft.ledger; no GET per
+    reconcile: an idle resync makes no API request); observe children (index; an expected child missing from the
     index is confirmed with a GET), phases.decide, perform the actions
     idempotently (create -> 409 -> adopt if ours), write status ONCE via the status subresource
     when it changed (operator keys only), post Events.
@@ -37,7 +37,8 @@ import kopf
 from tpuft import constants as c
 from tpuft import metrics, phases
 from tpuft.kube import Kube, KubeError, Rejected, new_api_client
-from tpuft.phases import AdmissionError, ClusterObs, JobObs, Observed
+from tpuft.ledger import Ledger
+from tpuft.phases import AdmissionError, ClusterObs, IndexedChild, JobObs, Observed, Op
 
 log = logging.getLogger("tpuft.operator")
 Key = tuple[str, str]
@@ -57,57 +58,56 @@ def tpufinetunes(namespace: str, name: str, body: Any, **_: Any) -> dict:
     return {(namespace, name): copy.deepcopy(dict(body))}
 
 
-def _child(name: str, spec: Any, status: Any, meta: Any) -> dict:
-    return {"name": name, "status": copy.deepcopy(dict(status or {})), "suspend": bool((spec or {}).get("suspend")),
-            "deleting": bool(meta.get("deletionTimestamp")), "generation": meta.get("generation")}
-
-
 @kopf.index(c.RAY_GROUP, c.RAY_VERSION, c.RAYCLUSTER_PLURAL, labels={c.LABEL_NAME: kopf.PRESENT})
-def rayclusters_by_owner(namespace: str, name: str, labels: Any, spec: Any, status: Any, meta: Any, **_: Any) -> dict:
-    return {(namespace, labels[c.LABEL_NAME]): _child(name, spec, status, meta)}
+def rayclusters_by_owner(namespace: str, name: str, labels: Any, spec: Any, status: Any, meta: Any,
+                         **_: Any) -> dict:
+    return {(namespace, labels[c.LABEL_NAME]): IndexedChild.of(name, spec, status, meta)}
 
 
 @kopf.index(c.RAY_GROUP, c.RAY_VERSION, c.RAYJOB_PLURAL, labels={c.LABEL_NAME: kopf.PRESENT})
 def rayjobs_by_owner(namespace: str, name: str, labels: Any, spec: Any, status: Any, meta: Any, **_: Any) -> dict:
-    return {(namespace, labels[c.LABEL_NAME]): _child(name, spec, status, meta)}
+    return {(namespace, labels[c.LABEL_NAME]): IndexedChild.of(name, spec, status, meta)}
+
+
+# The controller lives in kopf's memo (set by startup; resource handlers get copies of the
+# operator's memo, made after startup, so they see it).
+def _controller(memo: kopf.Memo) -> Controller | None:
+    return memo.get("controller")
 
 
 @kopf.on.event(c.GROUP, c.VERSION, c.PLURAL)
-async def tpufinetune_event(type: str | None, namespace: str, name: str, **_: Any) -> None:
-    if _controller is not None:
+async def tpufinetune_event(type: str | None, namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    if (ctl := _controller(memo)) is not None:
         if type == "DELETED":
             metrics.set_phase((namespace, name), None)
-        _controller.kick((namespace, name))
+        ctl.kick((namespace, name))
 
 
 @kopf.on.event(c.RAY_GROUP, c.RAY_VERSION, c.RAYCLUSTER_PLURAL, labels={c.LABEL_NAME: kopf.PRESENT})
-async def raycluster_event(namespace: str, labels: Any, **_: Any) -> None:
-    if _controller is not None:
-        _controller.kick((namespace, labels[c.LABEL_NAME]))
+async def raycluster_event(namespace: str, labels: Any, memo: kopf.Memo, **_: Any) -> None:
+    if (ctl := _controller(memo)) is not None:
+        ctl.kick((namespace, labels[c.LABEL_NAME]))
 
 
 @kopf.on.event(c.RAY_GROUP, c.RAY_VERSION, c.RAYJOB_PLURAL, labels={c.LABEL_NAME: kopf.PRESENT})
-async def rayjob_event(namespace: str, labels: Any, **_: Any) -> None:
-    if _controller is not None:
-        _controller.kick((namespace, labels[c.LABEL_NAME]))
+async def rayjob_event(namespace: str, labels: Any, memo: kopf.Memo, **_: Any) -> None:
+    if (ctl := _controller(memo)) is not None:
+        ctl.kick((namespace, labels[c.LABEL_NAME]))
 
 
 # --- lifecycle ------------------------------------------------------------------------------------
-_controller: Controller | None = None
-
-
 @kopf.on.startup()
-async def startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
-    global _controller
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -> None:
     level = os.environ.get("TPUFT_LOG_LEVEL", "").upper()
     if level:
         logging.getLogger("tpuft").setLevel(level)
     settings.posting.level = logging.WARNING      # kopf's own k8s Events: only problems
     settings.watching.server_timeout = 300        # re-list at least every 5 minutes
     metrics.serve()
-    _controller = Controller(Kube(new_api_client()), kwargs["tpufinetunes"], kwargs["rayclusters_by_owner"],
-                             kwargs["rayjobs_by_owner"], _tunables())
-    _controller.start()
+    ctl = Controller(Kube(new_api_client()), kwargs["tpufinetunes"], kwargs["rayclusters_by_owner"],
+                     kwargs["rayjobs_by_owner"], _tunables())
+    ctl.start()
+    memo["controller"] = ctl
 
 
 @kopf.on.login()
@@ -118,16 +118,15 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 
 @kopf.on.cleanup()
-async def cleanup(**_: Any) -> None:
-    global _controller
-    if _controller is not None:
-        await _controller.stop()
-        _controller = None
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    ctl = memo.pop("controller", None)
+    if ctl is not None:
+        await ctl.stop()
 
 
 @kopf.on.probe(id="reconciler")
-def probe(**_: Any) -> dict:
-    ctl = _controller
+def probe(memo: kopf.Memo, **_: Any) -> dict:
+    ctl = _controller(memo)
     return {"queued": len(ctl.queued), "busy": len(ctl.busy)} if ctl else {"queued": 0, "busy": 0}
 
 
@@ -139,14 +138,7 @@ class Controller:
         self.queued: set[Key] = set()
         self.busy: set[Key] = set()
         self.dirty: set[Key] = set()
-        self.due: dict[Key, float] = {}
-        self.failures: dict[Key, int] = {}
-        self.last_error: dict[Key, str] = {}
-        self.written: dict[Key, dict] = {}     # operator-owned status as last written, until the index shows it
-        self.unsure: set[Key] = set()          # a status write failed: it may have landed anyway; re-read first
-        self.removed: dict[Key, set[tuple[str, str]]] = {}  # children we deleted: after a relist (410) kopf's
-        # index can keep them forever (it never sees their DELETED event), so they are confirmed with a GET
-        self.gone: dict[Key, str] = {}         # uid of a TPUFinetune the API server says is deleted (same reason)
+        self.ledger = Ledger()   # per key: schedule, backoff, last error, and what bridges the index's lag
         self.tasks: list[asyncio.Task] = []
         self.resync = float(os.environ.get("TPUFT_RESYNC_SECONDS", "5"))   # read at startup: tests set it
         self.workers = int(os.environ.get("TPUFT_WORKERS", "4"))
@@ -173,7 +165,7 @@ class Controller:
             await asyncio.sleep(tick)
             now = time.monotonic()
             for key in list(self.keys.keys()):
-                if self.due.get(key, 0.0) <= now:
+                if self.ledger.is_due(key, now):
                     self.kick(key)
 
     async def _worker(self) -> None:
@@ -186,12 +178,12 @@ class Controller:
             finally:
                 self.busy.discard(key)
             if key in self.keys:
-                self.due[key] = time.monotonic() + delay
+                self.ledger.schedule(key, time.monotonic() + delay)
             if key in self.dirty:
                 self.dirty.discard(key)
                 self.kick(key)
 
-    def _snapshot(self, key: Key) -> tuple[dict | None, list[dict], list[dict]]:
+    def _snapshot(self, key: Key) -> tuple[dict | None, list[IndexedChild], list[IndexedChild]]:
         body = next(iter(self.keys.get(key, [])), None)
         clusters = [copy.deepcopy(x) for x in self.clusters.get(key, [])]
         jobs = [copy.deepcopy(x) for x in self.jobs.get(key, [])]
@@ -201,17 +193,17 @@ class Controller:
         started = time.perf_counter()
         try:
             requeue = await asyncio.to_thread(self.reconcile, key, *self._snapshot(key))
-            self.failures.pop(key, None)
+            self.ledger.succeeded(key)
             metrics.RECONCILES.labels(result="ok").inc()
             return min(requeue if requeue is not None else self.resync, self.resync)
         except KubeError as e:
-            n = self.failures[key] = self.failures.get(key, 0) + 1
+            n = self.ledger.failed(key)
             delay = min(BACKOFF_MIN * 2 ** (n - 1), BACKOFF_MAX)
             log.warning("reconcile tft=%s/%s failed attempt=%d retry_in=%.0fs error=%s", *key, n, delay, e)
             metrics.RECONCILES.labels(result="retry").inc()
             return delay
         except Exception:  # a bug: log it loudly, keep the operator alive, back off
-            n = self.failures[key] = self.failures.get(key, 0) + 1
+            n = self.ledger.failed(key)
             log.exception("reconcile tft=%s/%s crashed attempt=%d", *key, n)
             metrics.RECONCILES.labels(result="error").inc()
             return min(BACKOFF_MIN * 2 ** (n - 1), BACKOFF_MAX)
@@ -219,69 +211,52 @@ class Controller:
             metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
 
     # Everything below runs in a worker thread: plain blocking API calls.
-    def observe(self, obj: dict, clusters: list[dict], jobs: list[dict]) -> Observed:
+    def observe(self, obj: dict, clusters: list[IndexedChild], jobs: list[IndexedChild]) -> Observed:
         ns = obj["metadata"]["namespace"]
         children = (obj.get("status") or {}).get("children") or {}
-        removed = self.removed.get((ns, obj["metadata"]["name"]), set())
-        live = {x["name"]: x for x in clusters if not x["deleting"] and (c.RAYCLUSTER_KIND, x["name"]) not in removed}
+        # Children we deleted: after a relist (410) kopf's index can keep them forever (it never
+        # sees their DELETED event), so they are confirmed with a GET.
+        removed = self.ledger.removed((ns, obj["metadata"]["name"]))
+        live = {x.name: x for x in clusters if not x.deleting and (c.RAYCLUSTER_KIND, x.name) not in removed}
         cluster = None
         want = children.get("rayCluster")
         if want:
             entry = live.get(want) or self._confirm(c.RAYCLUSTER_KIND, ns, want)
             if entry is not None:
-                cluster = ClusterObs(want, entry["status"], entry["suspend"], entry.get("generation"))
-        found = {x["name"]: JobObs(x["name"], x["status"]) for x in jobs
-                 if not x["deleting"] and (c.RAYJOB_KIND, x["name"]) not in removed}
+                cluster = ClusterObs(want, entry.status, entry.suspend, entry.generation)
+        found = {x.name: JobObs(x.name, x.status) for x in jobs
+                 if not x.deleting and (c.RAYJOB_KIND, x.name) not in removed}
         for want in (children.get("verifyJob"), children.get("trainJob")):
             if want and want not in found:
                 entry = self._confirm(c.RAYJOB_KIND, ns, want)
                 if entry is not None:
-                    found[want] = JobObs(want, entry["status"])
+                    found[want] = JobObs(want, entry.status)
         return Observed(cluster=cluster, jobs=found)
 
-    def _confirm(self, kind: str, ns: str, name: str) -> dict | None:
+    def _confirm(self, kind: str, ns: str, name: str) -> IndexedChild | None:
         """The index has not seen it (yet): ask the API server before believing it is gone."""
         obj = self.kube.get(kind, ns, name)
         if obj is None or (obj.get("metadata") or {}).get("deletionTimestamp"):
             return None
-        return _child(name, obj.get("spec"), obj.get("status"), obj.get("metadata") or {})
+        return IndexedChild.of(name, obj.get("spec"), obj.get("status"), obj.get("metadata") or {})
 
-    def current(self, key: Key, body: dict) -> dict:
-        """The indexed object with the operator's own status keys as this process last wrote them.
-
-        The index lags our writes by one watch event; the operator is the only writer of those
-        keys, so until the index shows them, our copy is the truth (spec and the workload's keys
-        always come from the index)."""
-        mine = self.written.get(key)
-        if mine is None:
-            return body
-        status = body.get("status") or {}
-        if phases.owned(status) == mine:
-            del self.written[key]      # caught up
-            return body
-        merged = {k: v for k, v in status.items() if k not in phases.OWNED_KEYS}
-        merged.update(copy.deepcopy(mine))
-        return {**body, "status": merged}
-
-    def reconcile(self, key: Key, body: dict | None, clusters: list[dict], jobs: list[dict]) -> float | None:
+    def reconcile(self, key: Key, body: dict | None, clusters: list[IndexedChild],
+                  jobs: list[IndexedChild]) -> float | None:
         ns, name = key
         if body is None or body["metadata"].get("deletionTimestamp"):
             metrics.set_phase(key, None)   # children go with it: ownerReferences + garbage collector
-            for table in (self.due, self.written, self.failures, self.last_error, self.removed, self.gone):
-                table.pop(key, None)
-            self.unsure.discard(key)
+            self.ledger.forget(key)
             return None
-        if self.gone.get(key) == body["metadata"].get("uid"):
+        if self.ledger.is_gone(key, body["metadata"].get("uid")):
             return None   # deleted while kopf's watch was re-listing: its index never dropped it
-        if key in self.unsure:  # the index may lag a write whose answer we lost: deciding from it could go back
+        if self.ledger.is_unsure(key):  # the index may lag a write whose answer we lost: deciding from it could go back
             fresh = self.kube.get(c.KIND, ns, name)
             if fresh is None:
-                self.gone[key] = body["metadata"].get("uid")
+                self.ledger.mark_gone(key, body["metadata"].get("uid"))
                 return None
             body = fresh
-            self.written[key] = phases.owned(fresh.get("status"))   # until the index shows what the server has
-            self.unsure.discard(key)
-        obj = self.current(key, body)
+            self.ledger.wrote(key, fresh.get("status") or {})   # until the index shows what the server has
+        obj = self.ledger.overlay(key, body)
         observed = self.observe(obj, clusters, jobs)
         now = datetime.now(timezone.utc)
         decision = phases.decide(obj, observed, now, self.tun)
@@ -298,19 +273,19 @@ class Controller:
             except KubeError as e:
                 self._note_error(key, obj, str(e), now)
                 raise
-            metrics.ACTIONS.labels(op=action.op, kind=action.kind).inc()
-            if action.op == phases.Op.DELETE:
-                self.removed.setdefault(key, set()).add((action.kind, action.name))
-            elif action.op == phases.Op.CREATE:
-                self.removed.get(key, set()).discard((action.kind, action.name))
-            done.append(f"{action.op}:{action.kind}/{action.name}={result}")
-        self.last_error.pop(key, None)
+            metrics.ACTIONS.labels(op=action.op.value, kind=action.kind).inc()
+            if action.op == Op.DELETE:
+                self.ledger.deleted_child(key, action.kind, action.name)
+            elif action.op == Op.CREATE:
+                self.ledger.created_child(key, action.kind, action.name)
+            done.append(f"{action.op.value}:{action.kind}/{action.name}={result}")
+        self.ledger.clear_error(key)
         prev = phases.owned(obj.get("status"))
         if decision.patch:
             if not self._patch_status(key, decision.patch):   # 404: the object is gone
-                self.gone[key] = uid
+                self.ledger.mark_gone(key, uid)
                 return None
-            self.written[key] = copy.deepcopy(decision.status)
+            self.ledger.wrote(key, decision.status)
             metrics.STATUS_WRITES.inc()
         for event in decision.events:
             self.kube.post_event(obj, event)
@@ -325,7 +300,7 @@ class Controller:
         try:
             return self.kube.patch_status(key[0], key[1], patch)
         except KubeError:
-            self.unsure.add(key)   # a timeout or a 5xx may come after the write was applied
+            self.ledger.write_unsure(key)   # a timeout or a 5xx may come after the write was applied
             raise
 
     def _note_error(self, key: Key, obj: dict, error: str, now: datetime) -> None:
@@ -333,14 +308,11 @@ class Controller:
         if patch:
             try:
                 if self._patch_status(key, patch):
-                    mine = phases.owned(obj.get("status"))
-                    mine.update(patch)
-                    self.written[key] = mine
+                    self.ledger.wrote(key, {**phases.owned(obj.get("status")), **patch})
             except KubeError as e:
                 log.warning("tft=%s/%s could not record error in status: %s", *key, e)
-        if self.last_error.get(key) != error:
-            self.last_error[key] = error
-            self.kube.post_event(obj, phases.Event(c.EventType.WARNING.value, c.Reason.RECONCILE_ERROR.value, error))
+        if self.ledger.new_error(key, error):
+            self.kube.post_event(obj, phases.Event(c.EventType.WARNING, c.Reason.RECONCILE_ERROR, error))
 
     @staticmethod
     def _phase_metrics(key: Key, prev: dict, status: dict, now: datetime) -> None:

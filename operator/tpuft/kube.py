@@ -19,7 +19,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from tpuft import constants as c
-from tpuft.phases import Action, Event, Op
+from tpuft.observed import Action, Event, Op
 
 log = logging.getLogger("tpuft.kube")
 MERGE_PATCH = "application/merge-patch+json"
@@ -160,7 +160,7 @@ class Kube:
             return self.create(action.kind, ns, action.body or {}, owner_uid)
         if action.op in (Op.SUSPEND, Op.RESUME):
             self.patch_suspend(action.kind, ns, action.name, action.op == Op.SUSPEND)
-            return action.op
+            return action.op.value
         if action.op == Op.DELETE:
             self.delete(action.kind, ns, action.name)
             return "deleted"
@@ -189,7 +189,7 @@ class Kube:
             "metadata": {"name": f"{name}.{uuid.uuid4().hex[:16]}", "namespace": ns},
             "involvedObject": {"apiVersion": c.API_VERSION, "kind": c.KIND, "name": name, "namespace": ns,
                                "uid": meta.get("uid"), "resourceVersion": meta.get("resourceVersion")},
-            "reason": event.reason, "message": event.message[:1024], "type": event.type,
+            "reason": event.reason.value, "message": event.message[:1024], "type": event.type.value,
             "firstTimestamp": now, "lastTimestamp": now, "count": 1,
             "source": {"component": c.MANAGED_BY}, "reportingComponent": c.MANAGED_BY,
             "reportingInstance": os.environ.get("HOSTNAME", c.MANAGED_BY),
@@ -197,4 +197,4 @@ class Kube:
         try:
             self.core.create_namespaced_event(ns, body, _request_timeout=REQUEST_TIMEOUT)
         except Exception as e:  # events are best effort: never fail a reconcile over one
-            log.warning("post event %s on %s %s/%s failed: %s", event.reason, c.KIND, ns, name, e)
+            log.warning("post event %s on %s %s/%s failed: %s", event.reason.value, c.KIND, ns, name, e)

@@ -4,26 +4,41 @@ fields are read. Pure, like tpuft.phases, which re-exports these names.
 from __future__ import annotations
 
 import copy
+import enum
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Mapping
 
 from tpuft import builders
 from tpuft import constants as c
-from tpuft.constants import Condition
+from tpuft.constants import Condition, ConditionStatus, EventType, Reason
 from tpuft.spec import TPUFinetune
 
 # Status keys the operator owns. status.verification and status.training belong to the workload.
 OWNED_KEYS = ("phase", "reason", "message", "observedGeneration", "appliedGeneration", "appliedSpec",
               "phaseTransitionTime", "startTime", "completionTime", "trainingAttempts", "conditions",
-              "children", "slice")
+              "children", "slice", "ignoredSpecChange")
 LIVE_SPEC_FIELDS = ("suspend", "ttlSecondsAfterFinished")
 CONDITION_ORDER = (Condition.SLICE_PROVISIONED, Condition.COLLECTIVES_VERIFIED, Condition.TRAINING_SUCCEEDED,
                    Condition.READY, Condition.FAILED)
 FAILED_JOB_STATES = {c.JobDeploymentStatus.FAILED.value, c.JobDeploymentStatus.VALIDATION_FAILED.value}
 FAILED_JOB_STATUSES = {c.JobStatus.FAILED.value, c.JobStatus.STOPPED.value}
 DEFAULT_VERIFY_GRACE_SECONDS = builders.VERIFY_DEADLINE_GRACE_SECONDS
-NOTE_MARK = "spec change ignored:"
+
+
+@dataclass(frozen=True)
+class IndexedChild:
+    """A RayCluster or RayJob as kopf's index keeps it (handlers.py), or as a GET confirmed it."""
+    name: str
+    status: Mapping[str, Any] = field(default_factory=dict)
+    suspend: bool = False             # spec.suspend
+    deleting: bool = False            # metadata.deletionTimestamp is set
+    generation: int | None = None     # metadata.generation
+
+    @classmethod
+    def of(cls, name: str, spec: Mapping | None, status: Mapping | None, meta: Mapping) -> IndexedChild:
+        return cls(name, copy.deepcopy(dict(status or {})), bool((spec or {}).get("suspend")),
+                   bool(meta.get("deletionTimestamp")), meta.get("generation"))
 
 
 @dataclass(frozen=True)
@@ -55,7 +70,7 @@ class Observed:
     admission_error: AdmissionError | None = None
 
 
-class Op:
+class Op(str, enum.Enum):
     CREATE = "create"
     SUSPEND = "suspend"      # patch RayCluster spec.suspend=true
     RESUME = "resume"        # patch RayCluster spec.suspend=false
@@ -64,7 +79,7 @@ class Op:
 
 @dataclass(frozen=True)
 class Action:
-    op: str
+    op: Op
     kind: str
     name: str
     body: Mapping[str, Any] | None = None
@@ -72,8 +87,8 @@ class Action:
 
 @dataclass(frozen=True)
 class Event:
-    type: str
-    reason: str
+    type: EventType
+    reason: Reason
     message: str
 
 
@@ -121,11 +136,11 @@ def cluster_provisioned(status: Mapping, generation: int | None = None) -> bool:
     seen = status.get("observedGeneration")
     if generation is not None and isinstance(seen, int) and seen < generation:
         return False
-    if any(x.get("type") in (c.RAYCLUSTER_SUSPENDING, c.RAYCLUSTER_SUSPENDED) and x.get("status") == "True"
+    if any(x.get("type") in (c.RAYCLUSTER_SUSPENDING, c.RAYCLUSTER_SUSPENDED) and x.get("status") == ConditionStatus.TRUE.value
            for x in status.get("conditions") or []):
         return False
     for cond in status.get("conditions") or []:
-        if cond.get("type") == c.RAYCLUSTER_PROVISIONED and cond.get("status") == "True":
+        if cond.get("type") == c.RAYCLUSTER_PROVISIONED and cond.get("status") == ConditionStatus.TRUE.value:
             return True
     ready, desired = status.get("readyWorkerReplicas") or 0, status.get("desiredWorkerReplicas") or 0
     return status.get("state") == c.RAYCLUSTER_STATE_READY and ready >= desired
@@ -146,7 +161,7 @@ def cluster_progress(tft: TPUFinetune, obs: ClusterObs | None) -> str:
     head = _cond(st, c.RAYCLUSTER_HEAD_POD_READY)
     out = f"{ready}/{desired} worker hosts ready, head pod {'ready' if head and head.get('status') == 'True' else 'not ready'}"
     failure = _cond(st, c.RAYCLUSTER_REPLICA_FAILURE)
-    if failure and failure.get("status") == "True":
+    if failure and failure.get("status") == ConditionStatus.TRUE.value:
         out += f"; ReplicaFailure: {failure.get('message') or failure.get('reason')}"
     return out
 

@@ -4,13 +4,13 @@ No client, no clock, no randomness: `handlers.py` gathers the observation, calls
 performs `Decision.actions` (idempotent creates by deterministic name, patches, deletes),
 then writes `Decision.patch` (None when nothing changed) to the status subresource.
 
-Rules worth knowing (see also docs in the report / README):
+Rules worth knowing (see also the README):
   * The spec is validated first; an invalid spec fails with InvalidSpec and creates nothing.
     A corrected spec restarts the run, as long as nothing was ever created.
   * The spec the children are built from is stored in status.appliedSpec. Every child made
     later in the run (verify job, each training attempt, a recreated cluster) is built from it,
     so a spec edit mid-run is never half-applied; it is recorded (observedGeneration, a
-    Warning event, a note in status.message). Only `suspend` and `ttlSecondsAfterFinished`
+    Warning event, status.ignoredSpecChange). Only `suspend` and `ttlSecondsAfterFinished`
     act live.
   * Suspend: the RayCluster is patched suspend=true and the active RayJob is deleted (it cannot
     outlive its pods; checkpoints stay). Resume -> Provisioning (clock restarts), then the new
@@ -28,10 +28,10 @@ from typing import Any, Mapping
 
 from tpuft import builders
 from tpuft import constants as c
-from tpuft.constants import Condition, EventType, Phase, Reason
+from tpuft.constants import Condition, ConditionStatus, EventType, Phase, Reason
 from tpuft.spec import DEFAULTS, SpecError, TPUFinetune, parse
 from tpuft.observed import (  # noqa: F401  (re-exported)
-    OWNED_KEYS, LIVE_SPEC_FIELDS, CONDITION_ORDER, DEFAULT_VERIFY_GRACE_SECONDS, NOTE_MARK, ClusterObs,
+    OWNED_KEYS, LIVE_SPEC_FIELDS, CONDITION_ORDER, DEFAULT_VERIFY_GRACE_SECONDS, ClusterObs, IndexedChild,
     JobObs, AdmissionError, Observed, Op, Action, Event, Decision, Tunables, fmt_time, parse_time, owned,
     cluster_provisioned, cluster_progress, job_state, job_succeeded, job_failed, job_failure_detail,
     spec_diff)
@@ -44,12 +44,13 @@ class _Draft:
         self.st = copy.deepcopy(self.prev)
         self.now = now
         self.generation = int((obj.get("metadata") or {}).get("generation") or 0)
-        self.conds: dict[str, tuple[str, str, str]] = {}
+        self.conds: dict[Condition, tuple[ConditionStatus, str, str]] = {}
         self.actions: list[Action] = []
         self.events: list[Event] = []
         self.requeue: float | None = None
-        self.note = ""
+        self.ignored: dict | None = None   # status.ignoredSpecChange, when a spec edit is not applied
         self.ttl = 0
+        self.reason: Reason | None = None  # the last go() of this reconcile
         try:
             self.phase: Phase | None = Phase(self.prev["phase"]) if self.prev.get("phase") else None
         except ValueError:
@@ -63,20 +64,22 @@ class _Draft:
         seconds = max(seconds, 0.5)
         self.requeue = seconds if self.requeue is None else min(self.requeue, seconds)
 
-    def cond(self, ctype: Condition, status: str, reason: Reason | str, message: str = "") -> None:
-        self.conds[ctype.value] = (status, str(getattr(reason, "value", reason)), message)
+    def cond(self, ctype: Condition, status: ConditionStatus, reason: Reason | str, message: str = "") -> None:
+        """reason: a Reason, or the status.reason string the overall conditions mirror."""
+        self.conds[ctype] = (status, reason.value if isinstance(reason, Reason) else reason, message)
 
-    def act(self, op: str, kind: str, name: str, body: Mapping | None = None) -> None:
+    def act(self, op: Op, kind: str, name: str, body: Mapping | None = None) -> None:
         self.actions.append(Action(op, kind, name, body))
 
-    def event(self, type_: EventType, reason: Reason | str, message: str) -> None:
-        self.events.append(Event(type_.value, str(getattr(reason, "value", reason)), message))
+    def event(self, type_: EventType, reason: Reason, message: str) -> None:
+        self.events.append(Event(type_, reason, message))
 
     def go(self, phase: Phase, reason: Reason, message: str) -> None:
         if self.st.get("phase") != phase.value:
             self.st["phaseTransitionTime"] = fmt_time(self.now)
             self.phase = phase
         self.st["phase"], self.st["reason"], self.st["message"] = phase.value, reason.value, message
+        self.reason = reason
         if phase.terminal and not self.st.get("completionTime"):
             self.st["completionTime"] = fmt_time(self.now)
             self.wake(self.ttl)
@@ -88,28 +91,36 @@ class _Draft:
         st, prev = self.st, self.prev
         st["observedGeneration"] = self.generation
         st.setdefault("startTime", fmt_time(self.now))
-        base = (st.get("message") or "").split(NOTE_MARK)[0].rstrip("; ")
-        st["message"] = f"{base}; {self.note}".lstrip("; ") if self.note else base
+        if self.ignored is not None:
+            st["ignoredSpecChange"] = self.ignored
+        else:
+            st.pop("ignoredSpecChange", None)
         phase, reason = st.get("phase"), st.get("reason") or ""
-        self.cond(Condition.READY, "True" if phase == Phase.SUCCEEDED.value else "False", reason or "Pending",
+        pending = Reason.PENDING.value
+        self.cond(Condition.READY, ConditionStatus.of(phase == Phase.SUCCEEDED.value), reason or pending,
                   st.get("message") or "")
-        self.cond(Condition.FAILED, "True" if phase == Phase.FAILED.value else "False", reason or "Pending",
+        self.cond(Condition.FAILED, ConditionStatus.of(phase == Phase.FAILED.value), reason or pending,
                   st.get("message") if phase == Phase.FAILED.value else "")
         old = {x.get("type"): x for x in prev.get("conditions") or []}
         conds = []
         for ctype in CONDITION_ORDER:
-            status, creason, cmsg = self.conds.get(ctype.value) or (
-                (old[ctype.value].get("status"), old[ctype.value].get("reason"), old[ctype.value].get("message"))
-                if ctype.value in old else ("Unknown", reason or "Pending", ""))
+            if ctype in self.conds:
+                cstatus, creason, cmsg = self.conds[ctype]
+                status = cstatus.value
+            elif ctype.value in old:
+                o = old[ctype.value]
+                status, creason, cmsg = o.get("status"), o.get("reason"), o.get("message")
+            else:
+                status, creason, cmsg = ConditionStatus.UNKNOWN.value, reason or pending, ""
             before = old.get(ctype.value) or {}
             ltt = before.get("lastTransitionTime") if before.get("status") == status else None
-            conds.append({"type": ctype.value, "status": status, "reason": creason or "Unknown",
+            conds.append({"type": ctype.value, "status": status, "reason": creason or ConditionStatus.UNKNOWN.value,
                           "message": cmsg or "", "lastTransitionTime": ltt or fmt_time(self.now),
                           "observedGeneration": self.generation})
         st["conditions"] = conds
         if prev.get("phase") != phase:
             etype = EventType.WARNING if phase == Phase.FAILED.value else EventType.NORMAL
-            self.events.insert(0, Event(etype.value, reason or str(phase), f"{phase}: {st.get('message') or ''}"))
+            self.events.insert(0, Event(etype, self.reason or Reason(reason), f"{phase}: {st.get('message') or ''}"))
         patch = {k: v for k, v in st.items() if prev.get(k) != v}
         patch.update({k: None for k in prev if k not in st})
         return Decision(status=st, patch=patch or None, actions=tuple(self.actions), events=tuple(self.events),
@@ -157,13 +168,9 @@ def decide(obj: Mapping[str, Any], observed: Observed, now: datetime, tun: Tunab
     live_suspend = spec_raw.get("suspend") if isinstance(spec_raw.get("suspend"), bool) else tft.spec.suspend
     ignored = spec_diff(spec_raw, applied_raw)
     if ignored or error is not None:
-        what = ", ".join(ignored[:6]) + (" ..." if len(ignored) > 6 else "")
-        if error is not None:
-            what = f"new spec is invalid ({error.problems[0]})" + (f"; changed: {what}" if what else "")
-        d.note = (f"spec change ignored: {what}; the run uses generation {d.prev.get('appliedGeneration')}'s spec "
-                  "(delete and recreate the TPUFinetune to apply it)")
+        d.ignored = _ignored_change(d, ignored, error)
         if d.prev.get("observedGeneration") != d.generation:
-            d.event(EventType.WARNING, Reason.SPEC_CHANGE_IGNORED, d.note)
+            d.event(EventType.WARNING, Reason.SPEC_CHANGE_IGNORED, d.ignored["message"])
     if d.phase is not None and d.phase.terminal:
         return _terminal(d, tft, observed)
     if observed.admission_error is not None:
@@ -181,6 +188,16 @@ def decide(obj: Mapping[str, Any], observed: Observed, now: datetime, tun: Tunab
     if d.phase == Phase.VERIFYING:
         return _verifying(d, obj, tft, observed, tun)
     return _training(d, tft, observed)
+
+
+def _ignored_change(d: _Draft, ignored: list[str], error: SpecError | None) -> dict:
+    """status.ignoredSpecChange: the edit this run does not apply, and how to apply it."""
+    what = ", ".join(ignored[:6]) + (" ..." if len(ignored) > 6 else "")
+    if error is not None:
+        what = f"new spec is invalid ({error.problems[0]})" + (f"; changed: {what}" if what else "")
+    message = (f"spec change ignored: {what}; the run uses generation {d.prev.get('appliedGeneration')}'s spec "
+               "(delete and recreate the TPUFinetune to apply it)")
+    return {"observedGeneration": d.generation, "fields": ignored, "valid": error is None, "message": message}
 
 
 def _pending(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed) -> Decision:
@@ -206,7 +223,7 @@ def _pending(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed) -> Decisi
     progress = cluster_progress(tft, ClusterObs(n.cluster))  # what the next reconcile will see: no write then
     _initial_conditions(d, tft, progress)
     if tft.spec.suspend:
-        d.cond(Condition.SLICE_PROVISIONED, "False", Reason.SUSPENDED, "created suspended")
+        d.cond(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, Reason.SUSPENDED, "created suspended")
         d.go(Phase.SUSPENDED, Reason.SUSPENDED, f"RayCluster {n.cluster} created suspended (spec.suspend)")
     else:
         d.go(Phase.PROVISIONING, Reason.WAITING_FOR_SLICE, f"waiting for slice {s.generation} {s.topology}: {progress}")
@@ -215,12 +232,12 @@ def _pending(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed) -> Decisi
 
 
 def _initial_conditions(d: _Draft, tft: TPUFinetune, progress: str) -> None:
-    d.cond(Condition.SLICE_PROVISIONED, "False", Reason.WAITING_FOR_SLICE, progress)
+    d.cond(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, Reason.WAITING_FOR_SLICE, progress)
     if tft.spec.verification.enabled:
-        d.cond(Condition.COLLECTIVES_VERIFIED, "Unknown", Reason.WAITING_FOR_SLICE, "")
+        d.cond(Condition.COLLECTIVES_VERIFIED, ConditionStatus.UNKNOWN, Reason.WAITING_FOR_SLICE, "")
     else:
-        d.cond(Condition.COLLECTIVES_VERIFIED, "False", Reason.VERIFICATION_SKIPPED, "spec.verification.enabled is false")
-    d.cond(Condition.TRAINING_SUCCEEDED, "Unknown", Reason.WAITING_FOR_SLICE, "")
+        d.cond(Condition.COLLECTIVES_VERIFIED, ConditionStatus.FALSE, Reason.VERIFICATION_SKIPPED, "spec.verification.enabled is false")
+    d.cond(Condition.TRAINING_SUCCEEDED, ConditionStatus.UNKNOWN, Reason.WAITING_FOR_SLICE, "")
 
 
 def _provisioning(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
@@ -232,7 +249,7 @@ def _provisioning(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
         d.event(EventType.WARNING, Reason.CHILD_DELETED, f"RayCluster {n.cluster} not found while provisioning; "
                 "recreating it (the provisioning deadline is unchanged)")
     if obs.cluster is not None and cluster_provisioned(obs.cluster.status, obs.cluster.generation):
-        d.cond(Condition.SLICE_PROVISIONED, "True", Reason.SLICE_READY, cluster_progress(tft, obs.cluster))
+        d.cond(Condition.SLICE_PROVISIONED, ConditionStatus.TRUE, Reason.SLICE_READY, cluster_progress(tft, obs.cluster))
         return _start_verification(d, tft) if tft.spec.verification.enabled else _start_training(d, tft, obs)
     progress = cluster_progress(tft, obs.cluster)
     if obs.cluster is not None and obs.cluster.suspended:  # not by us (we resume on leaving Suspended): Kueue?
@@ -243,10 +260,10 @@ def _provisioning(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
                  if s.is_tpu else "schedulable CPU nodes")
         msg = (f"slice not provisioned after {timeout}s: {progress}; check {where} has capacity and quota, and "
                f"`kubectl describe raycluster {n.cluster}` / `kubectl get pods -l {c.RAY_CLUSTER_LABEL}={n.cluster}`")
-        d.cond(Condition.SLICE_PROVISIONED, "False", Reason.PROVISIONING_TIMEOUT, msg)
+        d.cond(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, Reason.PROVISIONING_TIMEOUT, msg)
         d.fail(Reason.PROVISIONING_TIMEOUT, msg)
         return d.finish()
-    d.cond(Condition.SLICE_PROVISIONED, "False", Reason.WAITING_FOR_SLICE, progress)
+    d.cond(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, Reason.WAITING_FOR_SLICE, progress)
     d.go(Phase.PROVISIONING, Reason.WAITING_FOR_SLICE, f"waiting for slice {s.generation} {s.topology}: {progress}")
     d.wake(timeout - d.elapsed())
     return d.finish()
@@ -256,7 +273,7 @@ def _start_verification(d: _Draft, tft: TPUFinetune) -> Decision:
     n = builders.names(tft)
     d.act(Op.CREATE, c.RAYJOB_KIND, n.verify_job, builders.build_verify_job(tft))
     d.st.setdefault("children", {})["verifyJob"] = n.verify_job
-    d.cond(Condition.COLLECTIVES_VERIFIED, "Unknown", Reason.VERIFYING, f"RayJob {n.verify_job} submitted")
+    d.cond(Condition.COLLECTIVES_VERIFIED, ConditionStatus.UNKNOWN, Reason.VERIFYING, f"RayJob {n.verify_job} submitted")
     d.go(Phase.VERIFYING, Reason.VERIFYING, f"verifying collectives on every device (RayJob {n.verify_job})")
     return d.finish()
 
@@ -268,7 +285,7 @@ def _start_training(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
     d.act(Op.CREATE, c.RAYJOB_KIND, n.train_attempt(index), builders.build_train_job(tft, index))
     d.st["trainingAttempts"] = max(attempts, 1)
     d.st.setdefault("children", {})["trainJob"] = n.train_attempt(index)
-    d.cond(Condition.TRAINING_SUCCEEDED, "Unknown", Reason.TRAINING, f"RayJob {n.train_attempt(index)} submitted")
+    d.cond(Condition.TRAINING_SUCCEEDED, ConditionStatus.UNKNOWN, Reason.TRAINING, f"RayJob {n.train_attempt(index)} submitted")
     d.go(Phase.TRAINING, Reason.TRAINING, f"training (RayJob {n.train_attempt(index)}, attempt {index + 1} of "
          f"{tft.spec.training.max_job_retries + 1})")
     return d.finish()
@@ -292,13 +309,13 @@ def _verifying(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, tun: Tu
         return d.finish()
     workload = ((obj.get("status") or {}).get("verification") or {}).get("message")
     if job_succeeded(job):
-        d.cond(Condition.COLLECTIVES_VERIFIED, "True", Reason.VERIFIED, workload or f"RayJob {n.verify_job} succeeded")
+        d.cond(Condition.COLLECTIVES_VERIFIED, ConditionStatus.TRUE, Reason.VERIFIED, workload or f"RayJob {n.verify_job} succeeded")
         return _start_training(d, tft, obs)
     if job_failed(job):
         timed_out = job.status.get("reason") == c.RAYJOB_REASON_DEADLINE_EXCEEDED
         reason = Reason.COLLECTIVE_TIMEOUT if timed_out else Reason.VERIFICATION_FAILED
         msg = f"collective verification failed: {job_failure_detail(job)}" + (f"; workload: {workload}" if workload else "")
-        d.cond(Condition.COLLECTIVES_VERIFIED, "False", reason, msg)
+        d.cond(Condition.COLLECTIVES_VERIFIED, ConditionStatus.FALSE, reason, msg)
         d.fail(reason, msg)
         return d.finish()
     bound = timeout + tun.verify_grace_seconds
@@ -306,7 +323,7 @@ def _verifying(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, tun: Tu
         msg = (f"collective verification did not finish within {timeout}s (+{tun.verify_grace_seconds:g}s grace): "
                f"RayJob {n.verify_job} {job_state(job)}; a host that never joins (wrong topology, unhealthy ICI) "
                "looks like this")
-        d.cond(Condition.COLLECTIVES_VERIFIED, "False", Reason.COLLECTIVE_TIMEOUT, msg)
+        d.cond(Condition.COLLECTIVES_VERIFIED, ConditionStatus.FALSE, Reason.COLLECTIVE_TIMEOUT, msg)
         d.fail(Reason.COLLECTIVE_TIMEOUT, msg)
         return d.finish()
     # Same message as on entry: the job's own progress lives in the RayJob's status, and an
@@ -328,7 +345,7 @@ def _training(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
         d.fail(Reason.CHILD_DELETED, f"RayJob {name} was deleted during training")
         return d.finish()
     if job_succeeded(job):
-        d.cond(Condition.TRAINING_SUCCEEDED, "True", Reason.TRAINING_COMPLETE, f"RayJob {name} succeeded")
+        d.cond(Condition.TRAINING_SUCCEEDED, ConditionStatus.TRUE, Reason.TRAINING_COMPLETE, f"RayJob {name} succeeded")
         d.go(Phase.SUCCEEDED, Reason.TRAINING_COMPLETE, f"training complete (RayJob {name}, attempt {attempts})")
         return d.finish()
     if job_failed(job):
@@ -340,11 +357,11 @@ def _training(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
             d.st.setdefault("children", {})["trainJob"] = nxt
             msg = f"{detail}; resubmitted as {nxt} (attempt {attempts + 1} of {retries + 1}), resuming from checkpoint"
             d.event(EventType.WARNING, Reason.RETRYING, msg)
-            d.cond(Condition.TRAINING_SUCCEEDED, "Unknown", Reason.RETRYING, msg)
+            d.cond(Condition.TRAINING_SUCCEEDED, ConditionStatus.UNKNOWN, Reason.RETRYING, msg)
             d.go(Phase.TRAINING, Reason.RETRYING, msg)
             return d.finish()
         msg = f"training failed after {attempts} attempt(s): {detail}"
-        d.cond(Condition.TRAINING_SUCCEEDED, "False", Reason.TRAINING_FAILED, msg)
+        d.cond(Condition.TRAINING_SUCCEEDED, ConditionStatus.FALSE, Reason.TRAINING_FAILED, msg)
         d.fail(Reason.TRAINING_FAILED, msg)
         return d.finish()
     d.go(Phase.TRAINING, Reason.TRAINING, f"training (RayJob {name}, attempt {attempts} of {retries + 1})")
@@ -360,7 +377,7 @@ def _suspend(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
     for job in sorted({n.verify_job, active} - {None}):
         if job in obs.jobs:
             d.act(Op.DELETE, c.RAYJOB_KIND, job)
-    d.cond(Condition.SLICE_PROVISIONED, "False", Reason.SUSPENDED, "RayCluster suspended")
+    d.cond(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, Reason.SUSPENDED, "RayCluster suspended")
     d.go(Phase.SUSPENDED, Reason.SUSPENDED, f"suspended during {was.value}" +
          (f" (RayJob {active} deleted; it resumes from its checkpoint)" if active else ""))
     return d.finish()
@@ -375,7 +392,7 @@ def _suspended(d: _Draft, tft: TPUFinetune, obs: Observed, live_suspend: bool) -
     if obs.cluster is not None:
         d.act(Op.RESUME, c.RAYCLUSTER_KIND, n.cluster)
     d.go(Phase.PROVISIONING, Reason.WAITING_FOR_SLICE, f"resumed; waiting for slice: {cluster_progress(tft, obs.cluster)}")
-    d.cond(Condition.SLICE_PROVISIONED, "False", Reason.WAITING_FOR_SLICE, "resumed")
+    d.cond(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, Reason.WAITING_FOR_SLICE, "resumed")
     d.wake(tft.spec.provisioning_timeout_seconds)
     return d.finish()
 

@@ -417,18 +417,23 @@ def test_spec_change_is_recorded_and_never_half_applied():
     o["metadata"]["generation"] = 2
     d = phases.decide(o, Observed(cluster(4, provisioned=True)), at(5), TUN)
     assert d.status["observedGeneration"] == 2 and d.status["appliedGeneration"] == 1
-    assert "spec change ignored: spec.image, spec.training.epochs" in d.status["message"]
+    assert "spec change ignored: spec.image, spec.training.epochs" in d.status["ignoredSpecChange"]["message"]
+    assert d.status["ignoredSpecChange"]["fields"] == ["spec.image", "spec.training.epochs"]
+    assert d.status["ignoredSpecChange"]["observedGeneration"] == 2
+    assert "spec change ignored" not in d.status["message"]  # the phase's message stays the phase's
     assert [e.reason for e in d.events if e.type == "Warning"] == ["SpecChangeIgnored"]
     assert d.actions[0].body == builders.build_verify_job(applied)  # built from the applied spec
     o = apply(o, d)
     o = apply(o, phases.decide(o, Observed(cluster(4, provisioned=True), {n.verify_job: job(n.verify_job)}), at(6), TUN))
     d2 = phases.decide(o, Observed(cluster(4, provisioned=True), {n.verify_job: job(n.verify_job)}), at(7), TUN)
     assert d2.patch is None and d2.events == ()  # recorded once; the note does not grow
-    assert d2.status["message"].count(phases.NOTE_MARK) == 1
+    assert d2.status["ignoredSpecChange"] == d.status["ignoredSpecChange"]
+    assert "spec change ignored" not in d2.status["message"]
     o["spec"] = copy.deepcopy(o["status"]["appliedSpec"])  # reverted: the note goes away
     o["metadata"]["generation"] = 3
     d3 = phases.decide(o, Observed(cluster(4, provisioned=True), {n.verify_job: job(n.verify_job)}), at(7), TUN)
-    assert phases.NOTE_MARK not in d3.status["message"] and d3.status["observedGeneration"] == 3
+    assert "ignoredSpecChange" not in d3.status and d3.status["observedGeneration"] == 3
+    assert d3.patch["ignoredSpecChange"] is None  # removed from the stored status
 
 
 def test_invalid_spec_edit_mid_run_is_ignored():
@@ -436,7 +441,8 @@ def test_invalid_spec_edit_mid_run_is_ignored():
     o["spec"]["topology"] = "3x3"
     o["metadata"]["generation"] = 2
     d = phases.decide(o, Observed(cluster(1)), at(5), TUN)
-    assert d.phase == "Provisioning" and "new spec is invalid" in d.status["message"]
+    assert d.phase == "Provisioning" and "new spec is invalid" in d.status["ignoredSpecChange"]["message"]
+    assert d.status["ignoredSpecChange"]["valid"] is False
 
 
 # --- stability -------------------------------------------------------------------------------------

@@ -88,9 +88,9 @@ def test_first_reconcile_acts_then_writes_status_once():
     assert kube.ops("create", "patch_status", "event") == []
     # Caught up: no request at all.
     kube.log.clear()
-    cluster = {"name": f"{NAME}-ray", "status": {}, "suspend": False, "deleting": False}
+    cluster = phases.IndexedChild(f"{NAME}-ray", {}, suspend=False, deleting=False)
     ctl.reconcile((NS, NAME), indexed(kube), [cluster], [])
-    assert kube.log == [] and (NS, NAME) not in ctl.written
+    assert kube.log == [] and ctl.ledger.written((NS, NAME)) is None
 
 
 def test_admission_rejection_becomes_the_status():
@@ -130,7 +130,31 @@ def test_deleting_children_in_the_index_count_as_absent():
     ctl = controller(kube)
     ctl.reconcile((NS, NAME), indexed(kube), [], [])
     obj = kube.objects[("TPUFinetune", NAME)]
-    entry = {"name": f"{NAME}-ray", "status": {}, "suspend": False, "deleting": True}
+    entry = phases.IndexedChild(f"{NAME}-ray", {}, suspend=False, deleting=True)
     del kube.objects[("RayCluster", f"{NAME}-ray")]
     observed = ctl.observe(obj, [entry], [])
     assert observed.cluster is None
+
+
+def test_the_index_keeps_typed_children():
+    meta = {"generation": 3, "deletionTimestamp": "2026-01-01T00:00:00Z"}
+    entry = handlers.rayjobs_by_owner(namespace=NS, name=f"{NAME}-verify", labels={"tpufinetune.dev/name": NAME},
+                                      spec={"suspend": True}, status={"jobStatus": "RUNNING"}, meta=meta)
+    assert entry == {(NS, NAME): phases.IndexedChild(f"{NAME}-verify", {"jobStatus": "RUNNING"}, suspend=True,
+                                                     deleting=True, generation=3)}
+
+
+def test_operator_state_lives_in_kopfs_memo():
+    import asyncio
+
+    import kopf
+
+    memo = kopf.Memo()
+    assert handlers.probe(memo=memo) == {"queued": 0, "busy": 0}
+    asyncio.run(handlers.tpufinetune_event(type="ADDED", namespace=NS, name=NAME, memo=memo))  # no controller yet
+    memo["controller"] = ctl = controller(FakeKube(tft()))
+    asyncio.run(handlers.tpufinetune_event(type="ADDED", namespace=NS, name=NAME, memo=memo))
+    asyncio.run(handlers.rayjob_event(namespace=NS, labels={"tpufinetune.dev/name": "other"}, memo=memo))
+    assert handlers.probe(memo=memo) == {"queued": 2, "busy": 0} and ctl.queued == {(NS, NAME), (NS, "other")}
+    asyncio.run(handlers.cleanup(memo=memo))
+    assert "controller" not in memo
