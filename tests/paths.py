@@ -1,9 +1,18 @@
-"""Where tests find the repo and the read-only ../shared reference beside it."""
+"""Where tests find the repo and the reference data they need (all inside the repo)."""
+import gzip
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
-KUBERAY_REF = SHARED / "reference" / "kuberay-v1.7.0"
-SEED_TUTORIAL = SHARED / "seeds" / "000_1c0cde7d1de87025.txt"
+DATA = REPO / "tests" / "data"
+# KubeRay v1.7.0's CRDs (gzipped, for schema validation) and TPU samples, copied from its release.
+KUBERAY_REF = DATA / "kuberay-v1.7.0"
+SEED_RAYCLUSTERS = DATA / "seed-000-rayclusters.yaml"
 EXAMPLES = REPO / "examples"
 GOLDEN = REPO / "tests" / "golden"
+
+
+def kuberay_crd(name: str) -> dict:
+    """A KubeRay v1.7.0 CRD by file name, e.g. ray.io_rayclusters.yaml."""
+    return yaml.safe_load(gzip.decompress((KUBERAY_REF / f"{name}.gz").read_bytes()))

@@ -1,28 +1,13 @@
-"""Reads the RayCluster manifests out of the GKE tutorial seed (../shared/seeds), for golden checks."""
-import re
-
+"""The RayCluster manifests of the GKE tutorial seed (tests/data/seed-000-rayclusters.yaml), for golden checks."""
 import yaml
 
-from tests.paths import SEED_TUTORIAL
-
-_TOP_KEY = re.compile(r"^[A-Za-z]+:")
+from tests.paths import SEED_RAYCLUSTERS
 
 
 def seed_rayclusters() -> dict[str, dict]:
     """{worker group name: RayCluster dict} for every RayCluster manifest in the tutorial."""
-    lines = SEED_TUTORIAL.read_text().splitlines()
-    found = {}
-    i = 0
-    while i < len(lines):
-        if lines[i].strip() == "apiVersion: ray.io/v1" and i + 1 < len(lines) and "kind: RayCluster" in lines[i + 1]:
-            block = []
-            while i < len(lines) and (not lines[i] or lines[i][0] in " -#" or _TOP_KEY.match(lines[i])):
-                block.append(lines[i])
-                i += 1
-            doc = yaml.safe_load("\n".join(block))
-            found[doc["spec"]["workerGroupSpecs"][0]["groupName"]] = doc
-        i += 1
-    return found
+    docs = yaml.safe_load_all(SEED_RAYCLUSTERS.read_text())
+    return {doc["spec"]["workerGroupSpecs"][0]["groupName"]: doc for doc in docs}
 
 
 def missing_from(expected, actual, path="") -> list[str]:

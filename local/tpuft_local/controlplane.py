@@ -1,7 +1,9 @@
 """A real, local Kubernetes control plane: etcd + kube-apiserver + kube-controller-manager.
 
-For tests (tests/conftest.py), the demo and people (`tpuft cluster up`). Everything listens
-on 127.0.0.1 only, on free ports picked at start. kube-apiserver runs with real RBAC,
+For the fast test tier (tests/conftest.py) on its own, and as the first part of the local
+cluster (tpuft_local.cluster), which adds kube-scheduler and a node. Alone, everything
+listens on 127.0.0.1, on free ports picked at start; with a `Network`, kube-apiserver
+listens on the bridge address instead (pods must reach it, and Endpoints may not be loopback). kube-apiserver runs with real RBAC,
 client-cert auth (admin in system:masters) and service-account tokens (TokenRequest works);
 kube-controller-manager runs the garbage collector, namespace and service-account
 controllers and ClusterRole aggregation (plus deployment/replicaset/statefulset/job, so
@@ -12,7 +14,7 @@ workloads get Pods; no scheduler or kubelet runs, so Pods stay Pending). Binarie
     cp.kubectl("get", "tft", "-A")            # CompletedProcess
     cp.stop()
 
-Top-level imports are stdlib only: `tpuft` imports this module eagerly for its CLI.
+Top-level imports are stdlib only.
 """
 from __future__ import annotations
 
@@ -30,10 +32,15 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tpuft_local.toolchain import (K8S_TOOLS, REPO_ROOT, TOOLS, VERSIONS, ToolchainError, cached_path,  # noqa: F401
-                             ensure_tools, set_pdeathsig, tool_path)
+from tpuft_local.network import Network
+from tpuft_local.toolchain import (REPO_ROOT, ToolchainError, ensure_tools, kuberay_crd_dir, set_pdeathsig,
+                                   tool_path)
 
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager")
+# With a node: taints and evictions for NotReady nodes, Service endpoints, finished-pod GC.
+NODE_CONTROLLERS = ("node-lifecycle-controller", "taint-eviction-controller", "endpoints-controller",
+                    "endpointslice-controller", "endpointslice-mirroring-controller", "pod-garbage-collector-controller",
+                    "ttl-after-finished-controller")
 KCM_CONTROLLERS = os.environ.get("TPUFT_KCM_CONTROLLERS") or ",".join([
     "garbage-collector-controller", "namespace-controller", "serviceaccount-controller",
     "serviceaccount-token-controller", "root-ca-certificate-publisher-controller",
@@ -54,15 +61,15 @@ def default_state_dir() -> Path:
     return Path(os.environ.get("TPUFT_HOME") or Path.home() / ".tpuft") / "cluster"
 
 
-def shared_dir() -> Path:
-    """The read-only ../shared folder beside the repository (TPUFT_SHARED overrides)."""
-    return Path(os.environ.get("TPUFT_SHARED") or REPO_ROOT.parent / "shared")
-
-
-def kuberay_crd_paths() -> list[Path]:
-    """KubeRay v1.7.0 RayCluster and RayJob CRDs, from ../shared/reference/kuberay-v1.7.0/."""
-    base = Path(os.environ.get("TPUFT_KUBERAY_CRDS") or shared_dir() / "reference" / "kuberay-v1.7.0")
-    paths = [base / name for name in KUBERAY_CRDS]
+def kuberay_crd_paths(names=KUBERAY_CRDS) -> list[Path]:
+    """KubeRay's CRDs, from the KubeRay module the local cluster's operator is built from
+    (TPUFT_KUBERAY_CRDS: a folder holding them instead)."""
+    override = os.environ.get("TPUFT_KUBERAY_CRDS")
+    try:
+        base = Path(override) if override else kuberay_crd_dir()
+    except ToolchainError as e:
+        raise ControlPlaneError(str(e)) from None
+    paths = [base / name for name in names]
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise ControlPlaneError(f"KubeRay CRDs not found: {', '.join(missing)}; "
@@ -107,7 +114,11 @@ class ControlPlane:
     fast_etcd: etcd skips fsync (tests; data may be lost on a machine crash).
     """
 
-    def __init__(self, state_dir: str | os.PathLike, *, die_with_parent: bool = False, fast_etcd: bool = False):
+    def __init__(self, state_dir: str | os.PathLike, *, die_with_parent: bool = False, fast_etcd: bool = False,
+                 network: Network | None = None):
+        self.network = network
+        self.components = COMPONENTS + (("kube-scheduler",) if network else ())
+        self.host = network.gateway if network else "127.0.0.1"
         self.state_dir = Path(state_dir).resolve()
         self.pki = self.state_dir / "pki"
         self.logs = self.state_dir / "logs"
@@ -132,7 +143,7 @@ class ControlPlane:
         ports = self._state().get("ports", {})
         if "kube-apiserver" not in ports:
             raise ControlPlaneError(f"no control plane has been started in {self.state_dir}")
-        return f"https://127.0.0.1:{ports['kube-apiserver']}"
+        return f"https://{self.host}:{ports['kube-apiserver']}"
 
     def pids(self) -> dict[str, int]:
         """Live component processes belonging to this state dir (found via /proc)."""
@@ -141,12 +152,12 @@ class ControlPlane:
             if entry.name.isdigit():
                 argv = _proc_cmdline(int(entry.name))
                 name = os.path.basename(argv[0]) if argv else ""
-                if name in COMPONENTS and any(marker in a for a in argv[1:]):
+                if name in self.components and any(marker in a for a in argv[1:]):
                     found[name] = int(entry.name)
         return found
 
     def ready(self) -> bool:
-        return set(self.pids()) == set(COMPONENTS) and self._get("/readyz")[0] == 200
+        return set(self.pids()) == set(self.components) and self._get("/readyz")[0] == 200
 
     def env(self) -> dict[str, str]:
         """Environment for running kubectl/helm against this control plane."""
@@ -157,7 +168,7 @@ class ControlPlane:
     # ----- lifecycle ---------------------------------------------------------------------------
     def start(self, timeout: float = 180.0) -> "ControlPlane":
         """Start all three (first stopping stale ones of this state dir); returns once usable."""
-        bins = ensure_tools(COMPONENTS + ("kubectl",))
+        bins = ensure_tools(self.components + ("kubectl",))
         for attempt in range(3):
             self.stop(quiet=True)  # stale processes from an earlier run of this state dir
             try:
@@ -176,9 +187,10 @@ class ControlPlane:
 
         for d in (self.logs, self.state_dir / "etcd", self.state_dir / "kcm-certs"):
             d.mkdir(parents=True, exist_ok=True)
-        ensure_pki(self.pki)
+        net = self.network
+        ensure_pki(self.pki, (net.gateway, net.kubernetes_service_ip) if net else ())
         old = {} if new_ports else self._state().get("ports", {})
-        names = ("etcd", "etcd-peer", "kube-apiserver", "kube-controller-manager")
+        names = ("etcd", "etcd-peer", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
         ports = {n: old[n] if old.get(n) and _port_free(old[n]) else free_port() for n in names}
         self._state_file.write_text(json.dumps({"ports": ports}, indent=2) + "\n")
         s, pki = self.state_dir, self.pki
@@ -192,34 +204,77 @@ class ControlPlane:
         self._wait("etcd", lambda: self._http_ok(etcd_url + "/health"), deadline)
 
         self._spawn("kube-apiserver", [
-            bins["kube-apiserver"], f"--etcd-servers={etcd_url}", "--bind-address=127.0.0.1",
-            "--advertise-address=127.0.0.1", f"--secure-port={ports['kube-apiserver']}",
+            bins["kube-apiserver"], f"--etcd-servers={etcd_url}", f"--bind-address={self.host}",
+            f"--advertise-address={self.host}", f"--secure-port={ports['kube-apiserver']}",
             f"--cert-dir={pki}", f"--tls-cert-file={pki}/apiserver.crt", f"--tls-private-key-file={pki}/apiserver.key",
-            f"--client-ca-file={pki}/ca.crt", "--authorization-mode=RBAC",
+            f"--client-ca-file={pki}/ca.crt",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={pki}/sa.pub", f"--service-account-signing-key-file={pki}/sa.key",
-            "--service-cluster-ip-range=10.0.0.0/24", "--endpoint-reconciler-type=none",
-            "--allow-privileged=true", "--enable-priority-and-fairness=false", "--profiling=false", "--v=1"])
-        write_kubeconfig(self.kubeconfig, f"https://127.0.0.1:{ports['kube-apiserver']}", pki)
+            "--allow-privileged=true", "--enable-priority-and-fairness=false", "--profiling=false", "--v=1",
+            *self._apiserver_node_args()])
+        url = f"https://{self.host}:{ports['kube-apiserver']}"
+        write_kubeconfig(self.kubeconfig, url, pki)
         kcm_kubeconfig = s / "kcm.kubeconfig"
-        write_kubeconfig(kcm_kubeconfig, f"https://127.0.0.1:{ports['kube-apiserver']}", pki,
-                         client="kube-controller-manager")
+        write_kubeconfig(kcm_kubeconfig, url, pki, client="kube-controller-manager")
         self._wait("kube-apiserver", lambda: self._get("/readyz")[0] == 200, deadline)
 
         self._spawn("kube-controller-manager", [
             bins["kube-controller-manager"], f"--kubeconfig={kcm_kubeconfig}",
             f"--authentication-kubeconfig={kcm_kubeconfig}", f"--authorization-kubeconfig={kcm_kubeconfig}",
             "--bind-address=127.0.0.1", f"--secure-port={ports['kube-controller-manager']}",
-            f"--cert-dir={s}/kcm-certs", "--leader-elect=false", f"--controllers={KCM_CONTROLLERS}",
+            f"--cert-dir={s}/kcm-certs", "--leader-elect=false",
+            f"--controllers={','.join([KCM_CONTROLLERS, *(NODE_CONTROLLERS if net else ())])}",
             f"--service-account-private-key-file={pki}/sa.key", f"--root-ca-file={pki}/ca.crt",
             "--use-service-account-credentials=false", "--profiling=false", "--v=1"])
         # The serviceaccount controller creating default/default proves the controller manager works.
         self._wait("kube-controller-manager",
                    lambda: self._get("/api/v1/namespaces/default/serviceaccounts/default")[0] == 200, deadline)
+        if net:
+            self._start_scheduler(bins["kube-scheduler"], url, ports["kube-scheduler"], deadline)
+
+    def _apiserver_node_args(self) -> list[str]:
+        """Flags for a cluster with a node: the bridge-reachable `kubernetes` Service, Node
+        authorization for the kubelet, and GKE's admission behaviour for google.com/tpu."""
+        net, pki = self.network, self.pki
+        if net is None:
+            return ["--authorization-mode=RBAC", "--service-cluster-ip-range=10.0.0.0/24",
+                    "--endpoint-reconciler-type=none"]
+        from tpuft_local.kubepki import issue
+        crt, key = issue(pki, "apiserver-kubelet-client", "kube-apiserver-kubelet-client", "system:masters")
+        return ["--authorization-mode=Node,RBAC", f"--service-cluster-ip-range={net.service_cidr}",
+                # ExtendedResourceToleration: pods asking for google.com/tpu tolerate the TPU
+                # nodes' google.com/tpu taint, as on GKE.
+                "--enable-admission-plugins=NodeRestriction,ExtendedResourceToleration",
+                f"--kubelet-client-certificate={crt}", f"--kubelet-client-key={key}",
+                f"--kubelet-certificate-authority={pki}/ca.crt", "--kubelet-preferred-address-types=InternalIP"]
+
+    def _start_scheduler(self, binary: str, url: str, port: int, deadline: float) -> None:
+        from tpuft_local.kubepki import write_kubeconfig, issue
+        issue(self.pki, "kube-scheduler", "system:kube-scheduler")
+        kubeconfig = self.state_dir / "scheduler.kubeconfig"
+        write_kubeconfig(kubeconfig, url, self.pki, client="kube-scheduler")
+        config = self.state_dir / "scheduler.yaml"
+        config.write_text(json.dumps(scheduler_config(kubeconfig), indent=2) + "\n")
+        (self.state_dir / "scheduler-certs").mkdir(exist_ok=True)
+        self._spawn("kube-scheduler", [
+            binary, f"--config={config}", f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}", "--bind-address=127.0.0.1", f"--secure-port={port}",
+            f"--cert-dir={self.state_dir}/scheduler-certs", "--v=1"])
+        self._wait("kube-scheduler", lambda: self._http_ok_tls(f"https://127.0.0.1:{port}/readyz"), deadline)
+
+    @staticmethod
+    def _http_ok_tls(url: str) -> bool:
+        ctx = ssl.create_default_context()
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE  # its self-signed serving cert
+        try:
+            with urllib.request.urlopen(url, timeout=2, context=ctx) as r:
+                return r.status == 200
+        except (OSError, ValueError):
+            return False
 
     def stop(self, quiet: bool = False, timeout: float = 15.0) -> None:
         """SIGTERM each component of this state dir (by PID), SIGKILL what is left after `timeout`."""
-        for name in reversed(COMPONENTS):
+        for name in reversed(self.components):
             pid = self.pids().get(name)
             if pid is None:
                 continue
@@ -238,6 +293,13 @@ class ControlPlane:
                     time.sleep(0.1)
                 if _proc_cmdline(pid) is None or (proc is not None and proc.poll() is not None):
                     break
+
+    def stop_component(self, name: str, timeout: float = 15.0) -> None:
+        """Stop one component (the local cluster stops the controllers before draining pods)."""
+        pid = self.pids().get(name)
+        if pid is not None:
+            from tpuft_local.procs import terminate
+            terminate(pid, name, timeout)
 
     def __enter__(self) -> "ControlPlane":
         return self.start()
@@ -324,82 +386,20 @@ class ControlPlane:
         return names
 
 
+def scheduler_config(kubeconfig: Path) -> dict:
+    """kube-scheduler's configuration. The one change from the defaults: ImageLocality weighs
+    50 (default 1), so a pod whose image the real node holds goes there whenever it fits,
+    and only pods too big for it (a TPU slice's 4-CPU Ray head) land on the simulated
+    CPU-pool node, where nothing can run. Deterministic: the real node scores 100 x 50 on
+    ImageLocality against at most 100 x 13 from all the other plugins together."""
+    return {"apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration",
+            "clientConnection": {"kubeconfig": str(kubeconfig)}, "leaderElection": {"leaderElect": False},
+            "profiles": [{"schedulerName": "default-scheduler", "plugins": {"score": {"enabled": [
+                {"name": "ImageLocality", "weight": 50}]}}}]}
+
+
 def _tail(path: Path, lines: int = 30) -> str:
     try:
         return "".join(path.read_text(errors="replace").splitlines(True)[-lines:])
     except OSError:
         return "(no log)"
-
-
-# ----- `tpuft cluster ...` ----------------------------------------------------------------------
-def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--state-dir", type=Path, default=None,
-                        help="where `up` keeps its state (default: ${TPUFT_HOME:-~/.tpuft}/cluster)")
-    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
-    sub.add_parser("tools", help=f"build/fetch every binary ({', '.join(TOOLS)}) into the cache; prints paths")
-    up = sub.add_parser("up", help="start a persistent local control plane and install the CRDs")
-    up.add_argument("--no-crds", action="store_true", help="skip installing crds/*.yaml and the KubeRay CRDs")
-    down = sub.add_parser("down", help="stop it")
-    down.add_argument("--purge", action="store_true", help="also delete its state (etcd data, certs)")
-    sub.add_parser("status", help="is it running? (exit 0 if ready)")
-    sub.add_parser("kubeconfig", help="print the kubeconfig path")
-    sub.add_parser("env", help="print `export KUBECONFIG=...; export PATH=...` for eval")
-    path = sub.add_parser("path", help="print the path of a tool's binary (building it if needed)")
-    path.add_argument("tool", choices=TOOLS)
-    kubectl = sub.add_parser("kubectl", help="run kubectl against it: tpuft cluster kubectl -- get tft -A")
-    kubectl.add_argument("args", nargs=argparse.REMAINDER)
-
-
-def run_cluster(args: argparse.Namespace) -> int:
-    cp = ControlPlane(args.state_dir or default_state_dir())
-    try:
-        if args.action == "tools":
-            for tool, path in ensure_tools(TOOLS).items():
-                print(f"{tool:<24} {VERSIONS[tool]:<8} {path}")
-        elif args.action == "up":
-            if cp.ready():
-                _say(f"already running at {cp.server_url}")
-            else:
-                cp.start()
-            if not args.no_crds:
-                for name in cp.install_crds(default_crd_paths()):
-                    _say(f"installed {name}")
-            print(f"kubeconfig: {cp.kubeconfig}\n"
-                  f'  kubectl --kubeconfig "$(tpuft cluster kubeconfig)" get tft -A\n'
-                  f'  eval "$(tpuft cluster env)"   # KUBECONFIG and kubectl/helm on PATH\n'
-                  f"  tpuft cluster down            # stop it")
-        elif args.action == "down":
-            cp.stop()
-            if args.purge:
-                shutil.rmtree(cp.state_dir, ignore_errors=True)
-                _say(f"removed {cp.state_dir}")
-        elif args.action == "status":
-            pids = cp.pids()
-            for name in COMPONENTS:
-                print(f"{name:<24} {'pid ' + str(pids[name]) if name in pids else 'not running'}")
-            ok = cp.ready()
-            print(f"{'ready' if ok else 'NOT ready'}: {cp.server_url if cp._state() else '-'}"
-                  f" (state: {cp.state_dir})")
-            return 0 if ok else 1
-        elif args.action == "kubeconfig":
-            print(cp.kubeconfig)
-            if not cp.kubeconfig.exists():
-                _say("no kubeconfig yet: run `tpuft cluster up`")
-                return 1
-        elif args.action == "env":
-            dirs = [os.path.dirname(tool_path("kubectl"))]
-            if os.access(cached_path("helm"), os.X_OK):
-                dirs.append(str(cached_path("helm").parent))
-            print(f"export KUBECONFIG={cp.kubeconfig}\nexport PATH={os.pathsep.join(dirs)}:$PATH")
-        elif args.action == "path":
-            print(tool_path(args.tool))
-        elif args.action == "kubectl":
-            rest = args.args[1:] if args.args[:1] == ["--"] else args.args
-            return subprocess.run([tool_path("kubectl"), *rest], env=cp.env()).returncode
-        return 0
-    except (ToolchainError, ControlPlaneError) as e:
-        print(f"tpuft cluster {args.action}: {e}", file=sys.stderr)
-        return 1
-
-
-add_arguments, run = add_cluster_arguments, run_cluster

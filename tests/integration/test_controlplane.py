@@ -10,7 +10,8 @@ import sys
 import pytest
 import yaml
 
-from tpuft import toolchain
+from tpuft_local import toolchain
+from tests.paths import KUBERAY_REF
 from tests.waiting import wait_until
 from tpuft_local.controlplane import ControlPlane
 
@@ -92,8 +93,8 @@ def test_kuberay_crds_established(kubectl):
         assert res.stdout == "True", res
 
 
-def test_raycluster_sample_accepted_by_server_dry_run(namespace, kubectl, shared_dir):
-    sample = shared_dir / "reference" / "kuberay-v1.7.0" / "sample.ray-cluster.tpu-v6e-16-multihost.yaml"
+def test_raycluster_sample_accepted_by_server_dry_run(namespace, kubectl):
+    sample = KUBERAY_REF / "sample.ray-cluster.tpu-v6e-16-multihost.yaml"
     res = kubectl("apply", "--dry-run=server", "-n", namespace, "-f", str(sample))
     assert res.returncode == 0, res.stderr
     assert "created (server dry run)" in res.stdout

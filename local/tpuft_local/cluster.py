@@ -1,0 +1,434 @@
+"""`tpuft cluster`: a real single-node Kubernetes with simulated GKE TPU node pools, on this machine.
+
+    up      host changes (host.py) -> containerd -> control plane + kube-scheduler -> kubelet ->
+            kube-proxy -> CoreDNS -> KWOK + its Nodes -> KubeRay's operator -> TPU webhook stand-in
+            -> our CRD -> images -> our operator (helm install, or from source with --operator=source)
+    down    our operator, KubeRay and the controllers first (nothing recreates pods), then every pod,
+            the node, the control plane; then the host changes are undone.
+    status  each component and each node pool.
+
+Real: kube-apiserver, kube-controller-manager, kube-scheduler, kubelet on containerd + runc,
+kube-proxy (iptables), CoreDNS, KubeRay's ray-operator, all built here from the package
+registries. Simulated: the TPU hosts (KWOK Nodes; nothing runs on them) and the KubeRay TPU
+webhook (tpuft_local.tpu_webhook, a named stand-in). `up` is idempotent: what runs is kept,
+what died is started again.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tpuft_local import addons, host, node, pools, procs
+from tpuft_local.controlplane import ControlPlane, ControlPlaneError, free_port
+from tpuft_local.network import Network, NetworkError, from_env
+from tpuft_local.toolchain import TOOLS, VERSIONS, ToolchainError, cached_path, ensure_tools, kuberay_crd_dir, tool_path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class ClusterError(RuntimeError):
+    """A component failed; the message names it and its log."""
+
+
+def _say(msg: str) -> None:
+    print(f"[tpuft] {msg}", file=sys.stderr, flush=True)
+
+
+def default_state_dir() -> Path:
+    return Path(os.environ.get("TPUFT_HOME") or Path.home() / ".tpuft") / "cluster"
+
+
+@dataclasses.dataclass(frozen=True)
+class Component:
+    name: str
+    program: str  # argv[0]'s basename, or the Python module run with -m
+
+
+# The processes `up` starts beside the control plane, in start order.
+NODE_COMPONENTS = (
+    Component("containerd", "containerd"), Component("kubelet", "kubelet"), Component("kube-proxy", "kube-proxy"),
+    Component("coredns", "coredns"), Component("kwok", "kwok"), Component("kuberay-operator", "kuberay-operator"),
+    Component("tpu-webhook", "tpuft_local.tpu_webhook"), Component("tpufinetune-operator", "kopf"),
+)
+
+
+class LocalCluster:
+    def __init__(self, state_dir: Path | None = None, *, net: Network | None = None, tpu_pools=pools.DEFAULT_POOLS,
+                 operator: str = "source", die_with_parent: bool = False):
+        self.state = Path(state_dir or default_state_dir()).resolve()
+        self.net = net or from_env(dict(os.environ))
+        self.tpu_pools = tuple(tpu_pools)
+        self.operator_mode = operator  # "helm" | "source" | "none"
+        self.die_with_parent = die_with_parent
+        self.cp = ControlPlane(self.state, die_with_parent=die_with_parent, network=self.net)
+        self.journal = host.Journal.load(self.state / "host-changes.json")
+        self.logs = self.state / "logs"
+        self.socket = self.state / "containerd" / "containerd.sock"
+        self._procs: dict[str, subprocess.Popen] = {}
+
+    # ----- finding what runs -------------------------------------------------------------------------
+    def pid(self, comp: Component) -> int | None:
+        found = procs.find(str(self.state) + "/", procs.by_program(comp.program))
+        return found[0] if found else None
+
+    def component_pids(self) -> dict[str, int | None]:
+        out: dict[str, int | None] = {n: p for n, p in self.cp.pids().items()}
+        for name in self.cp.components:
+            out.setdefault(name, None)
+        for comp in NODE_COMPONENTS:
+            out[comp.name] = self.pid(comp)
+        return out
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.cp.kubeconfig
+
+    def kubectl(self, *args: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
+        res = self.cp.kubectl(*args, input=input)
+        if check and res.returncode != 0:
+            raise ClusterError(f"`kubectl {' '.join(args)}` failed: {res.stderr.strip() or res.stdout.strip()}")
+        return res
+
+    def apply(self, docs: list[dict]) -> None:
+        self.kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=tpuft-local", "-f", "-",
+                     input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
+
+    def _start(self, name: str, argv: list[str], ready, timeout: float = 90, env: dict | None = None) -> None:
+        comp = next(c for c in NODE_COMPONENTS if c.name == name)
+        if self.pid(comp) is not None:
+            return
+        log = self.logs / f"{name}.log"
+        _say(f"starting {name} (log: {log})")
+        proc = procs.spawn(argv, log, cwd=self.state, env=env, die_with_parent=self.die_with_parent)
+        self._procs[name] = proc
+        try:
+            procs.wait_for(ready, name, timeout, log, proc)
+        except RuntimeError as e:
+            raise ClusterError(str(e)) from None
+
+    # ----- up ------------------------------------------------------------------------------------------
+    def up(self, images: bool = True) -> "LocalCluster":
+        t0 = time.monotonic()
+        self.state.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        host.apply(self.journal, self.net)
+        ensure_tools(TOOLS)
+        built = self._build_images() if images else {}
+        self._containerd()
+        self._load_images(built, only=("pause",))
+        if not self.cp.ready():
+            self.cp.start()
+        self._kubelet()
+        self._kube_proxy()
+        host.ensure_guard(self.journal, self.net)  # again: kube-proxy and the kubelet insert their chains first
+        self._coredns()
+        self._kwok()
+        self._kuberay()
+        self._webhook()
+        self.cp.install_crds(sorted((REPO / "crds").glob("*.yaml")))
+        self._load_images(built, only=("workload", "operator"))
+        self._operator()
+        _say(f"cluster up in {time.monotonic() - t0:.0f} s; kubeconfig: {self.kubeconfig}")
+        return self
+
+    def _build_images(self) -> dict:
+        from tpuft_local import images
+        wanted = ("pause", "workload") + (("operator",) if self.operator_mode == "helm" else ())
+        return images.ensure_images(names=wanted, progress=_say)
+
+    def _load_images(self, built: dict, only: tuple[str, ...]) -> None:
+        from tpuft_local import images
+        for name in only:
+            if name in built:
+                images.load_into_containerd(built[name], self.socket)
+
+    def _containerd(self) -> None:
+        root = self.state / "containerd"
+        certs = root / "certs.d" / "_default"
+        certs.mkdir(parents=True, exist_ok=True)
+        (certs / "hosts.toml").write_text(node.closed_registry_hosts())
+        net_dir = self.state / "cni" / "net.d"
+        node.write_json(net_dir / "10-tpuft.conflist", node.cni_config(self.net, self.state / "cni" / "ipam"))
+        config = root / "config.toml"
+        config.write_text(node.containerd_config(root, self.socket, net_dir, root / "certs.d"))
+        self._start("containerd", ["containerd", f"--config={config}"],
+                    lambda: self.ctr("version").returncode == 0, timeout=60)
+
+    def ctr(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["ctr", f"--address={self.socket}", "--namespace=k8s.io", *args],
+                              capture_output=True, text=True)
+
+    def _client_kubeconfig(self, stem: str, cn: str, org: str | None = None) -> Path:
+        from tpuft_local.kubepki import issue, write_kubeconfig
+        issue(self.cp.pki, stem, cn, org)
+        path = self.state / f"{stem}.kubeconfig"
+        write_kubeconfig(path, self.cp.server_url, self.cp.pki, client=stem)
+        return path
+
+    def _kubelet(self) -> None:
+        from tpuft_local.kubepki import issue
+        kubeconfig = self._client_kubeconfig("kubelet", f"system:node:{node.NODE_NAME}", "system:nodes")
+        issue(self.cp.pki, "kubelet-serving", f"system:node:{node.NODE_NAME}", "system:nodes",
+              server_ips=(self.net.gateway,), server_names=(node.NODE_NAME,), client=False)
+        resolv = self.state / "kubelet-resolv.conf"
+        resolv.write_text("# no upstream nameserver: pods resolve cluster names only (CoreDNS)\n")
+        port = free_port()
+        config = node.write_json(self.state / "kubelet.json", node.kubelet_config(
+            self.net, socket=self.socket, pki=self.cp.pki, resolv_conf=resolv, healthz_port=port))
+        host.save_sysctls(self.journal, host.SET_BY_COMPONENTS)  # the kubelet sets some on start
+        labels = f"{pools.POOL_LABEL}={node.NODE_POOL},node.kubernetes.io/instance-type=local"
+        self._start("kubelet", [
+            tool_path("kubelet"), f"--config={config}", f"--kubeconfig={kubeconfig}",
+            f"--root-dir={self.state}/kubelet", f"--hostname-override={node.NODE_NAME}",
+            f"--node-ip={self.net.gateway}", f"--node-labels={labels}", "--v=1"],
+            lambda: self._node_ready(node.NODE_NAME), timeout=120)
+
+    def _node_ready(self, name: str) -> bool:
+        res = self.cp.kubectl("get", "node", name, "-o", "json")
+        if res.returncode != 0:
+            return False
+        conds = json.loads(res.stdout).get("status", {}).get("conditions") or []
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+
+    def _kube_proxy(self) -> None:
+        kubeconfig = self._client_kubeconfig("kube-proxy", "system:kube-proxy")
+        hz, metrics = free_port(), free_port()
+        config = node.write_json(self.state / "kube-proxy.json", node.kube_proxy_config(self.net, kubeconfig, hz, metrics))
+        self._start("kube-proxy", [tool_path("kube-proxy"), f"--config={config}", "--v=1"],
+                    lambda: _http_ok(f"http://127.0.0.1:{hz}/healthz"), timeout=60)
+
+    def _coredns(self) -> None:
+        kubeconfig = self._client_kubeconfig("coredns", addons.COREDNS_USER)
+        self.apply(addons.rbac())
+        self.apply(addons.kube_dns(self.net))
+        health, ready = free_port(), free_port()
+        corefile = self.state / "Corefile"
+        corefile.write_text(addons.corefile(self.net, str(kubeconfig), health, ready))
+        self._start("coredns", [tool_path("coredns"), "-conf", str(corefile)],
+                    lambda: _http_ok(f"http://127.0.0.1:{ready}/ready"), timeout=60)
+
+    def _kwok(self) -> None:
+        kubeconfig = self._client_kubeconfig("kwok", addons.KWOK_USER)
+        self._start("kwok", [
+            tool_path("kwok"), f"--kubeconfig={kubeconfig}", "--manage-all-nodes=false",
+            f"--manage-nodes-with-annotation-selector={pools.KWOK_ANNOTATION}=fake",
+            f"--cidr={self.net.fake_pod_cidr}", f"--node-ip={self.net.gateway}",
+            # KWOK's default heartbeat (20 s + up to 25 s jitter) can exceed the node-lifecycle
+            # controller's 50 s grace: pods would flip to Ready=False.
+            "--node-lease-duration-seconds=40", f"--server-address=127.0.0.1:{free_port()}"],
+            lambda: True, timeout=10)
+        nodes = pools.all_nodes(self.tpu_pools)
+        self.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": nodes}))
+        names = [n["metadata"]["name"] for n in nodes]
+        try:
+            procs.wait_for(lambda: all(self._node_ready(n) for n in names), "KWOK nodes", 90, self.logs / "kwok.log")
+        except RuntimeError as e:
+            raise ClusterError(str(e)) from None
+
+    def _kuberay(self) -> None:
+        crds = kuberay_crd_dir()
+        self.cp.install_crds(sorted(crds.glob("*.yaml")))
+        self.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crds.parent.parent / "rbac" / "role.yaml"))
+        kubeconfig = self._client_kubeconfig("kuberay-operator", addons.KUBERAY_USER)
+        probe = free_port()
+        self._start("kuberay-operator", [
+            tool_path("kuberay-operator"), f"--kubeconfig={kubeconfig}", "--enable-leader-election=false",
+            # Dashboard calls through the API server's service proxy: the host needs no cluster DNS.
+            "--use-kubernetes-proxy", f"--metrics-addr=127.0.0.1:{free_port()}",
+            f"--health-probe-bind-address=127.0.0.1:{probe}"],
+            lambda: _http_ok(f"http://127.0.0.1:{probe}/readyz"), timeout=120)
+
+    def _webhook(self) -> None:
+        try:
+            from tpuft_local import tpu_webhook
+        except ImportError:
+            _say("TPU webhook stand-in not available; skipping")
+            return
+        tpu_webhook.install(self)
+
+    def _operator(self) -> None:
+        if self.operator_mode == "none":
+            return
+        if self.operator_mode == "helm":
+            from tpuft_local import chart
+            chart.install(self)
+            return
+        kubeconfig = self.kubeconfig
+        port = free_port()
+        env = dict(os.environ, KUBECONFIG=str(kubeconfig), TPUFT_METRICS_PORT="0")
+        self._start("tpufinetune-operator", [
+            sys.executable, "-m", "kopf", "run", "--standalone", "-m", "tpuft.handlers", "--all-namespaces",
+            f"--liveness=http://127.0.0.1:{port}/healthz", f"--log-format=plain"],
+            lambda: _http_ok(f"http://127.0.0.1:{port}/healthz"), timeout=90, env=env)
+
+    # ----- down ----------------------------------------------------------------------------------------
+    def down(self, keep_packages: bool = False, purge: bool = False) -> list[str]:
+        """Stop everything this state dir started, by PID, and undo the host changes."""
+        for name in ("tpufinetune-operator", "kuberay-operator", "tpu-webhook"):
+            self._stop(name)
+        self.cp.stop_component("kube-controller-manager")  # nothing may recreate the pods we delete
+        self.cp.stop_component("kube-scheduler")
+        self._drain_pods()
+        for name in ("kwok", "coredns", "kube-proxy", "kubelet"):
+            self._stop(name)
+        if self.pid(_comp("kube-proxy")) is None and os.access(cached_path("kube-proxy"), os.X_OK):
+            subprocess.run([str(cached_path("kube-proxy")), "--cleanup"], capture_output=True)
+        self._kill_containers()
+        self._stop("containerd")
+        for pid in procs.find(str(self.socket), procs.by_program("containerd-shim-runc-v2")):
+            procs.terminate(pid, "containerd-shim", timeout=5)
+        self.cp.stop()
+        mounts = host.unmount_under(self.state)
+        done = host.undo(self.journal, keep_packages=keep_packages)
+        if mounts:
+            done.insert(0, f"unmounted {mounts} mount(s) under {self.state}")
+        if purge:
+            shutil.rmtree(self.state, ignore_errors=True)
+            done.append(f"removed {self.state}")
+        return done
+
+    def _stop(self, name: str) -> None:
+        pid = self.pid(_comp(name))
+        if pid is not None:
+            procs.terminate(pid, name)
+
+    def _drain_pods(self, timeout: float = 90) -> None:
+        """Delete every pod and wait (bounded) until the kubelet has stopped their sandboxes."""
+        if not self.cp.ready() or self.pid(_comp("kubelet")) is None:
+            return
+        self.cp.kubectl("delete", "pods", "--all", "--all-namespaces", "--grace-period=1", "--wait=false")
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and self._running_sandboxes():
+            time.sleep(1)
+
+    def _running_sandboxes(self) -> list[str]:
+        res = self.ctr("tasks", "ls", "-q")
+        return res.stdout.split() if res.returncode == 0 else []
+
+    def _kill_containers(self) -> None:
+        for task in self._running_sandboxes():
+            self.ctr("tasks", "kill", "--signal=SIGKILL", task)
+        time.sleep(1)
+        for task in self._running_sandboxes():
+            self.ctr("tasks", "rm", "-f", task)
+
+    # ----- status --------------------------------------------------------------------------------------
+    def status_lines(self) -> tuple[list[str], bool]:
+        pids = self.component_pids()
+        lines = [f"{name:<24} {'pid ' + str(pid) if pid else 'not running'}" for name, pid in pids.items()]
+        ok = all(pid for name, pid in pids.items() if name not in ("tpu-webhook", "tpufinetune-operator"))
+        ok = ok and self.cp.ready()
+        if ok:
+            res = self.cp.kubectl("get", "nodes", "-o", "json")
+            nodes = json.loads(res.stdout).get("items", []) if res.returncode == 0 else []
+            by_pool: dict[str, list[bool]] = {}
+            for n in nodes:
+                pool = n["metadata"].get("labels", {}).get(pools.POOL_LABEL, "-")
+                ready = any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"].get("conditions", []))
+                by_pool.setdefault(pool, []).append(ready)
+            lines.append("node pools:")
+            for pool, states in sorted(by_pool.items()):
+                example = next(n for n in nodes if n["metadata"]["labels"].get(pools.POOL_LABEL) == pool)
+                kind = "simulated (KWOK)" if pools.KWOK_ANNOTATION in example["metadata"].get("annotations", {}) \
+                    else "real (kubelet + containerd)"
+                lbl = example["metadata"]["labels"]
+                shape = " ".join(x for x in (lbl.get("cloud.google.com/gke-tpu-accelerator"),
+                                             lbl.get("cloud.google.com/gke-tpu-topology"),
+                                             lbl.get("node.kubernetes.io/instance-type")) if x)
+                lines.append(f"  {pool:<20} {sum(states)}/{len(states)} Ready  {shape}  [{kind}]")
+        return lines, ok
+
+
+def _comp(name: str) -> Component:
+    return next(c for c in NODE_COMPONENTS if c.name == name)
+
+
+def _http_ok(url: str) -> bool:
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except (OSError, ValueError):
+        return False
+
+
+# ----- `tpuft cluster ...` ------------------------------------------------------------------------------
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--state-dir", type=Path, default=None,
+                        help="where the cluster keeps its state (default: ${TPUFT_HOME:-~/.tpuft}/cluster)")
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    sub.add_parser("tools", help=f"build/fetch every binary ({', '.join(TOOLS)}) into the cache; prints paths")
+    up = sub.add_parser("up", help="start the local cluster (idempotent: repairs what died)")
+    up.add_argument("--tpu-pool", action="append", default=[], metavar="ACCEL:TOPOLOGY[:SLICES]",
+                    help="add a simulated TPU node pool (default pools: v6e:4x4 and tpu7x:2x2x2)")
+    up.add_argument("--no-operator", action="store_true", help="leave our operator out (run it from your editor)")
+    up.add_argument("--operator-from-source", action="store_true",
+                    help="run our operator as a host process from this checkout instead of helm-installing its image")
+    down = sub.add_parser("down", help="stop everything and undo the host changes")
+    down.add_argument("--keep-packages", action="store_true", help="leave the Debian packages `up` installed")
+    down.add_argument("--purge", action="store_true", help="also delete the cluster's state (etcd data, certs)")
+    sub.add_parser("status", help="each component and node pool (exit 0 if ready)")
+    sub.add_parser("kubeconfig", help="print the kubeconfig path")
+    sub.add_parser("env", help="print `export KUBECONFIG=...; export PATH=...` for eval")
+    path = sub.add_parser("path", help="print the path of a tool's binary (building it if needed)")
+    path.add_argument("tool", choices=TOOLS)
+    kubectl = sub.add_parser("kubectl", help="run kubectl against it: tpuft cluster kubectl -- get tft -A")
+    kubectl.add_argument("args", nargs=argparse.REMAINDER)
+
+
+def _pools(args) -> tuple:
+    extra = tuple(pools.TpuPool.parse(p) for p in getattr(args, "tpu_pool", []))
+    return pools.DEFAULT_POOLS + tuple(p for p in extra if p not in pools.DEFAULT_POOLS)
+
+
+def run_cluster(args: argparse.Namespace) -> int:
+    try:
+        mode = "none" if getattr(args, "no_operator", False) else (
+            "source" if getattr(args, "operator_from_source", False) else "helm")
+        cl = LocalCluster(args.state_dir, tpu_pools=_pools(args), operator=mode)
+        if args.action == "tools":
+            for tool, path in ensure_tools(TOOLS).items():
+                print(f"{tool:<24} {VERSIONS[tool]:<8} {path}")
+        elif args.action == "up":
+            cl.up()
+            print(f"kubeconfig: {cl.kubeconfig}\n"
+                  f'  eval "$(tpuft cluster env)"   # KUBECONFIG and kubectl/helm on PATH\n'
+                  f"  tpuft cluster status          # components and node pools\n"
+                  f"  tpuft cluster down            # stop it and undo the host changes")
+        elif args.action == "down":
+            for line in cl.down(keep_packages=args.keep_packages, purge=args.purge):
+                _say(line)
+        elif args.action == "status":
+            lines, ok = cl.status_lines()
+            print("\n".join(lines))
+            print(f"{'ready' if ok else 'NOT ready'} (state: {cl.state})")
+            return 0 if ok else 1
+        elif args.action == "kubeconfig":
+            print(cl.kubeconfig)
+            if not cl.kubeconfig.exists():
+                _say("no kubeconfig yet: run `tpuft cluster up`")
+                return 1
+        elif args.action == "env":
+            dirs = [os.path.dirname(tool_path("kubectl"))]
+            if os.access(cached_path("helm"), os.X_OK):
+                dirs.append(str(cached_path("helm").parent))
+            print(f"export KUBECONFIG={cl.kubeconfig}\nexport PATH={os.pathsep.join(dirs)}:$PATH")
+        elif args.action == "path":
+            print(tool_path(args.tool))
+        elif args.action == "kubectl":
+            rest = args.args[1:] if args.args[:1] == ["--"] else args.args
+            return subprocess.run([tool_path("kubectl"), *rest], env=cl.cp.env()).returncode
+        return 0
+    except (ToolchainError, ControlPlaneError, ClusterError, host.HostError, NetworkError, ValueError) as e:
+        print(f"tpuft cluster {args.action}: {e}", file=sys.stderr)
+        return 1
+
+
+add_arguments, run = add_cluster_arguments, run_cluster
