@@ -12,7 +12,6 @@ Fixtures:
   namespace      function str: a fresh namespace (its `default` ServiceAccount exists); deleted after
   fresh_control_plane  function  a private ControlPlane (CRDs installed) for tests that change
                  cluster-wide state (CRDs, ClusterRoles); use its .kubectl()/.kubeconfig directly
-  shared_dir     session  Path of ../shared beside the repository (TPUFT_SHARED overrides)
 
 A missing toolchain or a failed build fails the session loudly; nothing is skipped.
 Tests under tests/integration/, and any test using a control plane, get the `integration`
@@ -31,8 +30,6 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# ../shared beside the repository; TPUFT_SHARED points elsewhere (e.g. for a clone in /tmp).
-SHARED_DIR = Path(os.environ.get("TPUFT_SHARED") or REPO_ROOT.parent / "shared")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -40,13 +37,6 @@ def pytest_collection_modifyitems(config, items):
         uses_cluster = {"control_plane", "fresh_control_plane"} & set(getattr(item, "fixturenames", ()))
         if uses_cluster or "integration" in Path(str(item.fspath)).parts:
             item.add_marker(pytest.mark.integration)
-
-
-@pytest.fixture(scope="session")
-def shared_dir() -> Path:
-    assert SHARED_DIR.is_dir(), (f"{SHARED_DIR} is missing: the tests expect the shared/ folder beside the "
-                                 "repository (or TPUFT_SHARED pointing at it)")
-    return SHARED_DIR
 
 
 @contextlib.contextmanager
