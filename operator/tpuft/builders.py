@@ -227,8 +227,16 @@ def verify_entrypoint(tft: TPUFinetune) -> str:
 
 
 def run_name(tft: TPUFinetune) -> str:
-    """Ray Train run name: stable across resubmissions so a retried job resumes its checkpoints."""
-    return f"{tft.meta.namespace}-{tft.meta.name}"
+    """Ray Train run name, the run's directory under spec.checkpoint.storagePath.
+
+    Stable for one object (retries, preemption, suspend/resume, operator restarts resume
+    there) and different for a re-created object with the same name, whose UID differs: a new
+    object starts fresh and never reads another's checkpoints (spec.checkpoint.resumeFrom
+    continues one on purpose). Without a UID (`tpuft render` of a file) there is no identity
+    to add; the operator always has one.
+    """
+    base = f"{tft.meta.namespace}-{tft.meta.name}"
+    return f"{base}-{tft.meta.uid}" if tft.meta.uid else base
 
 
 def train_entrypoint(tft: TPUFinetune) -> str:
@@ -242,6 +250,8 @@ def train_entrypoint(tft: TPUFinetune) -> str:
             "--max-failures", str(tr.max_failures), "--report-every-steps", str(tr.report_every_steps)]
     if not tr.packing:
         args.append("--no-packing")
+    if ck.resume_from:
+        args += ["--resume-from", ck.resume_from]
     return shlex.join(args)
 
 

@@ -161,6 +161,15 @@ def spec_schema() -> dict:
                 "everySteps": _int("Checkpoint every N steps; 0 checkpoints at the end of each epoch only.",
                                    "checkpoint.everySteps"),
                 "keep": _int("Checkpoints to keep.", "checkpoint.keep"),
+                "resumeFrom": _p("string", "Continue from an earlier run on purpose: a checkpoint_step_* directory "
+                                 "or a run directory (its newest committed checkpoint) written by an earlier "
+                                 "TPUFinetune, as gs://BUCKET/PATH, s3://BUCKET/PATH or an absolute path. Model, "
+                                 "optimizer and step are restored; the model architecture must match. Without it "
+                                 "a TPUFinetune never reads checkpoints of another object, even one of the same "
+                                 "name.", minLength=1, maxLength=1024,
+                                 **{"x-kubernetes-validations": [{
+                                     "rule": f"self.matches(r'{STORAGE_PATH.pattern}')",
+                                     "message": "must be gs://BUCKET/PATH, s3://BUCKET/PATH or an absolute path"}]}),
             }, required=["storagePath"]),
             "hfTokenSecret": _obj("Secret holding a Hugging Face token. Passed to pods only by secretKeyRef; the "
                                   "operator never reads it.", {
@@ -307,6 +316,11 @@ def status_schema() -> dict:
             "stepTimeSeconds": num("Mean step time."),
             "padFraction": num("Fraction of tokens that are padding."),
             "lastCheckpoint": _p("string", "Latest checkpoint path."),
+            "resumedFrom": _p("string", "Checkpoint this run resumed from: its own (a retry or restart) or "
+                              "spec.checkpoint.resumeFrom's."),
+            "resumedFromStep": integer("Step of that checkpoint."),
+            "message": _p("string", "Workload detail, e.g. nothing left to do after resuming at the last step, "
+                          "or why spec.checkpoint.resumeFrom was refused."),
             "exportedModel": _p("string", "Hugging Face format export of the final model."),
             "updatedAt": _p("string", "When the workload last reported.", format="date-time"),
         }),

@@ -131,6 +131,9 @@ class Checkpoint:
     storage_path: str
     every_steps: int        # 0: at the end of each epoch only
     keep: int
+    # An earlier run's checkpoint (or run directory) to continue from on purpose; a run's own
+    # directory is keyed by the object's UID, so nothing else is ever resumed implicitly.
+    resume_from: str | None = None
 
 
 @dataclass(frozen=True)
@@ -375,10 +378,16 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
     if storage and not STORAGE_PATH.fullmatch(storage):
         r.fail("spec.checkpoint.storagePath",
                f"{storage!r} must be gs://BUCKET/PATH, s3://BUCKET/PATH or an absolute path on a mounted volume")
+    resume_from = r.string(ck, "resumeFrom", "spec.checkpoint.resumeFrom", max_len=1024)
+    if resume_from is not None and not STORAGE_PATH.fullmatch(resume_from):
+        r.fail("spec.checkpoint.resumeFrom",
+               f"{resume_from!r} must be gs://BUCKET/PATH, s3://BUCKET/PATH or an absolute path on a mounted volume "
+               "(a checkpoint_step_* directory or a run directory of an earlier TPUFinetune)")
     checkpoint = Checkpoint(
         storage_path=storage or "",
         every_steps=r.integer(ck, "everySteps", "spec.checkpoint.everySteps", "checkpoint.everySteps"),
         keep=r.integer(ck, "keep", "spec.checkpoint.keep", "checkpoint.keep"),
+        resume_from=resume_from,
     )
 
     hf = None

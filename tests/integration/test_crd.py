@@ -4,8 +4,8 @@
   generation x every offered topology, every accelerator spelling, int quantities, env valueFrom, ...)
   are accepted by a server-side create, and tpuft.spec.parse accepts what the server stored and
   derives the same Spec as from the local document (the server applies tpuft.spec.DEFAULTS exactly).
-- INVALID: 190 invalid TPUFinetunes (test_table_counts checks these numbers and prints them).
-  188 are rejected at admission (HTTP 422) with an error naming the field, and tpuft.spec.parse
+- INVALID: 193 invalid TPUFinetunes (test_table_counts checks these numbers and prints them).
+  191 are rejected at admission (HTTP 422) with an error naming the field, and tpuft.spec.parse
   rejects each of them with the same field too (server and parser agree row by row).
   2 rows are PARSER-ONLY, marked PARSER_ONLY in the table: the CRD cannot express them because the
   API server refuses the request before schema validation (HTTP 400: a wrong apiVersion; metadata
@@ -149,6 +149,9 @@ INVALID = [
     row("storage-s3-no-bucket", ("spec.checkpoint.storagePath", "s3:///x"), "spec.checkpoint.storagePath"),
     row("storage-http", ("spec.checkpoint.storagePath", "https://example.com/ckpt"), "spec.checkpoint.storagePath"),
     row("storage-relative", ("spec.checkpoint.storagePath", "relative/dir"), "spec.checkpoint.storagePath"),
+    row("resume-from-relative", ("spec.checkpoint.resumeFrom", "relative/run"), "spec.checkpoint.resumeFrom"),
+    row("resume-from-http", ("spec.checkpoint.resumeFrom", "https://example.com/ckpt"), "spec.checkpoint.resumeFrom"),
+    row("resume-from-empty", ("spec.checkpoint.resumeFrom", ""), "spec.checkpoint.resumeFrom"),
     row("storage-space", ("spec.checkpoint.storagePath", "/ckpt dir"), "spec.checkpoint.storagePath"),
     row("storage-newline", ("spec.checkpoint.storagePath", "/ckpt\n"), "spec.checkpoint.storagePath"),
     row("storage-injection", ("spec.checkpoint.storagePath", "/ckpt;rm -rf /"), "spec.checkpoint.storagePath"),
@@ -253,7 +256,7 @@ COUNTS = {
     "admission": sum(1 for p in INVALID if p.values[2] == ADMISSION),
     "parser_only": sum(1 for p in INVALID if p.values[2] == PARSER_ONLY),
 }
-DOCUMENTED_COUNTS = {"total": 190, "admission": 188, "parser_only": 2}  # as the module docstring says
+DOCUMENTED_COUNTS = {"total": 193, "admission": 191, "parser_only": 2}  # as the module docstring says
 
 
 # --- helpers ------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import jsonschema
 import pytest
 import yaml
 
-from tests.paths import EXAMPLES, GOLDEN, KUBERAY_REF
+from tests.paths import EXAMPLES, GOLDEN, kuberay_crd
 from tests.seed import missing_from, seed_rayclusters
 from tests.unit.test_spec import MINIMUM, with_
 from tpuft import builders
@@ -23,12 +23,19 @@ def by_kind(children, kind):
     return [c for c in children if c["kind"] == kind]
 
 
+# What the API server adds before the operator sees an object: the UID, which names the run's
+# checkpoint directory and the children's ownerReferences.
+GOLDEN_UID = "0d5e4f2a-7b1c-4e8d-9a36-5f0c2b7e1d49"
+
+
 @pytest.mark.parametrize("path", EXAMPLE_FILES, ids=lambda p: p.name)
 def test_golden(path, request):
     """Rendered children are byte-stable; regenerate with TPUFT_UPDATE_GOLDEN=1."""
     import os
 
-    out = yaml.safe_dump_all(render(yaml.safe_load(path.read_text())), sort_keys=False, width=120)
+    doc = yaml.safe_load(path.read_text())
+    doc["metadata"]["uid"] = GOLDEN_UID
+    out = yaml.safe_dump_all(render(doc), sort_keys=False, width=120)
     golden = GOLDEN / path.name
     if os.environ.get("TPUFT_UPDATE_GOLDEN"):
         golden.write_text(out)
@@ -53,7 +60,7 @@ def test_every_field_the_seed_sets_is_present_with_the_seeds_value(example, grou
 
 
 def _crd_validator(name):
-    crd = yaml.safe_load((KUBERAY_REF / name).read_text())
+    crd = kuberay_crd(name)
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     return jsonschema.Draft4Validator(schema)
 
@@ -215,6 +222,36 @@ def test_names_fit_and_owner_references_are_set():
             "apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFinetune", "name": "a" * 40,
             "uid": "u-1", "controller": True}]
         assert child["metadata"]["labels"]["tpufinetune.dev/name"] == "a" * 40
+
+
+def _train_args(doc) -> list[str]:
+    import shlex
+
+    return shlex.split(by_kind(render(doc), "RayJob")[-1]["spec"]["entrypoint"])
+
+
+def _flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def test_run_directory_belongs_to_one_object():
+    """Same name and storagePath, two objects (delete and re-create): two run directories; the
+    same object (a retry, a restart: same UID) always the same one."""
+    first = with_("metadata", {"name": "demo", "namespace": "ns", "uid": "uid-first"})
+    again = with_("metadata", {"name": "demo", "namespace": "ns", "uid": "uid-second"})
+    assert _flag(_train_args(first), "--run-name") == "ns-demo-uid-first"
+    assert _flag(_train_args(again), "--run-name") == "ns-demo-uid-second"
+    assert _flag(_train_args(first), "--storage-path") == _flag(_train_args(again), "--storage-path")
+    retry = builders.build_train_job(parse(first), attempt=2)["spec"]["entrypoint"]
+    assert "--run-name ns-demo-uid-first " in retry
+    assert builders.run_name(parse(with_("metadata", {"name": "demo", "namespace": "ns"}))) == "ns-demo"  # offline
+
+
+def test_resume_from_is_passed_to_the_workload_only_when_set():
+    assert "--resume-from" not in _train_args(MINIMUM)
+    uri = "gs://my-bucket/ray_train_torchtpu/default-gemma4-dolly-uid-1/checkpoint_step_0000099"
+    args = _train_args(with_("spec.checkpoint.resumeFrom", uri))
+    assert _flag(args, "--resume-from") == uri
 
 
 def test_workload_identity_may_only_patch_its_own_status():

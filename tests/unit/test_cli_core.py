@@ -44,6 +44,19 @@ def test_validate_lists_every_problem_by_field_path(tmp_path):
     assert "spec.checkpoint.storagePath" in r.stderr
 
 
+def test_validate_refuses_a_resume_from_without_a_scheme_the_workload_reads(tmp_path):
+    doc = yaml.safe_load((EXAMPLES / "local-cpu.yaml").read_text())
+    doc["spec"]["checkpoint"]["resumeFrom"] = "ftp://host/run"
+    bad = tmp_path / "resume.yaml"
+    bad.write_text(yaml.safe_dump(doc))
+    r = tpuft("validate", str(bad))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "spec.checkpoint.resumeFrom: 'ftp://host/run' must be gs://BUCKET/PATH" in r.stderr
+    doc["spec"]["checkpoint"]["resumeFrom"] = "/tmp/tpuft-checkpoints/default-local-cpu-uid/checkpoint_step_0000099"
+    bad.write_text(yaml.safe_dump(doc))
+    assert tpuft("validate", str(bad)).returncode == 0
+
+
 def test_validate_examples_and_unreadable_files():
     assert tpuft("validate", *map(str, sorted(EXAMPLES.glob("*.yaml")))).returncode == 0
     r = tpuft("validate", "/nonexistent.yaml")

@@ -4,7 +4,8 @@ import yaml
 from tests.paths import REPO
 from tpuft import catalog, crd
 from tpuft.constants import Phase
-from tpuft.spec import DEFAULTS
+from tpuft.spec import DEFAULTS, STORAGE_PATH
+from tpuft_workload.report import TRAINING_KEYS, VERIFICATION_KEYS
 
 
 def test_committed_crd_matches_the_generator():
@@ -47,3 +48,18 @@ def test_status_phases_columns_and_short_name():
     cols = {c["name"] for c in v["additionalPrinterColumns"] if not c.get("priority")}
     assert cols == {"Phase", "Accelerator", "Topology", "Loss", "Age"}
     assert doc["spec"]["names"]["shortNames"] == ["tft"]
+
+
+def test_status_keys_the_workload_writes_are_in_the_status_schema():
+    """The API server prunes unknown status fields silently: every key the workload reports is declared."""
+    status = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    assert set(status["training"]["properties"]) == set(TRAINING_KEYS)
+    assert set(status["verification"]["properties"]) == set(VERIFICATION_KEYS)
+
+
+def test_resume_from_admission_rule_is_the_parsers_pattern():
+    ck = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["checkpoint"]
+    rf = ck["properties"]["resumeFrom"]
+    assert rf["x-kubernetes-validations"][0]["rule"] == f"self.matches(r'{STORAGE_PATH.pattern}')"
+    assert (rf["minLength"], rf["maxLength"]) == (1, 1024) and "resumeFrom" not in ck["required"]
+

@@ -107,6 +107,11 @@ BAD = [
     ("spec.checkpoint.storagePath", "gs://", "spec.checkpoint.storagePath", "gs://BUCKET/PATH"),
     ("spec.checkpoint.storagePath", "relative/dir", "spec.checkpoint.storagePath", "absolute path"),
     ("spec.checkpoint.keep", 0, "spec.checkpoint.keep", "between 1"),
+    ("spec.checkpoint.resumeFrom", "relative/run", "spec.checkpoint.resumeFrom", "absolute path"),
+    ("spec.checkpoint.resumeFrom", "https://example.com/ckpt", "spec.checkpoint.resumeFrom", "gs://BUCKET/PATH"),
+    ("spec.checkpoint.resumeFrom", "gs://", "spec.checkpoint.resumeFrom", "gs://BUCKET/PATH"),
+    ("spec.checkpoint.resumeFrom", "", "spec.checkpoint.resumeFrom", "gs://BUCKET/PATH"),
+    ("spec.checkpoint.resumeFrom", 7, "spec.checkpoint.resumeFrom", "must be a string"),
     ("spec.hfTokenSecret", {"name": "hf"}, "spec.hfTokenSecret.key", "is required"),
     ("spec.verification.timeoutSeconds", 1, "spec.verification.timeoutSeconds", "between 10"),
     ("spec.verification.enabled", "true", "spec.verification.enabled", "true or false"),
@@ -153,3 +158,11 @@ def test_parsed_types_are_frozen():
     t = parse(MINIMUM)
     with pytest.raises(AttributeError):
         t.spec.slices = 2  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("uri", ["gs://my-bucket/ckpt/default-demo-uid/checkpoint_step_0000099",
+                                 "s3://bucket/run", "/mnt/ckpt/default-demo-uid"])
+def test_resume_from_accepts_what_the_storage_layer_reads(uri):
+    assert parse(with_("spec.checkpoint.resumeFrom", uri)).spec.checkpoint.resume_from == uri
+    assert parse(MINIMUM).spec.checkpoint.resume_from is None
+

@@ -70,7 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--learning-rate", type=_positive_float, default=2e-5)
     t.add_argument("--storage-path", required=True, help="local path or gs:// URI for checkpoints and export")
     t.add_argument("--run-name", required=True,
-                   help="run directory under --storage-path; re-submitting the same name resumes")
+                   help="run directory under --storage-path (the operator adds the object's UID); "
+                        "re-submitting the same name resumes")
+    t.add_argument("--resume-from", default=None,
+                   help="an earlier run's checkpoint_step_* or run directory to continue from "
+                        "(spec.checkpoint.resumeFrom); only when --run-name has no checkpoint of its own")
     t.add_argument("--no-packing", dest="packing", action="store_false",
                    help="pad every example to --max-seq-length (the seed recipe) instead of packing")
     t.add_argument("--checkpoint-every-steps", type=_non_negative_int, default=0,

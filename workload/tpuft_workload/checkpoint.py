@@ -1,9 +1,12 @@
 """Sharded checkpoints (torch.distributed.checkpoint) and the final Hugging Face export.
 
 A checkpoint is one directory per save: every rank writes its own DCP shard files
-(`__<rank>_0.distcp`), rank 0 adds `.metadata` and `train_state.json`. Each rank hands its
-local directory to `ray.train.report(checkpoint=...)`; Ray Train merges them into one
-directory under storage_path/run_name, so no shared filesystem is needed between hosts.
+(`__<rank>_0.distcp`), rank 0 adds `.metadata` and `train_state.json` (step, epoch and the
+metrics last reported, so a run resumed with nothing left to do still reports them). Each
+rank hands its local directory to `ray.train.report(checkpoint=...)`; Ray Train merges them
+into one directory under storage_path/run_name, so no shared filesystem is needed between
+hosts. Rank 0 also writes `tpuft-run.json` into the run directory: what wrote it and for
+which model architecture, checked before `spec.checkpoint.resumeFrom` is loaded.
 """
 from __future__ import annotations
 
@@ -175,3 +178,90 @@ def find_latest_committed(run_uri: str, prefix: str = "checkpoint_step_") -> str
         if marker.type == pafs.FileType.File:
             return join(run_uri, name)
     return None
+
+
+# ---- the run manifest and spec.checkpoint.resumeFrom ---------------------------------------
+RUN_MANIFEST = "tpuft-run.json"
+RUN_FORMAT = "tpuft-run/v1"
+RESUME_FIELD = "spec.checkpoint.resumeFrom"
+
+
+class ResumeError(RuntimeError):
+    """spec.checkpoint.resumeFrom cannot be used; the message names the field and the path."""
+
+
+def _is_file(fs, path: str) -> bool:
+    import pyarrow.fs as pafs
+
+    return fs.get_file_info(path).type == pafs.FileType.File
+
+
+def architecture(model) -> dict:
+    """What a checkpoint's shards must match: the class, parameter count and a digest of every
+    parameter's name and full shape (taken before sharding)."""
+    import hashlib
+
+    shapes = [(n, tuple(p.shape)) for n, p in model.state_dict().items()]
+    digest = hashlib.sha256(";".join(f"{n}:{list(s)}" for n, s in shapes).encode()).hexdigest()[:16]
+    return {"class": type(model).__name__, "parameters": int(sum(p.numel() for p in model.parameters())),
+            "shapes": digest}
+
+
+def write_run_manifest(run_uri: str, manifest: dict) -> None:
+    """Rank 0, once per run directory: the first attempt's manifest stays."""
+    fs, path = _fs(run_uri)
+    fs.create_dir(path, recursive=True)
+    if not _is_file(fs, f"{path}/{RUN_MANIFEST}"):
+        write_json(join(run_uri, RUN_MANIFEST), {"format": RUN_FORMAT, **manifest})
+
+
+def resolve_resume(uri: str) -> tuple[str, dict]:
+    """(committed checkpoint directory, its run's manifest) for spec.checkpoint.resumeFrom: `uri`
+    itself when it is a checkpoint_step_* directory, else the newest committed one of the run
+    directory it names. Raises ResumeError unless it exists and tpuft_workload wrote it."""
+    import pyarrow.fs as pafs
+
+    fs, path = _fs(uri)
+    path = path.rstrip("/")
+    kind = fs.get_file_info(path).type
+    if kind == pafs.FileType.NotFound:
+        raise ResumeError(f"{RESUME_FIELD}: {uri} does not exist")
+    if kind != pafs.FileType.Directory:
+        raise ResumeError(f"{RESUME_FIELD}: {uri} is a file; give a checkpoint_step_* directory or a run directory")
+    if _is_file(fs, f"{path}/{RUN_MANIFEST}"):  # a run directory
+        run_uri, ckpt = uri.rstrip("/"), find_latest_committed(uri.rstrip("/"))
+        if ckpt is None:
+            raise ResumeError(f"{RESUME_FIELD}: run directory {uri} holds no committed checkpoint "
+                              f"(checkpoint_step_* with {COMMITTED})")
+    else:
+        run_uri, ckpt = uri.rstrip("/").rpartition("/")[0], uri.rstrip("/")
+        run_path = path.rpartition("/")[0]
+        missing = [f for f, p in ((RUN_MANIFEST, run_path), (TRAIN_STATE, path)) if not _is_file(fs, f"{p}/{f}")]
+        if missing:
+            raise ResumeError(f"{RESUME_FIELD}: {uri} was not written by a TPUFinetune (no {' and no '.join(missing)} "
+                              "where tpuft_workload writes them); give a checkpoint_step_* directory or a run "
+                              "directory under an earlier TPUFinetune's spec.checkpoint.storagePath")
+        if not _is_file(fs, f"{path}/{COMMITTED}"):
+            raise ResumeError(f"{RESUME_FIELD}: checkpoint {uri} is incomplete (no {COMMITTED} marker: "
+                              "its save never finished); pick an earlier one or the run directory")
+    try:
+        manifest = read_json(join(run_uri, RUN_MANIFEST))
+    except (OSError, ValueError) as e:
+        raise ResumeError(f"{RESUME_FIELD}: {join(run_uri, RUN_MANIFEST)} cannot be read ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != RUN_FORMAT:
+        raise ResumeError(f"{RESUME_FIELD}: {uri} was not written by a TPUFinetune ({join(run_uri, RUN_MANIFEST)} "
+                          f"is not a {RUN_FORMAT} manifest)")
+    return ckpt, manifest
+
+
+def check_architecture(resume_uri: str, manifest: dict, arch: dict, model_ref: str) -> None:
+    """Raises ResumeError when the checkpoint was written for another architecture than spec.model's."""
+    theirs = manifest.get("architecture") or {}
+    if theirs != arch:
+        raise ResumeError(
+            f"{RESUME_FIELD}: {resume_uri} was written for a different model architecture: "
+            f"{theirs.get('class')} with {theirs.get('parameters')} parameters (model {manifest.get('model')}, "
+            f"shapes {theirs.get('shapes')}), while spec.model {model_ref} is {arch['class']} with "
+            f"{arch['parameters']} parameters (shapes {arch['shapes']}); its weights and optimizer state cannot "
+            "be loaded")
+

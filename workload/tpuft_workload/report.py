@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 TRAINING_KEYS = ("epoch", "epochs", "step", "totalSteps", "loss", "tokensPerSecond",
                  "paddedTokensPerSecond", "stepTimeSeconds", "padFraction", "lastCheckpoint",
-                 "exportedModel", "updatedAt")
+                 "resumedFrom", "resumedFromStep", "message", "exportedModel", "updatedAt")
 VERIFICATION_KEYS = ("passed", "ranks", "hosts", "allReduceSum", "expectedSum", "maxAbsDiff",
                      "seconds", "message")
 

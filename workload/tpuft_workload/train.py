@@ -2,11 +2,14 @@
 
 Driver (`run_training`): ScalingConfig from the slice, RunConfig(name=run_name,
 storage_path) so a re-submitted job with the same run name resumes from the latest
-checkpoint, FailureConfig for in-job restarts, CheckpointConfig(num_to_keep).
+checkpoint, FailureConfig for in-job restarts, CheckpointConfig(num_to_keep). The operator's
+run name carries the object's UID: a re-created TPUFinetune starts fresh, and continues an
+earlier run only through --resume-from (spec.checkpoint.resumeFrom), checked here first.
 
 Workers (`train_loop`): tokenize + pack the data (every rank builds the same rows, then
-takes its disjoint slice), shard the model, restore the latest checkpoint if any, train,
-report metrics every K steps and at epoch ends, checkpoint with DCP, export an HF folder.
+takes its disjoint slice), shard the model, restore the run's own latest checkpoint (else
+--resume-from's) if any, train, report metrics every K steps and at epoch ends, checkpoint
+with DCP, export an HF folder.
 """
 from __future__ import annotations
 
@@ -41,6 +44,20 @@ def _say(msg: str) -> None:
 
 def _ckpt_name(step: int) -> str:
     return f"checkpoint_step_{step:07d}"
+
+
+def _status_metrics(m: dict) -> dict:
+    """A _Window.reduce() result as status.training keys (also kept in each checkpoint)."""
+    return {"loss": round(m["loss"], 5), "tokensPerSecond": round(m["tokens_per_s"], 1),
+            "paddedTokensPerSecond": round(m["padded_tokens_per_s"], 1),
+            "stepTimeSeconds": round(m["step_time_s"], 4), "padFraction": round(m["pad_fraction"], 4)}
+
+
+def _resume_message(step: int, total_steps: int, source: str) -> str:
+    if step >= total_steps:
+        return (f"nothing left to do: resumed at step {step} of {total_steps} from {source}; loss and tokens/s "
+                "are those the completed run reported")
+    return f"resumed at step {step} of {total_steps} from {source}"
 
 
 def _maybe_kill(faults: list, rank: int, step: int, run_dir: str) -> None:
@@ -126,30 +143,55 @@ def train_loop(cfg: dict) -> None:
               f"{spe} steps/epoch x {cfg['epochs']} epochs on {world} workers")
 
     model = modellib.load_model(cfg["model"], tokenizer, plat, cfg["seed"])
+    arch = ckptlib.architecture(model)
+    if cfg["resume_from"]:
+        try:
+            ckptlib.check_architecture(cfg["resume_from"], cfg["resume_manifest"], arch, cfg["model"])
+        except ckptlib.ResumeError as e:
+            if rank == 0:
+                reporter.training(message=str(e))
+                reporter.close()
+            raise
+    if rank == 0:
+        ckptlib.write_run_manifest(cfg["run_dir"], {
+            "model": cfg["model"], "architecture": arch, "namespace": cfg["cr_namespace"],
+            "name": cfg["cr_name"], "resumeFrom": cfg["resume_from"] or None})
     mesh = init_device_mesh(plat.device_type, (world,))
     params = modellib.shard(model, mesh, plat, device)
     opt = torch.optim.AdamW(params, lr=cfg["learning_rate"], weight_decay=0.01)
 
     step, resumed_from = 0, -1
-    last_ckpt = ""
-    # Newest committed checkpoint on storage first: Ray's registered one (get_checkpoint) can be
-    # older when a worker died before the controller polled the last report.
+    last_ckpt, message, source = "", None, ""
+    last_metrics: dict = {}  # status.training metrics of the latest report, restored with a checkpoint
+    # This run's own newest committed checkpoint first: Ray's registered one (get_checkpoint) can
+    # be older when a worker died before the controller polled the last report. An earlier run's
+    # (--resume-from) only when this run has none yet.
     latest = ckptlib.find_latest_committed(cfg["run_dir"])
     ckpt = Checkpoint(latest, filesystem=ckptlib.filesystem(latest)) if latest else ray.train.get_checkpoint()
+    if ckpt is None and cfg["resume_from"]:
+        latest = cfg["resume_from"]
+        ckpt = Checkpoint(latest, filesystem=ckptlib.filesystem(latest))
     if ckpt is not None:
         source = latest or ckpt.path
         with ckpt.as_directory() as d:
             state = ckptlib.load(model, opt, d)
         step, resumed_from, last_ckpt = int(state["step"]), int(state["step"]), state.get("path", "")
+        last_metrics, message = dict(state.get("metrics") or {}), _resume_message(step, total_steps, source)
         if rank == 0:
-            _say(f"[tpuft] resumed from checkpoint at step {step} ({source})")
+            _say(f"[tpuft] {message}")
 
     def status(force: bool, **fields) -> None:
         if rank == 0 and reporter.enabled and throttle.ready(force):
             reporter.training(epochs=cfg["epochs"], totalSteps=total_steps, **fields)
 
+    if ckpt is not None:
+        status(True, epoch=min(step // spe + 1, cfg["epochs"]) if spe else cfg["epochs"], step=step,
+               resumedFrom=source, resumedFromStep=step, message=message, lastCheckpoint=last_ckpt or None,
+               **last_metrics)
+
     def report(metrics: dict, save: bool) -> None:
-        nonlocal last_ckpt
+        nonlocal last_ckpt, last_metrics
+        last_metrics = _status_metrics(metrics)
         metrics = {**metrics, "step": step, "total_steps": total_steps, "resumed_from_step": resumed_from}
         if not save:
             ray.train.report(metrics)
@@ -157,7 +199,8 @@ def train_loop(cfg: dict) -> None:
         name = _ckpt_name(step)
         path = ckptlib.join(cfg["run_dir"], name)
         with tempfile.TemporaryDirectory() as tmp:
-            ckptlib.save(model, opt, {"step": step, "epoch": metrics.get("epoch"), "path": path}, tmp, rank)
+            ckptlib.save(model, opt, {"step": step, "epoch": metrics.get("epoch"), "path": path,
+                                      "metrics": last_metrics}, tmp, rank)
             ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp), checkpoint_dir_name=name)
         torch.distributed.barrier()  # every rank's shards are uploaded
         if rank == 0:
@@ -193,11 +236,7 @@ def train_loop(cfg: dict) -> None:
                          f"step_time={m['step_time_s']:.3f}s | tokens/s={m['tokens_per_s']:.1f} | "
                          f"padded_tokens/s={m['padded_tokens_per_s']:.1f}")
                 report({"epoch": epoch + 1, **m}, save)
-                status(save, epoch=epoch + 1, step=step, loss=round(m["loss"], 5),
-                       tokensPerSecond=round(m["tokens_per_s"], 1),
-                       paddedTokensPerSecond=round(m["padded_tokens_per_s"], 1),
-                       stepTimeSeconds=round(m["step_time_s"], 4), padFraction=round(m["pad_fraction"], 4),
-                       lastCheckpoint=last_ckpt or None)
+                status(save, epoch=epoch + 1, step=step, lastCheckpoint=last_ckpt or None, **last_metrics)
                 # Reports and checkpoints are not training time: a report waits for the controller
                 # to poll the previous one (result queue of size 1, polled every 2 s). Rates leave
                 # them out (the seed's epoch timer also stops before its checkpoint); epoch_time
@@ -210,19 +249,18 @@ def train_loop(cfg: dict) -> None:
                  f"tokens/s={m['tokens_per_s']:.1f} | padded_tokens/s={m['padded_tokens_per_s']:.1f} | "
                  f"pad={m['pad_fraction']:.1%}")
         report({"epoch": epoch + 1, "epoch_loss": m["loss"], "epoch_time_s": m["seconds"], **m}, True)
-        status(True, epoch=epoch + 1, step=step, loss=round(m["loss"], 5),
-               tokensPerSecond=round(m["tokens_per_s"], 1), paddedTokensPerSecond=round(m["padded_tokens_per_s"], 1),
-               stepTimeSeconds=round(m["step_time_s"], 4), padFraction=round(m["pad_fraction"], 4),
-               lastCheckpoint=last_ckpt)
+        status(True, epoch=epoch + 1, step=step, lastCheckpoint=last_ckpt, **last_metrics)
 
     # bf16 export on accelerators (the dtype the model trains in); fp32 on CPU
     exported = ckptlib.export_hf(model, tokenizer, cfg["export_uri"], rank,
                                  dtype=torch.bfloat16 if plat.mixed_precision else None)
     summary = {"step": step, "totalSteps": total_steps, "resumedFromStep": resumed_from,
-               "lastCheckpoint": last_ckpt, "exportedModel": exported}
+               "lastCheckpoint": last_ckpt, "exportedModel": exported, **last_metrics,
+               **({"resumedFrom": source, "message": message} if source else {})}
     if rank == 0:
         _say(f"[tpuft] exported Hugging Face model to {exported}")
-        status(True, epoch=cfg["epochs"], step=step, lastCheckpoint=last_ckpt, exportedModel=exported)
+        status(True, epoch=cfg["epochs"], step=step, lastCheckpoint=last_ckpt, exportedModel=exported,
+               **last_metrics)
         # Result.metrics is the latest *checkpoint's* metrics (maybe from an earlier attempt):
         # this file is what the final attempt actually did.
         ckptlib.write_json(ckptlib.join(cfg["run_dir"], SUMMARY), summary)
@@ -237,6 +275,8 @@ def build_trainer(args, target: Target, fault_spec: str = ""):
     shape, plat = target.shape, target.platform
     storage = args.storage_path if "://" in args.storage_path else os.path.abspath(args.storage_path)
     run_dir = ckptlib.join(storage, args.run_name)
+    # Checked (it exists, tpuft wrote it) before any worker starts; the architecture on the workers.
+    resume_from, resume_manifest = ckptlib.resolve_resume(args.resume_from) if args.resume_from else ("", {})
     if plat.is_tpu:
         if shape.tpu_resource_per_chip > 1:  # TPU7x: Ray reads it at ScalingConfig validation
             os.environ.setdefault(RAY_TPU_RESOURCE_PER_CHIP_ENV, str(shape.tpu_resource_per_chip))
@@ -254,6 +294,7 @@ def build_trainer(args, target: Target, fault_spec: str = ""):
         "seed": args.seed, "fault": fault_spec, "run_dir": run_dir,
         "run_dir_local": run_dir if "://" not in run_dir else "",
         "export_uri": ckptlib.join(run_dir, ckptlib.EXPORT_DIR),
+        "resume_from": resume_from, "resume_manifest": resume_manifest,
         # Workers run on other pods: pass the CR identity explicitly, not via their environment.
         "cr_namespace": os.environ.get(ENV_CR_NAMESPACE, ""), "cr_name": os.environ.get(ENV_CR_NAME, ""),
         "status_every_s": float(os.environ.get("TPUFT_STATUS_EVERY_S", "10")),
@@ -271,8 +312,18 @@ def build_trainer(args, target: Target, fault_spec: str = ""):
     ), cfg
 
 
+def _failed(error: str) -> int:
+    print(f"{RESULT_PREFIX} " + json.dumps({"succeeded": False, "error": error[:1000]}), flush=True)
+    return 1
+
+
 def run_training(args, target: Target, fault_spec: str = "") -> int:
-    trainer, cfg = build_trainer(args, target, fault_spec)
+    try:
+        trainer, cfg = build_trainer(args, target, fault_spec)
+    except ckptlib.ResumeError as e:
+        StatusReporter().training(message=str(e))
+        log.error("%s", e)
+        return _failed(str(e))
     print(f"Starting fine-tuning: model={args.model} dataset={args.dataset}[{args.dataset_split}] "
           f"{target.shape.generation} {target.shape.topology} x{target.slices} -> {target.world_size} workers "
           f"({target.platform.backend}), run={cfg['run_dir']}", flush=True)
@@ -281,10 +332,8 @@ def run_training(args, target: Target, fault_spec: str = "") -> int:
         trainer.fit()
     except Exception as e:  # noqa: BLE001 - one clear line for the RayJob log and the operator
         msg = str(e).strip().splitlines()
-        print(f"{RESULT_PREFIX} " + json.dumps({"succeeded": False, "error": f"{type(e).__name__}: "
-                                                 f"{msg[-1] if msg else ''}"[:500]}), flush=True)
         log.error("training failed: %s", e)
-        return 1
+        return _failed(f"{type(e).__name__}: {msg[-1] if msg else ''}"[:500])
     body = {"succeeded": True, "seconds": round(time.monotonic() - t0, 1),
             **ckptlib.read_json(ckptlib.join(cfg["run_dir"], SUMMARY))}
     print(f"{RESULT_PREFIX} {json.dumps(body)}", flush=True)
