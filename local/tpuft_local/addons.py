@@ -13,6 +13,7 @@ from tpuft_local.network import Network
 COREDNS_USER = "tpuft:coredns"
 KUBERAY_USER = "tpuft:kuberay-operator"
 KWOK_USER = "tpuft:kwok"
+WEBHOOK_USER = "tpuft:tpu-webhook"
 KUBERAY_CLUSTER_ROLE = "kuberay-operator"  # KubeRay's own config/rbac/role.yaml, applied from the module
 
 
@@ -48,7 +49,8 @@ def _binding(name: str, role: str, user: str) -> dict:
 
 def rbac() -> list[dict]:
     """CoreDNS reads Services/EndpointSlices/Namespaces; KWOK plays every simulated kubelet
-    (nodes, their leases and pods' status); KubeRay gets exactly its own ClusterRole."""
+    (nodes, their leases and pods' status); the TPU webhook stand-in lists a slice's pods;
+    KubeRay gets exactly its own ClusterRole."""
     coredns_role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
                     "metadata": {"name": "tpuft:coredns", "labels": {"app.kubernetes.io/managed-by": "tpuft-local"}},
                     "rules": [{"apiGroups": [""], "resources": ["services", "namespaces", "pods"],
@@ -62,7 +64,11 @@ def rbac() -> list[dict]:
                            {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
                             "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]},
                            {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]}]}
+    webhook_role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+                    "metadata": {"name": "tpuft:tpu-webhook", "labels": {"app.kubernetes.io/managed-by": "tpuft-local"}},
+                    "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]}
     return [coredns_role, _binding("tpuft:coredns", "tpuft:coredns", COREDNS_USER),
+            webhook_role, _binding("tpuft:tpu-webhook", "tpuft:tpu-webhook", WEBHOOK_USER),
             kwok_role, _binding("tpuft:kwok", "tpuft:kwok", KWOK_USER),
             _binding("tpuft:kuberay-operator", KUBERAY_CLUSTER_ROLE, KUBERAY_USER)]
 

@@ -246,12 +246,19 @@ class LocalCluster:
             lambda: _http_ok(f"http://127.0.0.1:{probe}/readyz"), timeout=120)
 
     def _webhook(self) -> None:
-        try:
-            from tpuft_local import tpu_webhook
-        except ImportError:
-            _say("TPU webhook stand-in not available; skipping")
-            return
-        tpu_webhook.install(self)
+        """The LOCAL STAND-IN for the KubeRay TPU webhook, on the bridge address over TLS,
+        registered with real Mutating/ValidatingWebhookConfigurations."""
+        from tpuft_local import tpu_webhook
+        kubeconfig = self._client_kubeconfig("tpu-webhook", addons.WEBHOOK_USER)
+        crt, key = tpu_webhook.mint_serving_cert(self.cp.pki, self.net.gateway)
+        port_file = self.state / "tpu-webhook.port"
+        port = int(port_file.read_text()) if port_file.exists() else free_port()
+        port_file.write_text(str(port))
+        url = f"https://{self.net.gateway}:{port}"
+        self._start("tpu-webhook", [sys.executable, "-m", "tpuft_local.tpu_webhook", f"--listen={self.net.gateway}:{port}",
+                                    f"--cert={crt}", f"--key={key}", f"--kubeconfig={kubeconfig}"],
+                    lambda: _https_ok(url + "/", self.cp.pki / "ca.crt"), timeout=60)
+        self.apply(list(tpu_webhook.webhook_configurations(url, (self.cp.pki / "ca.crt").read_bytes())))
 
     def _operator(self) -> None:
         if self.operator_mode == "none":
@@ -348,6 +355,16 @@ class LocalCluster:
 
 def _comp(name: str) -> Component:
     return next(c for c in NODE_COMPONENTS if c.name == name)
+
+
+def _https_ok(url: str, ca: Path) -> bool:
+    import ssl
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url, timeout=2, context=ssl.create_default_context(cafile=str(ca))) as r:
+            return r.status == 200
+    except (OSError, ValueError):
+        return False
 
 
 def _http_ok(url: str) -> bool:

@@ -6,6 +6,8 @@ reconciles are idempotent and golden files are stable.
 """
 from __future__ import annotations
 
+import copy
+
 import shlex
 from dataclasses import dataclass
 
@@ -18,6 +20,7 @@ RAY_VERSION_PIN = "2.60.0"
 HEAD_CONTAINER = "ray-head"
 WORKER_CONTAINER = "ray-worker"
 SHM_VOLUME = "dshm"
+CHECKPOINT_VOLUME = "checkpoints"
 SHM_PATH = "/dev/shm"
 WORKLOAD_MODULE = "tpuft_workload"
 # KubeRay's deadline for the verification job sits past the workload's own timeout, so the
@@ -153,20 +156,34 @@ def _node_selector(tft: TPUFinetune) -> dict[str, str]:
     return sel
 
 
+def _checkpoint_volume(tft: TPUFinetune) -> tuple[list[dict], list[dict]]:
+    """(volumeMounts, volumes) for spec.checkpoint.volume: the same storage at storagePath on
+    the head (Ray Train's driver) and every worker."""
+    ck = tft.spec.checkpoint
+    if not ck.volume:
+        return [], []
+    kind, source = next(iter(ck.volume.items()))
+    return ([{"name": CHECKPOINT_VOLUME, "mountPath": ck.storage_path}],
+            [{"name": CHECKPOINT_VOLUME, kind: copy.deepcopy(source)}])
+
+
 def build_raycluster(tft: TPUFinetune) -> dict:
     s, spec, n = tft.spec.slice, tft.spec, names(tft)
     head = _container(tft, HEAD_CONTAINER)
     head["ports"] = [{"containerPort": port, "name": pname} for pname, port in c.RAY_PORTS]
     head_cpu, head_mem = HEAD_DEFAULTS[s.is_tpu]
     head["resources"] = _resources(head_cpu, head_mem, spec.resources.head, None)
+    ck_mounts, ck_volumes = _checkpoint_volume(tft)
+    if ck_mounts:
+        head["volumeMounts"] = ck_mounts
 
     defaults = WORKER_DEFAULTS[s.generation]
     worker = _container(tft, WORKER_CONTAINER)
     worker["resources"] = _resources(defaults.cpu, defaults.memory, spec.resources.worker,
                                      s.chips_per_host if s.is_tpu else None)
-    worker["volumeMounts"] = [{"mountPath": SHM_PATH, "name": SHM_VOLUME}]
+    worker["volumeMounts"] = [{"mountPath": SHM_PATH, "name": SHM_VOLUME}] + copy.deepcopy(ck_mounts)
     pod_extra: dict = {"volumes": [{"name": SHM_VOLUME, "emptyDir": {
-        "medium": "Memory", "sizeLimit": spec.resources.shm_size or defaults.shm}}]}
+        "medium": "Memory", "sizeLimit": spec.resources.shm_size or defaults.shm}}] + ck_volumes}
     selector = _node_selector(tft)
     if selector:
         pod_extra["nodeSelector"] = selector
@@ -205,7 +222,8 @@ def build_raycluster(tft: TPUFinetune) -> dict:
             "enableInTreeAutoscaling": False,
             "headGroupSpec": {
                 "rayStartParams": {"num-cpus": "0"},
-                "template": _pod_template(tft, c.Component.CLUSTER, [head]),
+                "template": _pod_template(tft, c.Component.CLUSTER, [head],
+                                          {"volumes": copy.deepcopy(ck_volumes)} if ck_volumes else None),
             },
             "workerGroupSpecs": [group],
         },

@@ -12,7 +12,7 @@ import yaml
 
 from tpuft import catalog
 from tpuft import constants as c
-from tpuft.spec import (CONFIG_KEY, DEFAULTS, DNS_LABEL, DNS_SUBDOMAIN, ENV_NAME, ENV_SOURCES, LABEL_VALUE,
+from tpuft.spec import (CHECKPOINT_VOLUME_SOURCES, CONFIG_KEY, DEFAULTS, DNS_LABEL, DNS_SUBDOMAIN, ENV_NAME, ENV_SOURCES, LABEL_VALUE,
                         LEARNING_RATE_MAX, LIMITS, MAX_MAP_ENTRIES, MAX_NAME_LENGTH, MAX_QUALIFIED_NAME_LENGTH,
                         MAX_QUANTITY_LENGTH, QUALIFIED_NAME, QUANTITY, STORAGE_PATH, TOLERATION_EFFECTS,
                         TOLERATION_OPERATORS)
@@ -170,6 +170,12 @@ def spec_schema() -> dict:
                                  **{"x-kubernetes-validations": [{
                                      "rule": f"self.matches(r'{STORAGE_PATH.pattern}')",
                                      "message": "must be gs://BUCKET/PATH, s3://BUCKET/PATH or an absolute path"}]}),
+                "volume": {"type": "object", "minProperties": 1, "maxProperties": 1,
+                           "description": "A volume mounted at storagePath in every Ray pod, for a storagePath that "
+                                          "is a path: exactly one Kubernetes volume source (a Filestore "
+                                          "persistentVolumeClaim, the GCS FUSE csi driver, nfs, or a hostPath).",
+                           "properties": {src: {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+                                          for src in CHECKPOINT_VOLUME_SOURCES}},
             }, required=["storagePath"]),
             "hfTokenSecret": _obj("Secret holding a Hugging Face token. Passed to pods only by secretKeyRef; the "
                                   "operator never reads it.", {

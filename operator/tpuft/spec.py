@@ -19,6 +19,7 @@ from tpuft.constants import API_VERSION, KIND, TPU_RESOURCE
 # cluster name, so 40 keeps every derived name inside the 63-character label limit.
 MAX_NAME_LENGTH = 40
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+CHECKPOINT_VOLUME_SOURCES = ("persistentVolumeClaim", "csi", "nfs", "hostPath")
 STORAGE_PATH = re.compile(r"^(gs://[a-z0-9][-a-z0-9_.]{1,221}[a-z0-9](/.*)?|s3://[^/\s]+(/.*)?|/[^\s]*)$")
 MAX_QUANTITY_LENGTH = 32
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|Mi|Gi|Ti|Pi|M|G|T|P|E|Ei)?$")
@@ -134,6 +135,10 @@ class Checkpoint:
     # An earlier run's checkpoint (or run directory) to continue from on purpose; a run's own
     # directory is keyed by the object's UID, so nothing else is ever resumed implicitly.
     resume_from: str | None = None
+    # A Kubernetes volume source ({kind: fields}) mounted at storage_path in every Ray pod:
+    # the shared filesystem (Filestore PVC, GCS FUSE CSI, NFS, a node's hostPath) that Ray
+    # Train needs when storage_path is a path rather than gs:// or s3://.
+    volume: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -299,6 +304,24 @@ def _resource_block(r: _Reader, obj: Mapping, key: str, path: str) -> dict[str, 
     return out
 
 
+def _checkpoint_volume(r: _Reader, ck: Mapping, storage: str | None) -> dict | None:
+    raw = ck.get("volume")
+    if raw is None:
+        return None
+    path = "spec.checkpoint.volume"
+    if not isinstance(raw, Mapping) or len(raw) != 1 or next(iter(raw)) not in CHECKPOINT_VOLUME_SOURCES:
+        kinds = list(raw) if isinstance(raw, Mapping) else raw
+        r.fail(path, f"must name exactly one volume source of {', '.join(CHECKPOINT_VOLUME_SOURCES)} (got {kinds!r})")
+        return None
+    kind, source = next(iter(raw.items()))
+    if not isinstance(source, Mapping):
+        r.fail(f"{path}.{kind}", f"must be an object (a Kubernetes {kind} volume source), got {source!r}")
+        return None
+    if storage and not storage.startswith("/"):
+        r.fail(path, f"is mounted at spec.checkpoint.storagePath, which must then be an absolute path (got {storage!r})")
+    return {kind: dict(source)}
+
+
 def parse(obj: Mapping[str, Any]) -> TPUFinetune:
     """Parse and validate a TPUFinetune object (as from the API or a YAML file)."""
     r = _Reader()
@@ -388,6 +411,7 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
         every_steps=r.integer(ck, "everySteps", "spec.checkpoint.everySteps", "checkpoint.everySteps"),
         keep=r.integer(ck, "keep", "spec.checkpoint.keep", "checkpoint.keep"),
         resume_from=resume_from,
+        volume=_checkpoint_volume(r, ck, storage),
     )
 
     hf = None
