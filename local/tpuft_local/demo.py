@@ -1,37 +1,36 @@
 """`tpuft demo`: the whole system on one machine, no cloud and no TPU.
 
-1. a real local control plane (etcd + kube-apiserver + kube-controller-manager), or the
-   cluster in $KUBECONFIG with --use-kubeconfig;
-2. our CRD and KubeRay's CRDs;
-3. the operator, started exactly as the image starts it (`kopf run -m tpuft.handlers`);
-4. the LOCAL STAND-IN for KubeRay's pod layer (tpuft_local.standin), which runs a real local Ray;
-5. `examples/local-cpu.yaml`, streamed phase by phase until Succeeded or Failed.
+1. the local cluster (`tpuft cluster up`: a real node, KubeRay's operator, simulated GKE TPU
+   pools, our operator from its image through the Helm chart), reused when it already runs;
+   or the cluster in $KUBECONFIG with --use-kubeconfig;
+2. `examples/local-cpu.yaml` applied: our operator creates the RayCluster, KubeRay creates the
+   pods, the kubelet runs them, KubeRay submits both RayJobs and reads their status;
+3. the TPUFinetune's status streamed phase by phase until Succeeded or Failed, then a summary.
 
+`--rehearse-tpu` applies examples/v6e-4x4.yaml instead: KubeRay places the slice's 4 workers on
+the 4 simulated v6e nodes and reports the RayCluster ready, the operator starts verification,
+and since nothing executes on simulated hosts the run ends at the verification deadline.
 Every step says what it is doing; a failing step says which and what to do.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import yaml
 
 from tpuft import constants as c
-from tpuft_local.controlplane import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_EXAMPLE = REPO / "examples" / "local-cpu.yaml"
-RAY_LOCK = Path(os.environ.get("TPUFT_RAY_LOCK", "/tmp/tpuft-ray.lock"))  # one local Ray per machine
-STEPS = 5
+REHEARSAL_EXAMPLE = REPO / "examples" / "v6e-4x4.yaml"
+REHEARSAL_VERIFY_TIMEOUT = 90  # seconds: a rehearsal ends at this verification deadline
+STEPS = 3
 
 
 class DemoError(RuntimeError):
@@ -47,66 +46,26 @@ class Clock:
 
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--example", type=Path, default=DEFAULT_EXAMPLE, help="TPUFinetune manifest to run")
+    p.add_argument("--example", type=Path, default=None, help="TPUFinetune manifest (default: the CPU example)")
     p.add_argument("--namespace", default="tpuft-demo", help="namespace to run it in (created if missing)")
     p.add_argument("--use-kubeconfig", action="store_true",
-                   help="use the cluster in $KUBECONFIG instead of starting a local control plane")
-    p.add_argument("--down", action="store_true", help="stop the local control plane at the end")
-    p.add_argument("--timeout", type=float, default=1200, help="seconds to wait for a terminal phase")
-    p.add_argument("--storage-path", default=None, help="override spec.checkpoint.storagePath")
+                   help="use the cluster in $KUBECONFIG (KubeRay and our operator already installed there)")
+    p.add_argument("--down", action="store_true", help="stop the local cluster at the end (keeps its packages)")
+    p.add_argument("--timeout", type=float, default=1500, help="seconds to wait for a terminal phase")
+    p.add_argument("--storage-path", default=None,
+                   help="override spec.checkpoint.storagePath (and the hostPath volume mounted there)")
     p.add_argument("--provisioning-timeout", type=int, default=None,
                    help="override spec.provisioningTimeoutSeconds (see a slice that never comes up fail fast)")
     p.add_argument("--rehearse-tpu", action="store_true",
-                   help="let the stand-in run TPU examples in CPU mode on a scaled-down world")
+                   help="apply examples/v6e-4x4.yaml: 4 workers on the simulated v6e pool; ends at the "
+                        "verification deadline, since nothing runs on simulated hosts")
     p.add_argument("--result", type=Path, default=None, help="write the final status and the loss history as JSON")
     p.add_argument("--state-dir", type=Path, default=None,
-                   help="demo logs and stand-in state (default: ${TPUFT_HOME:-~/.tpuft}/demo)")
+                   help="the local cluster's state (default: ${TPUFT_HOME:-~/.tpuft}/cluster)")
 
 
 def _step(clock: Clock, n: int, text: str) -> None:
     print(f"{clock.stamp()} [{n}/{STEPS}] {text}", flush=True)
-
-
-def _wait_http(url: str, timeout: float, proc: subprocess.Popen, what: str, log: Path) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise DemoError(f"{what} exited with code {proc.returncode}; see {log}")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        time.sleep(0.3)
-    raise DemoError(f"{what} did not become healthy at {url} within {timeout:.0f}s; see {log}")
-
-
-def _spawn(argv: list[str], log: Path, env: dict) -> subprocess.Popen:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    out = open(log, "w")
-    return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def _stop(proc: subprocess.Popen | None, timeout: float = 60) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-
-
-@contextlib.contextmanager
-def ray_lock(clock: Clock):
-    RAY_LOCK.parent.mkdir(parents=True, exist_ok=True)
-    with open(RAY_LOCK, "w") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"{clock.stamp()}       another local Ray user holds {RAY_LOCK}; waiting for it", flush=True)
-            fcntl.flock(fh, fcntl.LOCK_EX)
-        yield
 
 
 def _training_line(tr: dict) -> str:
@@ -121,7 +80,8 @@ def _training_line(tr: dict) -> str:
     return " | ".join(parts)
 
 
-def stream(custom, namespace: str, name: str, clock: Clock, timeout: float) -> tuple[dict, list[float]]:
+def stream(custom, namespace: str, name: str, clock: Clock, timeout: float,
+           on_poll=None) -> tuple[dict, list[float]]:
     """Print each phase change, the verification result and training progress; return the final object."""
     from kubernetes.client.rest import ApiException
 
@@ -152,9 +112,11 @@ def stream(custom, namespace: str, name: str, clock: Clock, timeout: float) -> t
             seen_training = (tr.get("step"), tr.get("epoch"))
             if tr.get("epoch") is not None and tr.get("loss") is not None:
                 epoch_losses[int(tr["epoch"])] = float(tr["loss"])
+        if on_poll is not None:
+            on_poll()
         if phase in (c.Phase.SUCCEEDED.value, c.Phase.FAILED.value):
             return obj, [epoch_losses[k] for k in sorted(epoch_losses)]
-        time.sleep(0.5)
+        time.sleep(1)
     raise DemoError(f"{namespace}/{name} did not finish within {timeout:.0f}s (last phase: {seen_phase}); "
                     "raise --timeout or look at the logs printed below")
 
@@ -186,89 +148,116 @@ def _apply(api_client, manifest: dict, namespace: str, clock: Clock) -> str:
     return name
 
 
-def run_demo(args: argparse.Namespace) -> int:
-    clock = Clock()
-    state = args.state_dir or Path(os.environ.get("TPUFT_HOME") or Path.home() / ".tpuft") / "demo"
-    state = state.resolve()
-    state.mkdir(parents=True, exist_ok=True)
-    operator = standin = cp = None
-    code = 1
+def _example(args) -> Path:
+    return Path(args.example or (REHEARSAL_EXAMPLE if args.rehearse_tpu else DEFAULT_EXAMPLE))
+
+
+def _manifest(args) -> dict:
     try:
-        manifest = yaml.safe_load(args.example.read_text())
-        if args.storage_path:
-            manifest["spec"].setdefault("checkpoint", {})["storagePath"] = args.storage_path
-        if args.provisioning_timeout is not None:
-            manifest["spec"]["provisioningTimeoutSeconds"] = args.provisioning_timeout
-        if args.use_kubeconfig:
-            kubeconfig = os.environ.get("KUBECONFIG") or str(Path.home() / ".kube" / "config")
-            _step(clock, 1, f"using the cluster in {kubeconfig}")
-            env = dict(os.environ, KUBECONFIG=kubeconfig)
-            from tpuft_local.toolchain import tool_path
+        manifest = yaml.safe_load(_example(args).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise DemoError(f"cannot read the example {_example(args)}: {e}") from None
+    spec = manifest["spec"]
+    if args.storage_path:
+        ck = spec.setdefault("checkpoint", {})
+        ck["storagePath"] = args.storage_path
+        if "hostPath" in (ck.get("volume") or {}):
+            ck["volume"]["hostPath"]["path"] = args.storage_path
+    if args.provisioning_timeout is not None:
+        spec["provisioningTimeoutSeconds"] = args.provisioning_timeout
+    if args.rehearse_tpu:
+        spec.setdefault("verification", {})["timeoutSeconds"] = REHEARSAL_VERIFY_TIMEOUT
+    return manifest
 
-            _step(clock, 2, "installing the TPUFinetune CRD (KubeRay's must already be installed there)")
-            subprocess.run([tool_path("kubectl"), "apply", "--server-side", "-f", str(REPO / "crds")],
-                           check=True, env=env, capture_output=True)
-        else:
-            from tpuft_local.controlplane import ControlPlane, default_crd_paths, default_state_dir
 
-            cp = ControlPlane(default_state_dir())
-            _step(clock, 1, f"local control plane (etcd + kube-apiserver + kube-controller-manager) in {cp.state_dir}")
-            if not cp.ready():
-                cp.start()
-            kubeconfig = str(cp.kubeconfig)
-            env = dict(os.environ, KUBECONFIG=kubeconfig)
-            _step(clock, 2, "installing CRDs: tpufinetunes.tpufinetune.dev, rayclusters.ray.io, rayjobs.ray.io")
-            cp.install_crds(default_crd_paths())
-        env.update(RAY_AUTH_MODE="disabled", TPUFT_METRICS_PORT=env.get("TPUFT_METRICS_PORT", "0"))
+def _cluster(args, clock: Clock):
+    """(kubeconfig path, the LocalCluster or None)."""
+    if args.use_kubeconfig:
+        kubeconfig = os.environ.get("KUBECONFIG") or str(Path.home() / ".kube" / "config")
+        _step(clock, 1, f"using the cluster in {kubeconfig}")
+        return kubeconfig, None
+    from tpuft_local.cluster import ClusterError, LocalCluster
+    cluster = LocalCluster(args.state_dir)
+    _step(clock, 1, f"local cluster (tpuft cluster up) in {cluster.state}: real node, KubeRay, simulated TPU "
+                    "pools, our operator from its image via helm")
+    try:
+        cluster.up()
+    except (ClusterError, RuntimeError) as e:
+        raise DemoError(f"the local cluster did not come up: {e}") from None
+    return str(cluster.kubeconfig), cluster
 
-        _step(clock, 3, f"operator: kopf run -m tpuft.handlers --namespace={args.namespace} (log: {state}/operator.log)")
-        liveness_port = free_port()
-        operator = _spawn([sys.executable, "-m", "kopf", "run", "--standalone", "-m", "tpuft.handlers",
-                           f"--namespace={args.namespace}", f"--liveness=http://127.0.0.1:{liveness_port}/healthz"],
-                          state / "operator.log", env)
-        _wait_http(f"http://127.0.0.1:{liveness_port}/healthz", 90, operator, "the operator", state / "operator.log")
 
-        with ray_lock(clock):
-            _step(clock, 4, f"LOCAL STAND-IN for KubeRay's pod layer, running a real local Ray "
-                            f"(log: {state}/standin.log)")
-            standin = _spawn([sys.executable, "-m", "tpuft_local.standin", f"--namespace={args.namespace}",
-                              f"--state-dir={state / 'standin'}", *(["--rehearse-tpu"] if args.rehearse_tpu else [])],
-                             state / "standin.log", env)
+class Placement:
+    """Prints once where each of this run's KubeRay pods landed: the real node or a simulated host."""
+
+    def __init__(self, core, namespace: str, clock: Clock):
+        self.core, self.namespace, self.clock = core, namespace, clock
+        self.placed: dict[str, dict] = {}
+        self._simulated: dict[str, bool] = {}
+
+    def _is_simulated(self, node: str) -> bool:
+        if node not in self._simulated:
+            from tpuft_local.pools import KWOK_ANNOTATION
             try:
-                from kubernetes import client, config
+                annotations = self.core.read_node(node).metadata.annotations or {}
+            except Exception:  # noqa: BLE001  (a node we may not read is shown as real)
+                annotations = {}
+            self._simulated[node] = KWOK_ANNOTATION in annotations
+        return self._simulated[node]
 
-                api_client = config.new_client_from_config(config_file=kubeconfig)
-                _step(clock, 5, f"kubectl apply -f {args.example} (namespace {args.namespace})")
-                name = _apply(api_client, manifest, args.namespace, clock)
-                final, losses = stream(client.CustomObjectsApi(api_client), args.namespace, name, clock,
-                                       args.timeout)
-            finally:
-                _stop(standin, timeout=90)  # inside the lock: the stand-in stops the Ray it started
-        code = _summary(final, losses, clock, state, args)
+    def poll(self) -> None:
+        try:
+            pods = self.core.list_namespaced_pod(self.namespace, label_selector="ray.io/node-type").items
+        except Exception:  # noqa: BLE001  (best effort: the phase stream is what matters)
+            return
+        for pod in pods:
+            if pod.metadata.name in self.placed or not pod.spec.node_name:
+                continue
+            simulated = self._is_simulated(pod.spec.node_name)
+            self.placed[pod.metadata.name] = {"node": pod.spec.node_name, "simulated": simulated}
+            kind = "SIMULATED host (KWOK): nothing executes there" if simulated else "real node"
+            print(f"{self.clock.stamp()}   KubeRay pod {pod.metadata.name} -> {pod.spec.node_name} ({kind})",
+                  flush=True)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    clock, cluster = Clock(), None
+    try:
+        manifest = _manifest(args)
+        kubeconfig, cluster = _cluster(args, clock)
+        from kubernetes import client, config
+
+        api_client = config.new_client_from_config(config_file=kubeconfig)
+        _step(clock, 2, f"kubectl apply -f {_example(args)} (namespace {args.namespace})")
+        name = _apply(api_client, manifest, args.namespace, clock)
+        _step(clock, 3, "watching status: our operator -> KubeRay -> the kubelet")
+        placement = Placement(client.CoreV1Api(api_client), args.namespace, clock)
+        final, losses = stream(client.CustomObjectsApi(api_client), args.namespace, name, clock, args.timeout,
+                               on_poll=placement.poll)
+        code = _summary(final, losses, placement, clock)
         if args.result:
             args.result.parent.mkdir(parents=True, exist_ok=True)
-            args.result.write_text(json.dumps({"object": final, "epochLosses": losses}, indent=2, default=str))
+            args.result.write_text(json.dumps({"object": final, "epochLosses": losses,
+                                               "placement": placement.placed}, indent=2, default=str))
         return code
     except DemoError as e:
         print(f"{clock.stamp()} demo failed: {e}", file=sys.stderr, flush=True)
-        for log in ("operator.log", "standin.log"):
-            print(f"  {state / log}", file=sys.stderr)
+        if cluster is not None:
+            print(f"  component logs: {cluster.logs}/", file=sys.stderr)
         return 1
     finally:
-        _stop(standin, timeout=90)
-        _stop(operator)
-        if cp is not None:
-            if args.down:
-                cp.stop()
-                print(f"{clock.stamp()} control plane stopped", flush=True)
-            else:
-                print(f"The control plane is still up:\n"
-                      f'  kubectl --kubeconfig "$(tpuft cluster kubeconfig)" get tft -n {args.namespace} -o wide\n'
-                      f"  tpuft cluster down      # stop it", flush=True)
+        if cluster is not None and args.down:
+            for line in cluster.down(keep_packages=True):
+                print(f"{clock.stamp()}       {line}", flush=True)
+            print(f"{clock.stamp()} local cluster stopped", flush=True)
+        elif cluster is not None:
+            print(f"The local cluster is still up:\n"
+                  f'  eval "$(tpuft cluster env)"; kubectl get tft -n {args.namespace} -o wide\n'
+                  f"  tpuft cluster down      # stop it and undo its host changes", flush=True)
         print(f"total {time.monotonic() - clock.t0:.1f}s", flush=True)
 
 
-def _summary(obj: dict, losses: list[float], clock: Clock, state: Path, args) -> int:
+def _summary(obj: dict, losses: list[float], placement: Placement, clock: Clock) -> int:
     st = obj.get("status") or {}
     conds = {x["type"]: x["status"] for x in st.get("conditions", [])}
     if st.get("phase") == c.Phase.SUCCEEDED.value:
@@ -280,10 +269,14 @@ def _summary(obj: dict, losses: list[float], clock: Clock, state: Path, args) ->
               flush=True)
         return 0
     print(f"{clock.stamp()} Failed: {st.get('reason')}: {st.get('message')}", file=sys.stderr)
-    print(f"  logs: {state / 'operator.log'}, {state / 'standin.log'}, {state / 'standin' / 'jobs'}",
-          file=sys.stderr, flush=True)
+    simulated = sorted(p["node"] for p in placement.placed.values() if p["simulated"])
+    if simulated:
+        print(f"  the slice's hosts are SIMULATED (KWOK nodes {', '.join(simulated)}): KubeRay placed the pods and "
+              "reported the cluster ready, but no Ray worker can start there, so the RayJob cannot complete",
+              file=sys.stderr)
+    print(f"  kubectl describe tft {obj['metadata']['name']} -n {obj['metadata']['namespace']}", file=sys.stderr,
+          flush=True)
     return 1
-
 
 
 add_arguments, run = add_demo_arguments, run_demo
