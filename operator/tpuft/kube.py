@@ -196,5 +196,5 @@ class Kube:
         }
         try:
             self.core.create_namespaced_event(ns, body, _request_timeout=REQUEST_TIMEOUT)
-        except Exception as e:  # events are best effort: never fail a reconcile over one
+        except Exception as e:  # noqa: BLE001 - events are best effort: never fail a reconcile over one
             log.warning("post event %s on %s %s/%s failed: %s", event.reason.value, c.KIND, ns, name, e)
