@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+pytest_plugins = ["tests.cluster_fixtures"]  # local_cluster, cluster_api, cluster_kubectl, cluster_ns
 
 
 def pytest_collection_modifyitems(config, items):

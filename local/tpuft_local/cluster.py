@@ -78,6 +78,9 @@ class LocalCluster:
         found = procs.find(str(self.state) + "/", procs.by_program(comp.program))
         return found[0] if found else None
 
+    def pid_of(self, name: str) -> int | None:
+        return self.pid(_comp(name))
+
     def component_pids(self) -> dict[str, int | None]:
         out: dict[str, int | None] = {n: p for n, p in self.cp.pids().items()}
         for name in self.cp.components:

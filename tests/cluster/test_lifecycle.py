@@ -1,0 +1,64 @@
+"""One CPU run through the disruptions a real cluster has, against the real KubeRay: our
+operator's pod is deleted mid-training (the Deployment starts another, which picks the run up),
+then the run is suspended (KubeRay's pods go away) and resumed, and it still ends Succeeded,
+resumed from its own last checkpoint."""
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from tests.paths import EXAMPLES
+from tests.waiting import wait_until
+from tpuft_local import chart
+
+
+def _tft(kubectl, ns: str, name: str) -> dict:
+    return json.loads(kubectl("get", "tft", name, "-n", ns, "-o", "json", check=True).stdout)
+
+
+def _operator_pods(kubectl) -> list[dict]:
+    res = kubectl("get", "pods", "-n", chart.NAMESPACE, "-l", f"app.kubernetes.io/instance={chart.RELEASE}", "-o", "json")
+    return json.loads(res.stdout)["items"] if res.returncode == 0 else []
+
+
+def test_operator_restart_and_suspend_resume_mid_training(cluster_kubectl, cluster_ns, tmp_path):
+    doc = yaml.safe_load((EXAMPLES / "local-cpu.yaml").read_text())
+    storage = str(tmp_path / "checkpoints")
+    doc["metadata"]["name"] = "life"
+    doc["spec"]["checkpoint"].update(storagePath=storage, everySteps=5)
+    doc["spec"]["checkpoint"]["volume"]["hostPath"]["path"] = storage
+    doc["spec"]["training"]["epochs"] = 4
+    cluster_kubectl("apply", "-n", cluster_ns, "-f", "-", input=json.dumps(doc), check=True)
+
+    def training_step(at_least: int):
+        st = _tft(cluster_kubectl, cluster_ns, "life").get("status") or {}
+        assert st.get("phase") != "Failed", st
+        return st.get("phase") == "Training" and (st.get("training") or {}).get("step", 0) >= at_least
+
+    wait_until(lambda: training_step(6), timeout=900, interval=2, what="training past its first checkpoint")
+    (old,) = [p["metadata"]["name"] for p in _operator_pods(cluster_kubectl)]
+    cluster_kubectl("delete", "pod", old, "-n", chart.NAMESPACE, "--wait=false", check=True)
+    wait_until(lambda: any(p["metadata"]["name"] != old and any(
+        c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions") or [])
+        for p in _operator_pods(cluster_kubectl)), timeout=180, interval=2, what="a new operator pod Ready")
+
+    cluster_kubectl("patch", "tft", "life", "-n", cluster_ns, "--type=merge", "-p", '{"spec":{"suspend":true}}',
+                    check=True)
+    wait_until(lambda: _tft(cluster_kubectl, cluster_ns, "life")["status"].get("phase") == "Suspended",
+               timeout=300, interval=2, what="phase Suspended")
+    wait_until(lambda: not json.loads(cluster_kubectl("get", "pods", "-n", cluster_ns, "-l", "ray.io/node-type",
+                                                      "-o", "json", check=True).stdout)["items"],
+               timeout=300, interval=2, what="KubeRay's pods to go while suspended")
+    cluster_kubectl("patch", "tft", "life", "-n", cluster_ns, "--type=merge", "-p", '{"spec":{"suspend":false}}',
+                    check=True)
+
+    def finished():
+        st = _tft(cluster_kubectl, cluster_ns, "life").get("status") or {}
+        return st.get("phase") in ("Succeeded", "Failed") and st
+
+    st = wait_until(finished, timeout=1200, interval=3, what="the resumed run to finish")
+    assert st["phase"] == "Succeeded", st
+    training = st["training"]
+    assert training.get("resumedFromStep", 0) >= 5, training  # its own checkpoint, not step 0
+    assert training["step"] == training["totalSteps"] and training.get("loss") is not None

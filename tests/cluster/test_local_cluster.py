@@ -1,0 +1,147 @@
+"""The local cluster is real where it says so: a Ready kubelet on containerd, KubeRay's own
+controllers creating the pods, the real scheduler placing a v6e slice on the simulated v6e pool,
+the TPU webhook stand-in admitting through the API server, and guard rules that keep the pods'
+traffic on the machine."""
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+
+import yaml
+
+from tests.paths import EXAMPLES
+from tests.waiting import wait_until
+from tpuft_local import host, node, pools
+from tpuft_local.tpu_webhook import MISMATCH_MESSAGE
+
+OPERATOR_IMAGE = "ghcr.io/tpufinetune/tpufinetune-operator:0.1.0"
+
+
+def _json(kubectl, *args):
+    res = kubectl(*args, "-o", "json", check=True)
+    return json.loads(res.stdout)
+
+
+def test_the_node_is_a_real_kubelet_on_containerd(cluster_kubectl):
+    n = _json(cluster_kubectl, "get", "node", node.NODE_NAME)
+    assert n["status"]["nodeInfo"]["containerRuntimeVersion"].startswith("containerd://")
+    assert n["status"]["nodeInfo"]["kubeletVersion"] == "v1.35.3"
+    assert pools.KWOK_ANNOTATION not in (n["metadata"].get("annotations") or {})
+    assert {c["type"]: c["status"] for c in n["status"]["conditions"]}["Ready"] == "True"
+
+
+def test_simulated_pools_look_like_gke_tpu_node_pools(cluster_kubectl):
+    nodes = _json(cluster_kubectl, "get", "nodes", "-l", "type=kwok")["items"]
+    by_shape: dict[tuple, list[dict]] = {}
+    for n in nodes:
+        lbl = n["metadata"]["labels"]
+        by_shape.setdefault((lbl.get("cloud.google.com/gke-tpu-accelerator"),
+                             lbl.get("cloud.google.com/gke-tpu-topology"),
+                             lbl["node.kubernetes.io/instance-type"]), []).append(n)
+    assert len(by_shape[("tpu-v6e-slice", "4x4", "ct6e-standard-4t")]) == 4
+    assert len(by_shape[("tpu7x", "2x2x2", "tpu7x-standard-4t")]) == 2
+    assert len(by_shape[(None, None, pools.CPU_POOL_MACHINE)]) == 1
+    for n in by_shape[("tpu-v6e-slice", "4x4", "ct6e-standard-4t")]:
+        assert n["status"]["capacity"]["google.com/tpu"] == "4"
+        assert n["status"]["capacity"]["cpu"] == "180"
+        assert {"key": "google.com/tpu", "value": "present", "effect": "NoSchedule"} in n["spec"]["taints"]
+        assert {c["type"]: c["status"] for c in n["status"]["conditions"]}["Ready"] == "True"
+
+
+def test_guard_rules_keep_pod_traffic_on_the_machine(local_cluster, cluster_kubectl, cluster_ns):
+    assert host.guard_in_place(local_cluster.net)
+    machine_ip = _machine_address()
+    probe = (f"import socket\n"
+             f"print('kubernetes', socket.gethostbyname('kubernetes.default.svc.cluster.local'))\n"
+             f"try:\n    socket.gethostbyname('pypi.org'); print('external name resolved')\n"
+             f"except OSError:\n    print('external name refused')\n"
+             f"s = socket.socket(); s.settimeout(3)\n"
+             f"try:\n    s.connect(({machine_ip!r}, 22)); print('machine reachable')\n"
+             f"except OSError:\n    print('machine unreachable')\n")
+    cluster_kubectl("run", "probe", "-n", cluster_ns, "--restart=Never", f"--image={OPERATOR_IMAGE}",
+                    "--image-pull-policy=Never", "--command", "--", "python", "-c", probe, check=True)
+    wait_until(lambda: _json(cluster_kubectl, "get", "pod", "probe", "-n", cluster_ns)["status"]["phase"]
+               in ("Succeeded", "Failed"), timeout=120, what="the probe pod to finish")
+    out = cluster_kubectl("logs", "probe", "-n", cluster_ns, check=True).stdout
+    assert f"kubernetes {local_cluster.net.kubernetes_service_ip}" in out
+    assert "external name refused" in out and "machine unreachable" in out, out
+
+
+def _machine_address() -> str:
+    """The machine's own interface address (not loopback, not our bridge), read at run time."""
+    out = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, check=True).stdout
+    for line in out.splitlines():
+        dev, addr = line.split()[1], line.split()[3].split("/")[0]
+        if dev != "lo" and not dev.startswith("tpuft"):
+            return addr
+    raise AssertionError(f"no interface address in:\n{out}")
+
+
+def _rehearsal(name: str) -> dict:
+    doc = yaml.safe_load((EXAMPLES / "v6e-4x4.yaml").read_text())
+    doc["metadata"]["name"] = name
+    doc["spec"]["verification"]["timeoutSeconds"] = 60
+    doc["spec"]["provisioningTimeoutSeconds"] = 300
+    return doc
+
+
+def test_v6e_slice_lands_on_the_simulated_pool_and_gets_the_webhooks_env(cluster_kubectl, cluster_ns):
+    doc = _rehearsal("rehearse")
+    cluster_kubectl("apply", "-n", cluster_ns, "-f", "-", input=json.dumps(doc), check=True)
+
+    def workers():
+        pods = _json(cluster_kubectl, "get", "pods", "-n", cluster_ns, "-l", "ray.io/node-type=worker")["items"]
+        return pods if len(pods) == 4 and all(p["spec"].get("nodeName") for p in pods) else None
+
+    pods = wait_until(workers, timeout=180, what="4 KubeRay worker pods placed")
+    assert sorted(p["spec"]["nodeName"] for p in pods) == [f"gke-v6e-4x4-0-{h}" for h in range(4)]
+    for p in pods:
+        assert p["metadata"]["labels"]["app.kubernetes.io/created-by"] == "kuberay-operator"
+        assert p["metadata"]["ownerReferences"][0]["kind"] == "RayCluster"
+    # The TPU webhook stand-in's mutation, on the pods the API server stored.
+    envs = [{e["name"]: e.get("value") for e in p["spec"]["containers"][0].get("env", [])} for p in pods]
+    assert sorted(e["TPU_WORKER_ID"] for e in envs) == ["0", "1", "2", "3"]
+    assert all(e["TORCH_TPU_TOPOLOGY"] == "4,4,1" and len(e["TPU_WORKER_HOSTNAMES"].split(",")) == 4 for e in envs)
+    assert len({e["TPU_NAME"] for e in envs}) == 1
+    assert all(p["spec"].get("hostname") and p["spec"].get("subdomain") for p in pods)
+
+    # KubeRay's own status, read by our operator: the slice is provisioned and verification starts.
+    rc_name = pods[0]["metadata"]["labels"]["ray.io/cluster"]
+    rc = wait_until(lambda: (r := _json(cluster_kubectl, "get", "raycluster", rc_name, "-n", cluster_ns))
+                    ["status"].get("state") == "ready" and r, timeout=180, what="KubeRay to mark the RayCluster ready")
+    conds = {c["type"]: c["status"] for c in rc["status"]["conditions"]}
+    assert conds["HeadPodReady"] == "True" and conds["RayClusterProvisioned"] == "True"
+    tft = wait_until(lambda: (t := _json(cluster_kubectl, "get", "tft", "rehearse", "-n", cluster_ns))
+                     ["status"].get("phase") in ("VerifyingCollectives", "Failed") and t,
+                     timeout=120, what="our operator to start verification")
+    assert tft["status"]["phase"] == "VerifyingCollectives", tft["status"]
+    # Nothing executes on simulated hosts: verification ends at its deadline.
+    tft = wait_until(lambda: (t := _json(cluster_kubectl, "get", "tft", "rehearse", "-n", cluster_ns))
+                     ["status"].get("phase") == "Failed" and t, timeout=240, what="the verification deadline")
+    assert tft["status"]["reason"] in ("CollectiveTimeout", "VerificationFailed"), tft["status"]
+
+
+def test_webhook_refuses_a_raycluster_whose_num_of_hosts_does_not_match(cluster_kubectl, cluster_ns):
+    rendered = subprocess.run([".venv/bin/tpuft", "render", str(EXAMPLES / "v6e-4x4.yaml")], capture_output=True,
+                              text=True, check=True).stdout
+    rc = next(d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "RayCluster")
+    bad = copy.deepcopy(rc)
+    bad["metadata"] = {"name": "wrong-hosts"}
+    bad["spec"]["workerGroupSpecs"][0]["numOfHosts"] = 2
+    res = cluster_kubectl("apply", "-n", cluster_ns, "-f", "-", input=json.dumps(bad))
+    assert res.returncode != 0
+    assert "denied the request" in res.stderr and MISMATCH_MESSAGE in res.stderr, res.stderr
+    assert cluster_kubectl("get", "raycluster", "wrong-hosts", "-n", cluster_ns).returncode != 0
+
+
+def test_a_shape_no_pool_offers_ends_in_provisioning_timeout(cluster_kubectl, cluster_ns):
+    doc = _rehearsal("too-big")
+    doc["spec"]["topology"] = "4x8"
+    doc["spec"]["provisioningTimeoutSeconds"] = 30
+    cluster_kubectl("apply", "-n", cluster_ns, "-f", "-", input=json.dumps(doc), check=True)
+    tft = wait_until(lambda: (t := _json(cluster_kubectl, "get", "tft", "too-big", "-n", cluster_ns))
+                     ["status"].get("phase") == "Failed" and t, timeout=150, what="ProvisioningTimeout")
+    assert tft["status"]["reason"] == "ProvisioningTimeout"
+    events = _json(cluster_kubectl, "get", "events", "-n", cluster_ns, "--field-selector", "reason=FailedScheduling")
+    assert any("didn't match Pod's node affinity/selector" in e["message"] for e in events["items"]), events

@@ -1,0 +1,56 @@
+"""Our operator as users run it: the image built from Dockerfile.operator, installed by
+`helm install` of charts/tpufinetune-operator with its default values, on the containerd node."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tpuft_local import chart, node
+
+
+@pytest.fixture(scope="module")
+def operator_pod(cluster_kubectl):
+    pods = json.loads(cluster_kubectl("get", "pods", "-n", chart.NAMESPACE, "-l",
+                                      f"app.kubernetes.io/instance={chart.RELEASE}", "-o", "json", check=True).stdout)
+    running = [p for p in pods["items"] if p["status"].get("phase") == "Running"]
+    assert len(running) == 1, [p["metadata"]["name"] for p in pods["items"]]
+    return running[0]
+
+
+def test_operator_pod_runs_from_the_image_entrypoint_on_the_real_node(operator_pod):
+    assert operator_pod["spec"]["nodeName"] == node.NODE_NAME
+    ready = {c["type"]: c["status"] for c in operator_pod["status"]["conditions"]}
+    assert ready["Ready"] == "True" and ready["ContainersReady"] == "True"
+    (container,) = operator_pod["spec"]["containers"]
+    assert "command" not in container  # the image's ENTRYPOINT (kopf run ...) runs
+    assert container["image"] == "ghcr.io/tpufinetune/tpufinetune-operator:0.1.0"
+    sc = container["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert operator_pod["spec"]["securityContext"]["runAsUser"] == 65532
+    (status,) = operator_pod["status"]["containerStatuses"]
+    assert status["ready"] is True and status["restartCount"] == 0
+
+
+def test_operator_serves_metrics_in_the_pod(local_cluster, operator_pod):
+    name = operator_pod["metadata"]["name"]
+    port = next(p["containerPort"] for p in operator_pod["spec"]["containers"][0]["ports"] if p["name"] == "metrics")
+    res = local_cluster.cp.kubectl("get", "--raw", f"/api/v1/namespaces/{chart.NAMESPACE}/pods/{name}:{port}/proxy/metrics")
+    assert res.returncode == 0, res.stderr
+    assert "tpuft_reconcile_total" in res.stdout
+
+
+@pytest.mark.parametrize("verb,resource,allowed", [
+    ("patch", "tpufinetunes.tpufinetune.dev/status", True),
+    ("list", "tpufinetunes.tpufinetune.dev", True),
+    ("create", "rayclusters.ray.io", True),
+    ("create", "rayjobs.ray.io", True),
+    ("delete", "tpufinetunes.tpufinetune.dev", False),
+    ("patch", "tpufinetunes.tpufinetune.dev", False),
+    ("get", "secrets", False),
+    ("create", "pods", False),
+])
+def test_operator_service_account_is_least_privilege(local_cluster, operator_pod, verb, resource, allowed):
+    sa = f"system:serviceaccount:{chart.NAMESPACE}:{operator_pod['spec']['serviceAccountName']}"
+    res = local_cluster.cp.kubectl("auth", "can-i", verb, resource, "--as", sa, "-n", "default")
+    assert res.stdout.strip() == ("yes" if allowed else "no"), (verb, resource, res.stdout, res.stderr)

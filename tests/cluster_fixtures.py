@@ -1,0 +1,64 @@
+"""Fixtures for the real local cluster (tpuft_local.cluster), loaded by tests/conftest.py: one
+cluster per test session, shared by tests/cluster and tests/e2e. A cluster already running in the state dir (a developer's `tpuft cluster up`) is
+reused and left running; one this session started is taken down at the end, host changes undone.
+
+Fixtures:
+  local_cluster  session  tpuft_local.cluster.LocalCluster, up (node, KubeRay, KWOK pools,
+                 TPU webhook stand-in, our operator from its image through helm)
+  cluster_api    session  kubernetes.client.ApiClient for it (admin)
+  cluster_kubectl session kubectl(*args, check=False, input=None) -> CompletedProcess
+  cluster_ns     function a fresh namespace, deleted after the test
+"""
+from __future__ import annotations
+
+import re
+import uuid
+
+import pytest
+
+from tests.waiting import wait_until
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "local_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.cluster)
+
+
+@pytest.fixture(scope="session")
+def local_cluster():
+    from tpuft_local.cluster import LocalCluster
+
+    cluster = LocalCluster()
+    was_running = cluster.cp.ready() and cluster.pid_of("kubelet") is not None
+    cluster.up()
+    yield cluster
+    if not was_running:
+        cluster.down()
+
+
+@pytest.fixture(scope="session")
+def cluster_api(local_cluster):
+    from kubernetes import config
+
+    api = config.new_client_from_config(config_file=str(local_cluster.kubeconfig))
+    yield api
+    api.close()
+
+
+@pytest.fixture(scope="session")
+def cluster_kubectl(local_cluster):
+    def run(*args, check: bool = False, input: str | None = None, timeout: float = 120):
+        return local_cluster.cp.kubectl(*args, check=check, input=input, timeout=timeout)
+    return run
+
+
+@pytest.fixture
+def cluster_ns(request, cluster_kubectl):
+    base = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:30].strip("-") or "test"
+    name = f"{base}-{uuid.uuid4().hex[:5]}"
+    cluster_kubectl("create", "namespace", name, check=True)
+    wait_until(lambda: cluster_kubectl("get", "serviceaccount", "default", "-n", name).returncode == 0,
+               timeout=90, what=f"serviceaccount default in {name}")
+    yield name
+    cluster_kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found")
