@@ -68,15 +68,18 @@ def _step(clock: Clock, n: int, text: str) -> None:
     print(f"{clock.stamp()} [{n}/{STEPS}] {text}", flush=True)
 
 
+TR, VER = c.TrainingStatus, c.VerificationStatus  # the status keys the workload writes
+
+
 def _training_line(tr: dict) -> str:
-    parts = [f"Epoch {tr.get('epoch', '?')}/{tr.get('epochs', '?')}",
-             f"step {tr.get('step', '?')}/{tr.get('totalSteps', '?')}"]
-    if tr.get("loss") is not None:
-        parts.append(f"loss={tr['loss']:.4f}")
-    if tr.get("tokensPerSecond") is not None:
-        parts.append(f"tokens/s={tr['tokensPerSecond']:.1f} (real)")
-    if tr.get("padFraction") is not None:
-        parts.append(f"pad={100 * tr['padFraction']:.1f}%")
+    parts = [f"Epoch {tr.get(TR.EPOCH, '?')}/{tr.get(TR.EPOCHS, '?')}",
+             f"step {tr.get(TR.STEP, '?')}/{tr.get(TR.TOTAL_STEPS, '?')}"]
+    if tr.get(TR.LOSS) is not None:
+        parts.append(f"loss={tr[TR.LOSS]:.4f}")
+    if tr.get(TR.TOKENS_PER_SECOND) is not None:
+        parts.append(f"tokens/s={tr[TR.TOKENS_PER_SECOND]:.1f} (real)")
+    if tr.get(TR.PAD_FRACTION) is not None:
+        parts.append(f"pad={100 * tr[TR.PAD_FRACTION]:.1f}%")
     return " | ".join(parts)
 
 
@@ -101,17 +104,17 @@ def stream(custom, namespace: str, name: str, clock: Clock, timeout: float,
             seen_phase = phase
         ver = st.get("verification")
         if ver and ver != seen_verification:
-            print(f"{clock.stamp()}   verification: {'passed' if ver.get('passed') else 'FAILED'} | "
-                  f"ranks={ver.get('ranks')} | all_reduce_sum={ver.get('allReduceSum')} "
-                  f"(expected {ver.get('expectedSum')}) | max|TP-ref|={ver.get('maxAbsDiff')} | "
-                  f"{ver.get('seconds', 0):.1f}s", flush=True)
+            print(f"{clock.stamp()}   verification: {'passed' if ver.get(VER.PASSED) else 'FAILED'} | "
+                  f"ranks={ver.get(VER.RANKS)} | all_reduce_sum={ver.get(VER.ALL_REDUCE_SUM)} "
+                  f"(expected {ver.get(VER.EXPECTED_SUM)}) | max|TP-ref|={ver.get(VER.MAX_ABS_DIFF)} | "
+                  f"{ver.get(VER.SECONDS, 0):.1f}s", flush=True)
             seen_verification = ver
         tr = st.get("training")
-        if tr and (tr.get("step"), tr.get("epoch")) != seen_training:
+        if tr and (tr.get(TR.STEP), tr.get(TR.EPOCH)) != seen_training:
             print(f"{clock.stamp()}   {_training_line(tr)}", flush=True)
-            seen_training = (tr.get("step"), tr.get("epoch"))
-            if tr.get("epoch") is not None and tr.get("loss") is not None:
-                epoch_losses[int(tr["epoch"])] = float(tr["loss"])
+            seen_training = (tr.get(TR.STEP), tr.get(TR.EPOCH))
+            if tr.get(TR.EPOCH) is not None and tr.get(TR.LOSS) is not None:
+                epoch_losses[int(tr[TR.EPOCH])] = float(tr[TR.LOSS])
         if on_poll is not None:
             on_poll()
         if phase in (c.Phase.SUCCEEDED.value, c.Phase.FAILED.value):
@@ -265,7 +268,7 @@ def _summary(obj: dict, losses: list[float], placement: Placement, clock: Clock)
         print(f"{clock.stamp()} Succeeded: conditions {', '.join(f'{k}={v}' for k, v in conds.items())}")
         if losses:
             print(f"  loss per epoch: {' -> '.join(f'{x:.4f}' for x in losses)}")
-        print(f"  last checkpoint: {tr.get('lastCheckpoint')}\n  exported model:  {tr.get('exportedModel')}",
+        print(f"  last checkpoint: {tr.get(TR.LAST_CHECKPOINT)}\n  exported model:  {tr.get(TR.EXPORTED_MODEL)}",
               flush=True)
         return 0
     print(f"{clock.stamp()} Failed: {st.get('reason')}: {st.get('message')}", file=sys.stderr)

@@ -130,6 +130,40 @@ class EventType(str, enum.Enum):
     WARNING = "Warning"
 
 
+# --- Status keys the workload writes (tpuft_workload.report) ---------------------------------------
+# The CRD's status schema declares exactly these (tpuft.crd builds it from them): the API server
+# prunes unknown status fields silently, so a key missing there would vanish without an error.
+class VerificationStatus(str, enum.Enum):
+    """status.verification, written by the verify job."""
+    PASSED = "passed"
+    RANKS = "ranks"
+    HOSTS = "hosts"
+    ALL_REDUCE_SUM = "allReduceSum"
+    EXPECTED_SUM = "expectedSum"
+    MAX_ABS_DIFF = "maxAbsDiff"
+    SECONDS = "seconds"
+    MESSAGE = "message"
+
+
+class TrainingStatus(str, enum.Enum):
+    """status.training, written by the training job's rank 0."""
+    EPOCH = "epoch"
+    EPOCHS = "epochs"
+    STEP = "step"
+    TOTAL_STEPS = "totalSteps"
+    LOSS = "loss"
+    TOKENS_PER_SECOND = "tokensPerSecond"
+    PADDED_TOKENS_PER_SECOND = "paddedTokensPerSecond"
+    STEP_TIME_SECONDS = "stepTimeSeconds"
+    PAD_FRACTION = "padFraction"
+    LAST_CHECKPOINT = "lastCheckpoint"
+    RESUMED_FROM = "resumedFrom"
+    RESUMED_FROM_STEP = "resumedFromStep"
+    MESSAGE = "message"
+    EXPORTED_MODEL = "exportedModel"
+    UPDATED_AT = "updatedAt"
+
+
 # --- KubeRay status vocabulary (ray-project/kuberay v1.7.0, ray-operator/apis/ray/v1/) ----
 RAYCLUSTER_PROVISIONED = "RayClusterProvisioned"   # RayCluster condition type
 RAYCLUSTER_HEAD_POD_READY = "HeadPodReady"

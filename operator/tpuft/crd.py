@@ -6,6 +6,7 @@ chart's copy differs. Generating keeps the CEL topology rules and the catalog on
 """
 from __future__ import annotations
 
+import enum
 import sys
 
 import yaml
@@ -256,7 +257,6 @@ def _condition() -> dict:
 
 
 def status_schema() -> dict:
-    num = lambda d: _p("number", d)  # noqa: E731
     integer = lambda d: _p("integer", d)  # noqa: E731
     return _obj("Observed state, written by the operator (phase, conditions, children) and by the workload "
                 "(verification, training).", {
@@ -301,36 +301,65 @@ def status_schema() -> dict:
             "devices": integer("Logical devices across all slices (training workers)."),
             "rayAcceleratorType": _p("string", "Ray accelerator_type, e.g. TPU-V6E."),
         }),
-        "verification": _obj("Collective verification result (written by the workload).", {
-            "passed": _p("boolean", "All checks passed."),
-            "ranks": integer("Ranks that took part."),
-            "hosts": integer("Hosts that took part."),
-            "allReduceSum": num("all_reduce(rank+1) result."),
-            "expectedSum": num("N(N+1)/2."),
-            "maxAbsDiff": num("Tensor-parallel output vs single-device reference."),
-            "seconds": num("Wall time."),
-            "message": _p("string", "Detail or failure reason."),
-        }),
-        "training": _obj("Fine-tuning progress (written by the workload's rank 0).", {
-            "epoch": integer("Current epoch (1-based)."),
-            "epochs": integer("Total epochs."),
-            "step": integer("Optimizer steps done."),
-            "totalSteps": integer("Optimizer steps planned."),
-            "loss": num("Loss averaged across ranks."),
-            "tokensPerSecond": num("Real (non-padding) tokens per second."),
-            "paddedTokensPerSecond": num("Tokens per second counting padding."),
-            "stepTimeSeconds": num("Mean step time."),
-            "padFraction": num("Fraction of tokens that are padding."),
-            "lastCheckpoint": _p("string", "Latest checkpoint path."),
-            "resumedFrom": _p("string", "Checkpoint this run resumed from: its own (a retry or restart) or "
-                              "spec.checkpoint.resumeFrom's."),
-            "resumedFromStep": integer("Step of that checkpoint."),
-            "message": _p("string", "Workload detail, e.g. nothing left to do after resuming at the last step, "
-                          "or why spec.checkpoint.resumeFrom was refused."),
-            "exportedModel": _p("string", "Hugging Face format export of the final model."),
-            "updatedAt": _p("string", "When the workload last reported.", format="date-time"),
-        }),
+        "verification": _obj("Collective verification result (written by the workload).",
+                             _workload_keys(c.VerificationStatus, verification_fields())),
+        "training": _obj("Fine-tuning progress (written by the workload's rank 0).",
+                         _workload_keys(c.TrainingStatus, training_fields())),
     })
+
+
+def _number(description: str) -> dict:
+    return _p("number", description)
+
+
+def _integer(description: str) -> dict:
+    return _p("integer", description)
+
+
+def _workload_keys(keys: type[enum.Enum], fields: dict) -> dict:
+    """The schema of a status block the workload writes: exactly its keys (tpuft.constants), in
+    their order; a key without a schema here, or a schema without a key, fails generation."""
+    if set(fields) != set(keys):
+        raise ValueError(f"{keys.__name__}: keys {sorted(k.value for k in set(keys) ^ set(fields))} have no schema "
+                         "or no constant")
+    return {k.value: fields[k] for k in keys}
+
+
+def verification_fields() -> dict:
+    v, num, integer = c.VerificationStatus, _number, _integer
+    return {
+        v.PASSED: _p("boolean", "All checks passed."),
+        v.RANKS: integer("Ranks that took part."),
+        v.HOSTS: integer("Hosts that took part."),
+        v.ALL_REDUCE_SUM: num("all_reduce(rank+1) result."),
+        v.EXPECTED_SUM: num("N(N+1)/2."),
+        v.MAX_ABS_DIFF: num("Tensor-parallel output vs single-device reference."),
+        v.SECONDS: num("Wall time."),
+        v.MESSAGE: _p("string", "Detail or failure reason."),
+    }
+
+
+def training_fields() -> dict:
+    t, num, integer = c.TrainingStatus, _number, _integer
+    return {
+        t.EPOCH: integer("Current epoch (1-based)."),
+        t.EPOCHS: integer("Total epochs."),
+        t.STEP: integer("Optimizer steps done."),
+        t.TOTAL_STEPS: integer("Optimizer steps planned."),
+        t.LOSS: num("Loss averaged across ranks."),
+        t.TOKENS_PER_SECOND: num("Real (non-padding) tokens per second."),
+        t.PADDED_TOKENS_PER_SECOND: num("Tokens per second counting padding."),
+        t.STEP_TIME_SECONDS: num("Mean step time."),
+        t.PAD_FRACTION: num("Fraction of tokens that are padding."),
+        t.LAST_CHECKPOINT: _p("string", "Latest checkpoint path."),
+        t.RESUMED_FROM: _p("string", "Checkpoint this run resumed from: its own (a retry or restart) or "
+                           "spec.checkpoint.resumeFrom's."),
+        t.RESUMED_FROM_STEP: integer("Step of that checkpoint."),
+        t.MESSAGE: _p("string", "Workload detail, e.g. nothing left to do after resuming at the last step, "
+                      "or why spec.checkpoint.resumeFrom was refused."),
+        t.EXPORTED_MODEL: _p("string", "Hugging Face format export of the final model."),
+        t.UPDATED_AT: _p("string", "When the workload last reported.", format="date-time"),
+    }
 
 
 def crd() -> dict:

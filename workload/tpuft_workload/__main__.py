@@ -12,6 +12,7 @@ import os
 import sys
 
 from tpuft.catalog import CatalogError
+from tpuft.spec import DEFAULTS as D  # one source: a flag left out means what the field left out means
 
 from tpuft_workload.platform import Target, resolve_target
 
@@ -44,7 +45,8 @@ def _add_slice_args(p: argparse.ArgumentParser) -> None:
                    help="TPU generation (v4, v5e, v5p, v6e, tpu7x; Ray/GKE spellings accepted), gpu or cpu")
     p.add_argument("--topology", required=True,
                    help="slice shape such as 4x4 or 2x2x2; with cpu/gpu, the worker count")
-    p.add_argument("--slices", type=_positive_int, default=1, help="number of slices (default 1)")
+    p.add_argument("--slices", type=_positive_int, default=D["slices"],
+                   help=f"number of slices (default {D['slices']})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("verify", help="check every device of the slice with DTensor TP + all_reduce")
     _add_slice_args(v)
-    v.add_argument("--timeout-seconds", type=_positive_float, default=600.0,
-                   help="hard bound on the whole check, placement included (default 600)")
+    v.add_argument("--timeout-seconds", type=_positive_float, default=float(D["verification.timeoutSeconds"]),
+                   help=f"hard bound on the whole check, placement included (default {D['verification.timeoutSeconds']})")
 
     t = sub.add_parser("train", help="fine-tune a causal LM with Ray Train + FSDP2")
     _add_slice_args(t)
@@ -63,11 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hub name, local path, gs:// URI, or builtin:tiny-llama")
     t.add_argument("--dataset", required=True,
                    help="hub name, local file/dir, gs:// URI (json/jsonl/parquet/csv), or builtin:dolly-mini")
-    t.add_argument("--dataset-split", default="train", help="datasets split syntax, e.g. 'train[:1024]'")
-    t.add_argument("--epochs", type=_positive_int, default=3)
-    t.add_argument("--batch-size-per-device", type=_positive_int, default=4)
-    t.add_argument("--max-seq-length", type=_positive_int, default=512)
-    t.add_argument("--learning-rate", type=_positive_float, default=2e-5)
+    t.add_argument("--dataset-split", default=D["dataset.split"], help="datasets split syntax, e.g. 'train[:1024]'")
+    t.add_argument("--epochs", type=_positive_int, default=D["training.epochs"])
+    t.add_argument("--batch-size-per-device", type=_positive_int, default=D["training.batchSizePerDevice"])
+    t.add_argument("--max-seq-length", type=_positive_int, default=D["training.maxSeqLength"])
+    t.add_argument("--learning-rate", type=_positive_float, default=D["training.learningRate"])
     t.add_argument("--storage-path", required=True, help="local path or gs:// URI for checkpoints and export")
     t.add_argument("--run-name", required=True,
                    help="run directory under --storage-path (the operator adds the object's UID); "
@@ -77,12 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "(spec.checkpoint.resumeFrom); only when --run-name has no checkpoint of its own")
     t.add_argument("--no-packing", dest="packing", action="store_false",
                    help="pad every example to --max-seq-length (the seed recipe) instead of packing")
-    t.add_argument("--checkpoint-every-steps", type=_non_negative_int, default=0,
+    t.add_argument("--checkpoint-every-steps", type=_non_negative_int, default=D["checkpoint.everySteps"],
                    help="sharded checkpoint every K optimizer steps (0: only at epoch end)")
-    t.add_argument("--keep-checkpoints", type=_positive_int, default=2, help="checkpoints to keep (default 2)")
-    t.add_argument("--max-failures", type=_non_negative_int, default=0,
-                   help="worker-group restarts from the latest checkpoint before giving up")
-    t.add_argument("--report-every-steps", type=_positive_int, default=10,
+    t.add_argument("--keep-checkpoints", type=_positive_int, default=D["checkpoint.keep"],
+                   help=f"checkpoints to keep (default {D['checkpoint.keep']})")
+    t.add_argument("--max-failures", type=_non_negative_int, default=D["training.maxFailures"],
+                   help="worker-group restarts from the latest checkpoint before giving up "
+                        f"(default {D['training.maxFailures']})")
+    t.add_argument("--report-every-steps", type=_positive_int, default=D["training.reportEverySteps"],
                    help="log and report metrics every K steps (and at every epoch end)")
     t.add_argument("--seed", type=int, default=42)
     return parser

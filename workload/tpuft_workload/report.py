@@ -12,15 +12,14 @@ import logging
 import os
 import time
 
-from tpuft.constants import ENV_CR_NAME, ENV_CR_NAMESPACE, GROUP, PLURAL, VERSION
+from tpuft.constants import (ENV_CR_NAME, ENV_CR_NAMESPACE, GROUP, PLURAL, VERSION, TrainingStatus,
+                             VerificationStatus)
 
 log = logging.getLogger(__name__)
 
-TRAINING_KEYS = ("epoch", "epochs", "step", "totalSteps", "loss", "tokensPerSecond",
-                 "paddedTokensPerSecond", "stepTimeSeconds", "padFraction", "lastCheckpoint",
-                 "resumedFrom", "resumedFromStep", "message", "exportedModel", "updatedAt")
-VERIFICATION_KEYS = ("passed", "ranks", "hosts", "allReduceSum", "expectedSum", "maxAbsDiff",
-                     "seconds", "message")
+# The one list of keys (tpuft.constants, which the CRD's status schema is built from too).
+TRAINING_KEYS = tuple(k.value for k in TrainingStatus)
+VERIFICATION_KEYS = tuple(k.value for k in VerificationStatus)
 
 
 def now_rfc3339() -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from tpuft.constants import VerificationStatus
+
 RESULT_PREFIX = "TPUFT_VERIFY_RESULT"
 EXIT_PASSED = 0
 EXIT_FAILED = 1
@@ -37,15 +39,16 @@ class VerifyResult:
 
     def to_status(self) -> dict:
         """The `status.verification` object (exactly these keys; the operator owns the rest)."""
+        v = VerificationStatus
         return {
-            "passed": self.passed,
-            "ranks": self.ranks,
-            "hosts": self.hosts,
-            "allReduceSum": self.all_reduce_sum,
-            "expectedSum": self.expected_sum,
-            "maxAbsDiff": self.max_abs_diff,
-            "seconds": round(self.seconds, 3),
-            "message": self.message,
+            v.PASSED.value: self.passed,
+            v.RANKS.value: self.ranks,
+            v.HOSTS.value: self.hosts,
+            v.ALL_REDUCE_SUM.value: self.all_reduce_sum,
+            v.EXPECTED_SUM.value: self.expected_sum,
+            v.MAX_ABS_DIFF.value: self.max_abs_diff,
+            v.SECONDS.value: round(self.seconds, 3),
+            v.MESSAGE.value: self.message,
         }
 
     def to_json_line(self) -> str:

@@ -1,0 +1,80 @@
+"""One source for each fact the operator and the workload share: the workload CLI's defaults are
+the spec's, and the status keys the workload writes, the CRD's status schema and what the demo
+reads are one list (tpuft.constants.TrainingStatus / VerificationStatus)."""
+from __future__ import annotations
+
+import ast
+import inspect
+
+from tpuft import crd
+from tpuft.constants import TrainingStatus, VerificationStatus
+from tpuft.spec import DEFAULTS
+from tpuft_local import demo
+from tpuft_workload import __main__ as workload_cli
+from tpuft_workload.report import TRAINING_KEYS, VERIFICATION_KEYS
+from tpuft_workload.verify_result import VerifyResult
+
+# workload flag (argparse dest) -> the spec default it must equal
+FLAG_DEFAULTS = {
+    "slices": "slices",
+    "dataset_split": "dataset.split",
+    "epochs": "training.epochs",
+    "batch_size_per_device": "training.batchSizePerDevice",
+    "max_seq_length": "training.maxSeqLength",
+    "learning_rate": "training.learningRate",
+    "packing": "training.packing",
+    "checkpoint_every_steps": "checkpoint.everySteps",
+    "keep_checkpoints": "checkpoint.keep",
+    "max_failures": "training.maxFailures",
+    "report_every_steps": "training.reportEverySteps",
+}
+
+
+def test_workload_cli_defaults_are_the_spec_defaults():
+    args, _ = workload_cli.parse_args(["train", "--accelerator", "cpu", "--topology", "2", "--model", "m",
+                                       "--dataset", "d", "--storage-path", "/tmp/x", "--run-name", "r"])
+    got = {dest: getattr(args, dest) for dest in FLAG_DEFAULTS}
+    assert got == {dest: DEFAULTS[key] for dest, key in FLAG_DEFAULTS.items()}
+    assert (args.keep_checkpoints, args.max_failures) == (1, 1)  # were 2 and 0 (issue 18)
+    verify, _ = workload_cli.parse_args(["verify", "--accelerator", "cpu", "--topology", "2"])
+    assert verify.timeout_seconds == DEFAULTS["verification.timeoutSeconds"] and verify.slices == DEFAULTS["slices"]
+
+
+def _status_properties() -> dict:
+    return crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+
+
+def test_status_keys_are_one_list():
+    status = _status_properties()
+    assert TRAINING_KEYS == tuple(k.value for k in TrainingStatus) == tuple(status["training"]["properties"])
+    assert VERIFICATION_KEYS == tuple(k.value for k in VerificationStatus) == tuple(status["verification"]["properties"])
+    result = VerifyResult(passed=True, ranks=2, hosts=1, all_reduce_sums=[[3.0], [3.0]], expected_sum=3.0,
+                          max_abs_diff=0.0, seconds=1.0, message="ok")
+    assert tuple(result.to_status()) == VERIFICATION_KEYS
+
+
+def _demo_lookups() -> tuple[set[str], list[str]]:
+    """(TR.X / VER.X members the demo reads, string literals it uses as keys of tr/ver)."""
+    tree = ast.parse(inspect.getsource(demo))
+    members, literals = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ("TR", "VER"):
+            members.add(f"{node.value.id}.{node.attr}")
+        target = None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" and node.args:
+            target, key = node.func.value, node.args[0]
+        elif isinstance(node, ast.Subscript):
+            target, key = node.value, node.slice
+        if isinstance(target, ast.Name) and target.id in ("tr", "ver") and isinstance(key, ast.Constant):
+            literals.append(f"{target.id}[{key.value!r}]")
+    return members, literals
+
+
+def test_the_demo_reads_only_keys_the_workload_writes():
+    members, literals = _demo_lookups()
+    assert literals == [], f"spell status keys through tpuft.constants: {literals}"
+    known = {f"TR.{m.name}" for m in TrainingStatus} | {f"VER.{m.name}" for m in VerificationStatus}
+    assert members and members <= known, sorted(members - known)
+    line = demo._training_line({"epoch": 2, "epochs": 3, "step": 20, "totalSteps": 30, "loss": 1.23456,
+                                "tokensPerSecond": 99.44, "padFraction": 0.125})
+    assert line == "Epoch 2/3 | step 20/30 | loss=1.2346 | tokens/s=99.4 (real) | pad=12.5%"
