@@ -11,7 +11,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "topology": ("tpuft.cli_core", "print the slice facts for an accelerator and topology as JSON"),
     "validate": ("tpuft.cli_core", "validate TPUFinetune manifests; list every problem by field path"),
     "render": ("tpuft.cli_core", "print the RayCluster and RayJobs a TPUFinetune becomes"),
-    "cluster": ("tpuft_local.controlplane", "a real local kube-apiserver + etcd: tools|up|down|status|kubeconfig"),
+    "cluster": ("tpuft_local.cluster", "a real local cluster (node, KubeRay, simulated TPU pools): tools|up|down|status"),
+    "images": ("tpuft_local.images", "build the operator and workload images from the Dockerfiles; load them into the node"),
     "demo": ("tpuft_local.demo", "run the whole system locally on the CPU example"),
 }
 

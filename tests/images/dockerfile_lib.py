@@ -105,6 +105,8 @@ def _unquote(s: str) -> str:
 def pip_install_args(run: str) -> list[list[str]]:
     """The argument lists of every `pip install` in a RUN line (split on && || ; |)."""
     out = []
+    # RUN's own flags (`--mount=type=cache,...`, `--network=...`) come before the command.
+    run = re.sub(r"^\s*(?:--[a-z]+=\S+\s+)*", "", run)
     for part in re.split(r"&&|\|\||;|\|", run):
         try:
             words = shlex.split(part)
