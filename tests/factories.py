@@ -3,8 +3,12 @@ never from each other)."""
 from __future__ import annotations
 
 import copy
+import uuid
 
 import yaml
+
+from tpuft import handlers, phases
+from tpuft.spec import DEFAULTS
 
 # The issue's minimum spec, as written.
 MINIMUM = yaml.safe_load("""
@@ -69,3 +73,213 @@ def with_unknown(parent: str, key: str, value, base=MINIMUM) -> dict:
         node = node.setdefault(k, {})
     node[key] = value
     return doc
+
+
+# --- a fake API for handlers.Controller (tests/unit/test_reconcile.py; the fault tests' pinned bug) ------
+NS, NAME = "team-a", "ft"
+
+
+def tft() -> dict:
+    return {"apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFinetune",
+            "metadata": {"name": NAME, "namespace": NS, "uid": "u-1", "generation": 1},
+            "spec": {"accelerator": "v6e", "topology": "4x4", "image": "img:1", "model": "m",
+                     "dataset": {"name": "d"}, "checkpoint": {"storagePath": "gs://bucket/ck"}}}
+
+
+class FakeKube:
+    def __init__(self, obj: dict | None):
+        self.objects: dict[tuple[str, str], dict] = {}
+        if obj is not None:
+            self.objects[("TPUFinetune", NAME)] = obj
+        self.log: list[tuple] = []
+        self.fail: dict[tuple[str, str], Exception] = {}
+
+    def get(self, kind, ns, name):
+        self.log.append(("get", kind, name))
+        obj = self.objects.get((kind, name))
+        return copy.deepcopy(obj) if obj else None
+
+    def perform(self, ns, uid, action):
+        self.log.append((action.op, action.kind, action.name))
+        err = self.fail.get((action.kind, action.name))
+        if err:
+            raise err
+        if action.op == phases.Op.CREATE:
+            self.objects[(action.kind, action.name)] = copy.deepcopy(dict(action.body))
+        return "created"
+
+    def patch_status(self, ns, name, patch):
+        self.log.append(("patch_status", tuple(sorted(patch))))
+        st = self.objects[("TPUFinetune", NAME)].setdefault("status", {})
+        for k, v in patch.items():
+            if v is None:
+                st.pop(k, None)
+            else:
+                st[k] = copy.deepcopy(v)
+        return True
+
+    def post_event(self, obj, event):
+        self.log.append(("event", event.type, event.reason))
+
+    def ops(self, *kinds):
+        return [x for x in self.log if x[0] in kinds]
+
+
+def controller(kube) -> handlers.Controller:
+    return handlers.Controller(kube, {}, {}, {}, phases.Tunables(verify_grace_seconds=1))
+
+
+def indexed(kube) -> dict:
+    """What the index holds once it has caught up with the API server."""
+    return copy.deepcopy(kube.objects[("TPUFinetune", NAME)])
+
+
+# --- a whole lifecycle without an API server ---------------------------------------------------------------
+PLURAL_KINDS = {"rayclusters": "RayCluster", "rayjobs": "RayJob"}
+
+
+def merge_patch(target: dict, patch: dict) -> dict:
+    """RFC 7386 JSON merge patch, in place: what the API server does with a merge-patch body."""
+    for k, v in patch.items():
+        if v is None:
+            target.pop(k, None)
+        elif isinstance(v, dict) and isinstance(target.get(k), dict):
+            merge_patch(target[k], v)
+        else:
+            target[k] = copy.deepcopy(v)
+    return target
+
+
+class FakeCluster(FakeKube):
+    """FakeKube that keeps children the way the API server would (uid, generation, deletes,
+    suspend patches) and plays kopf's index (caught up) for Controller.reconcile. Its `custom`
+    answers tests/kuberay_standin.py's calls, so the stand-in writes KubeRay's status here."""
+
+    def __init__(self):
+        super().__init__(None)
+        self.events: list[dict] = []
+        self.custom = _FakeCustomObjects(self)
+
+    def _new(self, body: dict) -> dict:
+        obj = copy.deepcopy(dict(body))
+        meta = obj.setdefault("metadata", {})
+        meta.update(uid=str(uuid.uuid4()), generation=1, namespace=NS)
+        return obj
+
+    def perform(self, ns, uid, action):
+        self.log.append((action.op, action.kind, action.name))
+        err = self.fail.get((action.kind, action.name))
+        if err:
+            raise err
+        key = (action.kind, action.name)
+        if action.op == phases.Op.CREATE:
+            if key in self.objects:
+                return "adopted"
+            self.objects[key] = self._new(action.body)
+            return "created"
+        if action.op == phases.Op.DELETE:
+            self.objects.pop(key, None)
+            return "deleted"
+        obj = self.objects.get(key)
+        if obj is not None:   # suspend / resume: a spec change, so a new generation
+            obj["spec"]["suspend"] = action.op == phases.Op.SUSPEND
+            obj["metadata"]["generation"] += 1
+        return action.op.value
+
+    def post_event(self, obj, event):
+        super().post_event(obj, event)
+        self.events.append({"type": event.type.value, "reason": event.reason.value, "message": event.message})
+
+    def index(self) -> tuple[dict | None, list, list]:
+        """What kopf's indexes hold once caught up: the TPUFinetune and its labelled children."""
+        def kids(kind):
+            return [phases.IndexedChild.of(o["metadata"]["name"], o.get("spec"), o.get("status"), o["metadata"])
+                    for (k, _), o in sorted(self.objects.items()) if k == kind
+                    and (o["metadata"].get("labels") or {}).get("tpufinetune.dev/name") == NAME]
+        body = self.objects.get(("TPUFinetune", NAME))
+        return copy.deepcopy(body), kids("RayCluster"), kids("RayJob")
+
+
+class _FakeCustomObjects:
+    """The two CustomObjectsApi calls tests/kuberay_standin.py makes."""
+
+    def __init__(self, cluster: FakeCluster):
+        self.cluster = cluster
+
+    def get_namespaced_custom_object(self, group, version, ns, plural, name):
+        return copy.deepcopy(self.cluster.objects[(PLURAL_KINDS[plural], name)])
+
+    def patch_namespaced_custom_object_status(self, group, version, ns, plural, name, body):
+        merge_patch(self.cluster.objects[(PLURAL_KINDS[plural], name)], {"status": body["status"]})
+
+
+class Lifecycle:
+    """One TPUFinetune driven by handlers.Controller against a FakeCluster, with KubeRay's part
+    played by tests/kuberay_standin.py: the integration tests' vocabulary (apply, wait, children,
+    events), for rules that need no API server."""
+
+    def __init__(self, tun: phases.Tunables = phases.Tunables(verify_grace_seconds=1)):
+        from tests.kuberay_standin import KubeRay
+
+        self.kube = FakeCluster()
+        self.ctl = handlers.Controller(self.kube, {}, {}, {}, tun)
+        self.kuberay = KubeRay.__new__(KubeRay)
+        self.kuberay.api, self.kuberay.ns = self.kube.custom, NS
+
+    def body(self, **spec) -> dict:
+        return {"apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFinetune",
+                "metadata": {"name": NAME, "namespace": NS},
+                "spec": {"accelerator": "v6e", "topology": "4x4", "image": "img:1", "model": "m",
+                         "dataset": {"name": "d"}, "checkpoint": {"storagePath": "gs://bucket/ck"}, **spec}}
+
+    def apply(self, **spec) -> None:
+        """Create it, defaulted as the API server defaults it (every spec.DEFAULTS key: the CRD's
+        defaults, checked against the real server in tests/integration/test_crd.py)."""
+        obj = self.kube._new(self.body(**spec))
+        for dotted, value in DEFAULTS.items():
+            *parents, leaf = dotted.split(".")
+            node = obj["spec"]
+            for k in parents:
+                node = node.setdefault(k, {})
+            node.setdefault(leaf, value)
+        self.kube.objects[("TPUFinetune", NAME)] = obj
+
+    def patch(self, spec: dict) -> None:
+        obj = self.kube.objects[("TPUFinetune", NAME)]
+        merge_patch(obj["spec"], spec)
+        obj["metadata"]["generation"] += 1
+
+    def get(self) -> dict:
+        return copy.deepcopy(self.kube.objects[("TPUFinetune", NAME)])
+
+    def status(self) -> dict:
+        return self.get().get("status") or {}
+
+    def reconcile(self, times: int = 1) -> None:
+        for _ in range(times):
+            self.ctl.reconcile((NS, NAME), *self.kube.index())
+
+    def wait(self, phase: str, reconciles: int = 10) -> dict:
+        for _ in range(reconciles):
+            self.reconcile()
+            if self.status().get("phase") == phase:
+                return self.status()
+        raise AssertionError(f"phase {phase} not reached after {reconciles} reconciles; status: {self.status()}")
+
+    def wait_until(self, check, what: str, reconciles: int = 10):
+        for _ in range(reconciles):
+            self.reconcile()
+            if value := check():
+                return value
+        raise AssertionError(f"{what} not seen after {reconciles} reconciles; status: {self.status()}")
+
+    def delete(self, kind: str, name: str) -> None:
+        del self.kube.objects[(kind, name)]
+
+    def children(self, plural: str) -> list[str]:
+        kind = PLURAL_KINDS[plural]
+        return sorted(n for (k, n), o in self.kube.objects.items() if k == kind
+                      and (o["metadata"].get("labels") or {}).get("tpufinetune.dev/name") == NAME)
+
+    def events(self) -> list[dict]:
+        return list(self.kube.events)

@@ -33,7 +33,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from tests.unit.test_spec import DELETE, MINIMUM, with_
+from tests.factories import DELETE, MINIMUM, with_
 from tests.waiting import wait_until
 from tpuft import builders, catalog, crd
 from tpuft.constants import GROUP, PLURAL, VERSION

@@ -36,8 +36,8 @@ import yaml
 from kubernetes import client
 
 from tests.faultproxy import FaultProxy
-from tests.integration.test_operator_faults import (GROUP, PLURAL, VERSION, OperatorProcess, PhaseRecorder, Player,
-                                                    tft_body, wait_all_terminal)
+from tests.operator_harness import (GROUP, PLURAL, VERSION, OperatorProcess, PhaseRecorder, Player, tft_body,
+                                    wait_all_terminal)
 
 NAME, OTHER = "ft", "other"
 SECRET, KEY = "hf-token", "token"

@@ -2,70 +2,11 @@
 admission rejections, transient errors, index misses confirmed with a GET."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 
+from tests.factories import NAME, NS, FakeKube, Lifecycle, controller, indexed, tft
 from tpuft import handlers, phases
 from tpuft.kube import KubeError, Rejected
-
-NS, NAME = "team-a", "ft"
-
-
-def tft() -> dict:
-    return {"apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFinetune",
-            "metadata": {"name": NAME, "namespace": NS, "uid": "u-1", "generation": 1},
-            "spec": {"accelerator": "v6e", "topology": "4x4", "image": "img:1", "model": "m",
-                     "dataset": {"name": "d"}, "checkpoint": {"storagePath": "gs://bucket/ck"}}}
-
-
-class FakeKube:
-    def __init__(self, obj: dict | None):
-        self.objects: dict[tuple[str, str], dict] = {}
-        if obj is not None:
-            self.objects[("TPUFinetune", NAME)] = obj
-        self.log: list[tuple] = []
-        self.fail: dict[tuple[str, str], Exception] = {}
-
-    def get(self, kind, ns, name):
-        self.log.append(("get", kind, name))
-        obj = self.objects.get((kind, name))
-        return copy.deepcopy(obj) if obj else None
-
-    def perform(self, ns, uid, action):
-        self.log.append((action.op, action.kind, action.name))
-        err = self.fail.get((action.kind, action.name))
-        if err:
-            raise err
-        if action.op == phases.Op.CREATE:
-            self.objects[(action.kind, action.name)] = copy.deepcopy(dict(action.body))
-        return "created"
-
-    def patch_status(self, ns, name, patch):
-        self.log.append(("patch_status", tuple(sorted(patch))))
-        st = self.objects[("TPUFinetune", NAME)].setdefault("status", {})
-        for k, v in patch.items():
-            if v is None:
-                st.pop(k, None)
-            else:
-                st[k] = copy.deepcopy(v)
-        return True
-
-    def post_event(self, obj, event):
-        self.log.append(("event", event.type, event.reason))
-
-    def ops(self, *kinds):
-        return [x for x in self.log if x[0] in kinds]
-
-
-def controller(kube) -> handlers.Controller:
-    return handlers.Controller(kube, {}, {}, {}, phases.Tunables(verify_grace_seconds=1))
-
-
-def indexed(kube) -> dict:
-    """What the index holds once it has caught up with the API server."""
-    return copy.deepcopy(kube.objects[("TPUFinetune", NAME)])
-
 
 def test_first_reconcile_acts_then_writes_status_once():
     kube = FakeKube(tft())
@@ -158,3 +99,85 @@ def test_operator_state_lives_in_kopfs_memo():
     assert handlers.probe(memo=memo) == {"queued": 2, "busy": 0} and ctl.queued == {(NS, NAME), (NS, "other")}
     asyncio.run(handlers.cleanup(memo=memo))
     assert "controller" not in memo
+
+
+# --- whole lifecycles against a fake API (tests.factories.Lifecycle; KubeRay's part by
+# tests/kuberay_standin.py): the pure rules, without a control plane. tests/integration/
+# test_handlers.py keeps what needs one (admission, watches, RBAC, restarts, deletion). ---------------
+def cond(status: dict, ctype: str) -> dict:
+    return next(x for x in status["conditions"] if x["type"] == ctype)
+
+
+def verifying(tft: Lifecycle, **spec) -> dict:
+    tft.apply(**spec)
+    tft.wait("Provisioning")
+    tft.kuberay.cluster_ready(f"{NAME}-ray")
+    return tft.wait("VerifyingCollectives")
+
+
+@pytest.mark.parametrize("how,reason", [("failed", "VerificationFailed"), ("deadline", "CollectiveTimeout")])
+def test_verification_failure_never_trains(how, reason):
+    tft = Lifecycle()
+    kuberay = tft.kuberay
+    verifying(tft)
+    kuberay.job_running(f"{NAME}-verify")
+    if how == "failed":
+        kuberay.job_failed(f"{NAME}-verify", "all_reduce sum 120 != expected 136")
+    else:
+        kuberay.job_deadline_exceeded(f"{NAME}-verify", 660)
+    st = tft.wait("Failed")
+    assert st["reason"] == reason and f"{NAME}-verify" in st["message"]
+    tft.reconcile(3)   # later resyncs create nothing either
+    assert tft.children("rayjobs") == [f"{NAME}-verify"]
+
+
+def test_training_retries_then_fails():
+    tft = Lifecycle()
+    kuberay = tft.kuberay
+    tft.apply(verification={"enabled": False}, training={"maxJobRetries": 1})
+    tft.wait("Provisioning")
+    kuberay.cluster_ready(f"{NAME}-ray")
+    st = tft.wait("Training")
+    assert cond(st, "CollectivesVerified")["reason"] == "VerificationSkipped"
+    kuberay.job_failed(f"{NAME}-train", "preempted")
+    tft.wait_until(lambda: tft.status().get("trainingAttempts") == 2, what="the resubmission")
+    assert tft.children("rayjobs") == [f"{NAME}-train", f"{NAME}-train-r1"]
+    assert tft.status()["children"]["trainJob"] == f"{NAME}-train-r1"
+    kuberay.job_failed(f"{NAME}-train-r1", "preempted again")
+    st = tft.wait("Failed")
+    assert st["reason"] == "TrainingFailed" and "after 2 attempt(s)" in st["message"]
+    assert "Retrying" in [e["reason"] for e in tft.events()]
+
+
+def test_child_deleted():
+    tft = Lifecycle()
+    kuberay = tft.kuberay
+    tft.apply(verification={"enabled": False})
+    tft.wait("Provisioning")
+    first = kuberay.get("rayclusters", f"{NAME}-ray")["metadata"]["uid"]
+    tft.delete("RayCluster", f"{NAME}-ray")
+    tft.wait_until(lambda: tft.children("rayclusters") == [f"{NAME}-ray"]
+                   and kuberay.get("rayclusters", f"{NAME}-ray")["metadata"]["uid"] != first, what="the recreation")
+    kuberay.cluster_ready(f"{NAME}-ray")
+    tft.wait("Training")
+    tft.delete("RayCluster", f"{NAME}-ray")
+    st = tft.wait("Failed")
+    assert st["reason"] == "ChildDeleted" and f"{NAME}-ray" in st["message"]
+
+
+def test_spec_change_mid_run_is_recorded_not_applied():
+    tft = Lifecycle()
+    kuberay = tft.kuberay
+    tft.apply()
+    tft.wait("Provisioning")
+    tft.patch({"training": {"epochs": 9}})
+    st = tft.wait_until(lambda: (s := tft.status()).get("observedGeneration") == 2 and s, what="observedGeneration 2")
+    assert st["appliedGeneration"] == 1
+    assert "spec change ignored: spec.training.epochs" in st["ignoredSpecChange"]["message"]
+    kuberay.cluster_ready(f"{NAME}-ray")
+    tft.wait("VerifyingCollectives")
+    kuberay.job_succeeded(f"{NAME}-verify")
+    tft.wait("Training")
+    entry = kuberay.get("rayjobs", f"{NAME}-train")["spec"]["entrypoint"]
+    assert "--epochs 3" in entry  # built from the applied generation, not the edit
+    assert "SpecChangeIgnored" in [e["reason"] for e in tft.events() if e["type"] == "Warning"]

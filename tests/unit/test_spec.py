@@ -1,46 +1,10 @@
 """Parsing a TPUFinetune: the issue's minimum spec as written, defaults, and every problem by field path."""
-import copy
-
 import pytest
 import yaml
 
+from tests.factories import DELETE, MINIMUM, with_
 from tpuft import spec as spec_mod
 from tpuft.spec import SpecError, parse
-
-MINIMUM = yaml.safe_load("""
-apiVersion: tpufinetune.dev/v1alpha1
-kind: TPUFinetune
-metadata: {name: gemma4-dolly}
-spec:
-  accelerator: v6e
-  topology: "4x4"
-  slices: 1
-  image: REGISTRY/ray-torchtpu:latest
-  model: google/gemma-4-E2B-it
-  dataset: {name: databricks/databricks-dolly-15k, split: "train[:1024]"}
-  training: {epochs: 3, batchSizePerDevice: 4, maxSeqLength: 512, learningRate: 2.0e-5}
-  checkpoint: {storagePath: "gs://my-bucket/ray_train_torchtpu"}
-  hfTokenSecret: {name: hf-secret, key: hf_api_token}
-  verification: {enabled: true, timeoutSeconds: 600}
-  provisioningTimeoutSeconds: 1800
-""")
-
-
-def with_(path: str, value, base=MINIMUM):
-    """A copy of base with the dotted path set (value DELETE removes it)."""
-    doc = copy.deepcopy(base)
-    keys = path.split(".")
-    node = doc
-    for k in keys[:-1]:
-        node = node.setdefault(k, {})
-    if value is DELETE:
-        node.pop(keys[-1], None)
-    else:
-        node[keys[-1]] = value
-    return doc
-
-
-DELETE = object()
 
 
 def test_minimum_spec_is_accepted_exactly_as_written():

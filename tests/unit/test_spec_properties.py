@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.unit.test_spec import MINIMUM
+from tests.factories import MINIMUM
 from tpuft import builders, catalog
 from tpuft.spec import MAX_NAME_LENGTH, SpecError, TPUFinetune, parse
 
