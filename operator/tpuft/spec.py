@@ -323,10 +323,43 @@ def _checkpoint_volume(r: _Reader, ck: Mapping, storage: str | None) -> dict | N
 
 
 def parse(obj: Mapping[str, Any]) -> TPUFinetune:
-    """Parse and validate a TPUFinetune object (as from the API or a YAML file)."""
-    r = _Reader()
+    """Parse and validate a TPUFinetune object (as from the API or a YAML file).
+
+    One small parser per section, each recording its problems on the shared reader, so every
+    problem is reported in one pass (in field order); the Spec is built once, at the end."""
     if not isinstance(obj, Mapping):
         raise SpecError([Problem("<root>", "must be a YAML/JSON object")])
+    r = _Reader()
+    meta, where = _metadata(r, obj)
+    spec = r.section(obj, "spec", "spec", required=True)
+    slice_shape = _slice(r, spec)
+    slices = r.integer(spec, "slices", "spec.slices", "slices")
+    image, pull, model = _image_and_model(r, spec)
+    dataset = _dataset(r, spec)
+    training = _training(r, spec)
+    checkpoint = _checkpoint(r, spec)
+    hf = _hf_token_secret(r, spec)
+    verification = _verification(r, spec)
+    resources = _resources(r, spec)
+    scheduling = _scheduling(r, spec)
+    env = _env(r, spec)
+    provisioning_timeout = r.integer(spec, "provisioningTimeoutSeconds", "spec.provisioningTimeoutSeconds",
+                                     "provisioningTimeoutSeconds")
+    suspend = r.boolean(spec, "suspend", "spec.suspend", "suspend")
+    ttl = r.integer(spec, "ttlSecondsAfterFinished", "spec.ttlSecondsAfterFinished", "ttlSecondsAfterFinished")
+    labels = r.str_map(spec, "labels", "spec.labels", QUALIFIED_NAME, LABEL_VALUE)
+    annotations = r.str_map(spec, "annotations", "spec.annotations", QUALIFIED_NAME)
+    if r.problems or slice_shape is None:
+        raise SpecError(r.problems or [Problem("spec", "is invalid")], where)
+    return TPUFinetune(meta=meta, spec=Spec(
+        slice=slice_shape, slices=slices, image=image or "", image_pull_policy=pull, model=model or "",
+        dataset=dataset, training=training, checkpoint=checkpoint, hf_token_secret=hf, verification=verification,
+        provisioning_timeout_seconds=provisioning_timeout, suspend=suspend, ttl_seconds_after_finished=ttl,
+        resources=resources, scheduling=scheduling, labels=labels, annotations=annotations, env=env))
+
+
+def _metadata(r: _Reader, obj: Mapping) -> tuple[ObjectMeta, str]:
+    """(metadata, "namespace/name" for messages); apiVersion and kind are checked here too."""
     meta_raw = obj.get("metadata") or {}
     if not isinstance(meta_raw, Mapping):
         r.fail("metadata", f"must be an object (got {type(meta_raw).__name__})")
@@ -352,15 +385,19 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
     meta = ObjectMeta(name=name, namespace=namespace, uid=str(meta_raw.get("uid") or ""),
                       generation=generation if isinstance(generation, int) and not isinstance(generation, bool) else 0,
                       labels=dict(labels) if isinstance(labels, Mapping) else {})
+    return meta, where
 
-    spec = r.section(obj, "spec", "spec", required=True)
-    slice_shape = None
+
+def _slice(r: _Reader, spec: Mapping) -> catalog.SliceShape | None:
     try:
-        slice_shape = catalog.resolve_slice(spec.get("accelerator"), spec.get("topology"))
+        return catalog.resolve_slice(spec.get("accelerator"), spec.get("topology"))
     except catalog.CatalogError as e:
         r.fail(e.field, e.message)
-    slices = r.integer(spec, "slices", "spec.slices", "slices")
+        return None
 
+
+def _image_and_model(r: _Reader, spec: Mapping) -> tuple[str | None, str | None, str | None]:
+    """(image, imagePullPolicy, model)."""
     image = r.string(spec, "image", "spec.image", required=True)
     if image and UNSAFE.search(image):
         r.fail("spec.image", f"{image!r} is not an image reference (no spaces or shell characters)")
@@ -370,32 +407,42 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
     model = r.string(spec, "model", "spec.model", required=True)
     if model and UNSAFE.search(model):
         r.fail("spec.model", f"{model!r} must be a model id, local path or URI without spaces or shell characters")
+    return image, pull, model
 
+
+def _dataset(r: _Reader, spec: Mapping) -> Dataset:
     ds = r.section(spec, "dataset", "spec.dataset", required=True)
-    ds_name = r.string(ds, "name", "spec.dataset.name", required=True)
-    ds_split = r.string(ds, "split", "spec.dataset.split", default=DEFAULTS["dataset.split"], max_len=128)
-    for p, v in (("spec.dataset.name", ds_name), ("spec.dataset.split", ds_split)):
+    name = r.string(ds, "name", "spec.dataset.name", required=True)
+    split = r.string(ds, "split", "spec.dataset.split", default=DEFAULTS["dataset.split"], max_len=128)
+    for p, v in (("spec.dataset.name", name), ("spec.dataset.split", split)):
         if v and UNSAFE.search(v):
             r.fail(p, f"{v!r} must not contain spaces or shell characters")
+    return Dataset(name or "", split or DEFAULTS["dataset.split"])
 
+
+def _training(r: _Reader, spec: Mapping) -> Training:
     tr = r.section(spec, "training", "spec.training")
     lr = tr.get("learningRate", DEFAULTS["training.learningRate"])
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < LEARNING_RATE_MAX:
         r.fail("spec.training.learningRate", f"must be a number in (0, {LEARNING_RATE_MAX}) (got {lr!r})")
         lr = DEFAULTS["training.learningRate"]
-    training = Training(
-        epochs=r.integer(tr, "epochs", "spec.training.epochs", "training.epochs"),
-        batch_size_per_device=r.integer(tr, "batchSizePerDevice", "spec.training.batchSizePerDevice",
-                                        "training.batchSizePerDevice"),
-        max_seq_length=r.integer(tr, "maxSeqLength", "spec.training.maxSeqLength", "training.maxSeqLength"),
+
+    def integer(key: str) -> int:
+        return r.integer(tr, key, f"spec.training.{key}", f"training.{key}")
+
+    return Training(
+        epochs=integer("epochs"),
+        batch_size_per_device=integer("batchSizePerDevice"),
+        max_seq_length=integer("maxSeqLength"),
         learning_rate=float(lr),
         packing=r.boolean(tr, "packing", "spec.training.packing", "training.packing"),
-        report_every_steps=r.integer(tr, "reportEverySteps", "spec.training.reportEverySteps",
-                                     "training.reportEverySteps"),
-        max_failures=r.integer(tr, "maxFailures", "spec.training.maxFailures", "training.maxFailures"),
-        max_job_retries=r.integer(tr, "maxJobRetries", "spec.training.maxJobRetries", "training.maxJobRetries"),
+        report_every_steps=integer("reportEverySteps"),
+        max_failures=integer("maxFailures"),
+        max_job_retries=integer("maxJobRetries"),
     )
 
+
+def _checkpoint(r: _Reader, spec: Mapping) -> Checkpoint:
     ck = r.section(spec, "checkpoint", "spec.checkpoint", required=True)
     storage = r.string(ck, "storagePath", "spec.checkpoint.storagePath", required=True, max_len=1024)
     if storage and not STORAGE_PATH.fullmatch(storage):
@@ -406,7 +453,7 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
         r.fail("spec.checkpoint.resumeFrom",
                f"{resume_from!r} must be gs://BUCKET/PATH, s3://BUCKET/PATH or an absolute path on a mounted volume "
                "(a checkpoint_step_* directory or a run directory of an earlier TPUFinetune)")
-    checkpoint = Checkpoint(
+    return Checkpoint(
         storage_path=storage or "",
         every_steps=r.integer(ck, "everySteps", "spec.checkpoint.everySteps", "checkpoint.everySteps"),
         keep=r.integer(ck, "keep", "spec.checkpoint.keep", "checkpoint.keep"),
@@ -414,37 +461,44 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
         volume=_checkpoint_volume(r, ck, storage),
     )
 
-    hf = None
-    if spec.get("hfTokenSecret") is not None:
-        hs = r.section(spec, "hfTokenSecret", "spec.hfTokenSecret")
-        sname = r.string(hs, "name", "spec.hfTokenSecret.name", required=True, max_len=253)
-        skey = r.string(hs, "key", "spec.hfTokenSecret.key", required=True, max_len=253)
-        if sname and not DNS_SUBDOMAIN.fullmatch(sname):
-            r.fail("spec.hfTokenSecret.name", f"{sname!r} is not a Secret name (lowercase DNS subdomain)")
-            sname = None
-        if skey and not CONFIG_KEY.fullmatch(skey):
-            r.fail("spec.hfTokenSecret.key", f"{skey!r} is not a Secret key (letters, digits, '-', '_', '.')")
-            skey = None
-        if sname and skey:
-            hf = SecretKeyRef(sname, skey)
 
+def _hf_token_secret(r: _Reader, spec: Mapping) -> SecretKeyRef | None:
+    if spec.get("hfTokenSecret") is None:
+        return None
+    hs = r.section(spec, "hfTokenSecret", "spec.hfTokenSecret")
+    name = r.string(hs, "name", "spec.hfTokenSecret.name", required=True, max_len=253)
+    key = r.string(hs, "key", "spec.hfTokenSecret.key", required=True, max_len=253)
+    if name and not DNS_SUBDOMAIN.fullmatch(name):
+        r.fail("spec.hfTokenSecret.name", f"{name!r} is not a Secret name (lowercase DNS subdomain)")
+        name = None
+    if key and not CONFIG_KEY.fullmatch(key):
+        r.fail("spec.hfTokenSecret.key", f"{key!r} is not a Secret key (letters, digits, '-', '_', '.')")
+        key = None
+    return SecretKeyRef(name, key) if name and key else None
+
+
+def _verification(r: _Reader, spec: Mapping) -> Verification:
     ve = r.section(spec, "verification", "spec.verification")
-    verification = Verification(
+    return Verification(
         enabled=r.boolean(ve, "enabled", "spec.verification.enabled", "verification.enabled"),
         timeout_seconds=r.integer(ve, "timeoutSeconds", "spec.verification.timeoutSeconds",
                                   "verification.timeoutSeconds"),
     )
 
+
+def _resources(r: _Reader, spec: Mapping) -> Resources:
     res = r.section(spec, "resources", "spec.resources")
     shm = r.string(res, "shmSize", "spec.resources.shmSize", max_len=MAX_QUANTITY_LENGTH)
     if shm and not QUANTITY.fullmatch(shm):
         r.fail("spec.resources.shmSize", f"{shm!r} is not a Kubernetes quantity (e.g. 100Gi)")
-    resources = Resources(
+    return Resources(
         head=_resource_block(r, res, "head", "spec.resources.head"),
         worker=_resource_block(r, res, "worker", "spec.resources.worker"),
         shm_size=shm,
     )
 
+
+def _scheduling(r: _Reader, spec: Mapping) -> Scheduling:
     sc = r.section(spec, "scheduling", "spec.scheduling")
     spot = sc.get("spot", False)
     if not isinstance(spot, bool):
@@ -463,19 +517,19 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
         for k, allowed in (("operator", TOLERATION_OPERATORS), ("effect", TOLERATION_EFFECTS)):
             if t.get(k) is not None and t.get(k) not in allowed:
                 r.fail(f"spec.scheduling.tolerations[{i}].{k}", f"must be one of {', '.join(allowed)} (got {t.get(k)!r})")
-    scheduling = Scheduling(
-        spot=spot, reservation=reservation,
-        node_selector=r.str_map(sc, "nodeSelector", "spec.scheduling.nodeSelector", QUALIFIED_NAME, LABEL_VALUE),
-        tolerations=tuple(dict(t) for t in tolerations),
-        priority_class_name=r.string(sc, "priorityClassName", "spec.scheduling.priorityClassName", max_len=253),
-    )
-    if scheduling.priority_class_name and not DNS_SUBDOMAIN.fullmatch(scheduling.priority_class_name):
-        r.fail("spec.scheduling.priorityClassName", f"{scheduling.priority_class_name!r} is not a PriorityClass name")
+    node_selector = r.str_map(sc, "nodeSelector", "spec.scheduling.nodeSelector", QUALIFIED_NAME, LABEL_VALUE)
+    priority = r.string(sc, "priorityClassName", "spec.scheduling.priorityClassName", max_len=253)
+    if priority and not DNS_SUBDOMAIN.fullmatch(priority):
+        r.fail("spec.scheduling.priorityClassName", f"{priority!r} is not a PriorityClass name")
+    return Scheduling(spot=spot, reservation=reservation, node_selector=node_selector,
+                      tolerations=tuple(dict(t) for t in tolerations), priority_class_name=priority)
 
+
+def _env(r: _Reader, spec: Mapping) -> tuple[Mapping[str, Any], ...]:
     env = spec.get("env") or []
     if not isinstance(env, list):
         r.fail("spec.env", "must be a list of {name, value} or {name, valueFrom}")
-        env = []
+        return ()
     for i, item in enumerate(env):
         if not isinstance(item, Mapping) or not isinstance(item.get("name"), str) or not ENV_NAME.fullmatch(item["name"]):
             r.fail(f"spec.env[{i}].name", "must be a valid environment variable name")
@@ -486,30 +540,5 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
         elif "valueFrom" in item and (not isinstance(item["valueFrom"], Mapping) or len(item["valueFrom"]) != 1
                                       or next(iter(item["valueFrom"])) not in ENV_SOURCES):
             r.fail(f"spec.env[{i}].valueFrom", f"must hold exactly one of {', '.join(ENV_SOURCES)}")
-
-    spec_obj = None
-    if slice_shape is not None and not r.problems:
-        spec_obj = Spec(
-            slice=slice_shape, slices=slices, image=image or "", image_pull_policy=pull,
-            model=model or "", dataset=Dataset(ds_name or "", ds_split or DEFAULTS["dataset.split"]),
-            training=training, checkpoint=checkpoint, hf_token_secret=hf, verification=verification,
-            provisioning_timeout_seconds=r.integer(spec, "provisioningTimeoutSeconds",
-                                                   "spec.provisioningTimeoutSeconds", "provisioningTimeoutSeconds"),
-            suspend=r.boolean(spec, "suspend", "spec.suspend", "suspend"),
-            ttl_seconds_after_finished=r.integer(spec, "ttlSecondsAfterFinished", "spec.ttlSecondsAfterFinished",
-                                                 "ttlSecondsAfterFinished"),
-            resources=resources, scheduling=scheduling,
-            labels=r.str_map(spec, "labels", "spec.labels", QUALIFIED_NAME, LABEL_VALUE),
-            annotations=r.str_map(spec, "annotations", "spec.annotations", QUALIFIED_NAME),
-            env=tuple(dict(e) for e in env),
-        )
-    else:
-        # Still visit the remaining scalars so every problem is reported in one pass.
-        r.integer(spec, "provisioningTimeoutSeconds", "spec.provisioningTimeoutSeconds", "provisioningTimeoutSeconds")
-        r.boolean(spec, "suspend", "spec.suspend", "suspend")
-        r.integer(spec, "ttlSecondsAfterFinished", "spec.ttlSecondsAfterFinished", "ttlSecondsAfterFinished")
-        r.str_map(spec, "labels", "spec.labels", QUALIFIED_NAME, LABEL_VALUE)
-        r.str_map(spec, "annotations", "spec.annotations", QUALIFIED_NAME)
-    if r.problems or spec_obj is None:
-        raise SpecError(r.problems or [Problem("spec", "is invalid")], where)
-    return TPUFinetune(meta=meta, spec=spec_obj)
+    # Items that failed a check above never reach a Spec (parse raises), so dict() is safe here.
+    return tuple(dict(e) for e in env if isinstance(e, Mapping))
