@@ -6,19 +6,21 @@ checkpoint, FailureConfig for in-job restarts, CheckpointConfig(num_to_keep). Th
 run name carries the object's UID: a re-created TPUFinetune starts fresh, and continues an
 earlier run only through --resume-from (spec.checkpoint.resumeFrom), checked here first.
 
-Workers (`train_loop`): tokenize + pack the data (every rank builds the same rows, then
-takes its disjoint slice), shard the model, restore the run's own latest checkpoint (else
---resume-from's) if any, train, report metrics every K steps and at epoch ends, checkpoint
-with DCP, export an HF folder.
+Workers (`train_loop`, on a typed `TrainConfig`): setup (tokenize + pack the data: every rank
+builds the same rows, then takes its disjoint slice; shard the model), restore (the run's own
+latest checkpoint, else --resume-from's, if any), train (steps; metrics reported every K steps
+and at epoch ends; DCP checkpoints), finish (export an HF folder, the run's summary).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 import ray
 import ray.train
@@ -111,163 +113,249 @@ class _Window:
                 "pad_fraction": 1.0 - real / padded if padded else 0.0}
 
 
-def train_loop(cfg: dict) -> None:
-    import torch
-    import torch.distributed
-    from torch.distributed.device_mesh import init_device_mesh
-    from ray.train import Checkpoint
+@dataclass(frozen=True)
+class TrainConfig:
+    """What every training worker needs. Ray hands train_loop_config to the workers as a plain
+    dict (`as_dict`); `train_loop` rebuilds the typed config from it (`from_dict`)."""
+    platform: str                 # tpuft_workload.platform.PLATFORMS key
+    model: str
+    dataset: str
+    dataset_split: str
+    epochs: int
+    batch_size_per_device: int
+    max_seq_length: int
+    learning_rate: float
+    packing: bool
+    checkpoint_every_steps: int   # 0: at epoch ends only
+    report_every_steps: int
+    seed: int
+    fault: str                    # TPUFT_FAULTS spec (tests)
+    run_dir: str                  # storage_path/run_name: this run's checkpoints, export and summary
+    run_dir_local: str            # run_dir when it is a local path, else "" (the fault markers)
+    export_uri: str
+    resume_from: str              # a committed checkpoint of an earlier run ("": none)
+    resume_manifest: dict         # that run's tpuft-run.json
+    # Workers run on other pods: the CR identity is passed explicitly, not via their environment.
+    cr_namespace: str
+    cr_name: str
+    status_every_s: float
 
-    from tpuft_workload import model as modellib
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    plat = PLATFORMS[cfg["platform"]]
-    load_backend(plat)
-    device = ray.train.torch.get_device()
-    faults = faultlib.parse_faults(cfg["fault"])
-    reporter = BackgroundReporter(StatusReporter(cfg["cr_namespace"], cfg["cr_name"]) if rank == 0
-                                  else StatusReporter("", ""))
-    throttle = Throttle(cfg["status_every_s"])
-    torch.manual_seed(cfg["seed"])
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainConfig:
+        return cls(**d)
 
-    tokenizer = modellib.load_tokenizer(cfg["model"])
-    records = datalib.load_records(cfg["dataset"], cfg["dataset_split"])
-    blocks = datalib.build_blocks(tokenizer, records, cfg["max_seq_length"], cfg["packing"])
-    bsz = cfg["batch_size_per_device"]
-    spe = datalib.steps_per_epoch(len(blocks), world, bsz)
-    datalib.rank_batches(len(blocks), world, rank, bsz, 0, cfg["seed"])  # fail early if too small
-    total_steps = spe * cfg["epochs"]
-    if rank == 0:
-        _say(f"[tpuft] {len(records)} examples -> {len(blocks)} rows of {cfg['max_seq_length']} tokens "
-              f"({'packed' if cfg['packing'] else 'padded'}, pad fraction {datalib.pad_fraction(blocks):.1%}); "
-              f"{spe} steps/epoch x {cfg['epochs']} epochs on {world} workers")
 
-    model = modellib.load_model(cfg["model"], tokenizer, plat, cfg["seed"])
-    arch = ckptlib.architecture(model)
-    if cfg["resume_from"]:
-        try:
-            ckptlib.check_architecture(cfg["resume_from"], cfg["resume_manifest"], arch, cfg["model"])
-        except ckptlib.ResumeError as e:
-            if rank == 0:
-                reporter.training(message=str(e))
-                reporter.close()
-            raise
-    if rank == 0:
-        ckptlib.write_run_manifest(cfg["run_dir"], {
-            "model": cfg["model"], "architecture": arch, "namespace": cfg["cr_namespace"],
-            "name": cfg["cr_name"], "resumeFrom": cfg["resume_from"] or None})
-    mesh = init_device_mesh(plat.device_type, (world,))
-    params = modellib.shard(model, mesh, plat, device)
-    opt = torch.optim.AdamW(params, lr=cfg["learning_rate"], weight_decay=0.01)
+def train_loop(config: dict) -> None:
+    """One training worker: setup, restore, train (steps, reports, checkpoints), finish (export)."""
+    run = _Run(TrainConfig.from_dict(config))
+    run.restore()
+    run.train()
+    run.finish()
 
-    step, resumed_from = 0, -1
-    last_ckpt, message, source = "", None, ""
-    last_metrics: dict = {}  # status.training metrics of the latest report, restored with a checkpoint
-    # This run's own newest committed checkpoint first: Ray's registered one (get_checkpoint) can
-    # be older when a worker died before the controller polled the last report. An earlier run's
-    # (--resume-from) only when this run has none yet.
-    latest = ckptlib.find_latest_committed(cfg["run_dir"])
-    ckpt = Checkpoint(latest, filesystem=ckptlib.filesystem(latest)) if latest else ray.train.get_checkpoint()
-    if ckpt is None and cfg["resume_from"]:
-        latest = cfg["resume_from"]
-        ckpt = Checkpoint(latest, filesystem=ckptlib.filesystem(latest))
-    if ckpt is not None:
-        source = latest or ckpt.path
+
+class _Run:
+    """One worker's training run: what setup builds, and the progress the loop moves forward."""
+
+    def __init__(self, cfg: TrainConfig):
+        import torch
+
+        self.cfg = cfg
+        ctx = ray.train.get_context()
+        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        self.plat = PLATFORMS[cfg.platform]
+        load_backend(self.plat)
+        self.device = ray.train.torch.get_device()
+        self.faults = faultlib.parse_faults(cfg.fault)
+        self.reporter = BackgroundReporter(StatusReporter(cfg.cr_namespace, cfg.cr_name) if self.rank == 0
+                                           else StatusReporter("", ""))
+        self.throttle = Throttle(cfg.status_every_s)
+        torch.manual_seed(cfg.seed)
+        self._data()
+        self._model()
+        # progress: restored from a checkpoint, moved by the loop
+        self.step, self.resumed_from = 0, -1
+        self.last_ckpt, self.message, self.source = "", None, ""
+        self.last_metrics: dict = {}  # status.training metrics of the latest report, restored with a checkpoint
+
+    def _data(self) -> None:
+        from tpuft_workload import model as modellib
+
+        cfg = self.cfg
+        self.tokenizer = modellib.load_tokenizer(cfg.model)
+        records = datalib.load_records(cfg.dataset, cfg.dataset_split)
+        self.blocks = datalib.build_blocks(self.tokenizer, records, cfg.max_seq_length, cfg.packing)
+        self.spe = datalib.steps_per_epoch(len(self.blocks), self.world, cfg.batch_size_per_device)
+        # fail early if too small
+        datalib.rank_batches(len(self.blocks), self.world, self.rank, cfg.batch_size_per_device, 0, cfg.seed)
+        self.total_steps = self.spe * cfg.epochs
+        if self.rank == 0:
+            _say(f"[tpuft] {len(records)} examples -> {len(self.blocks)} rows of {cfg.max_seq_length} tokens "
+                 f"({'packed' if cfg.packing else 'padded'}, pad fraction {datalib.pad_fraction(self.blocks):.1%}); "
+                 f"{self.spe} steps/epoch x {cfg.epochs} epochs on {self.world} workers")
+
+    def _model(self) -> None:
+        import torch
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from tpuft_workload import model as modellib
+
+        cfg = self.cfg
+        self.model = modellib.load_model(cfg.model, self.tokenizer, self.plat, cfg.seed)
+        arch = ckptlib.architecture(self.model)
+        if cfg.resume_from:
+            try:
+                ckptlib.check_architecture(cfg.resume_from, cfg.resume_manifest, arch, cfg.model)
+            except ckptlib.ResumeError as e:
+                if self.rank == 0:
+                    self.reporter.training(message=str(e))
+                    self.reporter.close()
+                raise
+        if self.rank == 0:
+            ckptlib.write_run_manifest(cfg.run_dir, {
+                "model": cfg.model, "architecture": arch, "namespace": cfg.cr_namespace,
+                "name": cfg.cr_name, "resumeFrom": cfg.resume_from or None})
+        mesh = init_device_mesh(self.plat.device_type, (self.world,))
+        self.params = modellib.shard(self.model, mesh, self.plat, self.device)
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=0.01)
+
+    # --- restore ------------------------------------------------------------------------------------
+    def restore(self) -> None:
+        """This run's own newest committed checkpoint first: Ray's registered one (get_checkpoint)
+        can be older when a worker died before the controller polled the last report. An earlier
+        run's (--resume-from) only when this run has none yet."""
+        from ray.train import Checkpoint
+
+        cfg = self.cfg
+        latest = ckptlib.find_latest_committed(cfg.run_dir)
+        ckpt = Checkpoint(latest, filesystem=ckptlib.filesystem(latest)) if latest else ray.train.get_checkpoint()
+        if ckpt is None and cfg.resume_from:
+            latest = cfg.resume_from
+            ckpt = Checkpoint(latest, filesystem=ckptlib.filesystem(latest))
+        if ckpt is None:
+            return
+        self.source = latest or ckpt.path
         with ckpt.as_directory() as d:
-            state = ckptlib.load(model, opt, d)
-        step, resumed_from, last_ckpt = int(state["step"]), int(state["step"]), state.get("path", "")
-        last_metrics, message = dict(state.get("metrics") or {}), _resume_message(step, total_steps, source)
-        if rank == 0:
-            _say(f"[tpuft] {message}")
+            state = ckptlib.load(self.model, self.opt, d)
+        self.step, self.resumed_from, self.last_ckpt = int(state["step"]), int(state["step"]), state.get("path", "")
+        self.last_metrics = dict(state.get("metrics") or {})
+        self.message = _resume_message(self.step, self.total_steps, self.source)
+        if self.rank == 0:
+            _say(f"[tpuft] {self.message}")
+        epoch = min(self.step // self.spe + 1, cfg.epochs) if self.spe else cfg.epochs
+        self.status(True, epoch=epoch, step=self.step, resumedFrom=self.source, resumedFromStep=self.step,
+                    message=self.message, lastCheckpoint=self.last_ckpt or None, **self.last_metrics)
 
-    def status(force: bool, **fields) -> None:
-        if rank == 0 and reporter.enabled and throttle.ready(force):
-            reporter.training(epochs=cfg["epochs"], totalSteps=total_steps, **fields)
+    # --- report -------------------------------------------------------------------------------------
+    def status(self, force: bool, **fields) -> None:
+        """status.training of the TPUFinetune (rank 0, throttled unless forced)."""
+        if self.rank == 0 and self.reporter.enabled and self.throttle.ready(force):
+            self.reporter.training(epochs=self.cfg.epochs, totalSteps=self.total_steps, **fields)
 
-    if ckpt is not None:
-        status(True, epoch=min(step // spe + 1, cfg["epochs"]) if spe else cfg["epochs"], step=step,
-               resumedFrom=source, resumedFromStep=step, message=message, lastCheckpoint=last_ckpt or None,
-               **last_metrics)
+    def report(self, metrics: dict, save: bool) -> None:
+        """ray.train.report, with a sharded checkpoint when `save` (committed once every rank's
+        shards are uploaded)."""
+        import torch
+        from ray.train import Checkpoint
 
-    def report(metrics: dict, save: bool) -> None:
-        nonlocal last_ckpt, last_metrics
-        last_metrics = _status_metrics(metrics)
-        metrics = {**metrics, "step": step, "total_steps": total_steps, "resumed_from_step": resumed_from}
+        self.last_metrics = _status_metrics(metrics)
+        metrics = {**metrics, "step": self.step, "total_steps": self.total_steps,
+                   "resumed_from_step": self.resumed_from}
         if not save:
             ray.train.report(metrics)
             return
-        name = _ckpt_name(step)
-        path = ckptlib.join(cfg["run_dir"], name)
+        name = _ckpt_name(self.step)
+        path = ckptlib.join(self.cfg.run_dir, name)
         with tempfile.TemporaryDirectory() as tmp:
-            ckptlib.save(model, opt, {"step": step, "epoch": metrics.get("epoch"), "path": path,
-                                      "metrics": last_metrics}, tmp, rank)
+            ckptlib.save(self.model, self.opt, {"step": self.step, "epoch": metrics.get("epoch"), "path": path,
+                                                "metrics": self.last_metrics}, tmp, self.rank)
             ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp), checkpoint_dir_name=name)
         torch.distributed.barrier()  # every rank's shards are uploaded
-        if rank == 0:
+        if self.rank == 0:
             ckptlib.mark_committed(path)
-        last_ckpt = path
+        self.last_ckpt = path
 
-    every_ckpt, every_rep = cfg["checkpoint_every_steps"], cfg["report_every_steps"]
-    model.train()
-    for epoch in range(step // spe if spe else 0, cfg["epochs"]):
-        batches = datalib.rank_batches(len(blocks), world, rank, bsz, epoch, cfg["seed"])
-        epoch_win, win = _Window(device), _Window(device)
-        for i in range(step - epoch * spe, spe):
-            _maybe_kill(faults, rank, step + 1, cfg["run_dir_local"])
-            batch = {k: v.to(device) for k, v in datalib.collate(blocks, batches[i]).items()}
-            out = model(**batch)
-            out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            step += 1
-            real = sum(blocks[j].n_real for j in batches[i])
+    # --- train ----------------------------------------------------------------------------------------
+    def train(self) -> None:
+        self.model.train()
+        for epoch in range(self.step // self.spe if self.spe else 0, self.cfg.epochs):
+            self._epoch(epoch)
+
+    def _step(self, batch: list[int]) -> tuple:
+        """One optimizer step on `batch` (row indices); (loss, real tokens)."""
+        import torch
+
+        _maybe_kill(self.faults, self.rank, self.step + 1, self.cfg.run_dir_local)
+        inputs = {k: v.to(self.device) for k, v in datalib.collate(self.blocks, batch).items()}
+        out = self.model(**inputs)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1
+        return out.loss, sum(self.blocks[j].n_real for j in batch)
+
+    def _epoch(self, epoch: int) -> None:
+        cfg, spe, bsz = self.cfg, self.spe, self.cfg.batch_size_per_device
+        every_ckpt, every_rep = cfg.checkpoint_every_steps, cfg.report_every_steps
+        batches = datalib.rank_batches(len(self.blocks), self.world, self.rank, bsz, epoch, cfg.seed)
+        epoch_win, win = _Window(self.device), _Window(self.device)
+        for i in range(self.step - epoch * spe, spe):
+            loss, real = self._step(batches[i])
             for w in (win, epoch_win):
-                w.add(out.loss, real, bsz * cfg["max_seq_length"])
-            end_of_epoch = i == spe - 1
-            if end_of_epoch:
+                w.add(loss, real, bsz * cfg.max_seq_length)
+            if i == spe - 1:  # the end of the epoch reports below
                 break
-            save = bool(every_ckpt) and step % every_ckpt == 0
-            if step % every_rep == 0 or save:
+            save = bool(every_ckpt) and self.step % every_ckpt == 0
+            if self.step % every_rep == 0 or save:
                 paused = time.perf_counter()
                 m = win.reduce()
-                if rank == 0:
-                    _say(f"Epoch {epoch + 1}/{cfg['epochs']} | step {step}/{total_steps} | loss={m['loss']:.4f} | "
-                         f"step_time={m['step_time_s']:.3f}s | tokens/s={m['tokens_per_s']:.1f} | "
-                         f"padded_tokens/s={m['padded_tokens_per_s']:.1f}")
-                report({"epoch": epoch + 1, **m}, save)
-                status(save, epoch=epoch + 1, step=step, lastCheckpoint=last_ckpt or None, **last_metrics)
+                if self.rank == 0:
+                    _say(f"Epoch {epoch + 1}/{cfg.epochs} | step {self.step}/{self.total_steps} | "
+                         f"loss={m['loss']:.4f} | step_time={m['step_time_s']:.3f}s | "
+                         f"tokens/s={m['tokens_per_s']:.1f} | padded_tokens/s={m['padded_tokens_per_s']:.1f}")
+                self.report({"epoch": epoch + 1, **m}, save)
+                self.status(save, epoch=epoch + 1, step=self.step, lastCheckpoint=self.last_ckpt or None,
+                            **self.last_metrics)
                 # Reports and checkpoints are not training time: a report waits for the controller
                 # to poll the previous one (result queue of size 1, polled every 2 s). Rates leave
                 # them out (the seed's epoch timer also stops before its checkpoint); epoch_time
                 # is the wall clock.
                 epoch_win.excluded += time.perf_counter() - paused
-                win = _Window(device)
+                win = _Window(self.device)
         m = epoch_win.reduce()
-        if rank == 0:
-            _say(f"Epoch {epoch + 1}/{cfg['epochs']} | loss={m['loss']:.4f} | epoch_time={m['seconds']:.2f}s | "
+        if self.rank == 0:
+            _say(f"Epoch {epoch + 1}/{cfg.epochs} | loss={m['loss']:.4f} | epoch_time={m['seconds']:.2f}s | "
                  f"tokens/s={m['tokens_per_s']:.1f} | padded_tokens/s={m['padded_tokens_per_s']:.1f} | "
                  f"pad={m['pad_fraction']:.1%}")
-        report({"epoch": epoch + 1, "epoch_loss": m["loss"], "epoch_time_s": m["seconds"], **m}, True)
-        status(True, epoch=epoch + 1, step=step, lastCheckpoint=last_ckpt, **last_metrics)
+        self.report({"epoch": epoch + 1, "epoch_loss": m["loss"], "epoch_time_s": m["seconds"], **m}, True)
+        self.status(True, epoch=epoch + 1, step=self.step, lastCheckpoint=self.last_ckpt, **self.last_metrics)
 
-    # bf16 export on accelerators (the dtype the model trains in); fp32 on CPU
-    exported = ckptlib.export_hf(model, tokenizer, cfg["export_uri"], rank,
-                                 dtype=torch.bfloat16 if plat.mixed_precision else None)
-    summary = {"step": step, "totalSteps": total_steps, "resumedFromStep": resumed_from,
-               "lastCheckpoint": last_ckpt, "exportedModel": exported, **last_metrics,
-               **({"resumedFrom": source, "message": message} if source else {})}
-    if rank == 0:
-        _say(f"[tpuft] exported Hugging Face model to {exported}")
-        status(True, epoch=cfg["epochs"], step=step, lastCheckpoint=last_ckpt, exportedModel=exported,
-               **last_metrics)
-        # Result.metrics is the latest *checkpoint's* metrics (maybe from an earlier attempt):
-        # this file is what the final attempt actually did.
-        ckptlib.write_json(ckptlib.join(cfg["run_dir"], SUMMARY), summary)
-    reporter.close()
+    # --- finish ---------------------------------------------------------------------------------------
+    def finish(self) -> None:
+        import torch
+
+        cfg = self.cfg
+        # bf16 export on accelerators (the dtype the model trains in); fp32 on CPU
+        exported = ckptlib.export_hf(self.model, self.tokenizer, cfg.export_uri, self.rank,
+                                     dtype=torch.bfloat16 if self.plat.mixed_precision else None)
+        summary = {"step": self.step, "totalSteps": self.total_steps, "resumedFromStep": self.resumed_from,
+                   "lastCheckpoint": self.last_ckpt, "exportedModel": exported, **self.last_metrics,
+                   **({"resumedFrom": self.source, "message": self.message} if self.source else {})}
+        if self.rank == 0:
+            _say(f"[tpuft] exported Hugging Face model to {exported}")
+            self.status(True, epoch=cfg.epochs, step=self.step, lastCheckpoint=self.last_ckpt,
+                        exportedModel=exported, **self.last_metrics)
+            # Result.metrics is the latest *checkpoint's* metrics (maybe from an earlier attempt):
+            # this file is what the final attempt actually did.
+            ckptlib.write_json(ckptlib.join(cfg.run_dir, SUMMARY), summary)
+        self.reporter.close()
 
 
 def build_trainer(args, target: Target, fault_spec: str = ""):
+    """(TorchTrainer, its train_loop_config as a dict: TrainConfig.as_dict)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
     from tpuft.constants import ENV_CR_NAME, ENV_CR_NAMESPACE, RAY_TPU_RESOURCE_PER_CHIP_ENV
@@ -286,19 +374,18 @@ def build_trainer(args, target: Target, fault_spec: str = ""):
         scaling = ScalingConfig(num_workers=target.world_size, use_gpu=True)
     else:
         scaling = ScalingConfig(num_workers=target.world_size, resources_per_worker={"CPU": 1})
-    cfg = {
-        "platform": plat.kind, "model": args.model, "dataset": args.dataset, "dataset_split": args.dataset_split,
-        "epochs": args.epochs, "batch_size_per_device": args.batch_size_per_device,
-        "max_seq_length": args.max_seq_length, "learning_rate": args.learning_rate, "packing": args.packing,
-        "checkpoint_every_steps": args.checkpoint_every_steps, "report_every_steps": args.report_every_steps,
-        "seed": args.seed, "fault": fault_spec, "run_dir": run_dir,
-        "run_dir_local": run_dir if "://" not in run_dir else "",
-        "export_uri": ckptlib.join(run_dir, ckptlib.EXPORT_DIR),
-        "resume_from": resume_from, "resume_manifest": resume_manifest,
-        # Workers run on other pods: pass the CR identity explicitly, not via their environment.
-        "cr_namespace": os.environ.get(ENV_CR_NAMESPACE, ""), "cr_name": os.environ.get(ENV_CR_NAME, ""),
-        "status_every_s": float(os.environ.get("TPUFT_STATUS_EVERY_S", "10")),
-    }
+    cfg = TrainConfig(
+        platform=plat.kind, model=args.model, dataset=args.dataset, dataset_split=args.dataset_split,
+        epochs=args.epochs, batch_size_per_device=args.batch_size_per_device,
+        max_seq_length=args.max_seq_length, learning_rate=args.learning_rate, packing=args.packing,
+        checkpoint_every_steps=args.checkpoint_every_steps, report_every_steps=args.report_every_steps,
+        seed=args.seed, fault=fault_spec, run_dir=run_dir,
+        run_dir_local=run_dir if "://" not in run_dir else "",
+        export_uri=ckptlib.join(run_dir, ckptlib.EXPORT_DIR),
+        resume_from=resume_from, resume_manifest=resume_manifest,
+        cr_namespace=os.environ.get(ENV_CR_NAMESPACE, ""), cr_name=os.environ.get(ENV_CR_NAME, ""),
+        status_every_s=float(os.environ.get("TPUFT_STATUS_EVERY_S", "10")),
+    ).as_dict()
     return TorchTrainer(
         train_loop_per_worker=train_loop,
         train_loop_config=cfg,
