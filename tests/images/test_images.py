@@ -13,7 +13,6 @@ import struct
 import subprocess
 import tarfile
 import time
-from pathlib import Path
 
 import pytest
 import yaml
