@@ -28,20 +28,35 @@ def helm(cluster, *args: str, check: bool = True) -> subprocess.CompletedProcess
     return res
 
 
-def install(cluster, timeout: float = 180) -> None:
-    """helm upgrade --install (idempotent), then wait until the operator pod is Ready."""
+def install(cluster, restart: bool = False, timeout: float = 240) -> None:
+    """helm upgrade --install (idempotent), then wait until the operator pod is Ready.
+    restart: a new image was imported under the same tag; roll the Deployment onto it."""
     helm(cluster, "upgrade", "--install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--create-namespace")
+    if restart:
+        cluster.cp.kubectl("rollout", "restart", f"deployment/{RELEASE}", "-n", NAMESPACE, check=True)
+        cluster.cp.kubectl("rollout", "status", f"deployment/{RELEASE}", "-n", NAMESPACE, f"--timeout={int(timeout)}s")
     end = time.monotonic() + timeout
     last = ""
     while time.monotonic() < end:
-        res = cluster.cp.kubectl("get", "pods", "-n", NAMESPACE, "-l", f"app.kubernetes.io/instance={RELEASE}",
-                                 "-o", "json")
-        pods = json.loads(res.stdout).get("items", []) if res.returncode == 0 else []
-        if any(_ready(p) for p in pods):
+        pods = _pods(cluster)
+        if any(_ready(p) for p in pods) and not any(p["metadata"].get("deletionTimestamp") for p in pods):
             return
         last = "; ".join(_describe(p) for p in pods) or "no pod yet"
         time.sleep(1)
     raise ChartError(f"the operator pod in {NAMESPACE} is not Ready after {timeout:.0f} s: {last}")
+
+
+def describe(cluster) -> str:
+    """One line for `tpuft cluster status`: the operator's pods and whether they are Ready."""
+    pods = _pods(cluster)
+    if not pods:
+        return "not installed (helm)"
+    return "; ".join(("pod " + _describe(p) + (" Ready" if _ready(p) else " NOT Ready")) for p in pods)
+
+
+def _pods(cluster) -> list[dict]:
+    res = cluster.cp.kubectl("get", "pods", "-n", NAMESPACE, "-l", f"app.kubernetes.io/instance={RELEASE}", "-o", "json")
+    return json.loads(res.stdout).get("items", []) if res.returncode == 0 else []
 
 
 def _ready(pod: dict) -> bool:

@@ -72,6 +72,7 @@ class LocalCluster:
         self.logs = self.state / "logs"
         self.socket = self.state / "containerd" / "containerd.sock"
         self._procs: dict[str, subprocess.Popen] = {}
+        self._fresh_images: set[str] = set()  # imported by this `up`: their pods must restart
 
     # ----- finding what runs -------------------------------------------------------------------------
     def pid(self, comp: Component) -> int | None:
@@ -149,8 +150,9 @@ class LocalCluster:
     def _load_images(self, built: dict, only: tuple[str, ...]) -> None:
         from tpuft_local import images
         for name in only:
-            if name in built:
-                images.load_into_containerd(built[name], self.socket)
+            if name in built and images.load_into_containerd(built[name], self.socket):
+                _say(f"imported {built[name].ref} into the node's containerd")
+                self._fresh_images.add(name)
 
     def _containerd(self) -> None:
         root = self.state / "containerd"
@@ -268,7 +270,7 @@ class LocalCluster:
             return
         if self.operator_mode == "helm":
             from tpuft_local import chart
-            chart.install(self)
+            chart.install(self, restart="operator" in self._fresh_images)
             return
         kubeconfig = self.kubeconfig
         port = free_port()
@@ -311,7 +313,7 @@ class LocalCluster:
 
     def _drain_pods(self, timeout: float = 90) -> None:
         """Delete every pod and wait (bounded) until the kubelet has stopped their sandboxes."""
-        if not self.cp.ready() or self.pid(_comp("kubelet")) is None:
+        if self.cp._get("/readyz")[0] != 200 or self.pid(_comp("kubelet")) is None:
             return
         self.cp.kubectl("delete", "pods", "--all", "--all-namespaces", "--grace-period=1", "--wait=false")
         end = time.monotonic() + timeout
@@ -333,8 +335,10 @@ class LocalCluster:
     def status_lines(self) -> tuple[list[str], bool]:
         pids = self.component_pids()
         lines = [f"{name:<24} {'pid ' + str(pid) if pid else 'not running'}" for name, pid in pids.items()]
-        ok = all(pid for name, pid in pids.items() if name not in ("tpu-webhook", "tpufinetune-operator"))
-        ok = ok and self.cp.ready()
+        ok = all(pid for name, pid in pids.items() if name != "tpufinetune-operator") and self.cp.ready()
+        if ok and not pids.get("tpufinetune-operator"):
+            from tpuft_local import chart
+            lines[-1] = f"{'tpufinetune-operator':<24} {chart.describe(self)}"
         if ok:
             res = self.cp.kubectl("get", "nodes", "-o", "json")
             nodes = json.loads(res.stdout).get("items", []) if res.returncode == 0 else []

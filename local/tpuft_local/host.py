@@ -144,13 +144,19 @@ def set_sysctls(journal: Journal) -> None:
 
 # ----- bridge, route, guard rules ----------------------------------------------------------------
 def ensure_bridge(journal: Journal, net: Network) -> None:
-    if _run("ip", "link", "show", net.bridge, check=False).returncode != 0:
+    exists = _run("ip", "link", "show", net.bridge, check=False).returncode == 0
+    if exists and net.bridge not in journal.links:
+        # Not ours (another state dir's cluster, or something else): never adopt it, since
+        # our `down` would then remove what another owner still uses.
+        raise HostError(f"the bridge {net.bridge} exists but this cluster ({journal.path.parent}) did not create it: "
+                        "another local cluster runs (stop it with `tpuft cluster down --state-dir ...`), "
+                        f"or remove it with `ip link del {net.bridge}` if nothing uses it")
+    if not exists:
         check_free(net)
         _run("ip", "link", "add", net.bridge, "type", "bridge")
-        _say(f"created bridge {net.bridge} ({net.gateway}/{net.pod_cidr.split('/')[1]})")
-    if net.bridge not in journal.links:
         journal.links.append(net.bridge)
         journal.save()
+        _say(f"created bridge {net.bridge} ({net.gateway}/{net.pod_cidr.split('/')[1]})")
     prefix = net.pod_cidr.split("/")[1]
     if f"inet {net.gateway}/" not in _run("ip", "-4", "addr", "show", "dev", net.bridge).stdout:
         _run("ip", "addr", "add", f"{net.gateway}/{prefix}", "dev", net.bridge)
@@ -160,9 +166,9 @@ def ensure_bridge(journal: Journal, net: Network) -> None:
     _run("ip", "link", "set", net.bridge, "up")
     if f"blackhole {net.fake_pod_cidr}" not in _run("ip", "-4", "route", "show", "type", "blackhole").stdout:
         _run("ip", "route", "add", "blackhole", net.fake_pod_cidr)
-    if net.fake_pod_cidr not in journal.routes:
-        journal.routes.append(net.fake_pod_cidr)
-        journal.save()
+        if net.fake_pod_cidr not in journal.routes:
+            journal.routes.append(net.fake_pod_cidr)
+            journal.save()
 
 
 def guard_rules(net: Network) -> list[list[str]]:
@@ -180,9 +186,9 @@ def ensure_guard(journal: Journal, net: Network) -> None:
     """(Re)write the guard chain and keep it first in INPUT and FORWARD (kube-proxy inserts its own)."""
     if _run("iptables", "-w", "-n", "-L", GUARD_CHAIN, check=False).returncode != 0:
         _run("iptables", "-w", "-N", GUARD_CHAIN)
-    if GUARD_CHAIN not in journal.chains:
-        journal.chains.append(GUARD_CHAIN)
-        journal.save()
+        if GUARD_CHAIN not in journal.chains:
+            journal.chains.append(GUARD_CHAIN)
+            journal.save()
     _run("iptables", "-w", "-F", GUARD_CHAIN)
     for rule in guard_rules(net):
         _run("iptables", "-w", "-A", GUARD_CHAIN, *rule)

@@ -594,6 +594,8 @@ def ensure_images(names: Iterable[str] = tuple(Image), progress: Progress = prin
             out[name] = _export(lay, name, ref, found, inputs, progress, built)
             verb = "built" if built else "cached"
             progress(f"{name}: {ref} {found.size_bytes / 1e6:.1f} MB, {verb}, {time.monotonic() - start:.1f} s")
+        # A rebuilt image leaves its predecessor untagged (<none>): gigabytes per workload rebuild.
+        buildah("rmi", "--prune", lay=lay, check=False)
     return out
 
 
@@ -676,9 +678,15 @@ def containerd_config_digest(ref: str, socket_path: str, namespace: str = "k8s.i
 def load_into_containerd(image_ref: ImageRef, socket_path: str, namespace: str = "k8s.io") -> bool:
     """Import `image_ref`'s archive unless containerd already holds that image at that
     content hash. True when it imported."""
-    if containerd_config_digest(image_ref.ref, socket_path, namespace) == image_ref.config_digest:
+    previous = containerd_config_digest(image_ref.ref, socket_path, namespace)
+    if previous == image_ref.config_digest:
         return False
     _ctr(socket_path, namespace, "images", "import", str(image_ref.archive))
+    if previous:
+        # The kubelet's CRI keeps an image record named by the old config digest; without it
+        # removed, every rebuild leaves another 6 GB workload image in containerd. Content a
+        # running container still uses stays (containerd's GC keeps what snapshots reference).
+        _ctr(socket_path, namespace, "images", "rm", previous, check=False)
     now = containerd_config_digest(image_ref.ref, socket_path, namespace)
     if now != image_ref.config_digest:
         raise ImageError(f"imported {image_ref.archive}, but containerd lists {image_ref.ref} at config {now}, "
