@@ -20,7 +20,6 @@ marker (`pytest -m "not integration"` runs the rest).
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import subprocess
 import time

@@ -61,7 +61,7 @@ NODE_COMPONENTS = (
 
 class LocalCluster:
     def __init__(self, state_dir: Path | None = None, *, net: Network | None = None, tpu_pools=pools.DEFAULT_POOLS,
-                 operator: str = "source", die_with_parent: bool = False):
+                 operator: str = "helm", die_with_parent: bool = False):
         self.state = Path(state_dir or default_state_dir()).resolve()
         self.net = net or from_env(dict(os.environ))
         self.tpu_pools = tuple(tpu_pools)
@@ -138,6 +138,7 @@ class LocalCluster:
         self._webhook()
         self.cp.install_crds(sorted((REPO / "crds").glob("*.yaml")))
         self._load_images(built, only=("workload", "operator"))
+        self._wait_node_lists([built[n].ref for n in ("workload", "operator") if n in built])
         self._operator()
         _say(f"cluster up in {time.monotonic() - t0:.0f} s; kubeconfig: {self.kubeconfig}")
         return self
@@ -194,6 +195,19 @@ class LocalCluster:
             f"--root-dir={self.state}/kubelet", f"--hostname-override={node.NODE_NAME}",
             f"--node-ip={self.net.gateway}", f"--node-labels={labels}", "--v=1"],
             lambda: self._node_ready(node.NODE_NAME), timeout=120)
+
+    def _wait_node_lists(self, refs: list[str], timeout: float = 120) -> None:
+        """Wait until the kubelet reports `refs` in the node's status.images: the scheduler's
+        ImageLocality scores from that list, and the CPU example's pods must go to this node."""
+        def listed() -> bool:
+            res = self.cp.kubectl("get", "node", node.NODE_NAME, "-o", "json")
+            images = json.loads(res.stdout).get("status", {}).get("images") or [] if res.returncode == 0 else []
+            names = {n for img in images for n in img.get("names", [])}
+            return all(r in names for r in refs)
+        try:
+            procs.wait_for(listed, f"the kubelet to list {', '.join(refs)}", timeout, self.logs / "kubelet.log")
+        except RuntimeError as e:
+            raise ClusterError(str(e)) from None
 
     def _node_ready(self, name: str) -> bool:
         res = self.cp.kubectl("get", "node", name, "-o", "json")
@@ -277,7 +291,7 @@ class LocalCluster:
         env = dict(os.environ, KUBECONFIG=str(kubeconfig), TPUFT_METRICS_PORT="0")
         self._start("tpufinetune-operator", [
             sys.executable, "-m", "kopf", "run", "--standalone", "-m", "tpuft.handlers", "--all-namespaces",
-            f"--liveness=http://127.0.0.1:{port}/healthz", f"--log-format=plain"],
+            f"--liveness=http://127.0.0.1:{port}/healthz", "--log-format=plain"],
             lambda: _http_ok(f"http://127.0.0.1:{port}/healthz"), timeout=90, env=env)
 
     # ----- down ----------------------------------------------------------------------------------------

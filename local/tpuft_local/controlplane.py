@@ -18,10 +18,8 @@ Top-level imports are stdlib only.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import shutil
 import signal
 import socket
 import ssl
@@ -387,15 +385,20 @@ class ControlPlane:
 
 
 def scheduler_config(kubeconfig: Path) -> dict:
-    """kube-scheduler's configuration. The one change from the defaults: ImageLocality weighs
-    50 (default 1), so a pod whose image the real node holds goes there whenever it fits,
-    and only pods too big for it (a TPU slice's 4-CPU Ray head) land on the simulated
-    CPU-pool node, where nothing can run. Deterministic: the real node scores 100 x 50 on
-    ImageLocality against at most 100 x 13 from all the other plugins together."""
+    """kube-scheduler's configuration. Two changes from the defaults, so that a pod goes to
+    the real node whenever it fits there, and only pods too big for it (a TPU slice's 4-CPU Ray
+    head) land on the simulated CPU-pool node, where nothing can run:
+    - ImageLocality weighs 50 (default 1): the real node holds the images, KWOK nodes none;
+    - NodeResourcesFit scores MostAllocated (bin packing, as GKE's optimize-utilization profile
+      does) instead of LeastAllocated, which would favour the big, empty simulated node."""
     return {"apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration",
             "clientConnection": {"kubeconfig": str(kubeconfig)}, "leaderElection": {"leaderElect": False},
-            "profiles": [{"schedulerName": "default-scheduler", "plugins": {"score": {"enabled": [
-                {"name": "ImageLocality", "weight": 50}]}}}]}
+            "profiles": [{"schedulerName": "default-scheduler",
+                          "plugins": {"score": {"enabled": [{"name": "ImageLocality", "weight": 50},
+                                                            {"name": "NodeResourcesFit", "weight": 10}]}},
+                          "pluginConfig": [{"name": "NodeResourcesFit", "args": {"scoringStrategy": {
+                              "type": "MostAllocated",
+                              "resources": [{"name": "cpu", "weight": 1}, {"name": "memory", "weight": 1}]}}}]}]}
 
 
 def _tail(path: Path, lines: int = 30) -> str:

@@ -96,9 +96,7 @@ def _node(name: str, pool: str, machine_type: str, labels: dict, taints: list, e
                                 "node.kubernetes.io/instance-type": machine_type, POOL_LABEL: pool, "type": "kwok",
                                 **labels}},
         "spec": {"taints": taints},
-        "status": {"capacity": capacity, "allocatable": allocatable,
-                   "nodeInfo": {"architecture": "amd64", "operatingSystem": "linux", "kubeletVersion": "fake",
-                                "containerRuntimeVersion": "kwok"}},
+        "status": {"capacity": capacity, "allocatable": allocatable},
     }
 
 

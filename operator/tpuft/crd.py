@@ -175,7 +175,8 @@ def spec_schema() -> dict:
                            "description": "A volume mounted at storagePath in every Ray pod, for a storagePath that "
                                           "is a path: exactly one Kubernetes volume source (a Filestore "
                                           "persistentVolumeClaim, the GCS FUSE csi driver, nfs, or a hostPath).",
-                           "properties": {src: {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+                           "properties": {src: {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                                                "description": f"A Kubernetes {src} volume source (core/v1 Volume)."}
                                           for src in CHECKPOINT_VOLUME_SOURCES}},
             }, required=["storagePath"]),
             "hfTokenSecret": _obj("Secret holding a Hugging Face token. Passed to pods only by secretKeyRef; the "

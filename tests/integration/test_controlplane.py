@@ -13,7 +13,6 @@ import yaml
 from tpuft_local import toolchain
 from tests.paths import KUBERAY_REF
 from tests.waiting import wait_until
-from tpuft_local.controlplane import ControlPlane
 
 
 
@@ -103,31 +102,6 @@ def test_raycluster_sample_accepted_by_server_dry_run(namespace, kubectl):
     bad["spec"]["workerGroupSpecs"][0]["replicas"] = "sixteen"
     res = kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input=yaml.safe_dump(bad))
     assert res.returncode != 0 and "replicas" in res.stderr, res
-
-
-def test_cli_up_status_kubectl_down(tmp_path):
-    env = dict(os.environ, TPUFT_HOME=str(tmp_path))
-
-    def tpuft(*args):
-        return subprocess.run([sys.executable, "-m", "tpuft.cli", "cluster", *args], env=env,
-                              capture_output=True, text=True, timeout=300)
-
-    try:
-        up = tpuft("up")
-        assert up.returncode == 0, up.stderr
-        assert tpuft("status").returncode == 0  # still running after the `up` process exited
-        kubeconfig = tpuft("kubeconfig").stdout.strip()
-        assert kubeconfig == str(tmp_path / "cluster" / "kubeconfig")
-        res = tpuft("kubectl", "--", "get", "rayclusters", "-A")
-        assert res.returncode == 0, res.stderr
-        assert f"export KUBECONFIG={kubeconfig}" in tpuft("env").stdout
-        again = tpuft("up")  # idempotent
-        assert again.returncode == 0 and "already running" in again.stderr, again.stderr
-    finally:
-        down = tpuft("down")
-    assert down.returncode == 0, down.stderr
-    assert ControlPlane(tmp_path / "cluster").pids() == {}
-    assert tpuft("status").returncode == 1
 
 
 def test_fresh_control_plane_is_separate(fresh_control_plane, control_plane, namespace):

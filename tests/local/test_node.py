@@ -48,3 +48,5 @@ def test_scheduler_prefers_the_node_that_holds_the_image():
     cfg = scheduler_config(Path("/k"))
     (profile,) = cfg["profiles"]
     assert {"name": "ImageLocality", "weight": 50} in profile["plugins"]["score"]["enabled"]
+    (fit,) = profile["pluginConfig"]
+    assert fit["args"]["scoringStrategy"]["type"] == "MostAllocated"

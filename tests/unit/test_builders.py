@@ -277,3 +277,18 @@ def test_suspend_suspends_the_cluster():
 def test_yaml_has_no_aliases():
     text = yaml.safe_dump_all(render(MINIMUM))
     assert "&id" not in text and "*id" not in text
+
+
+def test_checkpoint_volume_is_mounted_at_storage_path_on_head_and_workers():
+    doc = with_("spec.checkpoint.storagePath", "/mnt/ckpt")
+    doc = with_("spec.checkpoint.volume", {"persistentVolumeClaim": {"claimName": "filestore"}}, base=doc)
+    rc = builders.build_raycluster(parse(doc))
+    for pod in (rc["spec"]["headGroupSpec"]["template"]["spec"], rc["spec"]["workerGroupSpecs"][0]["template"]["spec"]):
+        assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "filestore"}} in pod["volumes"]
+        assert {"name": "checkpoints", "mountPath": "/mnt/ckpt"} in pod["containers"][0]["volumeMounts"]
+
+
+def test_no_checkpoint_volume_without_the_field():
+    rc = builders.build_raycluster(parse(MINIMUM))
+    head = rc["spec"]["headGroupSpec"]["template"]["spec"]
+    assert "volumes" not in head and "volumeMounts" not in head["containers"][0]

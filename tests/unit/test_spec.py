@@ -130,3 +130,22 @@ def test_resume_from_accepts_what_the_storage_layer_reads(uri):
     assert parse(with_("spec.checkpoint.resumeFrom", uri)).spec.checkpoint.resume_from == uri
     assert parse(MINIMUM).spec.checkpoint.resume_from is None
 
+
+
+@pytest.mark.parametrize("volume,message", [
+    ({"emptyDir": {}}, "must name exactly one volume source of persistentVolumeClaim, csi, nfs, hostPath"),
+    ({"hostPath": {"path": "/x"}, "nfs": {"server": "s", "path": "/"}}, "exactly one volume source"),
+    ({"hostPath": "/x"}, "spec.checkpoint.volume.hostPath: must be an object"),
+    ("pvc", "exactly one volume source"),
+])
+def test_checkpoint_volume_refusals_name_the_field(volume, message):
+    with pytest.raises(SpecError) as err:
+        parse(with_("spec.checkpoint.volume", volume))
+    assert message in str(err.value)
+
+
+def test_checkpoint_volume_needs_a_path_storage():
+    doc = with_("spec.checkpoint.volume", {"persistentVolumeClaim": {"claimName": "filestore"}})
+    doc = with_("spec.checkpoint.storagePath", "gs://bucket/runs", base=doc)
+    with pytest.raises(SpecError, match="storagePath, which must then be an absolute path"):
+        parse(doc)
