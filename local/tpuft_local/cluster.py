@@ -156,6 +156,8 @@ class LocalCluster:
                 self._fresh_images.add(name)
 
     def _containerd(self) -> None:
+        if self.pid_of("containerd") is not None:
+            return  # running: rewriting its config would restart it (kube-proxy exits on a changed file)
         root = self.state / "containerd"
         certs = root / "certs.d" / "_default"
         certs.mkdir(parents=True, exist_ok=True)
@@ -179,6 +181,8 @@ class LocalCluster:
         return path
 
     def _kubelet(self) -> None:
+        if self.pid_of("kubelet") is not None:
+            return  # running: rewriting its config would restart it (kube-proxy exits on a changed file)
         from tpuft_local.kubepki import issue
         kubeconfig = self._client_kubeconfig("kubelet", f"system:node:{node.NODE_NAME}", "system:nodes")
         issue(self.cp.pki, "kubelet-serving", f"system:node:{node.NODE_NAME}", "system:nodes",
@@ -217,6 +221,8 @@ class LocalCluster:
         return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
 
     def _kube_proxy(self) -> None:
+        if self.pid_of("kube-proxy") is not None:
+            return  # running: rewriting its config would restart it (kube-proxy exits on a changed file)
         kubeconfig = self._client_kubeconfig("kube-proxy", "system:kube-proxy")
         hz, metrics = free_port(), free_port()
         config = node.write_json(self.state / "kube-proxy.json", node.kube_proxy_config(self.net, kubeconfig, hz, metrics))
@@ -224,6 +230,8 @@ class LocalCluster:
                     lambda: _http_ok(f"http://127.0.0.1:{hz}/healthz"), timeout=60)
 
     def _coredns(self) -> None:
+        if self.pid_of("coredns") is not None:
+            return  # running: rewriting its config would restart it (kube-proxy exits on a changed file)
         kubeconfig = self._client_kubeconfig("coredns", addons.COREDNS_USER)
         self.apply(addons.rbac())
         self.apply(addons.kube_dns(self.net))

@@ -217,28 +217,31 @@ class Controller:
         # Children we deleted: after a relist (410) kopf's index can keep them forever (it never
         # sees their DELETED event), so they are confirmed with a GET.
         removed = self.ledger.removed((ns, obj["metadata"]["name"]))
-        live = {x.name: x for x in clusters if not x.deleting and (c.RAYCLUSTER_KIND, x.name) not in removed}
+        uid = obj["metadata"].get("uid")
+        live = {x.name: x for x in clusters
+                if not x.deleting and x.belongs_to(uid) and (c.RAYCLUSTER_KIND, x.name) not in removed}
         cluster = None
         want = children.get("rayCluster")
         if want:
-            entry = live.get(want) or self._confirm(c.RAYCLUSTER_KIND, ns, want)
+            entry = live.get(want) or self._confirm(c.RAYCLUSTER_KIND, ns, want, uid)
             if entry is not None:
                 cluster = ClusterObs(want, entry.status, entry.suspend, entry.generation)
         found = {x.name: JobObs(x.name, x.status) for x in jobs
-                 if not x.deleting and (c.RAYJOB_KIND, x.name) not in removed}
+                 if not x.deleting and x.belongs_to(uid) and (c.RAYJOB_KIND, x.name) not in removed}
         for want in (children.get("verifyJob"), children.get("trainJob")):
             if want and want not in found:
-                entry = self._confirm(c.RAYJOB_KIND, ns, want)
+                entry = self._confirm(c.RAYJOB_KIND, ns, want, uid)
                 if entry is not None:
                     found[want] = JobObs(want, entry.status)
         return Observed(cluster=cluster, jobs=found)
 
-    def _confirm(self, kind: str, ns: str, name: str) -> IndexedChild | None:
+    def _confirm(self, kind: str, ns: str, name: str, uid: str | None) -> IndexedChild | None:
         """The index has not seen it (yet): ask the API server before believing it is gone."""
         obj = self.kube.get(kind, ns, name)
         if obj is None or (obj.get("metadata") or {}).get("deletionTimestamp"):
             return None
-        return IndexedChild.of(name, obj.get("spec"), obj.get("status"), obj.get("metadata") or {})
+        entry = IndexedChild.of(name, obj.get("spec"), obj.get("status"), obj.get("metadata") or {})
+        return entry if entry.belongs_to(uid) else None
 
     def reconcile(self, key: Key, body: dict | None, clusters: list[IndexedChild],
                   jobs: list[IndexedChild]) -> float | None:

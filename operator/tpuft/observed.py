@@ -34,11 +34,19 @@ class IndexedChild:
     suspend: bool = False             # spec.suspend
     deleting: bool = False            # metadata.deletionTimestamp is set
     generation: int | None = None     # metadata.generation
+    # The UID of the TPUFinetune that owns it: a re-created object of the same name must not
+    # take the previous object's children (same names) for its own while the garbage
+    # collector is still removing them.
+    owner_uid: str | None = None
 
     @classmethod
     def of(cls, name: str, spec: Mapping | None, status: Mapping | None, meta: Mapping) -> IndexedChild:
+        owners = [o.get("uid") for o in meta.get("ownerReferences") or [] if o.get("kind") == c.KIND]
         return cls(name, copy.deepcopy(dict(status or {})), bool((spec or {}).get("suspend")),
-                   bool(meta.get("deletionTimestamp")), meta.get("generation"))
+                   bool(meta.get("deletionTimestamp")), meta.get("generation"), owners[0] if owners else None)
+
+    def belongs_to(self, uid: str | None) -> bool:
+        return self.owner_uid is None or not uid or self.owner_uid == uid
 
 
 @dataclass(frozen=True)

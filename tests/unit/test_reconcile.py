@@ -77,6 +77,30 @@ def test_deleting_children_in_the_index_count_as_absent():
     assert observed.cluster is None
 
 
+def test_a_previous_objects_children_are_not_taken_for_its_own():
+    """Delete and re-create a TPUFinetune of the same name: until the garbage collector removes
+    the old RayCluster and RayJobs (same names), they belong to the old UID and count as absent."""
+    kube = FakeKube(tft())
+    ctl = controller(kube)
+    ctl.reconcile((NS, NAME), indexed(kube), [], [])
+    obj = kube.objects[("TPUFinetune", NAME)]
+    old_cluster = phases.IndexedChild(f"{NAME}-ray", {"state": "ready"}, owner_uid="uid-of-the-deleted-object")
+    old_job = phases.IndexedChild(f"{NAME}-verify", {"jobStatus": "FAILED"}, owner_uid="uid-of-the-deleted-object")
+    kube.objects[("RayCluster", f"{NAME}-ray")]["metadata"]["ownerReferences"] = [
+        {"kind": "TPUFinetune", "uid": "uid-of-the-deleted-object"}]
+    observed = ctl.observe(obj, [old_cluster], [old_job])
+    assert observed.cluster is None and observed.jobs == {}
+    own = phases.IndexedChild(f"{NAME}-ray", {"state": "ready"}, owner_uid=obj["metadata"]["uid"])
+    assert ctl.observe(obj, [own], []).cluster is not None
+
+
+def test_the_index_records_the_owner():
+    meta = {"ownerReferences": [{"kind": "TPUFinetune", "uid": "u-1", "controller": True}]}
+    entry = handlers.rayclusters_by_owner(namespace=NS, name=f"{NAME}-ray", labels={"tpufinetune.dev/name": NAME},
+                                          spec={}, status={}, meta=meta)
+    assert entry[(NS, NAME)].owner_uid == "u-1"
+
+
 def test_the_index_keeps_typed_children():
     meta = {"generation": 3, "deletionTimestamp": "2026-01-01T00:00:00Z"}
     entry = handlers.rayjobs_by_owner(namespace=NS, name=f"{NAME}-verify", labels={"tpufinetune.dev/name": NAME},
