@@ -14,7 +14,7 @@ TPUFT_RESYNC_SECONDS=5, TPUFT_WORKERS=4, TPUFT_VERIFY_GRACE_SECONDS unset = 60):
                     VerifyingCollectives seen; expected reason CollectiveTimeout. The operator's own
                     backstop is timeoutSeconds + TPUFT_VERIFY_GRACE_SECONDS, so this runs twice: with
                     the default grace (60 s) and with TPUFT_VERIFY_GRACE_SECONDS=0.
-  anchor            KubeRay's own operator (bench/kuberay/, see operator_burst.py) with a RayJob
+  anchor            KubeRay's own operator (hack/kuberay/, built by tpuft_local.toolchain) with a RayJob
                     without deadlines whose RayCluster never becomes ready, created when (a) starts:
                     its jobDeploymentStatus is read when (a) ends and when (b) ends.
 

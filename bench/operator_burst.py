@@ -14,7 +14,7 @@ What it does, per run (a fresh namespace each, operators run one at a time, neve
         status write), and -> its RayCluster ADDED. Then an idle window (requests/s while every object
         waits in Provisioning: the resync), then every object is driven to Succeeded by writing
         KubeRay-shaped RayCluster/RayJob status (as tests/kuberay_standin.py does).
-  peer  KubeRay's operator (bench/kuberay/, built from the Go module proxy) with N RayJobs that carry
+  peer  KubeRay's operator (hack/kuberay/, built by tpuft_local.toolchain from the Go module proxy) with N RayJobs that carry
         an inline rayClusterSpec (small CPU head + 1 worker): t0 (as above) -> its RayCluster ADDED.
 
 API requests come from the API server's own /metrics (apiserver_request_total, diffed), minus the
@@ -32,7 +32,6 @@ import concurrent.futures as cf
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import ssl
@@ -57,9 +56,9 @@ os.environ.setdefault("TPUFT_KCM_CONTROLLERS", ",".join([
 from kubernetes import client, config, watch  # noqa: E402
 
 from tpuft_local.controlplane import ControlPlane, default_crd_paths  # noqa: E402
-from tpuft_local.toolchain import cache_dir  # noqa: E402
+from tpuft_local import toolchain  # noqa: E402
 
-PEER_VERSION = "v1.6.2"  # v1.7.0 is not served by the Go module proxy (403); see bench/kuberay/go.mod
+PEER_VERSION = toolchain.KUBERAY_VERSION  # v1.7.0 is not served by the Go module proxy (403); see hack/kuberay/go.mod
 PEER_MODULE = "github.com/ray-project/kuberay/ray-operator"
 GROUP, VERSION, PLURAL = "tpufinetune.dev", "v1alpha1", "tpufinetunes"
 RAY = ("ray.io", "v1")
@@ -557,26 +556,12 @@ def same_phase_example(versions: list[dict]) -> list[dict]:
 
 # --- the peer: KubeRay's operator ------------------------------------------------------------------
 def peer_binary() -> Path:
-    return cache_dir() / "bin" / f"kuberay-operator-{PEER_VERSION}" / "kuberay-operator"
+    return Path(toolchain.cached_path("kuberay-operator"))
 
 
 def build_peer() -> Path:
-    dest = peer_binary()
-    if dest.is_file() and os.access(dest, os.X_OK):
-        return dest
-    go = shutil.which("go") or "/usr/local/go/bin/go"
-    out = cache_dir() / "build" / f"kuberay-operator-{PEER_VERSION}"
-    out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, GOTOOLCHAIN="local", GOFLAGS=f"-buildvcs=false -p={os.cpu_count() or 2}")
-    cmd = ["nice", "-n", "19", go, "build", "-trimpath", "-ldflags=-s -w", "-o", str(out) + "/", PEER_MODULE]
-    say(f"building KubeRay's operator {PEER_VERSION} (minutes on 2 cores): {' '.join(cmd)}")
-    subprocess.run(cmd, cwd=BENCH / "kuberay", env=env, check=True)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name("kuberay-operator.tmp")
-    shutil.copy2(out / "ray-operator", tmp)
-    tmp.chmod(0o755)
-    os.replace(tmp, dest)
-    return dest
+    """The same KubeRay build `tpuft cluster up` runs (hack/kuberay's module, cached by version)."""
+    return Path(toolchain.tool_path("kuberay-operator"))
 
 
 def rayjob_body(name: str) -> dict:

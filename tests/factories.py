@@ -93,6 +93,7 @@ class FakeKube:
             self.objects[("TPUFinetune", NAME)] = obj
         self.log: list[tuple] = []
         self.fail: dict[tuple[str, str], Exception] = {}
+        self.unschedulable: tuple[str, ...] = ()   # FailedScheduling messages for the slice's pods
 
     def get(self, kind, ns, name):
         self.log.append(("get", kind, name))
@@ -120,6 +121,10 @@ class FakeKube:
 
     def post_event(self, obj, event):
         self.log.append(("event", event.type, event.reason))
+
+    def scheduling_failures(self, ns, cluster):
+        self.log.append(("scheduling_failures", cluster))
+        return self.unschedulable
 
     def ops(self, *kinds):
         return [x for x in self.log if x[0] in kinds]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 
 # subcommand -> (module, help). Each module defines `add_arguments(parser)` and `run(args) -> int`.
@@ -17,11 +18,18 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def available() -> dict[str, tuple[str, str]]:
+    """The subcommands whose package is installed: the operator image has no tpuft_local, so its
+    `tpuft` offers only what makes sense inside a cluster."""
+    local = importlib.util.find_spec("tpuft_local") is not None
+    return {name: entry for name, entry in SUBCOMMANDS.items() if local or not entry[0].startswith("tpuft_local.")}
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tpuft", description="TPUFinetune operator tools")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = next((a for a in argv if not a.startswith("-")), None)
-    for name, (module, help_text) in SUBCOMMANDS.items():
+    for name, (module, help_text) in available().items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module, _name=name)
         if name == chosen:  # import only the module that runs: `tpuft topology` stays fast

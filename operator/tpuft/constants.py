@@ -166,6 +166,7 @@ class TrainingStatus(str, enum.Enum):
 
 # --- KubeRay status vocabulary (ray-project/kuberay v1.7.0, ray-operator/apis/ray/v1/) ----
 RAYCLUSTER_PROVISIONED = "RayClusterProvisioned"   # RayCluster condition type
+FAILED_SCHEDULING = "FailedScheduling"             # kube-scheduler's Event reason on a pod it cannot place
 RAYCLUSTER_HEAD_POD_READY = "HeadPodReady"
 RAYCLUSTER_REPLICA_FAILURE = "ReplicaFailure"
 RAYCLUSTER_SUSPENDING = "RayClusterSuspending"

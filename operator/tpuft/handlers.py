@@ -260,8 +260,10 @@ class Controller:
             body = fresh
             self.ledger.wrote(key, fresh.get("status") or {})   # until the index shows what the server has
         obj = self.ledger.overlay(key, body)
-        observed = self.observe(obj, clusters, jobs)
         now = datetime.now(timezone.utc)
+        observed = self.observe(obj, clusters, jobs)
+        if observed.cluster is not None and phases.provisioning_overdue(obj, now):
+            observed = dataclasses.replace(observed, scheduling=self.kube.scheduling_failures(ns, observed.cluster.name))
         decision = phases.decide(obj, observed, now, self.tun)
         uid = obj["metadata"].get("uid", "")
         done = []

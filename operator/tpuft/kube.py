@@ -100,6 +100,25 @@ class Kube:
         except Exception as e:  # connection errors, timeouts
             raise _wrap("get", kind, ns, name, e) from e
 
+    def scheduling_failures(self, ns: str, cluster: str, limit: int = 2) -> tuple[str, ...]:
+        """The scheduler's latest FailedScheduling messages for a RayCluster's pods (KubeRay names
+        them `<cluster>-...`), newest first: the real reason a slice does not come up. Best
+        effort: read only at the provisioning deadline; without permission or on an error, none."""
+        try:
+            events = self.core.list_namespaced_event(
+                ns, field_selector=f"reason={c.FAILED_SCHEDULING},involvedObject.kind=Pod",
+                _request_timeout=REQUEST_TIMEOUT).items
+        except Exception as e:  # noqa: BLE001 - the timeout message is still written without them
+            log.warning("list FailedScheduling events in %s for RayCluster %s failed: %s", ns, cluster, e)
+            return ()
+        mine = [e for e in events if (e.involved_object.name or "").startswith(f"{cluster}-")]
+        mine.sort(key=lambda e: e.last_timestamp or e.event_time or e.metadata.creation_timestamp, reverse=True)
+        seen: list[str] = []
+        for e in mine:
+            if e.message and e.message not in seen:
+                seen.append(e.message)
+        return tuple(seen[:limit])
+
     # --- writes ----------------------------------------------------------------------------------
     def create(self, kind: str, ns: str, body: Mapping[str, Any], owner_uid: str) -> str:
         """Create, or adopt an existing object of ours with that name. Returns 'created'/'adopted'."""

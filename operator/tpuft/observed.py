@@ -76,6 +76,9 @@ class Observed:
     cluster: ClusterObs | None = None
     jobs: Mapping[str, JobObs] = field(default_factory=dict)
     admission_error: AdmissionError | None = None
+    # The scheduler's FailedScheduling messages for the slice's pods, read only once the
+    # provisioning deadline has passed (phases.provisioning_overdue): the timeout's real cause.
+    scheduling: tuple[str, ...] = ()
 
 
 class Op(str, enum.Enum):

@@ -258,8 +258,9 @@ def _provisioning(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
         where = (f"a TPU node pool with {c.GKE_TPU_ACCELERATOR_SELECTOR}={s.gke_accelerator} and "
                  f"{c.GKE_TPU_TOPOLOGY_SELECTOR}={s.topology} ({s.hosts} hosts of {s.machine_type}) per slice"
                  if s.is_tpu else "schedulable CPU nodes")
-        msg = (f"slice not provisioned after {timeout}s: {progress}; check {where} has capacity and quota, and "
-               f"`kubectl describe raycluster {n.cluster}` / `kubectl get pods -l {c.RAY_CLUSTER_LABEL}={n.cluster}`")
+        cause = f"; the scheduler says: {' | '.join(obs.scheduling)}" if obs.scheduling else ""
+        msg = (f"slice not provisioned after {timeout}s: {progress}{cause}; check {where} has capacity and quota, "
+               f"and `kubectl describe raycluster {n.cluster}` / `kubectl get pods -l {c.RAY_CLUSTER_LABEL}={n.cluster}`")
         d.cond(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, Reason.PROVISIONING_TIMEOUT, msg)
         d.fail(Reason.PROVISIONING_TIMEOUT, msg)
         return d.finish()
@@ -267,6 +268,20 @@ def _provisioning(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
     d.go(Phase.PROVISIONING, Reason.WAITING_FOR_SLICE, f"waiting for slice {s.generation} {s.topology}: {progress}")
     d.wake(timeout - d.elapsed())
     return d.finish()
+
+
+def provisioning_overdue(obj: Mapping[str, Any], now: datetime) -> bool:
+    """Whether a Provisioning object is past its deadline: only then does the handler read the
+    scheduler's events for the slice's pods (one extra list, paid by stuck slices alone)."""
+    st = owned(obj.get("status"))
+    t = parse_time(st.get("phaseTransitionTime"))
+    if st.get("phase") != Phase.PROVISIONING.value or st.get("appliedSpec") is None or t is None:
+        return False
+    try:
+        timeout = parse({**obj, "spec": st["appliedSpec"]}).spec.provisioning_timeout_seconds
+    except SpecError:
+        return False
+    return (now - t).total_seconds() >= timeout
 
 
 def _start_verification(d: _Draft, tft: TPUFinetune) -> Decision:

@@ -19,8 +19,8 @@ APPLICATION = {
     # KubeRay children
     ("ray.io", "rayclusters"): {"get", "list", "watch", "create", "patch", "delete"},
     ("ray.io", "rayjobs"): {"get", "list", "watch", "create", "patch", "delete"},
-    # events from kopf (core v1) and the handlers (either API)
-    ("", "events"): {"create", "patch"},
+    # events from kopf (core v1) and the handlers (either API); list reads FailedScheduling
+    ("", "events"): {"create", "patch", "list"},  # list: the scheduler's FailedScheduling at a deadline
     ("events.k8s.io", "events"): {"create", "patch"},
     # per-CR workload identity (ServiceAccount + Role + RoleBinding)
     ("", "serviceaccounts"): {"get", "list", "watch", "create", "patch"},

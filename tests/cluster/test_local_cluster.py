@@ -145,3 +145,6 @@ def test_a_shape_no_pool_offers_ends_in_provisioning_timeout(cluster_kubectl, cl
     assert tft["status"]["reason"] == "ProvisioningTimeout"
     events = _json(cluster_kubectl, "get", "events", "-n", cluster_ns, "--field-selector", "reason=FailedScheduling")
     assert any("didn't match Pod's node affinity/selector" in e["message"] for e in events["items"]), events
+    # the real cause, read by the operator (from its image, under the chart's RBAC), is in the status
+    assert "the scheduler says: 0/" in tft["status"]["message"], tft["status"]["message"]
+    assert "didn't match Pod's node affinity/selector" in tft["status"]["message"], tft["status"]["message"]

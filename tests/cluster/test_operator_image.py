@@ -49,6 +49,8 @@ def test_operator_serves_metrics_in_the_pod(local_cluster, operator_pod):
     ("patch", "tpufinetunes.tpufinetune.dev", False),
     ("get", "secrets", False),
     ("create", "pods", False),
+    ("list", "pods", False),
+    ("list", "events", True),
 ])
 def test_operator_service_account_is_least_privilege(local_cluster, operator_pod, verb, resource, allowed):
     sa = f"system:serviceaccount:{chart.NAMESPACE}:{operator_pod['spec']['serviceAccountName']}"

@@ -178,8 +178,15 @@ def test_provisioning_timeout(operator, tft, kuberay, kubectl, namespace):
         st = tft.wait("Provisioning")
         began = time.monotonic()
         kuberay.cluster_provisioning(f"{NAME}-ray", ready_workers=1)
+        # What kube-scheduler records for a worker it cannot place (this tier has no scheduler)
+        why = "0/3 nodes are available: 3 node(s) didn't match Pod's node affinity/selector."
+        kubectl("create", "-n", namespace, "-f", "-", input=json.dumps({
+            "apiVersion": "v1", "kind": "Event", "metadata": {"name": f"{NAME}-ray-tpu-worker-x.1"},
+            "involvedObject": {"kind": "Pod", "name": f"{NAME}-ray-tpu-worker-x", "namespace": namespace},
+            "reason": "FailedScheduling", "message": why, "type": "Warning"}), check=True)
         st = tft.wait("Failed", timeout=5 + MARGIN + 2)
         assert time.monotonic() - began <= 5 + MARGIN
+        assert f"the scheduler says: {why}" in st["message"], st["message"]
         entered = time.mktime(time.strptime(st["startTime"], "%Y-%m-%dT%H:%M:%SZ"))
         failed = time.mktime(time.strptime(st["completionTime"], "%Y-%m-%dT%H:%M:%SZ"))
         assert 5 <= failed - entered <= 5 + MARGIN

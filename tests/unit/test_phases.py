@@ -196,6 +196,21 @@ def test_replica_failure_is_reported_in_the_timeout_message():
     assert d.status["reason"] == "ProvisioningTimeout" and "pods forbidden: quota" in d.status["message"]
 
 
+def test_the_schedulers_reason_is_the_timeout_messages_cause():
+    o = run_to(make(provisioningTimeoutSeconds=10), Phase.PROVISIONING)
+    why = "0/8 nodes are available: 4 node(s) didn't match Pod's node affinity/selector."
+    d = phases.decide(o, Observed(cluster(0), scheduling=(why,)), at(10), TUN)
+    assert d.status["reason"] == "ProvisioningTimeout" and f"the scheduler says: {why}" in d.status["message"]
+    assert why in d.events[0].message
+
+
+@pytest.mark.parametrize("elapsed,phase,overdue", [(9, Phase.PROVISIONING, False), (10, Phase.PROVISIONING, True),
+                                                   (50, Phase.VERIFYING, False)])
+def test_provisioning_overdue_only_past_the_deadline_while_provisioning(elapsed, phase, overdue):
+    o = run_to(make(provisioningTimeoutSeconds=10), phase)
+    assert phases.provisioning_overdue(o, at(elapsed)) is overdue
+
+
 def test_cluster_suspended_by_someone_else_is_left_alone():
     """Kueue suspends RayClusters carrying its queue label until admitted: never fight it."""
     o = run_to(make(), Phase.PROVISIONING)

@@ -205,3 +205,19 @@ def test_spec_change_mid_run_is_recorded_not_applied():
     entry = kuberay.get("rayjobs", f"{NAME}-train")["spec"]["entrypoint"]
     assert "--epochs 3" in entry  # built from the applied generation, not the edit
     assert "SpecChangeIgnored" in [e["reason"] for e in tft.events() if e["type"] == "Warning"]
+
+
+def test_a_stuck_slice_fails_with_the_schedulers_reason_read_only_at_the_deadline():
+    kube = FakeKube(tft())
+    kube.unschedulable = ("0/8 nodes are available: 4 node(s) didn't match Pod's node affinity/selector.",)
+    ctl = controller(kube)
+    ctl.reconcile((NS, NAME), indexed(kube), [], [])
+    cluster = phases.IndexedChild(f"{NAME}-ray", {}, suspend=False, deleting=False)
+    ctl.reconcile((NS, NAME), indexed(kube), [cluster], [])
+    assert kube.ops("scheduling_failures") == []  # before the deadline: no extra read
+    st = kube.objects[("TPUFinetune", NAME)]["status"]
+    st["phaseTransitionTime"] = "2000-01-01T00:00:00Z"   # the deadline has long passed
+    ctl.reconcile((NS, NAME), indexed(kube), [cluster], [])
+    assert kube.ops("scheduling_failures") == [("scheduling_failures", f"{NAME}-ray")]
+    st = kube.objects[("TPUFinetune", NAME)]["status"]
+    assert st["reason"] == "ProvisioningTimeout" and "the scheduler says: 0/8 nodes are available" in st["message"]

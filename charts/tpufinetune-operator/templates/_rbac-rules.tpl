@@ -19,10 +19,12 @@ exact set).
 - apiGroups: ["ray.io"]
   resources: ["rayclusters", "rayjobs"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# Events kopf and the handlers post about progress and errors (both Event APIs).
+# Events kopf and the handlers post about progress and errors (both Event APIs); list on
+# core Events reads the scheduler's FailedScheduling for a slice past its provisioning
+# deadline, the cause written into the ProvisioningTimeout message.
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create", "patch"]
+  verbs: ["create", "patch", "list"]
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
