@@ -31,6 +31,8 @@ import urllib.request
 from pathlib import Path
 
 from tpuft_local.network import Network
+from tpuft_local.node import NODE_POOL
+from tpuft_local.pools import POOL_LABEL
 from tpuft_local.toolchain import (REPO_ROOT, ToolchainError, ensure_tools, kuberay_crd_dir, set_pdeathsig,
                                    tool_path)
 
@@ -385,20 +387,29 @@ class ControlPlane:
 
 
 def scheduler_config(kubeconfig: Path) -> dict:
-    """kube-scheduler's configuration. Two changes from the defaults, so that a pod goes to
-    the real node whenever it fits there, and only pods too big for it (a TPU slice's 4-CPU Ray
-    head) land on the simulated CPU-pool node, where nothing can run:
-    - ImageLocality weighs 50 (default 1): the real node holds the images, KWOK nodes none;
+    """kube-scheduler's configuration: every pod prefers the real node whenever it fits there,
+    so only pods too big for it (a TPU slice's 4-CPU Ray head) or bound elsewhere by their own
+    selectors (TPU workers) land on simulated nodes, where nothing runs. A pod on the simulated
+    CPU pool would never start, and KWOK would even report a Job's pod Completed there.
+    - NodeAffinity's addedAffinity (applied to every pod by this profile) prefers the real
+      node's pool, weighed 100: it outweighs every other score;
     - NodeResourcesFit scores MostAllocated (bin packing, as GKE's optimize-utilization profile
-      does) instead of LeastAllocated, which would favour the big, empty simulated node."""
+      does) instead of LeastAllocated, which would favour the big, empty simulated node.
+    ImageLocality could not do this: its score is scaled by the share of nodes holding the image
+    (1 of 8 here)."""
+    prefer_real = {"weight": 100, "preference": {"matchExpressions": [
+        {"key": POOL_LABEL, "operator": "In", "values": [NODE_POOL]}]}}
     return {"apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration",
             "clientConnection": {"kubeconfig": str(kubeconfig)}, "leaderElection": {"leaderElect": False},
             "profiles": [{"schedulerName": "default-scheduler",
-                          "plugins": {"score": {"enabled": [{"name": "ImageLocality", "weight": 50},
-                                                            {"name": "NodeResourcesFit", "weight": 10}]}},
-                          "pluginConfig": [{"name": "NodeResourcesFit", "args": {"scoringStrategy": {
-                              "type": "MostAllocated",
-                              "resources": [{"name": "cpu", "weight": 1}, {"name": "memory", "weight": 1}]}}}]}]}
+                          "plugins": {"score": {"enabled": [{"name": "NodeAffinity", "weight": 100},
+                                                            {"name": "NodeResourcesFit", "weight": 1}]}},
+                          "pluginConfig": [
+                              {"name": "NodeAffinity", "args": {"addedAffinity": {
+                                  "preferredDuringSchedulingIgnoredDuringExecution": [prefer_real]}}},
+                              {"name": "NodeResourcesFit", "args": {"scoringStrategy": {
+                                  "type": "MostAllocated",
+                                  "resources": [{"name": "cpu", "weight": 1}, {"name": "memory", "weight": 1}]}}}]}]}
 
 
 def _tail(path: Path, lines: int = 30) -> str:

@@ -10,7 +10,7 @@ import yaml
 
 from tests.paths import EXAMPLES
 from tests.waiting import wait_until
-from tpuft_local import chart
+from tpuft_local import chart, node
 
 
 def _tft(kubectl, ns: str, name: str) -> dict:
@@ -37,6 +37,11 @@ def test_operator_restart_and_suspend_resume_mid_training(cluster_kubectl, clust
         return st.get("phase") == "Training" and (st.get("training") or {}).get("step", 0) >= at_least
 
     wait_until(lambda: training_step(6), timeout=900, interval=2, what="training past its first checkpoint")
+    # Every pod of the run on the real node: a simulated node would only pretend to run it.
+    ray_pods = json.loads(cluster_kubectl("get", "pods", "-n", cluster_ns, "-l", "ray.io/node-type", "-o", "json",
+                                          check=True).stdout)["items"]
+    assert ray_pods and {p["spec"]["nodeName"] for p in ray_pods} == {node.NODE_NAME}, \
+        [(p["metadata"]["name"], p["spec"]["nodeName"]) for p in ray_pods]
     (old,) = [p["metadata"]["name"] for p in _operator_pods(cluster_kubectl)]
     cluster_kubectl("delete", "pod", old, "-n", chart.NAMESPACE, "--wait=false", check=True)
     wait_until(lambda: any(p["metadata"]["name"] != old and any(

@@ -4,6 +4,8 @@ from pathlib import Path
 from tpuft_local import host, node
 from tpuft_local.controlplane import scheduler_config
 from tpuft_local.network import Network
+from tpuft_local.node import NODE_POOL
+from tpuft_local.pools import POOL_LABEL
 
 NET = Network()
 
@@ -44,9 +46,12 @@ def test_guard_chain_lets_pods_reach_only_each_other_and_the_bridge_address():
     assert rules[2] == ["-i", "tpuft0", "-j", "DROP"] and rules[3] == ["-o", "tpuft0", "-j", "DROP"]
 
 
-def test_scheduler_prefers_the_node_that_holds_the_image():
+def test_scheduler_prefers_the_real_node_for_every_pod_that_fits():
     cfg = scheduler_config(Path("/k"))
     (profile,) = cfg["profiles"]
-    assert {"name": "ImageLocality", "weight": 50} in profile["plugins"]["score"]["enabled"]
-    (fit,) = profile["pluginConfig"]
-    assert fit["args"]["scoringStrategy"]["type"] == "MostAllocated"
+    args = {p["name"]: p["args"] for p in profile["pluginConfig"]}
+    (pref,) = args["NodeAffinity"]["addedAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert pref["preference"]["matchExpressions"] == [{"key": POOL_LABEL, "operator": "In", "values": [NODE_POOL]}]
+    weights = {p["name"]: p["weight"] for p in profile["plugins"]["score"]["enabled"]}
+    assert weights["NodeAffinity"] > 10 * weights["NodeResourcesFit"]
+    assert args["NodeResourcesFit"]["scoringStrategy"]["type"] == "MostAllocated"
