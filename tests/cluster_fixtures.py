@@ -7,7 +7,9 @@ Fixtures:
                  TPU webhook stand-in, our operator from its image through helm)
   cluster_api    session  kubernetes.client.ApiClient for it (admin)
   cluster_kubectl session kubectl(*args, check=False, input=None) -> CompletedProcess
-  cluster_ns     function a fresh namespace, deleted after the test
+  cluster_ns     function a fresh namespace, deleted after the test (and its pods gone)
+  clear_namespace(kubectl, ns)  delete what a test left in a namespace and wait for its pods to go,
+                 so the next test finds the node's CPUs and the simulated TPU hosts free
 """
 from __future__ import annotations
 
@@ -61,4 +63,14 @@ def cluster_ns(request, cluster_kubectl):
     wait_until(lambda: cluster_kubectl("get", "serviceaccount", "default", "-n", name).returncode == 0,
                timeout=90, what=f"serviceaccount default in {name}")
     yield name
+    clear_namespace(cluster_kubectl, name)
     cluster_kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found")
+
+
+def clear_namespace(kubectl, ns: str, timeout: float = 240) -> None:
+    kubectl("delete", "tft,rayjobs,rayclusters", "--all", "-n", ns, "--wait=false", "--ignore-not-found")
+
+    def gone() -> bool:
+        res = kubectl("get", "pods", "-n", ns, "-l", "ray.io/node-type", "-o", "name")
+        return res.returncode != 0 or not res.stdout.strip()
+    wait_until(gone, timeout=timeout, interval=2, what=f"KubeRay's pods in {ns} to go")

@@ -206,6 +206,7 @@ def _pending(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed) -> Decisi
         d.fail(Reason.ADMISSION_REJECTED, f"{e.kind} {e.name} was rejected at admission: {e.message}")
         return d.finish()
     if d.phase == Phase.PENDING and d.elapsed() >= tft.spec.provisioning_timeout_seconds:
+        d.st.setdefault("trainingAttempts", 0)  # the same status shape as a timeout after the creates
         d.fail(Reason.PROVISIONING_TIMEOUT, f"children could not be created within "
                f"{tft.spec.provisioning_timeout_seconds}s: {d.prev.get('message') or 'no detail'}")
         return d.finish()

@@ -10,10 +10,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from tests.cluster_fixtures import clear_namespace
 from tests.paths import EXAMPLES, REPO
 
 PHASES_IN_ORDER = ["phase Provisioning", "phase VerifyingCollectives", "verification: passed",
                    "phase Training", "Epoch 1/3", "Epoch 3/3", "phase Succeeded"]
+
+
+@pytest.fixture(autouse=True)
+def _clear_demo_namespace(local_cluster):
+    """The demo leaves its object for the user to inspect; the next test needs the hosts free."""
+    yield
+    clear_namespace(lambda *a, **k: local_cluster.cp.kubectl(*a, **k), "e2e")
 
 
 def _demo(tmp_path: Path, tag: str, *extra: str, timeout: float = 1800) -> tuple[subprocess.CompletedProcess, dict]:

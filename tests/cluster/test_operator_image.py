@@ -41,18 +41,18 @@ def test_operator_serves_metrics_in_the_pod(local_cluster, operator_pod):
 
 
 @pytest.mark.parametrize("verb,resource,allowed", [
-    ("patch", "tpufinetunes.tpufinetune.dev/status", True),
+    ("patch", "tpufinetunes.tpufinetune.dev --subresource=status", True),
     ("list", "tpufinetunes.tpufinetune.dev", True),
     ("create", "rayclusters.ray.io", True),
     ("create", "rayjobs.ray.io", True),
+    ("list", "events", True),
     ("delete", "tpufinetunes.tpufinetune.dev", False),
     ("patch", "tpufinetunes.tpufinetune.dev", False),
     ("get", "secrets", False),
     ("create", "pods", False),
     ("list", "pods", False),
-    ("list", "events", True),
 ])
 def test_operator_service_account_is_least_privilege(local_cluster, operator_pod, verb, resource, allowed):
     sa = f"system:serviceaccount:{chart.NAMESPACE}:{operator_pod['spec']['serviceAccountName']}"
-    res = local_cluster.cp.kubectl("auth", "can-i", verb, resource, "--as", sa, "-n", "default")
+    res = local_cluster.cp.kubectl("auth", "can-i", verb, *resource.split(), "--as", sa, "-n", "default")
     assert res.stdout.strip() == ("yes" if allowed else "no"), (verb, resource, res.stdout, res.stderr)

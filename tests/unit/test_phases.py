@@ -519,6 +519,7 @@ def test_note_error_keeps_phase_and_pending_times_out():
     assert phases.note_error(o, "create RayCluster team-a/ft-ray: 500 etcd timeout", at(1)) is None
     d = phases.decide(o, Observed(), at(1800), TUN)
     assert d.status["reason"] == "ProvisioningTimeout" and "etcd timeout" in d.status["message"]
+    assert d.status["trainingAttempts"] == 0  # the same shape as a timeout after the creates
     d = phases.decide(o, Observed(), at(100), TUN)
     assert d.phase == "Provisioning" and len(d.actions) == 4
 
