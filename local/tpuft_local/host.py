@@ -193,9 +193,19 @@ def ensure_guard(journal: Journal, net: Network) -> None:
     for rule in guard_rules(net):
         _run("iptables", "-w", "-A", GUARD_CHAIN, *rule)
     for parent in ("INPUT", "FORWARD"):
-        while _run("iptables", "-w", "-C", parent, "-j", GUARD_CHAIN, check=False).returncode == 0:
-            _run("iptables", "-w", "-D", parent, "-j", GUARD_CHAIN)
-        _run("iptables", "-w", "-I", parent, "1", "-j", GUARD_CHAIN)
+        _keep_first(parent)
+
+
+def _keep_first(parent: str) -> None:
+    """Our jump first in `parent`, with no moment without it: insert at 1, then drop the others."""
+    jump = f"-A {parent} -j {GUARD_CHAIN}"
+    rules = _run("iptables", "-w", "-S", parent).stdout.splitlines()[1:]  # [0] is the policy
+    if rules[:1] == [jump] and rules.count(jump) == 1:
+        return
+    _run("iptables", "-w", "-I", parent, "1", "-j", GUARD_CHAIN)
+    rules = _run("iptables", "-w", "-S", parent).stdout.splitlines()[1:]
+    for number in sorted((i + 1 for i, r in enumerate(rules) if r == jump and i > 0), reverse=True):
+        _run("iptables", "-w", "-D", parent, str(number))
 
 
 def guard_in_place(net: Network) -> bool:
