@@ -209,9 +209,10 @@ def _keep_first(parent: str) -> None:
 
 
 def guard_in_place(net: Network) -> bool:
-    listing = _run("iptables", "-w", "-S", GUARD_CHAIN, check=False).stdout
+    """Every guard rule present (asked with -C: `iptables -S` reorders a rule's options) and our
+    jump first in INPUT and FORWARD."""
     firsts = [_run("iptables", "-w", "-S", p, check=False).stdout.splitlines()[1:2] for p in ("INPUT", "FORWARD")]
-    return (all(" ".join(r) in listing for r in guard_rules(net))
+    return (all(_run("iptables", "-w", "-C", GUARD_CHAIN, *r, check=False).returncode == 0 for r in guard_rules(net))
             and all(f == [f"-A {p} -j {GUARD_CHAIN}"] for f, p in zip(firsts, ("INPUT", "FORWARD"))))
 
 
