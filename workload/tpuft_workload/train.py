@@ -212,6 +212,10 @@ class _Run:
                 if self.rank == 0:
                     self.reporter.training(message=str(e))
                     self.reporter.close()
+                # Every rank sees the same mismatch; none may fail before rank 0's status write is
+                # out, or Ray Train tears the group down (rank 0 with it) and the reason is lost.
+                if torch.distributed.is_initialized():
+                    torch.distributed.barrier()
                 raise
         if self.rank == 0:
             ckptlib.write_run_manifest(cfg.run_dir, {
