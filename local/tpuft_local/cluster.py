@@ -227,7 +227,7 @@ class LocalCluster:
         hz, metrics = free_port(), free_port()
         config = node.write_json(self.state / "kube-proxy.json", node.kube_proxy_config(self.net, kubeconfig, hz, metrics))
         self._start("kube-proxy", [tool_path("kube-proxy"), f"--config={config}", "--v=1"],
-                    lambda: _http_ok(f"http://127.0.0.1:{hz}/healthz"), timeout=60)
+                    lambda: procs.http_ok(f"http://127.0.0.1:{hz}/healthz"), timeout=60)
 
     def _coredns(self) -> None:
         if self.pid_of("coredns") is not None:
@@ -239,7 +239,7 @@ class LocalCluster:
         corefile = self.state / "Corefile"
         corefile.write_text(addons.corefile(self.net, str(kubeconfig), health, ready))
         self._start("coredns", [tool_path("coredns"), "-conf", str(corefile)],
-                    lambda: _http_ok(f"http://127.0.0.1:{ready}/ready"), timeout=60)
+                    lambda: procs.http_ok(f"http://127.0.0.1:{ready}/ready"), timeout=60)
 
     def _kwok(self) -> None:
         kubeconfig = self._client_kubeconfig("kwok", addons.KWOK_USER)
@@ -270,7 +270,7 @@ class LocalCluster:
             # Dashboard calls through the API server's service proxy: the host needs no cluster DNS.
             "--use-kubernetes-proxy", f"--metrics-addr=127.0.0.1:{free_port()}",
             f"--health-probe-bind-address=127.0.0.1:{probe}"],
-            lambda: _http_ok(f"http://127.0.0.1:{probe}/readyz"), timeout=120)
+            lambda: procs.http_ok(f"http://127.0.0.1:{probe}/readyz"), timeout=120)
 
     def _webhook(self) -> None:
         """The LOCAL STAND-IN for the KubeRay TPU webhook, on the bridge address over TLS,
@@ -300,7 +300,7 @@ class LocalCluster:
         self._start("tpufinetune-operator", [
             sys.executable, "-m", "kopf", "run", "--standalone", "-m", "tpuft.handlers", "--all-namespaces",
             f"--liveness=http://127.0.0.1:{port}/healthz", "--log-format=plain"],
-            lambda: _http_ok(f"http://127.0.0.1:{port}/healthz"), timeout=90, env=env)
+            lambda: procs.http_ok(f"http://127.0.0.1:{port}/healthz"), timeout=90, env=env)
 
     # ----- down ----------------------------------------------------------------------------------------
     def down(self, keep_packages: bool = False, purge: bool = False) -> list[str]:
@@ -391,15 +391,6 @@ def _https_ok(url: str, ca: Path) -> bool:
     import urllib.request
     try:
         with urllib.request.urlopen(url, timeout=2, context=ssl.create_default_context(cafile=str(ca))) as r:
-            return r.status == 200
-    except (OSError, ValueError):
-        return False
-
-
-def _http_ok(url: str) -> bool:
-    import urllib.request
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
             return r.status == 200
     except (OSError, ValueError):
         return False

@@ -30,6 +30,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from tpuft_local import procs
 from tpuft_local.network import Network
 from tpuft_local.node import NODE_POOL
 from tpuft_local.pools import POOL_LABEL
@@ -97,16 +98,6 @@ def _port_free(port: int) -> bool:
             return False
 
 
-def _proc_cmdline(pid: int) -> list[str] | None:
-    """argv of a live, non-zombie process, or None."""
-    try:
-        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-            return None
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except (OSError, IndexError):
-        return None
-
-
 class ControlPlane:
     """etcd + kube-apiserver + kube-controller-manager whose state lives in `state_dir`.
 
@@ -150,7 +141,7 @@ class ControlPlane:
         marker, found = str(self.state_dir) + "/", {}
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit():
-                argv = _proc_cmdline(int(entry.name))
+                argv = procs.cmdline(int(entry.name))
                 name = os.path.basename(argv[0]) if argv else ""
                 if name in self.components and any(marker in a for a in argv[1:]):
                     found[name] = int(entry.name)
@@ -201,7 +192,7 @@ class ControlPlane:
             f"--advertise-client-urls={etcd_url}", f"--listen-peer-urls={peer_url}",
             f"--initial-advertise-peer-urls={peer_url}", f"--initial-cluster=tpuft={peer_url}",
             "--log-level=warn", *(["--unsafe-no-fsync"] if self.fast_etcd else [])])
-        self._wait("etcd", lambda: self._http_ok(etcd_url + "/health"), deadline)
+        self._wait("etcd", lambda: procs.http_ok(etcd_url + "/health"), deadline)
 
         self._spawn("kube-apiserver", [
             bins["kube-apiserver"], f"--etcd-servers={etcd_url}", f"--bind-address={self.host}",
@@ -287,11 +278,11 @@ class ControlPlane:
                 except ProcessLookupError:
                     break
                 end = time.monotonic() + wait
-                while time.monotonic() < end and _proc_cmdline(pid) is not None:
+                while time.monotonic() < end and procs.cmdline(pid) is not None:
                     if proc is not None and proc.poll() is not None:
                         break
                     time.sleep(0.1)
-                if _proc_cmdline(pid) is None or (proc is not None and proc.poll() is not None):
+                if procs.cmdline(pid) is None or (proc is not None and proc.poll() is not None):
                     break
 
     def stop_component(self, name: str, timeout: float = 15.0) -> None:
@@ -344,14 +335,6 @@ class ControlPlane:
             return e.code, e.read().decode(errors="replace")
         except (OSError, ControlPlaneError, ssl.SSLError):
             return None, ""
-
-    @staticmethod
-    def _http_ok(url: str) -> bool:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                return r.status == 200
-        except (OSError, ValueError):
-            return False
 
     def kubectl(self, *args: str, check: bool = False, input: str | None = None,
                 timeout: float = 120) -> subprocess.CompletedProcess:

@@ -20,6 +20,16 @@ def _say(msg: str) -> None:
     print(f"[tpuft] {msg}", file=sys.stderr, flush=True)
 
 
+def http_ok(url: str) -> bool:
+    """A plain-HTTP health endpoint answers 200 (loopback probes; 2 s per try)."""
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except (OSError, ValueError):
+        return False
+
+
 def cmdline(pid: int) -> list[str] | None:
     """argv of a live, non-zombie process, or None."""
     try:

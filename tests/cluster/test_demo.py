@@ -20,10 +20,10 @@ PHASES_IN_ORDER = ["phase Provisioning", "phase VerifyingCollectives", "verifica
 
 
 @pytest.fixture(autouse=True)
-def _clear_demo_namespace(local_cluster):
+def _clear_demo_namespace(cluster_kubectl):
     """The demo leaves its object for the user to inspect; the next test needs the hosts free."""
     yield
-    clear_namespace(lambda *a, **k: local_cluster.cp.kubectl(*a, **k), "e2e")
+    clear_namespace(cluster_kubectl, "e2e")
 
 
 def _demo(tmp_path: Path, tag: str, *extra: str, timeout: float = 1800) -> tuple[subprocess.CompletedProcess, dict]:
