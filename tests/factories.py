@@ -8,6 +8,7 @@ import uuid
 import yaml
 
 from tpuft import handlers, phases
+from tpuft.diagnosis import PodObs
 from tpuft.spec import DEFAULTS
 
 # The minimum spec, as written.
@@ -93,7 +94,7 @@ class FakeKube:
             self.objects[("TPUFinetune", NAME)] = obj
         self.log: list[tuple] = []
         self.fail: dict[tuple[str, str], Exception] = {}
-        self.unschedulable: tuple[str, ...] = ()   # FailedScheduling messages for the slice's pods
+        self.pods: list[dict] = []   # pod objects as the API server returns them (any cluster)
 
     def get(self, kind, ns, name):
         self.log.append(("get", kind, name))
@@ -122,9 +123,10 @@ class FakeKube:
     def post_event(self, obj, event):
         self.log.append(("event", event.type, event.reason))
 
-    def scheduling_failures(self, ns, cluster):
-        self.log.append(("scheduling_failures", cluster))
-        return self.unschedulable
+    def slice_pods(self, ns, cluster):
+        self.log.append(("slice_pods", cluster))
+        return tuple(PodObs.of(p) for p in self.pods
+                     if p["metadata"].get("labels", {}).get("ray.io/cluster") == cluster)
 
     def ops(self, *kinds):
         return [x for x in self.log if x[0] in kinds]

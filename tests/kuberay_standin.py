@@ -21,6 +21,7 @@ def _now() -> str:
 class KubeRay:
     def __init__(self, api_client: client.ApiClient, namespace: str):
         self.api = client.CustomObjectsApi(api_client)
+        self.core = client.CoreV1Api(api_client)
         self.ns = namespace
 
     def _status(self, plural: str, name: str, status: dict) -> None:
@@ -54,6 +55,21 @@ class KubeRay:
             "readyWorkerReplicas": ready_workers, "availableWorkerReplicas": ready_workers,
             "desiredWorkerReplicas": desired, "minWorkerReplicas": desired, "maxWorkerReplicas": desired,
             "lastUpdateTime": _now()})
+
+    def unschedulable_worker(self, cluster: str, pod: str, message: str) -> None:
+        """A worker pod as KubeRay creates it (label ray.io/cluster, controller ownerReference to
+        the RayCluster), then the PodScheduled condition kube-scheduler writes when it cannot place
+        it (this tier has no scheduler)."""
+        rc = self.get("rayclusters", cluster)["metadata"]
+        self.core.create_namespaced_pod(self.ns, {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": pod, "labels": {"ray.io/cluster": cluster, "ray.io/node-type": "worker"},
+                         "ownerReferences": [{"apiVersion": "ray.io/v1", "kind": "RayCluster", "name": cluster,
+                                              "uid": rc["uid"], "controller": True}]},
+            "spec": {"containers": [{"name": "ray-worker", "image": "img:1"}], "automountServiceAccountToken": False}})
+        self.core.patch_namespaced_pod_status(pod, self.ns, {"status": {"conditions": [{
+            "type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message,
+            "lastTransitionTime": _now()}]}})
 
     def cluster_ready(self, name: str) -> None:
         desired = self.desired_workers(name)

@@ -20,11 +20,13 @@ import json
 import os
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import yaml
 
 from tpuft import constants as c
+from tpuft.observed import parse_time
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_EXAMPLE = REPO / "examples" / "local-cpu.yaml"
@@ -124,7 +126,7 @@ def stream(custom, namespace: str, name: str, clock: Clock, timeout: float,
                     "raise --timeout or look at the logs printed below")
 
 
-def _apply(api_client, manifest: dict, namespace: str, clock: Clock) -> str:
+def _apply(api_client, manifest: dict, namespace: str, clock: Clock) -> tuple[str, datetime]:
     from kubernetes import client
     from kubernetes.client.rest import ApiException
 
@@ -144,11 +146,11 @@ def _apply(api_client, manifest: dict, namespace: str, clock: Clock) -> str:
         if e.status != 404:
             raise DemoError(f"cannot replace {namespace}/{name}: {e.reason}") from None
     try:
-        custom.create_namespaced_custom_object(c.GROUP, c.VERSION, namespace, c.PLURAL, manifest)
+        created = custom.create_namespaced_custom_object(c.GROUP, c.VERSION, namespace, c.PLURAL, manifest)
     except ApiException as e:
         body = json.loads(e.body).get("message", e.body) if e.body else e.reason
         raise DemoError(f"the API server rejected {namespace}/{name}: {body}") from None
-    return name
+    return name, parse_time(created["metadata"]["creationTimestamp"])
 
 
 def _example(args) -> Path:
@@ -191,10 +193,11 @@ def _cluster(args, clock: Clock):
 
 
 class Placement:
-    """Prints once where each of this run's KubeRay pods landed: the real node or a simulated host."""
+    """Prints once where each of this run's KubeRay pods landed: the real node or a simulated host.
+    A previous run's pods (same names, still shutting down) are older than this run's object."""
 
-    def __init__(self, core, namespace: str, clock: Clock):
-        self.core, self.namespace, self.clock = core, namespace, clock
+    def __init__(self, core, namespace: str, clock: Clock, since: datetime):
+        self.core, self.namespace, self.clock, self.since = core, namespace, clock, since
         self.placed: dict[str, dict] = {}
         self._simulated: dict[str, bool] = {}
 
@@ -214,7 +217,8 @@ class Placement:
         except Exception:  # noqa: BLE001  (best effort: the phase stream is what matters)
             return
         for pod in pods:
-            if pod.metadata.name in self.placed or not pod.spec.node_name:
+            if (pod.metadata.name in self.placed or not pod.spec.node_name or pod.metadata.deletion_timestamp
+                    or pod.metadata.creation_timestamp < self.since):
                 continue
             simulated = self._is_simulated(pod.spec.node_name)
             self.placed[pod.metadata.name] = {"node": pod.spec.node_name, "simulated": simulated}
@@ -232,9 +236,9 @@ def run_demo(args: argparse.Namespace) -> int:
 
         api_client = config.new_client_from_config(config_file=kubeconfig)
         _step(clock, 2, f"kubectl apply -f {_example(args)} (namespace {args.namespace})")
-        name = _apply(api_client, manifest, args.namespace, clock)
+        name, created = _apply(api_client, manifest, args.namespace, clock)
         _step(clock, 3, "watching status: our operator -> KubeRay -> the kubelet")
-        placement = Placement(client.CoreV1Api(api_client), args.namespace, clock)
+        placement = Placement(client.CoreV1Api(api_client), args.namespace, clock, created)
         final, losses = stream(client.CustomObjectsApi(api_client), args.namespace, name, clock, args.timeout,
                                on_poll=placement.poll)
         code = _summary(final, losses, placement, clock)

@@ -62,11 +62,15 @@ class ChildNames:
         return self.train_job if attempt == 0 else f"{self.train_job}-r{attempt}"
 
 
+def cluster_name(tft_name: str) -> str:
+    return f"{tft_name}-ray"
+
+
 def names(tft: TPUFinetune) -> ChildNames:
     n = tft.meta.name
     s = tft.spec.slice
     group = f"{s.generation}-{s.devices}" if s.is_tpu else "cpu-workers"
-    return ChildNames(cluster=f"{n}-ray", verify_job=f"{n}-verify", train_job=f"{n}-train",
+    return ChildNames(cluster=cluster_name(n), verify_job=f"{n}-verify", train_job=f"{n}-train",
                       identity=f"{n}-workload", worker_group=group)
 
 

@@ -60,6 +60,13 @@ HF_TOKEN_ENV = "HF_TOKEN"
 RAY_PORTS = (("gcs", 6379), ("dashboard", 8265), ("client", 10001))
 
 # Environment the workload reads to report progress into its own TPUFinetune.
+# How often a new object re-checks that an earlier one of its name has gone (phases._wait_for_previous):
+# the garbage collector removes a RayCluster's pods within seconds of its owner.
+LEFTOVER_POLL_SECONDS = 2.0
+# How long one list of a provisioning slice's pods is reused (tpuft.ledger): a stall's cause shows
+# within this, and a provisioning object costs one label-selected list per this many seconds.
+POD_LIST_INTERVAL_SECONDS = 10.0
+
 ENV_CR_NAMESPACE = "TPUFT_NAMESPACE"
 ENV_CR_NAME = "TPUFT_NAME"
 
@@ -111,6 +118,7 @@ class Reason(str, enum.Enum):
     TRAINING_COMPLETE = "TrainingComplete"
     SUSPENDED = "Suspended"
     RETRYING = "Retrying"
+    WAITING_FOR_PREVIOUS = "WaitingForPrevious"  # an earlier object of this name is still being deleted
     # failures
     INVALID_SPEC = "InvalidSpec"
     PROVISIONING_TIMEOUT = "ProvisioningTimeout"
@@ -122,6 +130,7 @@ class Reason(str, enum.Enum):
     # notices (events / status.ignoredSpecChange; not phases)
     SPEC_CHANGE_IGNORED = "SpecChangeIgnored"
     TTL_EXPIRED = "TTLExpired"
+    SLICE_BLOCKED = "SliceBlocked"   # a new cause keeps the slice from coming up (tpuft.diagnosis)
     RECONCILE_ERROR = "ReconcileError"
 
 
@@ -166,7 +175,6 @@ class TrainingStatus(str, enum.Enum):
 
 # --- KubeRay status vocabulary (ray-project/kuberay v1.7.0, ray-operator/apis/ray/v1/) ----
 RAYCLUSTER_PROVISIONED = "RayClusterProvisioned"   # RayCluster condition type
-FAILED_SCHEDULING = "FailedScheduling"             # kube-scheduler's Event reason on a pod it cannot place
 RAYCLUSTER_HEAD_POD_READY = "HeadPodReady"
 RAYCLUSTER_REPLICA_FAILURE = "ReplicaFailure"
 RAYCLUSTER_SUSPENDING = "RayClusterSuspending"
@@ -195,6 +203,7 @@ class JobDeploymentStatus(str, enum.Enum):
     SUSPENDING = "Suspending"
     SUSPENDED = "Suspended"
     RETRYING = "Retrying"
+    WAITING_FOR_PREVIOUS = "WaitingForPrevious"  # an earlier object of this name is still being deleted
     WAITING = "Waiting"
 
 

@@ -19,6 +19,7 @@ drift and which block deletion when the operator is gone). Instead:
     when it changed (operator keys only), post Events.
 
 Environment: TPUFT_RESYNC_SECONDS, TPUFT_WORKERS (4), TPUFT_VERIFY_GRACE_SECONDS (60),
+TPUFT_POD_LIST_SECONDS (10: how long one list of a coming-up slice's pods is reused),
 TPUFT_METRICS_PORT (9090; 0 disables), TPUFT_LOG_LEVEL.
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Any
 import kopf
 
 from tpuft import constants as c
-from tpuft import metrics, phases
+from tpuft import builders, diagnosis, metrics, phases
 from tpuft.kube import Kube, KubeError, Rejected, new_api_client
 from tpuft.ledger import Ledger
 from tpuft.phases import AdmissionError, ClusterObs, IndexedChild, JobObs, Observed, Op
@@ -142,6 +143,7 @@ class Controller:
         self.tasks: list[asyncio.Task] = []
         self.resync = float(os.environ.get("TPUFT_RESYNC_SECONDS", "5"))   # read at startup: tests set it
         self.workers = int(os.environ.get("TPUFT_WORKERS", "4"))
+        self.pod_list_seconds = float(os.environ.get("TPUFT_POD_LIST_SECONDS", c.POD_LIST_INTERVAL_SECONDS))
 
     def start(self) -> None:
         self.tasks = [asyncio.create_task(self._ticker(), name="tpuft-resync")]
@@ -225,7 +227,7 @@ class Controller:
         if want:
             entry = live.get(want) or self._confirm(c.RAYCLUSTER_KIND, ns, want, uid)
             if entry is not None:
-                cluster = ClusterObs(want, entry.status, entry.suspend, entry.generation)
+                cluster = ClusterObs(want, entry.status, entry.suspend, entry.generation, entry.uid)
         found = {x.name: JobObs(x.name, x.status) for x in jobs
                  if not x.deleting and x.belongs_to(uid) and (c.RAYJOB_KIND, x.name) not in removed}
         for want in (children.get("verifyJob"), children.get("trainJob")):
@@ -233,7 +235,27 @@ class Controller:
                 entry = self._confirm(c.RAYJOB_KIND, ns, want, uid)
                 if entry is not None:
                     found[want] = JobObs(want, entry.status)
-        return Observed(cluster=cluster, jobs=found)
+        observed = Observed(cluster=cluster, jobs=found)
+        return self._with_pods(observed, obj, clusters) if phases.wants_pods(obj) else observed
+
+    def _with_pods(self, observed: Observed, obj: dict, clusters: list[IndexedChild]) -> Observed:
+        """While the slice comes up: its pods (a stall's cause) and whatever an earlier object of
+        this name left (its RayCluster, its pods), which must go before we create ours."""
+        ns, uid = obj["metadata"]["namespace"], obj["metadata"].get("uid")
+        name = builders.cluster_name(obj["metadata"]["name"])
+        ours = frozenset([x.uid for x in clusters if x.name == name and x.belongs_to(uid) and not x.deleting]
+                         + [observed.cluster.uid if observed.cluster else None]) - {None}
+        old = tuple(f"RayCluster {x.name}" for x in clusters if x.name == name and not x.belongs_to(uid))
+        key = (ns, obj["metadata"]["name"])
+        pods = self.ledger.pods(key, time.monotonic(), self.pod_list_seconds)
+        if pods is None:
+            pods = self.kube.slice_pods(ns, name)
+            # leftovers are waited on: each look at them is fresh
+            fresh = pods is not None and not old and not diagnosis.leftovers(pods, ours)
+            self.ledger.listed_pods(key, time.monotonic(), pods if fresh else None)
+            pods = pods or ()
+        return dataclasses.replace(observed, pods=tuple(p for p in pods if p.cluster_uid in ours),
+                                   leftovers=old + tuple(f"pod {p}" for p in diagnosis.leftovers(pods, ours)))
 
     def _confirm(self, kind: str, ns: str, name: str, uid: str | None) -> IndexedChild | None:
         """The index has not seen it (yet): ask the API server before believing it is gone."""
@@ -262,8 +284,6 @@ class Controller:
         obj = self.ledger.overlay(key, body)
         now = datetime.now(timezone.utc)
         observed = self.observe(obj, clusters, jobs)
-        if observed.cluster is not None and phases.provisioning_overdue(obj, now):
-            observed = dataclasses.replace(observed, scheduling=self.kube.scheduling_failures(ns, observed.cluster.name))
         decision = phases.decide(obj, observed, now, self.tun)
         uid = obj["metadata"].get("uid", "")
         done = []

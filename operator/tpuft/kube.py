@@ -3,7 +3,8 @@ a worker thread). Every error names the verb, kind and namespace/name it was abo
 
 Verbs used (and nothing else; see charts/.../_rbac-rules.tpl): tpufinetunes status patch (kopf lists/watches);
 rayclusters/rayjobs get, create, patch, delete; serviceaccounts, roles, rolebindings get,
-create; events create. The operator never reads Secrets.
+create; events create; pods list (a RayCluster's, while its slice comes up). The operator
+never reads Secrets.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from tpuft import constants as c
+from tpuft.diagnosis import PodObs
 from tpuft.observed import Action, Event, Op
 
 log = logging.getLogger("tpuft.kube")
@@ -100,24 +102,17 @@ class Kube:
         except Exception as e:  # connection errors, timeouts
             raise _wrap("get", kind, ns, name, e) from e
 
-    def scheduling_failures(self, ns: str, cluster: str, limit: int = 2) -> tuple[str, ...]:
-        """The scheduler's latest FailedScheduling messages for a RayCluster's pods (KubeRay names
-        them `<cluster>-...`), newest first: the real reason a slice does not come up. Best
-        effort: read only at the provisioning deadline; without permission or on an error, none."""
+    def slice_pods(self, ns: str, cluster: str) -> tuple[PodObs, ...] | None:
+        """A RayCluster's pods (KubeRay labels them ray.io/cluster=<name>), reduced for
+        tpuft.diagnosis. Best effort: without permission or on an error, None (and a warning)."""
         try:
-            events = self.core.list_namespaced_event(
-                ns, field_selector=f"reason={c.FAILED_SCHEDULING},involvedObject.kind=Pod",
-                _request_timeout=REQUEST_TIMEOUT).items
-        except Exception as e:  # noqa: BLE001 - the timeout message is still written without them
-            log.warning("list FailedScheduling events in %s for RayCluster %s failed: %s", ns, cluster, e)
-            return ()
-        mine = [e for e in events if (e.involved_object.name or "").startswith(f"{cluster}-")]
-        mine.sort(key=lambda e: e.last_timestamp or e.event_time or e.metadata.creation_timestamp, reverse=True)
-        seen: list[str] = []
-        for e in mine:
-            if e.message and e.message not in seen:
-                seen.append(e.message)
-        return tuple(seen[:limit])
+            resp = self.core.list_namespaced_pod(ns, label_selector=f"{c.RAY_CLUSTER_LABEL}={cluster}",
+                                                 _preload_content=False, _request_timeout=REQUEST_TIMEOUT)
+            items = json.loads(resp.data).get("items") or []
+        except Exception as e:  # noqa: BLE001 - diagnosis is extra: the reconcile goes on without it
+            log.warning("list pods of RayCluster %s/%s failed: %s", ns, cluster, e)
+            return None
+        return tuple(PodObs.of(pod) for pod in items)
 
     # --- writes ----------------------------------------------------------------------------------
     def create(self, kind: str, ns: str, body: Mapping[str, Any], owner_uid: str) -> str:

@@ -9,6 +9,8 @@ The ledger holds what bridges that lag, per key:
   * unsure: a status write failed, but may have landed: re-read before deciding;
   * removed: children this process deleted, confirmed with a GET instead of taken from the index;
   * gone: the uid of a TPUFinetune the API server says is deleted while the index still holds it;
+  * pods: the slice's pods as last listed, reused for up to POD_LIST_INTERVAL_SECONDS (a stall's
+    cause needs seconds, not every resync's fresh list);
 
 and the work queue's own per-key state: when the next resync is due, consecutive failures
 (backoff) and the last error posted as an Event (posted once, not every retry).
@@ -36,6 +38,8 @@ class _Entry:
     removed: set[Child] = field(default_factory=set)
     gone: bool = False
     gone_uid: str | None = None
+    pods: tuple | None = None
+    pods_at: float = 0.0
 
 
 class Ledger:
@@ -47,6 +51,16 @@ class Ledger:
 
     def __contains__(self, key: Key) -> bool:
         return key in self._entries
+
+    def pods(self, key: Key, now: float, interval: float) -> tuple | None:
+        """The slice's pods as listed less than `interval` seconds ago, else None (list again)."""
+        e = self._entries.get(key)
+        return e.pods if e is not None and e.pods is not None and now - e.pods_at < interval else None
+
+    def listed_pods(self, key: Key, now: float, pods: tuple | None) -> None:
+        """None (the list failed, or must not be reused) keeps nothing."""
+        e = self._entry(key)
+        e.pods, e.pods_at = pods, now
 
     def forget(self, key: Key) -> None:
         """The TPUFinetune is gone (or being deleted): nothing about it is kept."""

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 from tpuft import builders
 from tpuft import constants as c
 from tpuft.constants import Condition, ConditionStatus, EventType, Reason
+from tpuft.diagnosis import PodObs
 from tpuft.spec import TPUFinetune
 
 # Status keys the operator owns. status.verification and status.training belong to the workload.
@@ -38,12 +39,14 @@ class IndexedChild:
     # take the previous object's children (same names) for its own while the garbage
     # collector is still removing them.
     owner_uid: str | None = None
+    uid: str | None = None            # its own metadata.uid: the owner its pods name
 
     @classmethod
     def of(cls, name: str, spec: Mapping | None, status: Mapping | None, meta: Mapping) -> IndexedChild:
         owners = [o.get("uid") for o in meta.get("ownerReferences") or [] if o.get("kind") == c.KIND]
         return cls(name, copy.deepcopy(dict(status or {})), bool((spec or {}).get("suspend")),
-                   bool(meta.get("deletionTimestamp")), meta.get("generation"), owners[0] if owners else None)
+                   bool(meta.get("deletionTimestamp")), meta.get("generation"), owners[0] if owners else None,
+                   meta.get("uid"))
 
     def belongs_to(self, uid: str | None) -> bool:
         return self.owner_uid is None or not uid or self.owner_uid == uid
@@ -55,6 +58,7 @@ class ClusterObs:
     status: Mapping[str, Any] = field(default_factory=dict)
     suspended: bool = False          # spec.suspend as the object says
     generation: int | None = None    # metadata.generation: status older than this is stale
+    uid: str | None = None           # metadata.uid: the owner KubeRay writes on its pods
 
 
 @dataclass(frozen=True)
@@ -76,9 +80,12 @@ class Observed:
     cluster: ClusterObs | None = None
     jobs: Mapping[str, JobObs] = field(default_factory=dict)
     admission_error: AdmissionError | None = None
-    # The scheduler's FailedScheduling messages for the slice's pods, read only once the
-    # provisioning deadline has passed (phases.provisioning_overdue): the timeout's real cause.
-    scheduling: tuple[str, ...] = ()
+    # The RayCluster's pods, read while the slice is coming up (phases.wants_pods): the cause
+    # of a stall, in the scheduler's or the kubelet's words (tpuft.diagnosis).
+    pods: tuple[PodObs, ...] = ()
+    # What an earlier object of the same name left behind and the garbage collector has not
+    # removed yet (its RayCluster, its pods): nothing of ours is created beside it.
+    leftovers: tuple[str, ...] = ()
 
 
 class Op(str, enum.Enum):

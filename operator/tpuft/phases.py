@@ -19,6 +19,11 @@ Rules worth knowing (see also the README):
   * A child deleted out from under us: the RayCluster is recreated while Provisioning; in
     VerifyingCollectives/Training the run fails with ChildDeleted (the slice/job is gone).
   * After Succeeded/Failed the RayCluster is deleted once ttlSecondsAfterFinished has passed.
+  * While the slice comes up, the first blocking cause its pods show (tpuft.diagnosis: image
+    pull, container config, crash loop, the scheduler's reason) is in status.message and the
+    SliceProvisioned condition, and a SliceBlocked event is posted once per new cause; the
+    ProvisioningTimeout message carries it. A re-created object waits (Pending,
+    WaitingForPrevious) until the deleted one's RayCluster and pods are gone.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from typing import Any, Mapping
 from tpuft import builders
 from tpuft import constants as c
 from tpuft.constants import Condition, ConditionStatus, EventType, Phase, Reason
+from tpuft.diagnosis import blocking_cause
 from tpuft.spec import DEFAULTS, SpecError, TPUFinetune, parse
 from tpuft.observed import (  # noqa: F401  (re-exported)
     OWNED_KEYS, LIVE_SPEC_FIELDS, CONDITION_ORDER, DEFAULT_VERIFY_GRACE_SECONDS, ClusterObs, IndexedChild,
@@ -211,6 +217,8 @@ def _pending(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed) -> Decisi
                f"{tft.spec.provisioning_timeout_seconds}s: {d.prev.get('message') or 'no detail'}")
         return d.finish()
     n, s = builders.names(tft), tft.spec.slice
+    if obs.leftovers:
+        return _wait_for_previous(d, tft, obs)
     for body in builders.build_workload_identity(tft):
         d.act(Op.CREATE, body["kind"], body["metadata"]["name"], body)
     d.act(Op.CREATE, c.RAYCLUSTER_KIND, n.cluster, builders.build_raycluster(tft))
@@ -232,6 +240,18 @@ def _pending(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed) -> Decisi
     return d.finish()
 
 
+def _wait_for_previous(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
+    """KubeRay selects a RayCluster's pods by name label alone: a new RayCluster created while
+    the deleted object's pods are still terminating takes its old head for its own (and Ray
+    jobs then fail on a head node that is gone). Wait, briefly, until they are."""
+    shown = ", ".join(obs.leftovers[:4]) + (f" and {len(obs.leftovers) - 4} more" if len(obs.leftovers) > 4 else "")
+    d.go(Phase.PENDING, Reason.WAITING_FOR_PREVIOUS, f"waiting for an earlier {c.KIND} {tft.meta.namespace}/"
+         f"{tft.meta.name}'s children to be deleted before creating RayCluster {builders.names(tft).cluster}: "
+         f"{shown}")
+    d.wake(c.LEFTOVER_POLL_SECONDS)
+    return d.finish()
+
+
 def _initial_conditions(d: _Draft, tft: TPUFinetune, progress: str) -> None:
     d.cond(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, Reason.WAITING_FOR_SLICE, progress)
     if tft.spec.verification.enabled:
@@ -243,7 +263,7 @@ def _initial_conditions(d: _Draft, tft: TPUFinetune, progress: str) -> None:
 
 def _provisioning(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
     n, s, timeout = builders.names(tft), tft.spec.slice, tft.spec.provisioning_timeout_seconds
-    if obs.cluster is None:
+    if obs.cluster is None and not obs.leftovers:
         body = builders.build_raycluster(tft)
         body["spec"].pop("suspend", None)
         d.act(Op.CREATE, c.RAYCLUSTER_KIND, n.cluster, body)
@@ -255,12 +275,16 @@ def _provisioning(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
     progress = cluster_progress(tft, obs.cluster)
     if obs.cluster is not None and obs.cluster.suspended:  # not by us (we resume on leaving Suspended): Kueue?
         progress += "; the RayCluster is suspended (waiting for admission, e.g. by Kueue)"
+    cause = blocking_cause(obs.pods)
+    if cause:
+        progress += f"; {cause}"
+        if cause not in (d.prev.get("message") or ""):   # once per new cause, not on every resync
+            d.event(EventType.WARNING, Reason.SLICE_BLOCKED, cause)
     if d.elapsed() >= timeout:
         where = (f"a TPU node pool with {c.GKE_TPU_ACCELERATOR_SELECTOR}={s.gke_accelerator} and "
                  f"{c.GKE_TPU_TOPOLOGY_SELECTOR}={s.topology} ({s.hosts} hosts of {s.machine_type}) per slice"
                  if s.is_tpu else "schedulable CPU nodes")
-        cause = f"; the scheduler says: {' | '.join(obs.scheduling)}" if obs.scheduling else ""
-        msg = (f"slice not provisioned after {timeout}s: {progress}{cause}; check {where} has capacity and quota, "
+        msg = (f"slice not provisioned after {timeout}s: {progress}; check {where} has capacity and quota, "
                f"and `kubectl describe raycluster {n.cluster}` / `kubectl get pods -l {c.RAY_CLUSTER_LABEL}={n.cluster}`")
         d.cond(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, Reason.PROVISIONING_TIMEOUT, msg)
         d.fail(Reason.PROVISIONING_TIMEOUT, msg)
@@ -271,18 +295,11 @@ def _provisioning(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
     return d.finish()
 
 
-def provisioning_overdue(obj: Mapping[str, Any], now: datetime) -> bool:
-    """Whether a Provisioning object is past its deadline: only then does the handler read the
-    scheduler's events for the slice's pods (one extra list, paid by stuck slices alone)."""
-    st = owned(obj.get("status"))
-    t = parse_time(st.get("phaseTransitionTime"))
-    if st.get("phase") != Phase.PROVISIONING.value or st.get("appliedSpec") is None or t is None:
-        return False
-    try:
-        timeout = parse({**obj, "spec": st["appliedSpec"]}).spec.provisioning_timeout_seconds
-    except SpecError:
-        return False
-    return (now - t).total_seconds() >= timeout
+def wants_pods(obj: Mapping[str, Any]) -> bool:
+    """Whether the handler should list the RayCluster's pods for this reconcile: while the slice
+    is being created or is coming up (the only phases a stall cause or a leftover matters in)."""
+    phase = owned(obj.get("status")).get("phase")
+    return phase in (None, "", Phase.PENDING.value, Phase.PROVISIONING.value)
 
 
 def _start_verification(d: _Draft, tft: TPUFinetune) -> Decision:

@@ -135,11 +135,29 @@ def test_webhook_refuses_a_raycluster_whose_num_of_hosts_does_not_match(cluster_
     assert cluster_kubectl("get", "raycluster", "wrong-hosts", "-n", cluster_ns).returncode != 0
 
 
-def test_a_shape_no_pool_offers_ends_in_provisioning_timeout(cluster_kubectl, cluster_ns):
+def _tft(kubectl, ns: str, name: str) -> dict:
+    return _json(kubectl, "get", "tft", name, "-n", ns)
+
+
+def _provisioning_with(kubectl, ns: str, name: str, text: str, timeout: float) -> dict:
+    """The object while still Provisioning, once its message carries `text`."""
+    def check():
+        st = _tft(kubectl, ns, name)["status"]
+        assert st.get("phase") in (None, "Pending", "Provisioning"), st
+        return st if st.get("phase") == "Provisioning" and text in st.get("message", "") else None
+    return wait_until(check, timeout=timeout, what=f"{text!r} in {name}'s status while Provisioning")
+
+
+def test_a_shape_no_pool_offers_says_why_then_ends_in_provisioning_timeout(cluster_kubectl, cluster_ns):
     doc = _rehearsal("too-big")
     doc["spec"]["topology"] = "4x8"
-    doc["spec"]["provisioningTimeoutSeconds"] = 30
+    doc["spec"]["provisioningTimeoutSeconds"] = 60
     cluster_kubectl("apply", "-n", cluster_ns, "-f", "-", input=json.dumps(doc), check=True)
+    # within seconds, not at the deadline: the scheduler's words on the pod, read by the operator
+    st = _provisioning_with(cluster_kubectl, cluster_ns, "too-big", "didn't match Pod's node affinity/selector", 50)
+    assert "cannot be scheduled: the scheduler says: 0/" in st["message"], st["message"]
+    slice_cond = next(x for x in st["conditions"] if x["type"] == "SliceProvisioned")
+    assert "the scheduler says" in slice_cond["message"], slice_cond
     tft = wait_until(lambda: (t := _json(cluster_kubectl, "get", "tft", "too-big", "-n", cluster_ns))
                      ["status"].get("phase") == "Failed" and t, timeout=150, what="ProvisioningTimeout")
     assert tft["status"]["reason"] == "ProvisioningTimeout"
@@ -148,3 +166,19 @@ def test_a_shape_no_pool_offers_ends_in_provisioning_timeout(cluster_kubectl, cl
     # the real cause, read by the operator (from its image, under the chart's RBAC), is in the status
     assert "the scheduler says: 0/" in tft["status"]["message"], tft["status"]["message"]
     assert "didn't match Pod's node affinity/selector" in tft["status"]["message"], tft["status"]["message"]
+
+
+def test_an_image_that_does_not_exist_is_named_while_provisioning(cluster_kubectl, cluster_ns):
+    """The kubelet's pull error on the real node (every registry here is a closed loopback port,
+    so the pull fails at once, locally), in status while the object is still Provisioning."""
+    doc = yaml.safe_load((EXAMPLES / "local-cpu.yaml").read_text())
+    doc["metadata"]["name"] = "no-image"
+    doc["spec"]["image"] = "docker.io/tpufinetune/workload:does-not-exist"
+    doc["spec"]["provisioningTimeoutSeconds"] = 600
+    doc["spec"]["checkpoint"] = {"storagePath": "/tmp/tpuft-checkpoints-no-image"}
+    cluster_kubectl("apply", "-n", cluster_ns, "-f", "-", input=json.dumps(doc), check=True)
+    st = _provisioning_with(cluster_kubectl, cluster_ns, "no-image", "cannot be pulled", 120)
+    assert "image docker.io/tpufinetune/workload:does-not-exist cannot be pulled (" in st["message"], st["message"]
+    events = _json(cluster_kubectl, "get", "events", "-n", cluster_ns, "--field-selector",
+                   "involvedObject.name=no-image,reason=SliceBlocked")["items"]
+    assert events and "cannot be pulled" in events[0]["message"], events

@@ -45,12 +45,17 @@ def test_operator_serves_metrics_in_the_pod(local_cluster, operator_pod):
     ("list", "tpufinetunes.tpufinetune.dev", True),
     ("create", "rayclusters.ray.io", True),
     ("create", "rayjobs.ray.io", True),
-    ("list", "events", True),
+    ("create", "events", True),
+    ("list", "events", False),
     ("delete", "tpufinetunes.tpufinetune.dev", False),
     ("patch", "tpufinetunes.tpufinetune.dev", False),
     ("get", "secrets", False),
+    ("list", "pods", True),     # a RayCluster's pods while its slice comes up
+    ("get", "pods", False),
+    ("watch", "pods", False),
     ("create", "pods", False),
-    ("list", "pods", False),
+    ("delete", "pods", False),
+    ("create", "pods/exec", False),
 ])
 def test_operator_service_account_is_least_privilege(local_cluster, operator_pod, verb, resource, allowed):
     sa = f"system:serviceaccount:{chart.NAMESPACE}:{operator_pod['spec']['serviceAccountName']}"

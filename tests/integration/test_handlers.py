@@ -33,6 +33,7 @@ def operator(kubeconfig, namespace, monkeypatch):
     """start() -> context manager running the operator for this namespace."""
     monkeypatch.setenv("KUBECONFIG", kubeconfig)
     monkeypatch.setenv("TPUFT_RESYNC_SECONDS", RESYNC)
+    monkeypatch.setenv("TPUFT_POD_LIST_SECONDS", RESYNC)
     monkeypatch.setenv("TPUFT_VERIFY_GRACE_SECONDS", VERIFY_GRACE)
     monkeypatch.setenv("TPUFT_METRICS_PORT", "0")
 
@@ -178,12 +179,13 @@ def test_provisioning_timeout(operator, tft, kuberay, kubectl, namespace):
         st = tft.wait("Provisioning")
         began = time.monotonic()
         kuberay.cluster_provisioning(f"{NAME}-ray", ready_workers=1)
-        # What kube-scheduler records for a worker it cannot place (this tier has no scheduler)
         why = "0/3 nodes are available: 3 node(s) didn't match Pod's node affinity/selector."
-        kubectl("create", "-n", namespace, "-f", "-", input=json.dumps({
-            "apiVersion": "v1", "kind": "Event", "metadata": {"name": f"{NAME}-ray-tpu-worker-x.1"},
-            "involvedObject": {"kind": "Pod", "name": f"{NAME}-ray-tpu-worker-x", "namespace": namespace},
-            "reason": "FailedScheduling", "message": why, "type": "Warning"}), check=True)
+        kuberay.unschedulable_worker(f"{NAME}-ray", f"{NAME}-ray-tpu-worker-x", why)
+        # the cause is in status while still Provisioning, not only at the deadline
+        st = wait_until(lambda: (s := tft.status()).get("phase") == "Provisioning" and why in s["message"] and s,
+                        timeout=5, what="the scheduler's reason while Provisioning")
+        assert f"pod {NAME}-ray-tpu-worker-x cannot be scheduled: the scheduler says: {why}" in st["message"]
+        assert why in cond(st, "SliceProvisioned")["message"]
         st = tft.wait("Failed", timeout=5 + MARGIN + 2)
         assert time.monotonic() - began <= 5 + MARGIN
         assert f"the scheduler says: {why}" in st["message"], st["message"]
@@ -195,7 +197,10 @@ def test_provisioning_timeout(operator, tft, kuberay, kubectl, namespace):
         res = kubectl("wait", f"tft/{NAME}", "-n", namespace, "--for=condition=Failed", "--timeout=5s")
         assert res.returncode == 0
         assert tft.children("rayjobs") == []
-    assert "ProvisioningTimeout" in [e["reason"] for e in tft.events() if e["type"] == "Warning"]
+    warnings = [e for e in tft.events() if e["type"] == "Warning"]
+    assert "ProvisioningTimeout" in [e["reason"] for e in warnings]
+    blocked = [e for e in warnings if e["reason"] == "SliceBlocked"]
+    assert len(blocked) == 1 and blocked[0]["count"] == 1, blocked  # once per cause, not per resync
 
 
 def verifying(tft, kuberay, **spec) -> dict:

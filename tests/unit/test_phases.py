@@ -10,6 +10,7 @@ import pytest
 from tpuft import builders, phases
 from tpuft import constants as c
 from tpuft.constants import Phase
+from tpuft.diagnosis import PodObs
 from tpuft.phases import AdmissionError, ClusterObs, JobObs, Observed, Op
 from tpuft.spec import parse
 
@@ -196,19 +197,57 @@ def test_replica_failure_is_reported_in_the_timeout_message():
     assert d.status["reason"] == "ProvisioningTimeout" and "pods forbidden: quota" in d.status["message"]
 
 
+def unschedulable(name: str = f"{NAME}-ray-worker-a", why: str = "0/8 nodes are available: 4 node(s) didn't "
+                  "match Pod's node affinity/selector.") -> PodObs:
+    return PodObs(name, cluster_uid="rc-1", unschedulable=why)
+
+
+def test_the_blocking_cause_is_in_status_while_provisioning_with_one_event_per_cause():
+    o = run_to(make(provisioningTimeoutSeconds=100), Phase.PROVISIONING)
+    d = phases.decide(o, Observed(cluster(0), pods=(unschedulable(),)), at(5), TUN)
+    assert d.status["phase"] == "Provisioning"
+    assert "cannot be scheduled: the scheduler says: 0/8 nodes are available" in d.status["message"]
+    assert "the scheduler says" in cond(d, c.Condition.SLICE_PROVISIONED)["message"]
+    assert [(e.type, e.reason) for e in d.events] == [("Warning", "SliceBlocked")]
+    o = apply(o, d)
+    again = phases.decide(o, Observed(cluster(0), pods=(unschedulable(),)), at(10), TUN)
+    assert again.patch is None and again.events == ()          # same cause: no write, no event
+    other = phases.decide(o, Observed(cluster(0), pods=(unschedulable(why="0/8 nodes: Insufficient google.com/tpu"),)),
+                          at(15), TUN)
+    assert other.patch and [e.reason for e in other.events] == ["SliceBlocked"]
+    cleared = phases.decide(apply(o, other), Observed(cluster(1)), at(20), TUN)
+    assert "the scheduler says" not in cleared.status["message"] and cleared.events == ()
+
+
 def test_the_schedulers_reason_is_the_timeout_messages_cause():
     o = run_to(make(provisioningTimeoutSeconds=10), Phase.PROVISIONING)
-    why = "0/8 nodes are available: 4 node(s) didn't match Pod's node affinity/selector."
-    d = phases.decide(o, Observed(cluster(0), scheduling=(why,)), at(10), TUN)
-    assert d.status["reason"] == "ProvisioningTimeout" and f"the scheduler says: {why}" in d.status["message"]
-    assert why in d.events[0].message
+    d = phases.decide(o, Observed(cluster(0), pods=(unschedulable(),)), at(10), TUN)
+    assert d.status["reason"] == "ProvisioningTimeout"
+    assert "the scheduler says: 0/8 nodes are available" in d.status["message"]
+    assert any("the scheduler says" in e.message and e.reason == "ProvisioningTimeout" for e in d.events)
 
 
-@pytest.mark.parametrize("elapsed,phase,overdue", [(9, Phase.PROVISIONING, False), (10, Phase.PROVISIONING, True),
-                                                   (50, Phase.VERIFYING, False)])
-def test_provisioning_overdue_only_past_the_deadline_while_provisioning(elapsed, phase, overdue):
-    o = run_to(make(provisioningTimeoutSeconds=10), phase)
-    assert phases.provisioning_overdue(o, at(elapsed)) is overdue
+@pytest.mark.parametrize("phase,wants", [(None, True), (Phase.PENDING, True), (Phase.PROVISIONING, True),
+                                         (Phase.VERIFYING, False), (Phase.TRAINING, False), (Phase.SUCCEEDED, False)])
+def test_pods_are_read_only_while_the_slice_comes_up(phase, wants):
+    o = make() if phase is None else {**make(), "status": {"phase": phase.value}}
+    assert phases.wants_pods(o) is wants
+
+
+def test_leftovers_of_a_deleted_object_of_the_same_name_hold_the_creates():
+    d = phases.decide(make(), Observed(leftovers=(f"pod {NAME}-ray-head-x",)), T0, TUN)
+    assert d.actions == () and d.status["phase"] == "Pending" and d.status["reason"] == "WaitingForPrevious"
+    assert d.requeue_after == c.LEFTOVER_POLL_SECONDS
+    d = phases.decide(apply(make(), d), Observed(), at(3), TUN)
+    assert [a.kind for a in d.actions][-1] == "RayCluster" and d.status["phase"] == "Provisioning"
+
+
+def test_leftovers_past_the_provisioning_timeout_fail_with_the_reason():
+    o = make(provisioningTimeoutSeconds=10)
+    o = apply(o, phases.decide(o, Observed(leftovers=("RayCluster ft-ray",)), T0, TUN))
+    d = phases.decide(o, Observed(leftovers=("RayCluster ft-ray",)), at(10), TUN)
+    assert d.status["phase"] == "Failed" and d.status["reason"] == "ProvisioningTimeout"
+    assert "RayCluster ft-ray" in d.status["message"]
 
 
 def test_cluster_suspended_by_someone_else_is_left_alone():

@@ -27,11 +27,15 @@ def test_first_reconcile_acts_then_writes_status_once():
     ctl.reconcile((NS, NAME), stale, [], [])
     assert ("get", "RayCluster", f"{NAME}-ray") in kube.log
     assert kube.ops("create", "patch_status", "event") == []
-    # Caught up: no request at all.
+    # Caught up: no request at all (the slice's pods, listed for a stall's cause, are reused
+    # for TPUFT_POD_LIST_SECONDS)
     kube.log.clear()
     cluster = phases.IndexedChild(f"{NAME}-ray", {}, suspend=False, deleting=False)
     ctl.reconcile((NS, NAME), indexed(kube), [cluster], [])
     assert kube.log == [] and ctl.ledger.written((NS, NAME)) is None
+    ctl.pod_list_seconds = 0
+    ctl.reconcile((NS, NAME), indexed(kube), [cluster], [])
+    assert kube.log == [("slice_pods", f"{NAME}-ray")]
 
 
 def test_admission_rejection_becomes_the_status():
@@ -207,17 +211,82 @@ def test_spec_change_mid_run_is_recorded_not_applied():
     assert "SpecChangeIgnored" in [e["reason"] for e in tft.events() if e["type"] == "Warning"]
 
 
-def test_a_stuck_slice_fails_with_the_schedulers_reason_read_only_at_the_deadline():
+def pod(name: str, cluster_uid: str, **status) -> dict:
+    """A RayCluster's pod as the API server returns it (KubeRay's label and ownerReference)."""
+    return {"metadata": {"name": name, "labels": {"ray.io/cluster": f"{NAME}-ray"},
+                         "ownerReferences": [{"kind": "RayCluster", "uid": cluster_uid}]},
+            "spec": {"containers": [{"name": "ray-worker", "image": "img:1"}]}, "status": status}
+
+
+UNSCHEDULABLE = {"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                 "message": "0/8 nodes are available: 4 node(s) didn't match Pod's node affinity/selector."}]}
+
+
+def test_a_stuck_slice_says_the_schedulers_reason_while_provisioning_and_at_the_deadline():
     kube = FakeKube(tft())
-    kube.unschedulable = ("0/8 nodes are available: 4 node(s) didn't match Pod's node affinity/selector.",)
     ctl = controller(kube)
+    ctl.pod_list_seconds = 0
     ctl.reconcile((NS, NAME), indexed(kube), [], [])
-    cluster = phases.IndexedChild(f"{NAME}-ray", {}, suspend=False, deleting=False)
-    ctl.reconcile((NS, NAME), indexed(kube), [cluster], [])
-    assert kube.ops("scheduling_failures") == []  # before the deadline: no extra read
+    cluster = phases.IndexedChild(f"{NAME}-ray", {}, suspend=False, deleting=False, uid="rc-1")
+    kube.pods = [pod(f"{NAME}-ray-worker-a", "rc-1", **UNSCHEDULABLE)]
+    for _ in range(3):   # resyncs: one write and one event for the cause, however often it is seen
+        ctl.reconcile((NS, NAME), indexed(kube), [cluster], [])
     st = kube.objects[("TPUFinetune", NAME)]["status"]
+    assert st["phase"] == "Provisioning"
+    assert (f"pod {NAME}-ray-worker-a cannot be scheduled: the scheduler says: 0/8 nodes are available"
+            in st["message"]), st["message"]
+    assert kube.ops("event").count(("event", "Warning", "SliceBlocked")) == 1
+    assert len(kube.ops("patch_status")) == 2   # Provisioning, then the cause
     st["phaseTransitionTime"] = "2000-01-01T00:00:00Z"   # the deadline has long passed
     ctl.reconcile((NS, NAME), indexed(kube), [cluster], [])
-    assert kube.ops("scheduling_failures") == [("scheduling_failures", f"{NAME}-ray")]
     st = kube.objects[("TPUFinetune", NAME)]["status"]
     assert st["reason"] == "ProvisioningTimeout" and "the scheduler says: 0/8 nodes are available" in st["message"]
+
+
+def test_pods_of_another_cluster_are_not_this_slices_cause():
+    kube = FakeKube(tft())
+    ctl = controller(kube)
+    ctl.pod_list_seconds = 0
+    ctl.reconcile((NS, NAME), indexed(kube), [], [])
+    cluster = phases.IndexedChild(f"{NAME}-ray", {}, uid="rc-1")
+    kube.pods = [pod(f"{NAME}-ray-worker-old", "rc-0", **UNSCHEDULABLE)]
+    ctl.reconcile((NS, NAME), indexed(kube), [cluster], [])
+    assert "cannot be scheduled" not in kube.objects[("TPUFinetune", NAME)]["status"]["message"]
+
+
+def test_a_recreated_object_waits_for_the_deleted_ones_pods_then_creates():
+    """Same name, new UID: the deleted object's RayCluster and pods (GC still at work) would be
+    taken by KubeRay for the new cluster's (it selects pods by the ray.io/cluster label)."""
+    kube = FakeKube(tft())
+    ctl = controller(kube)
+    old = phases.IndexedChild(f"{NAME}-ray", {}, owner_uid="u-0", uid="rc-0")
+    kube.pods = [pod(f"{NAME}-ray-head-x", "rc-0", phase="Running")]
+    requeue = ctl.reconcile((NS, NAME), indexed(kube), [old], [])
+    st = kube.objects[("TPUFinetune", NAME)]["status"]
+    assert kube.ops("create") == [] and st["phase"] == "Pending" and st["reason"] == "WaitingForPrevious"
+    assert f"RayCluster {NAME}-ray, pod {NAME}-ray-head-x" in st["message"], st["message"]
+    assert requeue is not None and requeue <= 2
+    ctl.reconcile((NS, NAME), indexed(kube), [], [])   # the RayCluster went; its pod has not
+    assert kube.ops("create") == [] and len(kube.ops("slice_pods")) == 2   # leftovers: never a reused list
+    kube.pods = []
+    ctl.reconcile((NS, NAME), indexed(kube), [], [])
+    assert [x[1] for x in kube.ops("create")][-1] == "RayCluster"
+    assert kube.objects[("TPUFinetune", NAME)]["status"]["phase"] == "Provisioning"
+
+
+def test_a_listed_slice_is_reused_for_the_interval_then_listed_again(monkeypatch):
+    kube = FakeKube(tft())
+    ctl = controller(kube)
+    clock = [100.0]
+    monkeypatch.setattr(handlers.time, "monotonic", lambda: clock[0])
+    ctl.reconcile((NS, NAME), indexed(kube), [], [])
+    cluster = phases.IndexedChild(f"{NAME}-ray", {}, uid="rc-1")
+    kube.pods = [pod(f"{NAME}-ray-worker-a", "rc-1", **UNSCHEDULABLE)]
+    clock[0] += ctl.pod_list_seconds - 1
+    ctl.reconcile((NS, NAME), indexed(kube), [cluster], [])
+    assert len(kube.ops("slice_pods")) == 1
+    assert "cannot be scheduled" not in kube.objects[("TPUFinetune", NAME)]["status"]["message"]
+    clock[0] += 1
+    ctl.reconcile((NS, NAME), indexed(kube), [cluster], [])
+    assert len(kube.ops("slice_pods")) == 2
+    assert "cannot be scheduled" in kube.objects[("TPUFinetune", NAME)]["status"]["message"]

@@ -19,12 +19,16 @@ exact set).
 - apiGroups: ["ray.io"]
   resources: ["rayclusters", "rayjobs"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# Events kopf and the handlers post about progress and errors (both Event APIs); list on
-# core Events reads the scheduler's FailedScheduling for a slice past its provisioning
-# deadline, the cause written into the ProvisioningTimeout message.
+# Events kopf and the handlers post about progress and errors (both Event APIs).
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create", "patch", "list"]
+  verbs: ["create", "patch"]
+# A RayCluster's pods, listed (by its ray.io/cluster label) while its slice comes up: the
+# scheduler's and the kubelet's reason for a stall goes into status, and a re-created object
+# waits for the deleted one's pods to go. Read only; nothing else on pods.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list"]
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]

@@ -1,0 +1,113 @@
+"""Why a slice is not coming up, from its pods: the first blocking cause, in the words of the
+component that knows (the scheduler, the kubelet's image pull, the container's last exit).
+Pure: handlers list the pods (Kube.slice_pods), this reads them.
+
+Kubernetes already writes every cause onto the pod itself: the scheduler into the PodScheduled
+condition (the same text as its FailedScheduling Event), the kubelet into each container's
+`state.waiting` (ErrImagePull, ImagePullBackOff, CreateContainerConfigError, CrashLoopBackOff)
+and `lastState.terminated`. So one list of pods answers what `kubectl describe pod` would.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from tpuft import constants as c
+
+MAX_DETAIL = 400   # characters of one component's message kept in status (they can be long)
+
+
+class Blocker(str, enum.Enum):
+    """Kinds of cause, most decisive first: a pod that cannot pull its image will never run,
+    wherever it is scheduled; a crash loop is the image's own fault; unschedulable may clear."""
+    IMAGE = "image"
+    CONFIG = "config"
+    CRASH = "crash"
+    UNSCHEDULABLE = "unschedulable"
+
+
+IMAGE_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
+CONFIG_REASONS = frozenset({"CreateContainerConfigError", "CreateContainerError", "RunContainerError"})
+CRASH_REASON = "CrashLoopBackOff"
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A container the kubelet cannot get running, as containerStatuses[].state.waiting says."""
+    container: str
+    image: str
+    reason: str
+    message: str = ""
+    last_exit: str = ""   # lastState.terminated, for a crash loop: "exit code 1: <message or reason>"
+
+
+@dataclass(frozen=True)
+class PodObs:
+    """One of the RayCluster's pods (label ray.io/cluster), reduced to what diagnosis needs."""
+    name: str
+    cluster_uid: str | None = None      # the owning RayCluster's UID (ownerReferences)
+    deleting: bool = False
+    unschedulable: str | None = None    # the PodScheduled=False message the scheduler wrote
+    waiting: tuple[Waiting, ...] = ()
+
+    @classmethod
+    def of(cls, pod: Mapping[str, Any]) -> PodObs:
+        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        owners = [o.get("uid") for o in meta.get("ownerReferences") or [] if o.get("kind") == c.RAYCLUSTER_KIND]
+        sched = next((x for x in status.get("conditions") or [] if x.get("type") == "PodScheduled"), {})
+        unschedulable = (sched.get("message") or sched.get("reason") or "unschedulable"
+                         if sched.get("status") == "False" and sched.get("reason") == "Unschedulable" else None)
+        images = {x.get("name"): x.get("image") or "" for x in (pod.get("spec") or {}).get("containers") or []}
+        waiting = tuple(_waiting(x, images) for x in
+                        [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
+                        if ((x.get("state") or {}).get("waiting") or {}).get("reason"))
+        return cls(meta.get("name") or "", owners[0] if owners else None, bool(meta.get("deletionTimestamp")),
+                   unschedulable, waiting)
+
+
+def _waiting(cs: Mapping[str, Any], images: Mapping[str, str]) -> Waiting:
+    w = cs["state"]["waiting"]
+    last = (cs.get("lastState") or {}).get("terminated") or {}
+    last_exit = (f"exit code {last.get('exitCode')}: {(last.get('message') or last.get('reason') or '').strip()}"
+                 if last else "")
+    return Waiting(cs.get("name") or "", cs.get("image") or images.get(cs.get("name"), ""), w["reason"],
+                   (w.get("message") or "").strip(), last_exit)
+
+
+def _clip(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= MAX_DETAIL else text[:MAX_DETAIL - 3] + "..."
+
+
+def _causes(pod: PodObs) -> list[tuple[Blocker, str]]:
+    out = []
+    for w in pod.waiting:
+        if w.reason in IMAGE_REASONS:
+            out.append((Blocker.IMAGE, f"pod {pod.name}: image {w.image} cannot be pulled ({w.reason})"
+                        + (f": {_clip(w.message)}" if w.message else "")))
+        elif w.reason in CONFIG_REASONS:
+            out.append((Blocker.CONFIG, f"pod {pod.name}: container {w.container} cannot start ({w.reason})"
+                        + (f": {_clip(w.message)}" if w.message else "")))
+        elif w.reason == CRASH_REASON:
+            out.append((Blocker.CRASH, f"pod {pod.name}: container {w.container} keeps crashing ({w.reason}"
+                        + (f", last {_clip(w.last_exit)}" if w.last_exit else "") + ")"))
+    if pod.unschedulable:
+        out.append((Blocker.UNSCHEDULABLE, f"pod {pod.name} cannot be scheduled: the scheduler says: "
+                    f"{_clip(pod.unschedulable)}"))
+    return out
+
+
+def blocking_cause(pods: tuple[PodObs, ...]) -> str | None:
+    """The most decisive cause among the pods (ties: the first pod by name), or None when nothing
+    blocks yet (pods still being created, images still pulling, Ray still starting)."""
+    order = list(Blocker)
+    found = [(order.index(kind), pod.name, text) for pod in pods if not pod.deleting for kind, text in _causes(pod)]
+    return min(found)[2] if found else None
+
+
+def leftovers(pods: tuple[PodObs, ...], own_cluster_uids: frozenset[str]) -> tuple[str, ...]:
+    """Pods carrying this RayCluster's name but owned by another (an earlier object of the same
+    name, still being garbage-collected). KubeRay selects a cluster's pods by that label alone,
+    so a RayCluster created beside them would take the old head for its own."""
+    return tuple(sorted(p.name for p in pods if p.cluster_uid not in own_cluster_uids))
