@@ -81,6 +81,13 @@ class KubeRay:
             "readyWorkerReplicas": desired, "availableWorkerReplicas": desired, "desiredWorkerReplicas": desired,
             "minWorkerReplicas": desired, "maxWorkerReplicas": desired, "lastUpdateTime": _now()})
 
+    def worker_lost(self, name: str, ready: int) -> None:
+        """After a worker pod is gone: KubeRay v1.7.0 keeps RayClusterProvisioned True (it means
+        "all pods were ready once") and lowers readyWorkerReplicas while it recreates the pod."""
+        st = self.get("rayclusters", name).get("status") or {}
+        self._cluster_status(name, {**st, "readyWorkerReplicas": ready, "availableWorkerReplicas": ready,
+                                    "lastUpdateTime": _now()})
+
     # --- RayJob -----------------------------------------------------------------------------------
     def job_initializing(self, name: str) -> None:
         self._status("rayjobs", name, {"jobDeploymentStatus": "Initializing", "jobStatus": "",

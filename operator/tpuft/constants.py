@@ -66,6 +66,7 @@ LEFTOVER_POLL_SECONDS = 2.0
 # How long one list of a provisioning slice's pods is reused (tpuft.ledger): a stall's cause shows
 # within this, and a provisioning object costs one label-selected list per this many seconds.
 POD_LIST_INTERVAL_SECONDS = 10.0
+RECOVERY_HISTORY_MAX = 10   # status.recovery.history keeps the latest this many losses
 
 ENV_CR_NAMESPACE = "TPUFT_NAMESPACE"
 ENV_CR_NAME = "TPUFT_NAME"
@@ -119,6 +120,7 @@ class Reason(str, enum.Enum):
     SUSPENDED = "Suspended"
     RETRYING = "Retrying"
     WAITING_FOR_PREVIOUS = "WaitingForPrevious"  # an earlier object of this name is still being deleted
+    REPLACING_SLICE = "ReplacingSlice"   # a host was lost: waiting for the replaced slice
     # failures
     INVALID_SPEC = "InvalidSpec"
     PROVISIONING_TIMEOUT = "ProvisioningTimeout"
@@ -127,6 +129,7 @@ class Reason(str, enum.Enum):
     VERIFICATION_FAILED = "VerificationFailed"
     TRAINING_FAILED = "TrainingFailed"
     CHILD_DELETED = "ChildDeleted"
+    SLICE_LOST = "SliceLost"   # a host lost once more than spec.recovery.maxSliceReplacements allows
     # notices (events / status.ignoredSpecChange; not phases)
     SPEC_CHANGE_IGNORED = "SpecChangeIgnored"
     TTL_EXPIRED = "TTLExpired"
@@ -204,6 +207,7 @@ class JobDeploymentStatus(str, enum.Enum):
     SUSPENDED = "Suspended"
     RETRYING = "Retrying"
     WAITING_FOR_PREVIOUS = "WaitingForPrevious"  # an earlier object of this name is still being deleted
+    REPLACING_SLICE = "ReplacingSlice"   # a host was lost: waiting for the replaced slice
     WAITING = "Waiting"
 
 

@@ -193,6 +193,11 @@ def spec_schema() -> dict:
             }, default={}),
             "provisioningTimeoutSeconds": _int("Fail with ProvisioningTimeout when the slice is not ready by then, "
                                                "instead of waiting forever.", "provisioningTimeoutSeconds"),
+            "recovery": _obj("What happens when a host of the slice is lost while verifying or training.", {
+                "maxSliceReplacements": _int("Times the slice is replaced (KubeRay recreates the lost pods), verified "
+                                             "again and training resumed from its checkpoint; one more loss fails "
+                                             "with SliceLost.", "recovery.maxSliceReplacements"),
+            }, default={}),
             "suspend": _p("boolean", "Suspend: the RayCluster is suspended (pods deleted) until set back to false. "
                           "Works with Kueue's queue-name label.", default=DEFAULTS["suspend"]),
             "ttlSecondsAfterFinished": _int("Seconds after Succeeded/Failed before the RayCluster is deleted "
@@ -274,6 +279,18 @@ def status_schema() -> dict:
         "startTime": _p("string", "When the operator first acted on this object.", format="date-time"),
         "completionTime": _p("string", "When it reached Succeeded or Failed.", format="date-time"),
         "trainingAttempts": integer("Training RayJobs submitted so far (1 + retries)."),
+        "recovery": _obj("Slice replacements after a lost host (spec.recovery).", {
+            "sliceReplacements": integer("Replacements so far."),
+            "history": {"type": "array", "maxItems": c.RECOVERY_HISTORY_MAX,
+                        "description": "The latest losses, oldest first.", "items": _obj("One lost slice.", {
+                            "time": _p("string", "When the loss was seen.", format="date-time"),
+                            "phase": _p("string", "The phase it happened in."),
+                            "cause": _p("string", "What was seen (ready hosts, the head)."),
+                            "hostsReady": integer("Worker hosts ready when it was seen."),
+                            "hosts": integer("Worker hosts the slice needs."),
+                            "step": integer("The training step last reported before the loss."),
+                        })},
+        }),
         "ignoredSpecChange": _obj("A spec edit made during the run that the run does not apply (children are "
                                   "built from appliedSpec); gone once the spec matches it again.", {
             "observedGeneration": integer("The metadata.generation whose spec is not applied."),

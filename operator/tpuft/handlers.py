@@ -349,3 +349,6 @@ class Controller:
             if after == c.Phase.FAILED.value:
                 metrics.FAILURES.labels(reason=status.get("reason") or "Unknown").inc()
         metrics.set_phase(key, after)
+        replaced = lambda st: int((st.get("recovery") or {}).get("sliceReplacements") or 0)  # noqa: E731
+        if replaced(status) > replaced(prev):
+            metrics.SLICE_REPLACEMENTS.inc(replaced(status) - replaced(prev))

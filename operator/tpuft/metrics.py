@@ -31,6 +31,8 @@ PHASE_SECONDS = Histogram("tpuft_phase_duration_seconds", "Time spent in a phase
                           ["phase"], registry=REGISTRY,
                           buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 21600, 86400))
 FAILURES = Counter("tpuft_failures_total", "Runs that reached Failed, by reason.", ["reason"], registry=REGISTRY)
+SLICE_REPLACEMENTS = Counter("tpuft_slice_replacements_total", "Slices replaced after a lost host (spec.recovery).",
+                             registry=REGISTRY)
 STATUS_WRITES = Counter("tpuft_status_writes_total", "Status subresource patches.", registry=REGISTRY)
 ACTIONS = Counter("tpuft_actions_total", "Child objects created, patched or deleted.", ["op", "kind"],
                   registry=REGISTRY)

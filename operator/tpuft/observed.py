@@ -18,7 +18,7 @@ from tpuft.spec import TPUFinetune
 # Status keys the operator owns. status.verification and status.training belong to the workload.
 OWNED_KEYS = ("phase", "reason", "message", "observedGeneration", "appliedGeneration", "appliedSpec",
               "phaseTransitionTime", "startTime", "completionTime", "trainingAttempts", "conditions",
-              "children", "slice", "ignoredSpecChange")
+              "children", "slice", "ignoredSpecChange", "recovery")
 LIVE_SPEC_FIELDS = ("suspend", "ttlSecondsAfterFinished")
 CONDITION_ORDER = (Condition.SLICE_PROVISIONED, Condition.COLLECTIVES_VERIFIED, Condition.TRAINING_SUCCEEDED,
                    Condition.READY, Condition.FAILED)
@@ -162,6 +162,19 @@ def cluster_provisioned(status: Mapping, generation: int | None = None) -> bool:
             return True
     ready, desired = status.get("readyWorkerReplicas") or 0, status.get("desiredWorkerReplicas") or 0
     return status.get("state") == c.RAYCLUSTER_STATE_READY and ready >= desired
+
+
+def slice_loss(status: Mapping) -> str | None:
+    """A host of a provisioned slice is gone (pod deleted or failed, node lost, preempted), as
+    KubeRay's status shows it: the head not ready, or fewer ready workers than desired. KubeRay
+    recreates the lost pods itself; the operator's part is to stop the jobs, wait and verify again."""
+    head = _cond(status, c.RAYCLUSTER_HEAD_POD_READY)
+    if head is not None and head.get("status") == ConditionStatus.FALSE.value:
+        return f"the head pod is not ready ({head.get('reason') or 'HeadPodNotReady'})"
+    ready, desired = status.get("readyWorkerReplicas"), status.get("desiredWorkerReplicas")
+    if isinstance(ready, int) and isinstance(desired, int) and ready < desired:
+        return f"{ready}/{desired} worker hosts ready"
+    return None
 
 
 def _cond(status: Mapping, ctype: str) -> Mapping | None:

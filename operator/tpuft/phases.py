@@ -39,7 +39,7 @@ from tpuft.spec import DEFAULTS, SpecError, TPUFinetune, parse
 from tpuft.observed import (  # noqa: F401  (re-exported)
     OWNED_KEYS, LIVE_SPEC_FIELDS, CONDITION_ORDER, DEFAULT_VERIFY_GRACE_SECONDS, ClusterObs, IndexedChild,
     JobObs, AdmissionError, Observed, Op, Action, Event, Decision, Tunables, fmt_time, parse_time, owned,
-    cluster_provisioned, cluster_progress, job_state, job_succeeded, job_failed, job_failure_detail,
+    cluster_provisioned, cluster_progress, slice_loss, job_state, job_succeeded, job_failed, job_failure_detail,
     spec_diff)
 
 
@@ -193,7 +193,7 @@ def decide(obj: Mapping[str, Any], observed: Observed, now: datetime, tun: Tunab
         return _provisioning(d, tft, observed)
     if d.phase == Phase.VERIFYING:
         return _verifying(d, obj, tft, observed, tun)
-    return _training(d, tft, observed)
+    return _training(d, obj, tft, observed)
 
 
 def _ignored_change(d: _Draft, ignored: list[str], error: SpecError | None) -> dict:
@@ -269,7 +269,8 @@ def _provisioning(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
         d.act(Op.CREATE, c.RAYCLUSTER_KIND, n.cluster, body)
         d.event(EventType.WARNING, Reason.CHILD_DELETED, f"RayCluster {n.cluster} not found while provisioning; "
                 "recreating it (the provisioning deadline is unchanged)")
-    if obs.cluster is not None and cluster_provisioned(obs.cluster.status, obs.cluster.generation):
+    if (obs.cluster is not None and cluster_provisioned(obs.cluster.status, obs.cluster.generation)
+            and not slice_loss(obs.cluster.status)):   # RayClusterProvisioned stays True after a loss
         d.cond(Condition.SLICE_PROVISIONED, ConditionStatus.TRUE, Reason.SLICE_READY, cluster_progress(tft, obs.cluster))
         return _start_verification(d, tft) if tft.spec.verification.enabled else _start_training(d, tft, obs)
     progress = cluster_progress(tft, obs.cluster)
@@ -289,8 +290,13 @@ def _provisioning(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
         d.cond(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, Reason.PROVISIONING_TIMEOUT, msg)
         d.fail(Reason.PROVISIONING_TIMEOUT, msg)
         return d.finish()
-    d.cond(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, Reason.WAITING_FOR_SLICE, progress)
-    d.go(Phase.PROVISIONING, Reason.WAITING_FOR_SLICE, f"waiting for slice {s.generation} {s.topology}: {progress}")
+    reason, what = Reason.WAITING_FOR_SLICE, f"waiting for slice {s.generation} {s.topology}"
+    if d.prev.get("reason") == Reason.REPLACING_SLICE.value:   # keep saying why it is provisioning again
+        reason = Reason.REPLACING_SLICE
+        what = (f"replacing the slice ({(d.st.get('recovery') or {}).get('sliceReplacements')} of "
+                f"{tft.spec.recovery.max_slice_replacements}): {what}")
+    d.cond(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, reason, progress)
+    d.go(Phase.PROVISIONING, reason, f"{what}: {progress}")
     d.wake(timeout - d.elapsed())
     return d.finish()
 
@@ -332,10 +338,54 @@ def _lost_cluster(d: _Draft, tft: TPUFinetune, obs: Observed) -> bool:
     return True
 
 
+def _replace_slice(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, cause: str) -> Decision:
+    """A host was lost under a running job: stop the jobs (they cannot finish on a broken slice),
+    let KubeRay recreate the lost pods, wait for the whole slice under a fresh provisioning
+    deadline, verify it again and resume training from its checkpoint (the same attempt, as after
+    a suspend). Past spec.recovery.maxSliceReplacements: Failed/SliceLost, with the history."""
+    allowed, was = tft.spec.recovery.max_slice_replacements, d.phase
+    rec = copy.deepcopy(d.st.get("recovery") or {})
+    done = int(rec.get("sliceReplacements") or 0)
+    st = obj.get("status") or {}
+    entry = {"time": fmt_time(d.now), "phase": was.value, "cause": cause,
+             "hostsReady": int(obs.cluster.status.get("readyWorkerReplicas") or 0),
+             "hosts": tft.spec.slice.hosts * tft.spec.slices}
+    if isinstance((st.get("training") or {}).get(c.TrainingStatus.STEP.value), int):
+        entry["step"] = st["training"][c.TrainingStatus.STEP.value]
+    rec["history"] = ([*(rec.get("history") or []), entry])[-c.RECOVERY_HISTORY_MAX:]
+    rec["sliceReplacements"] = done
+    d.st["recovery"] = rec
+    if done >= allowed:
+        msg = (f"a host of the slice was lost during {was.value} ({cause}) and the slice has already been replaced "
+               f"{done} time(s) (spec.recovery.maxSliceReplacements={allowed}); checkpoints are kept")
+        d.cond(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, Reason.SLICE_LOST, msg)
+        d.fail(Reason.SLICE_LOST, msg)
+        return d.finish()
+    rec["sliceReplacements"] = done + 1
+    n = builders.names(tft)
+    for job in sorted({n.verify_job, d.st.get("children", {}).get("trainJob")} - {None}):
+        if job in obs.jobs:
+            d.act(Op.DELETE, c.RAYJOB_KIND, job)
+    msg = (f"replacing the slice ({done + 1} of {allowed}): a host was lost during {was.value} ({cause}); "
+           "KubeRay recreates the lost pods, then the slice is verified again"
+           + (" and training resumes from its last checkpoint" if was == Phase.TRAINING or d.st.get("trainingAttempts")
+              else ""))
+    d.event(EventType.WARNING, Reason.REPLACING_SLICE, msg)
+    d.cond(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, Reason.REPLACING_SLICE, msg)
+    if tft.spec.verification.enabled:
+        d.cond(Condition.COLLECTIVES_VERIFIED, ConditionStatus.UNKNOWN, Reason.REPLACING_SLICE, "")
+    d.go(Phase.PROVISIONING, Reason.REPLACING_SLICE, msg)
+    d.st["phaseTransitionTime"] = fmt_time(d.now)   # a fresh provisioning deadline
+    d.wake(tft.spec.provisioning_timeout_seconds)
+    return d.finish()
+
+
 def _verifying(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, tun: Tunables) -> Decision:
     n, timeout = builders.names(tft), tft.spec.verification.timeout_seconds
     if _lost_cluster(d, tft, obs):
         return d.finish()
+    if lost := slice_loss(obs.cluster.status):
+        return _replace_slice(d, obj, tft, obs, lost)
     job = obs.jobs.get(n.verify_job)
     if job is None:
         d.fail(Reason.CHILD_DELETED, f"RayJob {n.verify_job} was deleted during verification")
@@ -366,13 +416,15 @@ def _verifying(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, tun: Tu
     return d.finish()
 
 
-def _training(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
+def _training(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed) -> Decision:
     n = builders.names(tft)
     attempts = max(int(d.st.get("trainingAttempts") or 1), 1)
     retries = tft.spec.training.max_job_retries
     name = n.train_attempt(attempts - 1)
     if _lost_cluster(d, tft, obs):
         return d.finish()
+    if lost := slice_loss(obs.cluster.status):
+        return _replace_slice(d, obj, tft, obs, lost)
     job = obs.jobs.get(name)
     if job is None:
         d.fail(Reason.CHILD_DELETED, f"RayJob {name} was deleted during training")

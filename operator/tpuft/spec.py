@@ -56,6 +56,7 @@ DEFAULTS: dict[str, Any] = {
     "verification.enabled": True,
     "verification.timeoutSeconds": 600,
     "provisioningTimeoutSeconds": 1800,
+    "recovery.maxSliceReplacements": 2,
     "suspend": False,
     "ttlSecondsAfterFinished": 300,
 }
@@ -72,6 +73,7 @@ LIMITS: dict[str, tuple[float, float]] = {
     "checkpoint.keep": (1, 100),
     "verification.timeoutSeconds": (10, 86400),
     "provisioningTimeoutSeconds": (5, 604800),
+    "recovery.maxSliceReplacements": (0, 20),
     "ttlSecondsAfterFinished": (0, 2_592_000),
 }
 LEARNING_RATE_MAX = 1.0
@@ -148,6 +150,13 @@ class SecretKeyRef:
 
 
 @dataclass(frozen=True)
+class Recovery:
+    # A host lost while verifying or training: the slice is replaced (KubeRay recreates the lost
+    # pods), verified again and training resumes from its checkpoint, at most this many times.
+    max_slice_replacements: int
+
+
+@dataclass(frozen=True)
 class Verification:
     enabled: bool
     timeout_seconds: int
@@ -182,6 +191,7 @@ class Spec:
     checkpoint: Checkpoint
     hf_token_secret: SecretKeyRef | None
     verification: Verification
+    recovery: Recovery
     provisioning_timeout_seconds: int
     suspend: bool
     ttl_seconds_after_finished: int
@@ -340,6 +350,7 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
     checkpoint = _checkpoint(r, spec)
     hf = _hf_token_secret(r, spec)
     verification = _verification(r, spec)
+    recovery = _recovery(r, spec)
     resources = _resources(r, spec)
     scheduling = _scheduling(r, spec)
     env = _env(r, spec)
@@ -354,6 +365,7 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
     return TPUFinetune(meta=meta, spec=Spec(
         slice=slice_shape, slices=slices, image=image or "", image_pull_policy=pull, model=model or "",
         dataset=dataset, training=training, checkpoint=checkpoint, hf_token_secret=hf, verification=verification,
+        recovery=recovery,
         provisioning_timeout_seconds=provisioning_timeout, suspend=suspend, ttl_seconds_after_finished=ttl,
         resources=resources, scheduling=scheduling, labels=labels, annotations=annotations, env=env))
 
@@ -475,6 +487,12 @@ def _hf_token_secret(r: _Reader, spec: Mapping) -> SecretKeyRef | None:
         r.fail("spec.hfTokenSecret.key", f"{key!r} is not a Secret key (letters, digits, '-', '_', '.')")
         key = None
     return SecretKeyRef(name, key) if name and key else None
+
+
+def _recovery(r: _Reader, spec: Mapping) -> Recovery:
+    rec = r.section(spec, "recovery", "spec.recovery")
+    return Recovery(max_slice_replacements=r.integer(rec, "maxSliceReplacements", "spec.recovery.maxSliceReplacements",
+                                                     "recovery.maxSliceReplacements"))
 
 
 def _verification(r: _Reader, spec: Mapping) -> Verification:

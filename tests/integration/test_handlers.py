@@ -317,6 +317,41 @@ def test_suspend_and_resume(operator, tft, kuberay):
         assert kuberay.get("rayjobs", f"{NAME}-verify")["metadata"]["uid"] != first
 
 
+def test_a_host_lost_in_training_replaces_the_slice_and_resumes(operator, tft, kuberay):
+    """A worker pod lost mid-training: the train job is stopped, the slice waited for and verified
+    again, the same attempt resubmitted (it resumes from its checkpoint); status.recovery survives
+    the API server's schema (unknown status fields would be pruned silently)."""
+    with operator():
+        tft.apply(recovery={"maxSliceReplacements": 1})
+        tft.wait("Provisioning")
+        kuberay.cluster_ready(f"{NAME}-ray")
+        tft.wait("VerifyingCollectives")
+        kuberay.job_succeeded(f"{NAME}-verify")
+        tft.wait("Training")
+        kuberay.job_running(f"{NAME}-train")
+        first = kuberay.get("rayjobs", f"{NAME}-train")["metadata"]["uid"]
+        kuberay.worker_lost(f"{NAME}-ray", ready=3)
+        st = tft.wait("Provisioning")
+        assert st["reason"] == "ReplacingSlice" and "3/4 worker hosts ready" in st["message"], st
+        assert st["recovery"]["sliceReplacements"] == 1
+        (h,) = st["recovery"]["history"]
+        assert (h["phase"], h["hostsReady"], h["hosts"]) == ("Training", 3, 4) and h["time"]
+        wait_until(lambda: tft.children("rayjobs") == [], what="the slice's jobs stopped")
+        time.sleep(2)
+        assert tft.status()["phase"] == "Provisioning"   # not verified while a host is missing
+        kuberay.cluster_ready(f"{NAME}-ray")
+        tft.wait("VerifyingCollectives")
+        kuberay.job_succeeded(f"{NAME}-verify")
+        st = tft.wait("Training")
+        assert kuberay.get("rayjobs", f"{NAME}-train")["metadata"]["uid"] != first and st["trainingAttempts"] == 1
+        kuberay.job_running(f"{NAME}-train")
+        kuberay.worker_lost(f"{NAME}-ray", ready=2)   # one more than allowed
+        st = tft.wait("Failed")
+        assert st["reason"] == "SliceLost" and [h["hostsReady"] for h in st["recovery"]["history"]] == [3, 2]
+    reasons = [e["reason"] for e in tft.events() if e["type"] == "Warning"]
+    assert reasons.count("ReplacingSlice") == 1 and "SliceLost" in reasons
+
+
 # --- operator restarts and deletion ------------------------------------------------------------------
 def test_operator_restarted_at_each_phase(operator, tft, kuberay, kubectl, namespace):
     with operator():

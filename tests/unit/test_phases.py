@@ -146,7 +146,7 @@ def test_status_owned_keys_only_workload_keys_untouched():
     (cluster(3, state="ready"), False),                 # state ready but 3/4 hosts
     (cluster(4, state="ready"), True),                  # pre-v1.7 signal
     (cluster(4, provisioned=True), True),               # KubeRay v1.7.0 condition
-    (cluster(0, provisioned=True), True),
+    (cluster(0, provisioned=True), False),             # the condition stays True after pods are lost
     (ClusterObs(f"{NAME}-ray", {"conditions": [{"type": "RayClusterProvisioned", "status": "False"}]}), False),
     # right after a resume: KubeRay has not looked at the new spec yet (observedGeneration 2 < 3)
     (ClusterObs(f"{NAME}-ray", {**cluster(4, provisioned=True).status, "observedGeneration": 2}, generation=3), False),
@@ -576,3 +576,100 @@ def test_timeouts_never_fire_early_when_the_phase_starts_mid_second():
     o = apply(o, phases.decide(o, Observed(), at(0.7), TUN))
     assert phases.decide(o, Observed(cluster(0)), at(10.6), TUN).status["phase"] == Phase.PROVISIONING.value
     assert phases.decide(o, Observed(cluster(0)), at(11.0), TUN).status["phase"] == Phase.FAILED.value
+
+
+# --- a lost host: replace the slice, verify again, resume -------------------------------------------
+def lost(ready: int = 3) -> ClusterObs:
+    """KubeRay's status once a worker pod is gone: RayClusterProvisioned stays True."""
+    return cluster(ready, provisioned=True)
+
+
+def test_a_host_lost_in_training_replaces_the_slice_then_verifies_and_resumes_the_same_attempt():
+    o = run_to(make(), Phase.TRAINING)
+    n = names(o)
+    o["status"]["training"] = {"step": 40, "loss": 1.2}
+    train = n.train_attempt(0)
+    d = phases.decide(o, Observed(lost(3), {train: job(train)}), at(100), TUN)
+    assert d.phase == "Provisioning" and d.status["reason"] == "ReplacingSlice"
+    assert kinds(d) == [("delete", "RayJob", train)]
+    assert d.status["phaseTransitionTime"] == phases.fmt_time(at(100))   # a fresh provisioning deadline
+    rec = d.status["recovery"]
+    assert rec["sliceReplacements"] == 1
+    assert rec["history"] == [{"time": phases.fmt_time(at(100)), "phase": "Training", "cause": "3/4 worker hosts ready",
+                               "hostsReady": 3, "hosts": 4, "step": 40}]
+    assert ("Warning", "ReplacingSlice") in [(e.type, e.reason) for e in d.events]
+    assert cond(d, c.Condition.SLICE_PROVISIONED)["status"] == "False"
+    o = apply(o, d)
+    waiting = phases.decide(o, Observed(lost(3)), at(110), TUN)   # still coming back
+    assert waiting.phase == "Provisioning" and waiting.status["reason"] == "ReplacingSlice"
+    assert "replacing the slice (1 of 2)" in waiting.status["message"] and waiting.actions == ()
+    o = apply(o, waiting)
+    d = phases.decide(o, Observed(lost(4)), at(120), TUN)   # whole again
+    assert d.phase == "VerifyingCollectives" and kinds(d) == [("create", "RayJob", n.verify_job)]
+    o = apply(o, d)
+    d = phases.decide(o, Observed(lost(4), {n.verify_job: job(n.verify_job, "SUCCEEDED", "Complete")}), at(130), TUN)
+    assert d.phase == "Training" and kinds(d) == [("create", "RayJob", train)]   # same attempt: it resumes
+    assert d.status["trainingAttempts"] == 1 and d.status["recovery"]["sliceReplacements"] == 1
+
+
+def test_every_job_of_the_slice_is_stopped_when_a_host_goes():
+    o = run_to(make(), Phase.TRAINING)
+    n = names(o)
+    train = n.train_attempt(0)
+    verify = job(n.verify_job, "SUCCEEDED", "Complete")
+    d = phases.decide(o, Observed(lost(2), {train: job(train), n.verify_job: verify}), at(100), TUN)
+    assert sorted(kinds(d)) == sorted([("delete", "RayJob", n.verify_job), ("delete", "RayJob", train)])
+
+
+def test_a_head_lost_in_verification_replaces_the_slice():
+    o = run_to(make(), Phase.VERIFYING)
+    n = names(o)
+    head_down = cluster(4, provisioned=True)
+    head_down.status["conditions"].append({"type": "HeadPodReady", "status": "False", "reason": "HeadPodNotFound"})
+    d = phases.decide(o, Observed(head_down, {n.verify_job: job(n.verify_job)}), at(30), TUN)
+    assert d.phase == "Provisioning" and d.status["reason"] == "ReplacingSlice"
+    assert "the head pod is not ready (HeadPodNotFound)" in d.status["message"]
+    assert kinds(d) == [("delete", "RayJob", n.verify_job)]
+
+
+def test_one_loss_more_than_allowed_fails_with_slice_lost_and_the_history():
+    o = run_to(make(recovery={"maxSliceReplacements": 1}), Phase.TRAINING)
+    n = names(o)
+    train = n.train_attempt(0)
+    o = apply(o, phases.decide(o, Observed(lost(3), {train: job(train)}), at(100), TUN))
+    o = apply(o, phases.decide(o, Observed(lost(4)), at(110), TUN))
+    o = apply(o, phases.decide(o, Observed(lost(4), {n.verify_job: job(n.verify_job, "SUCCEEDED", "Complete")}),
+                               at(120), TUN))
+    assert o["status"]["phase"] == "Training"
+    d = phases.decide(o, Observed(lost(1), {train: job(train)}), at(200), TUN)
+    assert d.phase == "Failed" and d.status["reason"] == "SliceLost"
+    assert "maxSliceReplacements=1" in d.status["message"]
+    assert d.status["recovery"]["sliceReplacements"] == 1
+    assert [h["hostsReady"] for h in d.status["recovery"]["history"]] == [3, 1]
+    assert cond(d, c.Condition.FAILED)["status"] == "True"
+
+
+def test_no_replacement_allowed_fails_at_the_first_loss():
+    o = run_to(make(recovery={"maxSliceReplacements": 0}), Phase.VERIFYING)
+    n = names(o)
+    d = phases.decide(o, Observed(lost(3), {n.verify_job: job(n.verify_job)}), at(30), TUN)
+    assert d.phase == "Failed" and d.status["reason"] == "SliceLost" and d.actions == ()
+
+
+def test_a_replaced_slice_that_never_comes_back_times_out():
+    o = run_to(make(provisioningTimeoutSeconds=60), Phase.TRAINING)
+    train = names(o).train_attempt(0)
+    o = apply(o, phases.decide(o, Observed(lost(3), {train: job(train)}), at(100), TUN))
+    d = phases.decide(o, Observed(lost(3)), at(160), TUN)
+    assert d.phase == "Failed" and d.status["reason"] == "ProvisioningTimeout"
+
+
+def test_history_is_bounded():
+    o = run_to(make(recovery={"maxSliceReplacements": 20}), Phase.VERIFYING)
+    n = names(o)
+    for i in range(c.RECOVERY_HISTORY_MAX + 3):
+        o = apply(o, phases.decide(o, Observed(lost(3), {n.verify_job: job(n.verify_job)}), at(10 + 3 * i), TUN))
+        o = apply(o, phases.decide(o, Observed(lost(4)), at(11 + 3 * i), TUN))
+        assert o["status"]["phase"] == "VerifyingCollectives"
+    rec = o["status"]["recovery"]
+    assert rec["sliceReplacements"] == c.RECOVERY_HISTORY_MAX + 3 and len(rec["history"]) == c.RECOVERY_HISTORY_MAX

@@ -80,6 +80,8 @@ BAD = [
     ("spec.verification.timeoutSeconds", 1, "spec.verification.timeoutSeconds", "between 10"),
     ("spec.verification.enabled", "true", "spec.verification.enabled", "true or false"),
     ("spec.provisioningTimeoutSeconds", -5, "spec.provisioningTimeoutSeconds", "between 5"),
+    ("spec.recovery.maxSliceReplacements", 21, "spec.recovery.maxSliceReplacements", "between 0 and 20"),
+    ("spec.recovery.maxSliceReplacements", "two", "spec.recovery.maxSliceReplacements", "integer"),
     ("spec.ttlSecondsAfterFinished", -1, "spec.ttlSecondsAfterFinished", "between 0"),
     ("spec.resources", {"worker": {"limits": {"google.com/tpu": "8"}}},
      "spec.resources.worker.limits.google.com/tpu", "derived from spec.topology"),
