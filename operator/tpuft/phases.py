@@ -125,7 +125,9 @@ class _Draft:
                           "observedGeneration": self.generation})
         st["conditions"] = conds
         if prev.get("phase") != phase:
-            etype = EventType.WARNING if phase == Phase.FAILED.value else EventType.NORMAL
+            # a lost host sends the run back to Provisioning: news, not progress
+            etype = (EventType.WARNING if phase == Phase.FAILED.value or self.reason == Reason.REPLACING_SLICE
+                     else EventType.NORMAL)
             self.events.insert(0, Event(etype, self.reason or Reason(reason), f"{phase}: {st.get('message') or ''}"))
         patch = {k: v for k, v in st.items() if prev.get(k) != v}
         patch.update({k: None for k in prev if k not in st})
@@ -370,7 +372,6 @@ def _replace_slice(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, cau
            "KubeRay recreates the lost pods, then the slice is verified again"
            + (" and training resumes from its last checkpoint" if was == Phase.TRAINING or d.st.get("trainingAttempts")
               else ""))
-    d.event(EventType.WARNING, Reason.REPLACING_SLICE, msg)
     d.cond(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, Reason.REPLACING_SLICE, msg)
     if tft.spec.verification.enabled:
         d.cond(Condition.COLLECTIVES_VERIFIED, ConditionStatus.UNKNOWN, Reason.REPLACING_SLICE, "")
