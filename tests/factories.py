@@ -95,6 +95,7 @@ class FakeKube:
         self.log: list[tuple] = []
         self.fail: dict[tuple[str, str], Exception] = {}
         self.pods: list[dict] = []   # pod objects as the API server returns them (any cluster)
+        self.pools: tuple | None = None   # what node_pools() answers (None: may not list nodes)
 
     def get(self, kind, ns, name):
         self.log.append(("get", kind, name))
@@ -127,6 +128,10 @@ class FakeKube:
         self.log.append(("slice_pods", cluster))
         return tuple(PodObs.of(p) for p in self.pods
                      if p["metadata"].get("labels", {}).get("ray.io/cluster") == cluster)
+
+    def node_pools(self):
+        self.log.append(("node_pools",))
+        return self.pools
 
     def ops(self, *kinds):
         return [x for x in self.log if x[0] in kinds]

@@ -66,6 +66,7 @@ LEFTOVER_POLL_SECONDS = 2.0
 # How long one list of a provisioning slice's pods is reused (tpuft.ledger): a stall's cause shows
 # within this, and a provisioning object costs one label-selected list per this many seconds.
 POD_LIST_INTERVAL_SECONDS = 10.0
+POOLS_CACHE_SECONDS = 30.0  # one list of TPU nodes serves every unschedulable slice for this long
 RECOVERY_HISTORY_MAX = 10   # status.recovery.history keeps the latest this many losses
 
 ENV_CR_NAMESPACE = "TPUFT_NAMESPACE"

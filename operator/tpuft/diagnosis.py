@@ -98,12 +98,29 @@ def _causes(pod: PodObs) -> list[tuple[Blocker, str]]:
     return out
 
 
-def blocking_cause(pods: tuple[PodObs, ...]) -> str | None:
+def blocking(pods: tuple[PodObs, ...]) -> tuple[Blocker, str] | None:
     """The most decisive cause among the pods (ties: the first pod by name), or None when nothing
     blocks yet (pods still being created, images still pulling, Ray still starting)."""
     order = list(Blocker)
-    found = [(order.index(kind), pod.name, text) for pod in pods if not pod.deleting for kind, text in _causes(pod)]
-    return min(found)[2] if found else None
+    found = [(order.index(kind), pod.name, kind, text) for pod in pods if not pod.deleting
+             for kind, text in _causes(pod)]
+    return min(found)[2:] if found else None
+
+
+def blocking_cause(pods: tuple[PodObs, ...]) -> str | None:
+    cause = blocking(pods)
+    return cause[1] if cause else None
+
+
+def pool_hint(pools: tuple[tuple[str, str, int], ...], accelerator: str, topology: str) -> str:
+    """For a slice the scheduler cannot place: the TPU node pools the cluster has, as
+    (cloud.google.com/gke-tpu-accelerator, cloud.google.com/gke-tpu-topology, nodes) seen on nodes."""
+    if not pools:
+        return f"no node here carries {c.GKE_TPU_ACCELERATOR_SELECTOR} (no TPU node pool)"
+    seen = ", ".join(f"{a} {t} ({n} node{'s' if n != 1 else ''})" for a, t, n in sorted(pools))
+    if any(a == accelerator and t == topology for a, t, _ in pools):
+        return f"TPU node pools here: {seen}; the {accelerator} {topology} pool exists, so it lacks free capacity"
+    return f"TPU node pools here: {seen}; none is {accelerator} {topology}"
 
 
 def leftovers(pods: tuple[PodObs, ...], own_cluster_uids: frozenset[str]) -> tuple[str, ...]:

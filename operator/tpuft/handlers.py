@@ -144,6 +144,7 @@ class Controller:
         self.resync = float(os.environ.get("TPUFT_RESYNC_SECONDS", "5"))   # read at startup: tests set it
         self.workers = int(os.environ.get("TPUFT_WORKERS", "4"))
         self.pod_list_seconds = float(os.environ.get("TPUFT_POD_LIST_SECONDS", c.POD_LIST_INTERVAL_SECONDS))
+        self._pools: tuple[float, tuple | None] | None = None   # (when, Kube.node_pools())
 
     def start(self) -> None:
         self.tasks = [asyncio.create_task(self._ticker(), name="tpuft-resync")]
@@ -254,8 +255,18 @@ class Controller:
             fresh = pods is not None and not old and not diagnosis.leftovers(pods, ours)
             self.ledger.listed_pods(key, time.monotonic(), pods if fresh else None)
             pods = pods or ()
-        return dataclasses.replace(observed, pods=tuple(p for p in pods if p.cluster_uid in ours),
+        mine = tuple(p for p in pods if p.cluster_uid in ours)
+        found = diagnosis.blocking(mine)
+        pools = self._node_pools() if found and found[0] == diagnosis.Blocker.UNSCHEDULABLE else None
+        return dataclasses.replace(observed, pods=mine, pools=pools,
                                    leftovers=old + tuple(f"pod {p}" for p in diagnosis.leftovers(pods, ours)))
+
+    def _node_pools(self) -> tuple | None:
+        """The cluster's TPU node pools, one list of nodes per POOLS_CACHE_SECONDS for all objects."""
+        now = time.monotonic()
+        if self._pools is None or now - self._pools[0] >= c.POOLS_CACHE_SECONDS:
+            self._pools = (now, self.kube.node_pools())
+        return self._pools[1]
 
     def _confirm(self, kind: str, ns: str, name: str, uid: str | None) -> IndexedChild | None:
         """The index has not seen it (yet): ask the API server before believing it is gone."""

@@ -3,7 +3,8 @@ a worker thread). Every error names the verb, kind and namespace/name it was abo
 
 Verbs used (and nothing else; see charts/.../_rbac-rules.tpl): tpufinetunes status patch (kopf lists/watches);
 rayclusters/rayjobs get, create, patch, delete; serviceaccounts, roles, rolebindings get,
-create; events create; pods list (a RayCluster's, while its slice comes up). The operator
+create; events create; pods list (a RayCluster's, while its slice comes up); nodes list
+(optional, cluster-wide installs: node pool hints for an unschedulable slice). The operator
 never reads Secrets.
 """
 from __future__ import annotations
@@ -85,6 +86,7 @@ class Kube:
     def __post_init__(self) -> None:
         self.custom = client.CustomObjectsApi(self.api)
         self.core = client.CoreV1Api(self.api)
+        self._nodes_forbidden = False
 
     # --- reads -----------------------------------------------------------------------------------
     def get(self, kind: str, ns: str, name: str) -> dict | None:
@@ -113,6 +115,32 @@ class Kube:
             log.warning("list pods of RayCluster %s/%s failed: %s", ns, cluster, e)
             return None
         return tuple(PodObs.of(pod) for pod in items)
+
+    def node_pools(self) -> tuple[tuple[str, str, int], ...] | None:
+        """TPU node pools as nodes show them: (accelerator, topology, nodes). None where the
+        operator may not list nodes (namespaced installs, or the chart's rbac.nodePoolHints off):
+        asked once, then not again."""
+        if self._nodes_forbidden:
+            return None
+        try:
+            nodes = self.core.list_node(label_selector=c.GKE_TPU_ACCELERATOR_SELECTOR,
+                                        _request_timeout=REQUEST_TIMEOUT).items
+        except ApiException as e:
+            if e.status in (401, 403):
+                self._nodes_forbidden = True
+                log.info("node pool hints off: the operator may not list nodes (%s)", e.status)
+            else:
+                log.warning("list nodes failed: %s", e)
+            return None
+        except Exception as e:  # noqa: BLE001 - a hint: the reconcile goes on without it
+            log.warning("list nodes failed: %s", e)
+            return None
+        counts: dict[tuple[str, str], int] = {}
+        for n in nodes:
+            labels = n.metadata.labels or {}
+            key = (labels.get(c.GKE_TPU_ACCELERATOR_SELECTOR, ""), labels.get(c.GKE_TPU_TOPOLOGY_SELECTOR, "?"))
+            counts[key] = counts.get(key, 0) + 1
+        return tuple((a, t, n) for (a, t), n in sorted(counts.items()))
 
     # --- writes ----------------------------------------------------------------------------------
     def create(self, kind: str, ns: str, body: Mapping[str, Any], owner_uid: str) -> str:

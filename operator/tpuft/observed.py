@@ -86,6 +86,9 @@ class Observed:
     # What an earlier object of the same name left behind and the garbage collector has not
     # removed yet (its RayCluster, its pods): nothing of ours is created beside it.
     leftovers: tuple[str, ...] = ()
+    # TPU node pools seen on nodes, (accelerator, topology, nodes), read only for a slice the
+    # scheduler cannot place and only where the operator may list nodes; None: not known.
+    pools: tuple[tuple[str, str, int], ...] | None = None
 
 
 class Op(str, enum.Enum):

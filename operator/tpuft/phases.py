@@ -34,7 +34,7 @@ from typing import Any, Mapping
 from tpuft import builders
 from tpuft import constants as c
 from tpuft.constants import Condition, ConditionStatus, EventType, Phase, Reason
-from tpuft.diagnosis import blocking_cause
+from tpuft.diagnosis import Blocker, blocking, pool_hint
 from tpuft.spec import DEFAULTS, SpecError, TPUFinetune, parse
 from tpuft.observed import (  # noqa: F401  (re-exported)
     OWNED_KEYS, LIVE_SPEC_FIELDS, CONDITION_ORDER, DEFAULT_VERIFY_GRACE_SECONDS, ClusterObs, IndexedChild,
@@ -278,7 +278,10 @@ def _provisioning(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
     progress = cluster_progress(tft, obs.cluster)
     if obs.cluster is not None and obs.cluster.suspended:  # not by us (we resume on leaving Suspended): Kueue?
         progress += "; the RayCluster is suspended (waiting for admission, e.g. by Kueue)"
-    cause = blocking_cause(obs.pods)
+    found = blocking(obs.pods)
+    cause = found[1] if found else None
+    if found and found[0] == Blocker.UNSCHEDULABLE and obs.pools is not None and s.is_tpu:
+        cause += f"; {pool_hint(obs.pools, s.gke_accelerator, s.topology)}"
     if cause:
         progress += f"; {cause}"
         if cause not in (d.prev.get("message") or ""):   # once per new cause, not on every resync

@@ -30,11 +30,15 @@ APPLICATION = {
     ("rbac.authorization.k8s.io", "rolebindings"): {"get", "list", "watch", "create", "patch"},
 }
 # kopf's own cluster-scoped needs (--standalone: no kopfpeerings).
-FRAMEWORK_CLUSTER_WIDE = {
+FRAMEWORK = {
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
 }
+FRAMEWORK_CLUSTER_WIDE = {
+    **FRAMEWORK,
+    ("", "nodes"): {"list"},   # rbac.nodePoolHints (default on): TPU node pools for an unschedulable slice
+}
 FRAMEWORK_NAMESPACED = {
-    **FRAMEWORK_CLUSTER_WIDE,
+    **FRAMEWORK,
     ("", "namespaces"): {"list", "watch"},
 }
 
@@ -66,7 +70,9 @@ def test_no_wildcards_no_secrets_no_escalation(render, mode):
                 for item in r.get(field, []):
                     assert "*" not in item, f"wildcard in {key}: {r}"
             for res in r["resources"]:
-                assert res.split("/")[0] not in {"secrets", "configmaps", "nodes"}, f"{key}: {r}"
+                assert res.split("/")[0] not in {"secrets", "configmaps"}, f"{key}: {r}"
+                if res.startswith("nodes"):   # node pool hints: read, never touch
+                    assert res == "nodes" and set(r["verbs"]) == {"list"}, f"{key}: {r}"
                 if res.startswith("pods"):   # read, never touch, never exec
                     assert res == "pods" and set(r["verbs"]) == {"list"}, f"{key}: {r}"
             # verbs that would let it grant or impersonate beyond what it holds
@@ -81,6 +87,11 @@ def test_cluster_wide_exact_rules(render):
     assert set(rules) == {("ClusterRole", FULLNAME, ""), ("ClusterRole", f"{FULLNAME}-framework", "")}
     assert flatten(rules[("ClusterRole", FULLNAME, "")]) == APPLICATION
     assert flatten(rules[("ClusterRole", f"{FULLNAME}-framework", "")]) == FRAMEWORK_CLUSTER_WIDE
+
+
+def test_node_pool_hints_can_be_turned_off(render):
+    rules = rbac_rules(render({"rbac": {"nodePoolHints": False}}))
+    assert flatten(rules[("ClusterRole", f"{FULLNAME}-framework", "")]) == FRAMEWORK
 
 
 def test_namespaced_exact_rules(render):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tpuft.diagnosis import MAX_DETAIL, PodObs, blocking_cause, leftovers
+from tpuft.diagnosis import MAX_DETAIL, PodObs, blocking_cause, leftovers, pool_hint
 
 
 def pod(name: str = "ft-ray-worker-a", *, waiting: dict | None = None, last: dict | None = None,
@@ -88,3 +88,14 @@ def test_leftovers_are_pods_of_any_other_raycluster():
     pods = (PodObs.of(pod("ft-ray-head-old", owner="rc-0")), PodObs.of(pod("ft-ray-head-new", owner="rc-1")))
     assert leftovers(pods, frozenset({"rc-1"})) == ("ft-ray-head-old",)
     assert leftovers(pods, frozenset()) == ("ft-ray-head-new", "ft-ray-head-old")
+
+
+@pytest.mark.parametrize("pools,expected", [
+    ((("tpu-v6e-slice", "4x4", 4), ("tpu7x", "2x2x2", 2)),
+     "TPU node pools here: tpu-v6e-slice 4x4 (4 nodes), tpu7x 2x2x2 (2 nodes); none is tpu-v6e-slice 4x8"),
+    ((("tpu-v6e-slice", "4x8", 8),),
+     "TPU node pools here: tpu-v6e-slice 4x8 (8 nodes); the tpu-v6e-slice 4x8 pool exists, so it lacks free capacity"),
+    ((), "no node here carries cloud.google.com/gke-tpu-accelerator (no TPU node pool)"),
+])
+def test_the_pool_hint_names_what_the_cluster_offers(pools, expected):
+    assert pool_hint(pools, "tpu-v6e-slice", "4x8") == expected

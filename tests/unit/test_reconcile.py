@@ -290,3 +290,21 @@ def test_a_listed_slice_is_reused_for_the_interval_then_listed_again(monkeypatch
     ctl.reconcile((NS, NAME), indexed(kube), [cluster], [])
     assert len(kube.ops("slice_pods")) == 2
     assert "cannot be scheduled" in kube.objects[("TPUFinetune", NAME)]["status"]["message"]
+
+
+def test_node_pools_are_read_only_for_an_unschedulable_slice_and_shared(monkeypatch):
+    kube = FakeKube(tft())
+    kube.pools = (("tpu-v6e-slice", "4x4", 4),)
+    ctl = controller(kube)
+    ctl.pod_list_seconds = 0
+    ctl.reconcile((NS, NAME), indexed(kube), [], [])
+    cluster = phases.IndexedChild(f"{NAME}-ray", {}, uid="rc-1")
+    kube.pods = [pod(f"{NAME}-ray-worker-a", "rc-1", phase="Pending")]
+    ctl.reconcile((NS, NAME), indexed(kube), [cluster], [])
+    assert kube.ops("node_pools") == []   # nothing unschedulable: no node list
+    kube.pods = [pod(f"{NAME}-ray-worker-a", "rc-1", **UNSCHEDULABLE)]
+    for _ in range(3):
+        ctl.reconcile((NS, NAME), indexed(kube), [cluster], [])
+    assert len(kube.ops("node_pools")) == 1   # one list serves POOLS_CACHE_SECONDS
+    msg = kube.objects[("TPUFinetune", NAME)]["status"]["message"]
+    assert "the scheduler says" in msg and "the tpu-v6e-slice 4x4 pool exists" in msg, msg

@@ -47,7 +47,7 @@ exact set).
 kopf's own cluster-scoped needs (kopf 1.45, --standalone so no kopfpeerings):
 CustomResourceDefinitions list/watch in both modes (the resource observer); Namespaces
 list/watch only in namespaced mode (the namespace observer lists them only when not
---all-namespaces).
+--all-namespaces). Plus, cluster-wide only and optional, list on nodes (node pool hints).
 */}}
 {{- define "tpuft.rbac.frameworkRules" -}}
 - apiGroups: ["apiextensions.k8s.io"]
@@ -57,5 +57,11 @@ list/watch only in namespaced mode (the namespace observer lists them only when 
 - apiGroups: [""]
   resources: ["namespaces"]
   verbs: ["list", "watch"]
+{{- else if .Values.rbac.nodePoolHints }}
+# Node pool hints (rbac.nodePoolHints): the TPU node pools' labels, for a slice the scheduler
+# cannot place. Read only, cluster-wide installs only.
+- apiGroups: [""]
+  resources: ["nodes"]
+  verbs: ["list"]
 {{- end }}
 {{- end -}}
