@@ -270,6 +270,8 @@ def train_entrypoint(tft: TPUFinetune) -> str:
             "--storage-path", ck.storage_path, "--run-name", run_name(tft),
             "--checkpoint-every-steps", str(ck.every_steps), "--keep-checkpoints", str(ck.keep),
             "--max-failures", str(tr.max_failures), "--report-every-steps", str(tr.report_every_steps)]
+    if sp.dataset.format:
+        args += ["--dataset-format", sp.dataset.format]
     if not tr.packing:
         args.append("--no-packing")
     if ck.resume_from:

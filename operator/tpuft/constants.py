@@ -138,6 +138,12 @@ class Reason(str, enum.Enum):
     RECONCILE_ERROR = "ReconcileError"
 
 
+class DatasetFormat(str, enum.Enum):
+    """spec.dataset.format: how to read a file whose name's suffix does not say."""
+    JSON = "json"        # JSON lines (or a JSON array)
+    PARQUET = "parquet"
+
+
 class EventType(str, enum.Enum):
     NORMAL = "Normal"
     WARNING = "Warning"

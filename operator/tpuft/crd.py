@@ -135,6 +135,9 @@ def spec_schema() -> dict:
                            "with the workload).", minLength=1, maxLength=512, pattern=r"^[^\s;&|`$<>\\'\"]+$"),
                 "split": _p("string", "Split in datasets' slicing syntax, e.g. train[:1024].",
                             default=DEFAULTS["dataset.split"], maxLength=128, pattern=r"^[^\s;&|`$<>\\'\"]+$"),
+                "format": _p("string", "How to read a file whose name does not end in .jsonl, .json or .parquet "
+                             "(json: JSON lines; parquet). Leave out for a Hugging Face dataset id.",
+                             enum=[f.value for f in c.DatasetFormat]),
             }, required=["name"]),
             "training": _obj("Fine-tuning hyperparameters (FSDP2 with Ray Train).", {
                 "epochs": _int("Passes over the dataset.", "training.epochs"),

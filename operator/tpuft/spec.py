@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from tpuft import catalog
-from tpuft.constants import API_VERSION, KIND, TPU_RESOURCE
+from tpuft.constants import API_VERSION, KIND, TPU_RESOURCE, DatasetFormat
 
 # Children are named "{name}-{suffix}" (longest suffix "-workload", plus "-train-r99" for
 # retries); KubeRay derives pod and service names from those and labels them with the
@@ -115,6 +115,7 @@ class ObjectMeta:
 class Dataset:
     name: str
     split: str
+    format: str | None = None   # constants.DatasetFormat value; None: the suffix (or a hub name) says
 
 
 @dataclass(frozen=True)
@@ -429,7 +430,13 @@ def _dataset(r: _Reader, spec: Mapping) -> Dataset:
     for p, v in (("spec.dataset.name", name), ("spec.dataset.split", split)):
         if v and UNSAFE.search(v):
             r.fail(p, f"{v!r} must not contain spaces or shell characters")
-    return Dataset(name or "", split or DEFAULTS["dataset.split"])
+    fmt = r.string(ds, "format", "spec.dataset.format")
+    formats = [f.value for f in DatasetFormat]
+    if fmt is not None and fmt not in formats:
+        r.fail("spec.dataset.format", f"must be one of {', '.join(formats)} (got {fmt!r}); leave it out when the "
+               "file name ends in .jsonl, .json or .parquet, or for a Hugging Face dataset id")
+        fmt = None
+    return Dataset(name or "", split or DEFAULTS["dataset.split"], fmt)
 
 
 def _training(r: _Reader, spec: Mapping) -> Training:

@@ -201,6 +201,10 @@ def test_jobs_select_the_cluster_and_carry_deadlines():
     assert "--model google/gemma-4-E2B-it" in train["spec"]["entrypoint"]
     assert "'train[:1024]'" in train["spec"]["entrypoint"]  # shell-quoted
     assert "--no-packing" in by_kind(render(with_("spec.training.packing", False)), "RayJob")[1]["spec"]["entrypoint"]
+    assert "--dataset-format" not in train["spec"]["entrypoint"]   # the suffix or the hub says
+    parquet = by_kind(render(with_("spec.dataset", {"name": "gs://b/dolly", "format": "parquet"})), "RayJob")[1]
+    assert "--dataset gs://b/dolly --dataset-split train " in parquet["spec"]["entrypoint"]
+    assert parquet["spec"]["entrypoint"].endswith(" --dataset-format parquet")
 
 
 def test_verification_disabled_renders_no_verify_job():

@@ -78,3 +78,15 @@ def test_the_demo_reads_only_keys_the_workload_writes():
     line = demo._training_line({"epoch": 2, "epochs": 3, "step": 20, "totalSteps": 30, "loss": 1.23456,
                                 "tokensPerSecond": 99.44, "padFraction": 0.125})
     assert line == "Epoch 2/3 | step 20/30 | loss=1.2346 | tokens/s=99.4 (real) | pad=12.5%"
+
+
+def test_dataset_formats_are_one_list():
+    """spec.dataset.format's CRD enum, the parser's and the workload's --dataset-format choices."""
+    from tpuft.constants import DatasetFormat
+
+    spec = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    values = [f.value for f in DatasetFormat]
+    assert spec["dataset"]["properties"]["format"]["enum"] == values
+    sub = next(a for a in workload_cli.build_parser()._subparsers._group_actions[0].choices["train"]._actions
+               if a.dest == "dataset_format")
+    assert list(sub.choices) == values

@@ -58,6 +58,8 @@ BAD = [
     ("spec.dataset", "dolly", "spec.dataset", "must be an object"),
     ("spec.dataset.name", DELETE, "spec.dataset.name", "is required"),
     ("spec.dataset.split", "train`id`", "spec.dataset.split", "shell characters"),
+    ("spec.dataset.format", "csv", "spec.dataset.format", "one of json, parquet"),
+    ("spec.dataset.format", 3, "spec.dataset.format", "must be a string"),
     ("spec.training.epochs", -1, "spec.training.epochs", "between 1 and 1000"),
     ("spec.training.epochs", 1.5, "spec.training.epochs", "must be an integer"),
     ("spec.training.batchSizePerDevice", 0, "spec.training.batchSizePerDevice", "between 1"),

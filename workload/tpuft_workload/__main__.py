@@ -14,6 +14,7 @@ import sys
 from tpuft.catalog import CatalogError
 from tpuft.spec import DEFAULTS as D  # one source: a flag left out means what the field left out means
 
+from tpuft.constants import DatasetFormat
 from tpuft_workload.platform import Target, resolve_target
 
 EXIT_USAGE = 2
@@ -66,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dataset", required=True,
                    help="hub name, local file/dir, gs:// URI (json/jsonl/parquet/csv), or builtin:dolly-mini")
     t.add_argument("--dataset-split", default=D["dataset.split"], help="datasets split syntax, e.g. 'train[:1024]'")
+    t.add_argument("--dataset-format", choices=[f.value for f in DatasetFormat], default=None,
+                   help="json (JSON lines) or parquet, when --dataset's suffix does not say")
     t.add_argument("--epochs", type=_positive_int, default=D["training.epochs"])
     t.add_argument("--batch-size-per-device", type=_positive_int, default=D["training.batchSizePerDevice"])
     t.add_argument("--max-seq-length", type=_positive_int, default=D["training.maxSeqLength"])

@@ -1,6 +1,10 @@
-"""Dolly instruction data: template, tokenization, packing, padding, per-rank batches.
+"""Dolly instruction data: template, tokenization, packing, padding.
 
-Pure functions (lists in, lists out) so the label rules are unit-tested without a model.
+Pure functions (lists in, lists out) so the label rules are unit-tested without a model. The
+training job runs them inside Ray Data (tpuft_workload.pipeline). `load_records`, `build_blocks`,
+`rank_batches` and `collate` are the per-rank path the workload used before (every rank built
+every row, then took its slice): the reference the pipeline's rows are tested against and the
+baseline of bench/data_pipeline.py.
 
 Label rules (HF causal LMs shift internally: the label at position j is predicted from
 positions < j):

@@ -6,10 +6,14 @@ checkpoint, FailureConfig for in-job restarts, CheckpointConfig(num_to_keep). Th
 run name carries the object's UID: a re-created TPUFinetune starts fresh, and continues an
 earlier run only through --resume-from (spec.checkpoint.resumeFrom), checked here first.
 
-Workers (`train_loop`, on a typed `TrainConfig`): setup (tokenize + pack the data: every rank
-builds the same rows, then takes its disjoint slice; shard the model), restore (the run's own
-latest checkpoint, else --resume-from's, if any), train (steps; metrics reported every K steps
-and at epoch ends; DCP checkpoints), finish (export an HF folder, the run's summary).
+Input (tpuft_workload.pipeline, on the driver before any worker starts): Ray Data reads,
+tokenizes and packs the dataset once; the rows are materialized and each epoch Ray Train's
+DataConfig streams disjoint, equal shards to the workers.
+
+Workers (`train_loop`, on a typed `TrainConfig`): setup (their dataset shard; shard the model),
+restore (the run's own latest checkpoint, else --resume-from's, if any), train (steps over
+`iter_torch_batches`; metrics reported every K steps and at epoch ends; DCP checkpoints),
+finish (export an HF folder, the run's summary).
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import ray.train
 from tpuft_workload import checkpoint as ckptlib
 from tpuft_workload import data as datalib
 from tpuft_workload import faults as faultlib
+from tpuft_workload import pipeline
 from tpuft_workload.platform import PLATFORMS, Target, load_backend
 from tpuft_workload.report import BackgroundReporter, StatusReporter, Throttle
 
@@ -119,8 +124,9 @@ class TrainConfig:
     dict (`as_dict`); `train_loop` rebuilds the typed config from it (`from_dict`)."""
     platform: str                 # tpuft_workload.platform.PLATFORMS key
     model: str
-    dataset: str
-    dataset_split: str
+    rows: int                     # packed rows the pipeline produced (steps come from it)
+    examples: int
+    pad_fraction: float
     epochs: int
     batch_size_per_device: int
     max_seq_length: int
@@ -184,17 +190,14 @@ class _Run:
         from tpuft_workload import model as modellib
 
         cfg = self.cfg
-        self.tokenizer = modellib.load_tokenizer(cfg.model)
-        records = datalib.load_records(cfg.dataset, cfg.dataset_split)
-        self.blocks = datalib.build_blocks(self.tokenizer, records, cfg.max_seq_length, cfg.packing)
-        self.spe = datalib.steps_per_epoch(len(self.blocks), self.world, cfg.batch_size_per_device)
-        # fail early if too small
-        datalib.rank_batches(len(self.blocks), self.world, self.rank, cfg.batch_size_per_device, 0, cfg.seed)
+        self.tokenizer = modellib.load_tokenizer(cfg.model)   # for the export
+        self.shard = ray.train.get_dataset_shard("train")
+        self.spe = datalib.steps_per_epoch(cfg.rows, self.world, cfg.batch_size_per_device)
         self.total_steps = self.spe * cfg.epochs
         if self.rank == 0:
-            _say(f"[tpuft] {len(records)} examples -> {len(self.blocks)} rows of {cfg.max_seq_length} tokens "
-                 f"({'packed' if cfg.packing else 'padded'}, pad fraction {datalib.pad_fraction(self.blocks):.1%}); "
-                 f"{self.spe} steps/epoch x {cfg.epochs} epochs on {self.world} workers")
+            _say(f"[tpuft] {cfg.examples} examples -> {cfg.rows} rows of {cfg.max_seq_length} tokens "
+                 f"({'packed' if cfg.packing else 'padded'}, pad fraction {cfg.pad_fraction:.1%}; Ray Data, "
+                 f"tokenized once); {self.spe} steps/epoch x {cfg.epochs} epochs on {self.world} workers")
 
     def _model(self) -> None:
         import torch
@@ -287,27 +290,30 @@ class _Run:
         for epoch in range(self.step // self.spe if self.spe else 0, self.cfg.epochs):
             self._epoch(epoch)
 
-    def _step(self, batch: list[int]) -> tuple:
-        """One optimizer step on `batch` (row indices); (loss, real tokens)."""
+    def _step(self, batch: dict) -> tuple:
+        """One optimizer step on `batch` (a [batch, max_len] slice of the shard); (loss, real tokens)."""
         import torch
 
         _maybe_kill(self.faults, self.rank, self.step + 1, self.cfg.run_dir_local)
-        inputs = {k: v.to(self.device) for k, v in datalib.collate(self.blocks, batch).items()}
+        # packed rows restart position_ids per example (block-diagonal attention); padded rows mask
+        keys = ("input_ids", "labels", "position_ids" if self.cfg.packing else "attention_mask")
+        inputs = {k: batch[k].to(self.device) for k in keys}
         out = self.model(**inputs)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
-        return out.loss, sum(self.blocks[j].n_real for j in batch)
+        return out.loss, int(batch["n_real"].sum())
 
     def _epoch(self, epoch: int) -> None:
         cfg, spe, bsz = self.cfg, self.spe, self.cfg.batch_size_per_device
         every_ckpt, every_rep = cfg.checkpoint_every_steps, cfg.report_every_steps
-        batches = datalib.rank_batches(len(self.blocks), self.world, self.rank, bsz, epoch, cfg.seed)
+        done = self.step - epoch * spe   # a resumed epoch passes over the batches it already trained on
+        batches = pipeline.torch_batches(self.shard, bsz, cfg.seed, epoch, skip=done)
         epoch_win, win = _Window(self.device), _Window(self.device)
-        for i in range(self.step - epoch * spe, spe):
-            loss, real = self._step(batches[i])
+        for i, batch in zip(range(done, spe), batches):
+            loss, real = self._step(batch)
             for w in (win, epoch_win):
                 w.add(loss, real, bsz * cfg.max_seq_length)
             if i == spe - 1:  # the end of the epoch reports below
@@ -358,29 +364,44 @@ class _Run:
         self.reporter.close()
 
 
-def build_trainer(args, target: Target, fault_spec: str = ""):
-    """(TorchTrainer, its train_loop_config as a dict: TrainConfig.as_dict)."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-    from tpuft.constants import ENV_CR_NAME, ENV_CR_NAMESPACE, RAY_TPU_RESOURCE_PER_CHIP_ENV
+def scaling_config(target: Target):
+    """One Ray Train worker per device: TPU (with the slice's topology), GPU or CPU."""
+    from ray.train import ScalingConfig
+    from tpuft.constants import RAY_TPU_RESOURCE_PER_CHIP_ENV
 
     shape, plat = target.shape, target.platform
+    if plat.is_tpu:
+        if shape.tpu_resource_per_chip > 1:  # TPU7x: Ray reads it at ScalingConfig validation
+            os.environ.setdefault(RAY_TPU_RESOURCE_PER_CHIP_ENV, str(shape.tpu_resource_per_chip))
+        return ScalingConfig(use_tpu=True, topology=shape.topology, accelerator_type=shape.ray_accelerator_type,
+                             num_workers=target.world_size, resources_per_worker={"TPU": 1})
+    if plat.kind == "gpu":
+        return ScalingConfig(num_workers=target.world_size, use_gpu=True)
+    return ScalingConfig(num_workers=target.world_size, resources_per_worker={"CPU": 1})
+
+
+def build_trainer(args, target: Target, fault_spec: str = ""):
+    """(TorchTrainer, its train_loop_config as a dict: TrainConfig.as_dict)."""
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+    from tpuft.constants import ENV_CR_NAME, ENV_CR_NAMESPACE
+
+    plat = target.platform
     storage = args.storage_path if "://" in args.storage_path else os.path.abspath(args.storage_path)
     run_dir = ckptlib.join(storage, args.run_name)
     # Checked (it exists, tpuft wrote it) before any worker starts; the architecture on the workers.
     resume_from, resume_manifest = ckptlib.resolve_resume(args.resume_from) if args.resume_from else ("", {})
-    if plat.is_tpu:
-        if shape.tpu_resource_per_chip > 1:  # TPU7x: Ray reads it at ScalingConfig validation
-            os.environ.setdefault(RAY_TPU_RESOURCE_PER_CHIP_ENV, str(shape.tpu_resource_per_chip))
-        scaling = ScalingConfig(use_tpu=True, topology=shape.topology, accelerator_type=shape.ray_accelerator_type,
-                                num_workers=target.world_size, resources_per_worker={"TPU": 1})
-    elif plat.kind == "gpu":
-        scaling = ScalingConfig(num_workers=target.world_size, use_gpu=True)
-    else:
-        scaling = ScalingConfig(num_workers=target.world_size, resources_per_worker={"CPU": 1})
+    scaling = scaling_config(target)
+    packed = pipeline.build(args.dataset, args.dataset_split, args.dataset_format, args.model,
+                            args.max_seq_length, args.packing)
+    if datalib.steps_per_epoch(packed.rows, target.world_size, args.batch_size_per_device) == 0:
+        raise pipeline.DataError(
+            f"{packed.rows} training rows cannot fill one global batch of {target.world_size} workers x "
+            f"{args.batch_size_per_device} per device: use a larger spec.dataset.split, a smaller "
+            "spec.training.batchSizePerDevice or maxSeqLength, or fewer workers")
     cfg = TrainConfig(
-        platform=plat.kind, model=args.model, dataset=args.dataset, dataset_split=args.dataset_split,
-        epochs=args.epochs, batch_size_per_device=args.batch_size_per_device,
+        platform=plat.kind, model=args.model, rows=packed.rows, examples=packed.examples,
+        pad_fraction=packed.pad_fraction, epochs=args.epochs, batch_size_per_device=args.batch_size_per_device,
         max_seq_length=args.max_seq_length, learning_rate=args.learning_rate, packing=args.packing,
         checkpoint_every_steps=args.checkpoint_every_steps, report_every_steps=args.report_every_steps,
         seed=args.seed, fault=fault_spec, run_dir=run_dir,
@@ -393,6 +414,8 @@ def build_trainer(args, target: Target, fault_spec: str = ""):
     return TorchTrainer(
         train_loop_per_worker=train_loop,
         train_loop_config=cfg,
+        datasets={"train": packed.dataset},
+        dataset_config=DataConfig(datasets_to_split=["train"]),
         torch_config=TorchConfig(backend=plat.backend),
         scaling_config=scaling,
         run_config=RunConfig(
@@ -411,7 +434,7 @@ def _failed(error: str) -> int:
 def run_training(args, target: Target, fault_spec: str = "") -> int:
     try:
         trainer, cfg = build_trainer(args, target, fault_spec)
-    except ckptlib.ResumeError as e:
+    except (ckptlib.ResumeError, pipeline.DataError) as e:
         StatusReporter().training(message=str(e))
         log.error("%s", e)
         return _failed(str(e))

@@ -1,0 +1,202 @@
+"""Training input: the per-rank path (every training worker loads, tokenizes and packs the whole
+dataset, then takes its slice: what the workload did before Ray Data) against the Ray Data path
+(tpuft_workload.pipeline: tokenized and packed once, shards streamed to the workers), same local
+Ray, same synthetic data, same run.
+
+    .venv/bin/python bench/data_pipeline.py --records 10000,100000 --workers 4 --out bench/results/data_pipeline.json
+
+Data: synthetic dolly-shaped records (instruction, optional context, response) drawn from the
+builtin tokenizer's words with log-normal lengths (median near 150 tokens per example, a long
+tail), written as JSONL; the builtin tiny model's tokenizer.
+
+Per path and size (keys of results["per-rank"|"ray-data"]["<records>"]):
+  tokenizeCpuSeconds      CPU seconds of every Ray worker process (all `ray::` processes, user +
+                          system, psutil) while the rows are built: the per-rank workers' own
+                          loading + tokenizing + packing, or the pipeline's tasks
+  onePassCpuSeconds       one single-process pass over the same records here (load, tokenize, pack)
+  timeToFirstStepSeconds  from the start until every training worker holds its first
+                          [batch, max_len] batch (the model step itself is the same in both paths
+                          and is left out)
+  peakRssPerWorkerMB      the largest peak RSS among the training workers (fresh processes)
+Nothing else runs Ray on the machine while it runs (the host-wide Ray lock is taken).
+"""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import math
+import os
+import random
+import resource
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RAY_LOCK = "/tmp/tpuft-ray.lock"
+MODEL = "builtin:tiny-llama"
+MAX_LEN, BATCH = 512, 4
+
+
+def say(msg: str) -> None:
+    print(f"[data_pipeline] {msg}", file=sys.stderr, flush=True)
+
+
+def synthetic(n: int, path: Path, seed: int = 0) -> None:
+    """Dolly-shaped records: instruction ~12 words, context in a third of them, response log-normal
+    with a long tail, so an example (template included) is ~150 tokens at the median."""
+    from tpuft_workload.tiny import _vocab
+
+    words = [w for w in _vocab() if w.isalpha()][:5000]
+    rnd = random.Random(seed)
+
+    def text(median: float, sigma: float) -> str:
+        k = max(1, min(4000, int(rnd.lognormvariate(math.log(median), sigma))))
+        return " ".join(rnd.choice(words) for _ in range(k))
+
+    with open(path, "w") as f:
+        for _ in range(n):
+            rec = {"instruction": text(12, 0.5), "response": text(90, 0.9),
+                   "context": text(60, 0.8) if rnd.random() < 0.33 else ""}
+            f.write(json.dumps(rec) + "\n")
+
+
+def ray_cpu_seconds() -> float:
+    import psutil
+
+    total = 0.0
+    for p in psutil.process_iter(["name", "cmdline", "cpu_times"]):
+        try:
+            name = p.info["name"] or ""
+            cmd = " ".join(p.info["cmdline"] or [])
+            if name.startswith("ray::") or cmd.startswith("ray::") or "default_worker.py" in cmd:
+                t = p.info["cpu_times"]
+                total += t.user + t.system
+        except Exception:  # noqa: BLE001 - processes come and go
+            continue
+    return total
+
+
+def one_pass(path: Path) -> float:
+    from tpuft_workload import data as datalib
+    from tpuft_workload import model as modellib
+
+    t0 = time.process_time()
+    tok = modellib.load_tokenizer(MODEL)
+    datalib.build_blocks(tok, datalib.load_records(str(path), "train"), MAX_LEN, True)
+    return time.process_time() - t0
+
+
+def _fresh() -> dict:
+    # a distinct runtime_env starts a new worker process: its peak RSS is its own
+    return {"env_vars": {"TPUFT_BENCH_PROCESS": uuid.uuid4().hex}}
+
+
+def per_rank(path: Path, workers: int) -> dict:
+    import ray
+
+    @ray.remote(num_cpus=1)
+    class Rank:
+        def first_batch(self, rank: int, world: int) -> float:
+            from tpuft_workload import data as datalib
+            from tpuft_workload import model as modellib
+
+            tok = modellib.load_tokenizer(MODEL)
+            blocks = datalib.build_blocks(tok, datalib.load_records(str(path), "train"), MAX_LEN, True)
+            batch = datalib.rank_batches(len(blocks), world, rank, BATCH, 0, 42)[0]
+            datalib.collate(blocks, batch)
+            return time.monotonic()
+
+        def peak_rss_mb(self) -> float:
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    cpu0, t0 = ray_cpu_seconds(), time.monotonic()
+    ranks = [Rank.options(runtime_env=_fresh()).remote() for _ in range(workers)]
+    done = ray.get([r.first_batch.remote(i, workers) for i, r in enumerate(ranks)])
+    out = {"tokenizeCpuSeconds": ray_cpu_seconds() - cpu0, "timeToFirstStepSeconds": max(done) - t0,
+           "peakRssPerWorkerMB": max(ray.get([r.peak_rss_mb.remote() for r in ranks]))}
+    for r in ranks:
+        ray.kill(r)
+    return out
+
+
+def ray_data(path: Path, workers: int) -> dict:
+    import ray
+
+    from tpuft_workload import pipeline
+
+    @ray.remote(num_cpus=1)
+    class Worker:
+        def first_batch(self, shard) -> float:
+            t = None
+            for _ in pipeline.torch_batches(shard, BATCH, 42, 0):   # the whole epoch, as a worker reads it
+                t = t or time.monotonic()
+            return t
+
+        def peak_rss_mb(self) -> float:
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    cpu0, t0 = ray_cpu_seconds(), time.monotonic()
+    packed = pipeline.build(str(path), "train", None, MODEL, MAX_LEN, True)
+    cpu = ray_cpu_seconds() - cpu0
+    shards = packed.dataset.streaming_split(workers, equal=True)
+    ws = [Worker.options(runtime_env=_fresh()).remote() for _ in range(workers)]
+    done = ray.get([w.first_batch.remote(s) for w, s in zip(ws, shards)])
+    out = {"tokenizeCpuSeconds": cpu, "timeToFirstStepSeconds": max(done) - t0,
+           "peakRssPerWorkerMB": max(ray.get([w.peak_rss_mb.remote() for w in ws]))}
+    for w in ws:
+        ray.kill(w)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--records", default="10000,100000")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    sizes = [int(x) for x in args.records.split(",")]
+    lock = open(RAY_LOCK, "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)   # one local Ray on the machine
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=args.workers + 2, include_dashboard=False, log_to_driver=False)
+    results: dict = {"per-rank": {}, "ray-data": {}}
+    try:
+        with tempfile.TemporaryDirectory(prefix="tpuft-bench-data-") as tmp:
+            for n in sizes:
+                path = Path(tmp) / f"dolly-{n}.jsonl"
+                synthetic(n, path)
+                single = one_pass(path)
+                say(f"{n} records: one single-process pass {single:.1f} s CPU")
+                for name, fn in (("per-rank", per_rank), ("ray-data", ray_data)):
+                    r = {**fn(path, args.workers), "onePassCpuSeconds": single}
+                    results[name][str(n)] = {k: round(v, 2) for k, v in r.items()}
+                    say(f"{n} records, {name}: {results[name][str(n)]}")
+    finally:
+        ray.shutdown()
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    rd = results["ray-data"]
+    small, big = str(sizes[0]), str(sizes[-1])
+    results["targets"] = {
+        "rayDataTokenizeOverOnePass": {k: round(v["tokenizeCpuSeconds"] / v["onePassCpuSeconds"], 2) for k, v in rd.items()},
+        "rayDataRssGrowth": round(rd[big]["peakRssPerWorkerMB"] / rd[small]["peakRssPerWorkerMB"] - 1, 3),
+        "firstStepRayDataOverPerRank": {k: round(rd[k]["timeToFirstStepSeconds"] / results["per-rank"][k]["timeToFirstStepSeconds"], 2)
+                                        for k in rd},
+    }
+    results["config"] = {"workers": args.workers, "maxSeqLength": MAX_LEN, "batch": BATCH, "model": MODEL,
+                         "ended": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                         "medianExampleTokensTarget": 150}
+    print(json.dumps(results, indent=2))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
