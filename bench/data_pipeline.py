@@ -10,9 +10,10 @@ builtin tokenizer's words with log-normal lengths (median near 150 tokens per ex
 tail), written as JSONL; the builtin tiny model's tokenizer.
 
 Per path and size (keys of results["per-rank"|"ray-data"]["<records>"]):
-  tokenizeCpuSeconds      CPU seconds of every Ray worker process (all `ray::` processes, user +
-                          system, psutil) while the rows are built: the per-rank workers' own
-                          loading + tokenizing + packing, or the pipeline's tasks
+  tokenizeCpuSeconds      CPU seconds spent reading, tokenizing and packing, all processes: the
+                          per-rank workers' own process_time() around load + tokenize + pack,
+                          summed; for Ray Data, the "Remote cpu time ... total" of every operator
+                          in the materialized dataset's stats (read, tokenize, repartition, pack)
   onePassCpuSeconds       one single-process pass over the same records here (load, tokenize, pack)
   timeToFirstStepSeconds  from the start until every training worker holds its first
                           [batch, max_len] batch (the model step itself is the same in both paths
@@ -28,6 +29,7 @@ import json
 import math
 import os
 import random
+import re
 import resource
 import sys
 import tempfile
@@ -64,19 +66,12 @@ def synthetic(n: int, path: Path, seed: int = 0) -> None:
             f.write(json.dumps(rec) + "\n")
 
 
-def ray_cpu_seconds() -> float:
-    import psutil
-
+def stats_cpu_seconds(stats: str) -> float:
+    """Sum of Ray Data's per-operator "Remote cpu time: ... X total" lines (not the indented
+    sub-stage lines, which repeat their operator's)."""
     total = 0.0
-    for p in psutil.process_iter(["name", "cmdline", "cpu_times"]):
-        try:
-            name = p.info["name"] or ""
-            cmd = " ".join(p.info["cmdline"] or [])
-            if name.startswith("ray::") or cmd.startswith("ray::") or "default_worker.py" in cmd:
-                t = p.info["cpu_times"]
-                total += t.user + t.system
-        except Exception:  # noqa: BLE001 - processes come and go
-            continue
+    for m in re.finditer(r"^\* Remote cpu time: .*?([0-9.]+)(us|ms|s) total", stats, re.MULTILINE):   # indented: sub-stages
+        total += float(m.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[m.group(2)]
     return total
 
 
@@ -100,23 +95,25 @@ def per_rank(path: Path, workers: int) -> dict:
 
     @ray.remote(num_cpus=1)
     class Rank:
-        def first_batch(self, rank: int, world: int) -> float:
+        def first_batch(self, rank: int, world: int) -> tuple[float, float]:
             from tpuft_workload import data as datalib
             from tpuft_workload import model as modellib
 
+            cpu = time.process_time()
             tok = modellib.load_tokenizer(MODEL)
             blocks = datalib.build_blocks(tok, datalib.load_records(str(path), "train"), MAX_LEN, True)
+            cpu = time.process_time() - cpu
             batch = datalib.rank_batches(len(blocks), world, rank, BATCH, 0, 42)[0]
             datalib.collate(blocks, batch)
-            return time.monotonic()
+            return time.monotonic(), cpu
 
         def peak_rss_mb(self) -> float:
             return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
-    cpu0, t0 = ray_cpu_seconds(), time.monotonic()
+    t0 = time.monotonic()
     ranks = [Rank.options(runtime_env=_fresh()).remote() for _ in range(workers)]
     done = ray.get([r.first_batch.remote(i, workers) for i, r in enumerate(ranks)])
-    out = {"tokenizeCpuSeconds": ray_cpu_seconds() - cpu0, "timeToFirstStepSeconds": max(done) - t0,
+    out = {"tokenizeCpuSeconds": sum(cpu for _, cpu in done), "timeToFirstStepSeconds": max(t for t, _ in done) - t0,
            "peakRssPerWorkerMB": max(ray.get([r.peak_rss_mb.remote() for r in ranks]))}
     for r in ranks:
         ray.kill(r)
@@ -139,9 +136,9 @@ def ray_data(path: Path, workers: int) -> dict:
         def peak_rss_mb(self) -> float:
             return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
-    cpu0, t0 = ray_cpu_seconds(), time.monotonic()
+    t0 = time.monotonic()
     packed = pipeline.build(str(path), "train", None, MODEL, MAX_LEN, True)
-    cpu = ray_cpu_seconds() - cpu0
+    cpu = stats_cpu_seconds(packed.dataset.stats())
     shards = packed.dataset.streaming_split(workers, equal=True)
     ws = [Worker.options(runtime_env=_fresh()).remote() for _ in range(workers)]
     done = ray.get([w.first_batch.remote(s) for w, s in zip(ws, shards)])

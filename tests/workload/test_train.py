@@ -146,4 +146,5 @@ def test_too_little_data_fails_with_a_clear_reason(ray_cluster, tmp_path, capsys
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(train.RESULT_PREFIX))
     body = json.loads(line[len(train.RESULT_PREFIX):])
     assert body["succeeded"] is False
-    assert "cannot fill one global batch" in body["error"] and "--batch-size-per-device" in body["error"]
+    assert "cannot fill one global batch" in body["error"] and "spec.training.batchSizePerDevice" in body["error"]
+    assert body["error"].startswith("spec.dataset.name: ")   # on the driver, before any worker
