@@ -427,9 +427,10 @@ def _training(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed) -> Decis
     name = n.train_attempt(attempts - 1)
     if _lost_cluster(d, tft, obs):
         return d.finish()
-    if lost := slice_loss(obs.cluster.status):
-        return _replace_slice(d, obj, tft, obs, lost)
     job = obs.jobs.get(name)
+    lost = slice_loss(obs.cluster.status)
+    if lost and not (job is not None and job_succeeded(job)):   # a finished run needs no slice any more
+        return _replace_slice(d, obj, tft, obs, lost)
     if job is None:
         d.fail(Reason.CHILD_DELETED, f"RayJob {name} was deleted during training")
         return d.finish()

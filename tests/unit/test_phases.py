@@ -673,3 +673,10 @@ def test_history_is_bounded():
         assert o["status"]["phase"] == "VerifyingCollectives"
     rec = o["status"]["recovery"]
     assert rec["sliceReplacements"] == c.RECOVERY_HISTORY_MAX + 3 and len(rec["history"]) == c.RECOVERY_HISTORY_MAX
+
+
+def test_a_run_that_has_finished_succeeds_even_if_a_host_goes_at_the_same_time():
+    o = run_to(make(), Phase.TRAINING)
+    train = names(o).train_attempt(0)
+    d = phases.decide(o, Observed(lost(3), {train: job(train, "SUCCEEDED", "Complete")}), at(100), TUN)
+    assert d.phase == "Succeeded" and d.actions == () and "recovery" not in d.status
