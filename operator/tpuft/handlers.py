@@ -249,17 +249,18 @@ class Controller:
         old = tuple(f"RayCluster {x.name}" for x in clusters if x.name == name and not x.belongs_to(uid))
         key = (ns, obj["metadata"]["name"])
         pods = self.ledger.pods(key, time.monotonic(), self.pod_list_seconds)
-        if pods is None:
+        listed = pods is None
+        if listed:
             pods = self.kube.slice_pods(ns, name)
-            # leftovers are waited on: each look at them is fresh
-            fresh = pods is not None and not old and not diagnosis.leftovers(pods, ours)
-            self.ledger.listed_pods(key, time.monotonic(), pods if fresh else None)
+        stale = diagnosis.leftovers(pods or (), ours)
+        if listed:   # leftovers are waited on: each look at them is fresh, never a reused list
+            self.ledger.listed_pods(key, time.monotonic(), pods if pods is not None and not old and not stale else None)
             pods = pods or ()
         mine = tuple(p for p in pods if p.cluster_uid in ours)
         found = diagnosis.blocking(mine)
         pools = self._node_pools() if found and found[0] == diagnosis.Blocker.UNSCHEDULABLE else None
         return dataclasses.replace(observed, pods=mine, pools=pools,
-                                   leftovers=old + tuple(f"pod {p}" for p in diagnosis.leftovers(pods, ours)))
+                                   leftovers=old + tuple(f"pod {p}" for p in stale))
 
     def _node_pools(self) -> tuple | None:
         """The cluster's TPU node pools, one list of nodes per POOLS_CACHE_SECONDS for all objects."""
