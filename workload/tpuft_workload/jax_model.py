@@ -138,6 +138,11 @@ def from_torch(model):
     return hf, cfg, params
 
 
+def hf_class(hf_config: dict) -> str:
+    """The transformers class that loads what save_hf writes."""
+    return "GemmaForCausalLM" if hf_config.get("model_type") == "gemma" else "LlamaForCausalLM"
+
+
 def save_hf(params: dict, hf_config: dict, directory: str, dtype=None) -> None:
     """model.safetensors (HF names, [out, in] layout, `dtype` or float32) + config.json."""
     import numpy as np
@@ -148,8 +153,7 @@ def save_hf(params: dict, hf_config: dict, directory: str, dtype=None) -> None:
     out = {k: np.ascontiguousarray(np.asarray(v, dtype=dtype or np.float32)) for k, v in params.items()}
     os.makedirs(directory, exist_ok=True)
     save_file(out, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
-    arch = "GemmaForCausalLM" if hf_config.get("model_type") == "gemma" else "LlamaForCausalLM"
-    hf = {**hf_config, "architectures": [arch], "use_cache": True}
+    hf = {**hf_config, "architectures": [hf_class(hf_config)], "use_cache": True}
     if dtype is not None:
         hf["dtype"] = np.dtype(dtype).name
     with open(os.path.join(directory, "config.json"), "w") as f:
