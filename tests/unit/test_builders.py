@@ -305,7 +305,6 @@ def test_jax_training_job_runs_one_jax_worker_per_host(example, hosts):
     """framework jax: the training RayJob's entrypoint, read back by the workload's own CLI, runs
     JaxTrainer with one worker per host (torch: one per device), and the job is schema-valid."""
     from tpuft_workload import __main__ as workload_cli
-    from tpuft_workload import jax_train
 
     doc = yaml.safe_load((EXAMPLES / example).read_text())
     doc["spec"].setdefault("training", {})["framework"] = "jax"
@@ -313,7 +312,7 @@ def test_jax_training_job_runs_one_jax_worker_per_host(example, hosts):
     argv = shlex.split(job["spec"]["entrypoint"])
     assert argv[:4] == ["python", "-m", "tpuft_workload", "train"] and _flag(argv, "--framework") == "jax"
     args, target = workload_cli.parse_args(argv[3:])
-    assert args.framework == "jax" and jax_train.num_workers(target) == hosts < target.world_size
+    assert args.framework == "jax" and target.jax_workers == hosts < target.world_size
     assert list(_crd_validator("ray.io_rayjobs.yaml").iter_errors(job)) == []
 
 

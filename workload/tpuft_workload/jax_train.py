@@ -41,13 +41,6 @@ from tpuft_workload.train import run_training as _run_training
 MESH_AXES = ("data", "fsdp")
 
 
-def num_workers(target: Target) -> int:
-    """TPU: one JAX process per host of every slice. CPU/GPU: the topology's worker count."""
-    if target.platform.is_tpu:
-        return target.shape.hosts * target.slices
-    return target.world_size
-
-
 def scaling_config(target: Target):
     from ray.train import ScalingConfig
     from tpuft.constants import RAY_TPU_RESOURCE_PER_CHIP_ENV
@@ -58,10 +51,10 @@ def scaling_config(target: Target):
             os.environ.setdefault(RAY_TPU_RESOURCE_PER_CHIP_ENV, str(shape.tpu_resource_per_chip))
         # resources_per_worker left to Ray: all of a host's TPU resources per worker
         return ScalingConfig(use_tpu=True, topology=shape.topology, accelerator_type=shape.ray_accelerator_type,
-                             num_workers=num_workers(target))
+                             num_workers=target.jax_workers)
     if plat.kind == "gpu":
-        return ScalingConfig(num_workers=num_workers(target), use_gpu=True)
-    return ScalingConfig(num_workers=num_workers(target), resources_per_worker={"CPU": 1})
+        return ScalingConfig(num_workers=target.jax_workers, use_gpu=True)
+    return ScalingConfig(num_workers=target.jax_workers, resources_per_worker={"CPU": 1})
 
 
 def build_trainer(args, target: Target, fault_spec: str = ""):
