@@ -133,7 +133,8 @@ def from_torch(model):
     """(HF config dict, ModelConfig, params) of a transformers model in memory (the builtin)."""
     hf = model.config.to_dict()
     cfg = config_from_hf(hf)
-    state = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
+    # copies: .numpy() shares the tensor's memory, which a torch optimizer would go on changing
+    state = {k: v.detach().float().cpu().numpy().copy() for k, v in model.state_dict().items()}
     params = {n: state[n] for n in param_names(cfg)}
     return hf, cfg, params
 
