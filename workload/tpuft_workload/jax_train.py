@@ -270,13 +270,21 @@ class _Run:
                 "model": cfg.model, "architecture": arch, "namespace": cfg.cr_namespace,
                 "name": cfg.cr_name, "resumeFrom": cfg.resume_from or None})
         self.mesh = build_mesh(jax)
-        shards = self.mesh.shape["fsdp"]
-        self.params = {n: _put(jax, a, NamedSharding(self.mesh, param_spec(a.shape, shards))) for n, a in host.items()}
+        self.params = {n: _put(jax, a, self._sharding(a)) for n, a in host.items()}
         self.tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(cfg.learning_rate, weight_decay=0.01))
-        self.opt_state = jax.jit(self.tx.init)(self.params)   # moments inherit the parameters' shardings
+        # Every leaf placed explicitly: the moments like their parameters; the step count, left to
+        # jit, lands on one local device and no longer fits the mesh once Orbax restores it.
+        shardings = jax.tree.map(self._sharding, jax.eval_shape(self.tx.init, self.params))
+        self.opt_state = jax.jit(self.tx.init, out_shardings=shardings)(self.params)
         self.batch_sharding = NamedSharding(self.mesh, P(MESH_AXES))
         dtype = jax.numpy.bfloat16 if self.plat.mixed_precision else None
         self.step_fn = jax.jit(partial(_train_step, self.tx, self.mcfg, dtype), donate_argnums=(0, 1))
+
+    def _sharding(self, leaf):
+        """Where a parameter (or a state leaf of its shape) lives: FSDP over the mesh's fsdp axis."""
+        from jax.sharding import NamedSharding
+
+        return NamedSharding(self.mesh, param_spec(leaf.shape, self.mesh.shape["fsdp"]))
 
     # --- restore ------------------------------------------------------------------------------------
     def restore(self) -> None:
