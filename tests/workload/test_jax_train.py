@@ -63,7 +63,7 @@ def status_recorder(tmp_path_factory):
     server.shutdown()
 
 
-def _argv(storage: Path, run: str, **extra) -> list[str]:
+def _argv(storage: Path | str, run: str, **extra) -> list[str]:
     argv = ["train", "--framework", "jax", "--accelerator", "cpu", "--topology", "2",
             "--model", "builtin:tiny-llama", "--dataset", "builtin:dolly-mini", "--dataset-split", "train[:80]",
             "--epochs", "3", "--batch-size-per-device", "4", "--max-seq-length", "128", "--learning-rate", "3e-3",
@@ -197,3 +197,18 @@ def test_a_torch_checkpoint_is_refused_by_the_jax_path():
     with pytest.raises(checkpoint.ResumeError, match="different model architecture"):
         checkpoint.check_architecture("/ckpt/checkpoint_step_0000001", {"architecture": torch_arch}, jax_arch,
                                       "builtin:tiny-llama")
+
+
+def test_an_object_store_path_orbax_cannot_reach_fails_before_ray(monkeypatch, capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("s3fs") is not None:
+        pytest.skip("s3fs is installed here")
+
+    def no_ray():
+        raise AssertionError("the storage check must come before Ray starts")
+
+    monkeypatch.setattr(cli, "_ray_init", no_ray)
+    assert cli.main(_argv("s3://bucket/ckpt", "run")) == 1
+    out = capsys.readouterr().out
+    assert "s3fs is not installed" in out and "spec.checkpoint.storagePath" in out

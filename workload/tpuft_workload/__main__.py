@@ -144,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     from tpuft_workload import checkpoint, train
 
     try:  # before Ray and any worker: a bad storage path fails in seconds, with its name
+        if args.framework == TrainingFramework.JAX.value:
+            from tpuft_workload import jax_checkpoint
+
+            jax_checkpoint.check_storage(args.storage_path)
         checkpoint.check_writable(checkpoint.join(args.storage_path, args.run_name))
     except checkpoint.StorageError as e:
         print(f"{train.RESULT_PREFIX} " + json.dumps({"succeeded": False, "error": str(e)}), flush=True)

@@ -18,6 +18,24 @@ from tpuft_workload.checkpoint import TRAIN_STATE
 
 STATE_DIR = "state"
 FRAMEWORK = "jax"
+# Orbax reaches object stores through fsspec (etils.epath): these are not in the workload image.
+FSSPEC_BACKENDS = {"gs": "gcsfs", "s3": "s3fs"}
+
+
+def check_storage(uri: str) -> None:
+    """Refuse, before Ray starts, a storage URI that Orbax cannot write from this image."""
+    import importlib.util
+
+    from tpuft_workload.checkpoint import StorageError
+
+    scheme = uri.split("://", 1)[0] if "://" in uri else ""
+    module = FSSPEC_BACKENDS.get(scheme)
+    if scheme and (module is None or importlib.util.find_spec(module) is None):
+        raise StorageError(
+            f"checkpoint storage path {uri}: training.framework jax writes Orbax checkpoints through fsspec, and "
+            f"{module or 'no fsspec backend for ' + scheme + '://'} is not installed in this image; use a path on a "
+            "mounted volume for spec.checkpoint.storagePath (a Filestore PVC, the GCS FUSE CSI driver) or add "
+            f"{module or 'the backend'} to the workload image")
 
 
 def architecture(cfg_class: str, params: dict) -> dict:
