@@ -139,7 +139,7 @@ def _serve_schema() -> dict:
             "shmSize": _p("string", "Size of the in-memory /dev/shm on serving workers.",
                           maxLength=MAX_QUANTITY_LENGTH, pattern=QUANTITY.pattern),
         }),
-    })
+    }, default={})
 
 
 def _resource_override(who: str) -> dict:
