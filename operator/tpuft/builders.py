@@ -393,6 +393,8 @@ def build_rayservice(tft: TPUFinetune, model_source: str | None = None) -> dict:
     cluster = _cluster_spec(view, c.Component.SERVE)
     for tmpl in [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]:
         tmpl["spec"]["automountServiceAccountToken"] = False   # serving never calls the Kubernetes API
+    cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"].append(
+        {"containerPort": c.SERVE_PORT, "name": "serve"})   # the port KubeRay's serve Service targets
     app = serve_app(tft, model_source or export_path(tft))
     return {"apiVersion": c.RAY_API_VERSION, "kind": c.RAYSERVICE_KIND,
             "metadata": _metadata(tft, n.service, c.Component.SERVE),
