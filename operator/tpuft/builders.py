@@ -358,12 +358,12 @@ def serve_app(tft: TPUFinetune, model_source: str) -> dict:
     """The one Serve application, as serveConfigV2 lists it."""
     sv, model_id = tft.spec.serve, tft.meta.name
     if sv.engine == c.ServeEngine.VLLM:
-        return {"name": c.SERVE_APP_NAME, "route_prefix": "/", "import_path": c.SERVE_VLLM_IMPORT_PATH,
+        return {"name": c.SERVE_APP_NAME, "route_prefix": c.SERVE_ROUTE_PREFIX, "import_path": c.SERVE_VLLM_IMPORT_PATH,
                 "args": {"llm_configs": [llm_config(tft, model_source)]}}
-    args: dict = {"model_source": model_source, "model_id": model_id}
+    args: dict = {c.ServeArg.MODEL_SOURCE.value: model_source, c.ServeArg.MODEL_ID.value: model_id}
     if sv.max_model_length:
-        args["max_model_len"] = sv.max_model_length
-    return {"name": c.SERVE_APP_NAME, "route_prefix": "/", "import_path": c.SERVE_TRANSFORMERS_IMPORT_PATH,
+        args[c.ServeArg.MAX_MODEL_LEN.value] = sv.max_model_length
+    return {"name": c.SERVE_APP_NAME, "route_prefix": c.SERVE_ROUTE_PREFIX, "import_path": c.SERVE_TRANSFORMERS_IMPORT_PATH,
             "args": args, "deployments": [{"name": c.SERVE_DEPLOYMENT_NAME, "num_replicas": sv.replicas}]}
 
 

@@ -262,3 +262,15 @@ SERVE_TRANSFORMERS_IMPORT_PATH = "tpuft_workload.serve:build_app"
 SERVE_VLLM_IMPORT_PATH = "ray.serve.llm:build_openai_app"
 SERVE_DEPLOYMENT_NAME = "ChatDeployment"   # the transformers engine's deployment (tpuft_workload.serve)
 TPU_MULTIHOST_BACKEND_ENV = "TPU_MULTIHOST_BACKEND"   # vLLM TPU: "ray" spreads a model over the slice's hosts
+# The transformers engine's application (tpuft_workload.serve.build_app reads these too):
+SERVE_ROUTE_PREFIX = "/"                    # applications[].route_prefix
+SERVE_CHAT_PATH = "/v1/chat/completions"    # OpenAI-compatible paths under the prefix (tpuft.chat posts here)
+SERVE_MODELS_PATH = "/v1/models"
+
+
+class ServeArg(str, enum.Enum):
+    """Keys of the transformers application's applications[].args (tpuft_workload.serve.build_app)."""
+    MODEL_SOURCE = "model_source"              # required: the Hugging Face export folder (or a gs:// URI)
+    MODEL_ID = "model_id"                      # required: the name clients send and /v1/models lists
+    MAX_MODEL_LEN = "max_model_len"            # optional int: prompt + completion tokens at most
+    MAX_TOKENS_DEFAULT = "max_tokens_default"  # optional int: completion tokens when a request gives none
