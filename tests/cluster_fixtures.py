@@ -68,7 +68,7 @@ def cluster_ns(request, cluster_kubectl):
 
 
 def clear_namespace(kubectl, ns: str, timeout: float = 240) -> None:
-    kubectl("delete", "tft,rayjobs,rayclusters", "--all", "-n", ns, "--wait=false", "--ignore-not-found")
+    kubectl("delete", "tft,rayjobs,rayclusters,rayservices", "--all", "-n", ns, "--wait=false", "--ignore-not-found")
 
     def gone() -> bool:
         res = kubectl("get", "pods", "-n", ns, "-l", "ray.io/node-type", "-o", "name")

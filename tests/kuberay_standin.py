@@ -116,3 +116,18 @@ class KubeRay:
                                        "message": f"The RayJob has passed the activeDeadlineSeconds. "
                                                   f"ActiveDeadlineSeconds: {deadline}",
                                        "endTime": _now(), "failed": 1})
+
+    # --- RayService (ray-operator/apis/ray/v1/rayservice_types.go) ----------------------------------
+    def service_status(self, name: str, app_status: str, message: str = "", ready: bool = False,
+                       side: str = "pendingServiceStatus") -> None:
+        """What KubeRay writes while (side=pendingServiceStatus) its first cluster comes up and once
+        (side=activeServiceStatus) it serves: Serve's status of each application, the Ready condition."""
+        svc = self.get("rayservices", name)
+        apps = {"llm": {"status": app_status, "message": message, "healthLastUpdateTime": _now()}}
+        self._status("rayservices", name, {
+            side: {"rayClusterName": f"{name}-raycluster-abcde", "applicationStatuses": apps},
+            "conditions": [self._cond("Ready", "True" if ready else "False",
+                                      "NonZeroServeEndpoints" if ready else "Initializing",
+                                      "Number of serve endpoints is greater than 0" if ready else "")],
+            "numServeEndpoints": 1 if ready else 0, "observedGeneration": svc["metadata"]["generation"],
+            "serviceStatus": "Running" if ready else ""})

@@ -47,7 +47,7 @@ KCM_CONTROLLERS = os.environ.get("TPUFT_KCM_CONTROLLERS") or ",".join([
     "serviceaccount-token-controller", "root-ca-certificate-publisher-controller",
     "clusterrole-aggregation-controller",  # fills the admin/edit/view ClusterRoles
     "deployment-controller", "replicaset-controller", "statefulset-controller", "job-controller"])
-KUBERAY_CRDS = ("ray.io_rayclusters.yaml", "ray.io_rayjobs.yaml")
+KUBERAY_CRDS = ("ray.io_rayclusters.yaml", "ray.io_rayjobs.yaml", "ray.io_rayservices.yaml")
 
 
 class ControlPlaneError(RuntimeError):

@@ -5,7 +5,9 @@
    or the cluster in $KUBECONFIG with --use-kubeconfig;
 2. `examples/local-cpu.yaml` applied: our operator creates the RayCluster, KubeRay creates the
    pods, the kubelet runs them, KubeRay submits both RayJobs and reads their status;
-3. the TPUFinetune's status streamed phase by phase until Succeeded or Failed, then a summary.
+3. the TPUFinetune's status streamed phase by phase until Succeeded or Failed (or, with spec.serve
+   as in the CPU example, Serving with the model ready), then a summary; a served model answers
+   one chat message (what `tpuft chat` does), printed.
 
 `--rehearse-tpu` applies examples/v6e-4x4.yaml instead: KubeRay places the slice's 4 workers on
 the 4 simulated v6e nodes and reports the RayCluster ready, the operator starts verification,
@@ -119,11 +121,36 @@ def stream(custom, namespace: str, name: str, clock: Clock, timeout: float,
                 epoch_losses[int(tr[TR.EPOCH])] = float(tr[TR.LOSS])
         if on_poll is not None:
             on_poll()
-        if phase in (c.Phase.SUCCEEDED.value, c.Phase.FAILED.value):
+        if phase in (c.Phase.SUCCEEDED.value, c.Phase.FAILED.value) or _serving_ready(st):
             return obj, [epoch_losses[k] for k in sorted(epoch_losses)]
         time.sleep(1)
     raise DemoError(f"{namespace}/{name} did not finish within {timeout:.0f}s (last phase: {seen_phase}); "
                     "raise --timeout or look at the logs printed below")
+
+
+def _serving_ready(st: dict) -> bool:
+    return st.get("phase") == c.Phase.SERVING.value and any(
+        x.get("type") == c.Condition.READY.value and x.get("status") == c.ConditionStatus.TRUE.value
+        for x in st.get("conditions") or [])
+
+
+DEMO_PROMPT = "Give three tips for staying healthy."   # an instruction of the kind dolly-mini trains on
+
+
+def _chat(obj: dict, kubeconfig: str, clock: Clock) -> dict:
+    """One exchange with the served model, as `tpuft chat` has it (kubectl port-forward + /v1/chat/completions)."""
+    from tpuft import chat_cli
+    from tpuft_local.toolchain import tool_path
+
+    os.environ["KUBECONFIG"] = kubeconfig   # for the kubectl calls below
+    meta = obj["metadata"]
+    print(f"{clock.stamp()} tpuft chat -n {meta['namespace']} {meta['name']} {json.dumps(DEMO_PROMPT)}", flush=True)
+    try:
+        model, answer = chat_cli.ask(tool_path("kubectl"), meta["namespace"], meta["name"], DEMO_PROMPT, 48)
+    except Exception as e:  # noqa: BLE001 - NotServing, ChatError, a kubectl timeout: all mean the same here
+        raise DemoError(f"the served model did not answer: {e}") from None
+    print(f"  user:      {DEMO_PROMPT}\n  {model}: {answer!r}", flush=True)
+    return {"prompt": DEMO_PROMPT, "model": model, "answer": answer}
 
 
 def _apply(api_client, manifest: dict, namespace: str, clock: Clock) -> tuple[str, datetime]:
@@ -242,9 +269,10 @@ def run_demo(args: argparse.Namespace) -> int:
         final, losses = stream(client.CustomObjectsApi(api_client), args.namespace, name, clock, args.timeout,
                                on_poll=placement.poll)
         code = _summary(final, losses, placement, clock)
+        exchange = _chat(final, kubeconfig, clock) if code == 0 and _serving_ready(final.get("status") or {}) else None
         if args.result:
             args.result.parent.mkdir(parents=True, exist_ok=True)
-            args.result.write_text(json.dumps({"object": final, "epochLosses": losses,
+            args.result.write_text(json.dumps({"object": final, "epochLosses": losses, "chat": exchange,
                                                "placement": placement.placed}, indent=2, default=str))
         return code
     except DemoError as e:
@@ -267,13 +295,15 @@ def run_demo(args: argparse.Namespace) -> int:
 def _summary(obj: dict, losses: list[float], placement: Placement, clock: Clock) -> int:
     st = obj.get("status") or {}
     conds = {x["type"]: x["status"] for x in st.get("conditions", [])}
-    if st.get("phase") == c.Phase.SUCCEEDED.value:
+    if st.get("phase") == c.Phase.SUCCEEDED.value or _serving_ready(st):
         tr = st.get("training") or {}
-        print(f"{clock.stamp()} Succeeded: conditions {', '.join(f'{k}={v}' for k, v in conds.items())}")
+        print(f"{clock.stamp()} {st['phase']}: conditions {', '.join(f'{k}={v}' for k, v in conds.items())}")
         if losses:
             print(f"  loss per epoch: {' -> '.join(f'{x:.4f}' for x in losses)}")
         print(f"  last checkpoint: {tr.get(TR.LAST_CHECKPOINT)}\n  exported model:  {tr.get(TR.EXPORTED_MODEL)}",
               flush=True)
+        if st.get("serving"):
+            print(f"  served at:       {st['serving'].get('url')} (model {st['serving'].get('model')})", flush=True)
         return 0
     print(f"{clock.stamp()} Failed: {st.get('reason')}: {st.get('message')}", file=sys.stderr)
     simulated = sorted(p["node"] for p in placement.placed.values() if p["simulated"])

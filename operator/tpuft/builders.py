@@ -7,7 +7,7 @@ reconciles are idempotent and golden files are stable.
 from __future__ import annotations
 
 import copy
-
+import dataclasses
 import shlex
 from dataclasses import dataclass
 
@@ -56,6 +56,12 @@ class ChildNames:
     train_job: str
     identity: str
     worker_group: str
+    service: str        # the RayService (spec.serve)
+
+    @property
+    def serve_service(self) -> str:
+        """KubeRay's Service in front of the Serve proxies (port 8000)."""
+        return self.service + c.RAYSERVICE_SERVE_SVC_SUFFIX
 
     def train_attempt(self, attempt: int) -> str:
         """Training RayJob name for a resubmission; attempt 0 is the first."""
@@ -71,7 +77,7 @@ def names(tft: TPUFinetune) -> ChildNames:
     s = tft.spec.slice
     group = f"{s.generation}-{s.devices}" if s.is_tpu else "cpu-workers"
     return ChildNames(cluster=cluster_name(n), verify_job=f"{n}-verify", train_job=f"{n}-train",
-                      identity=f"{n}-workload", worker_group=group)
+                      identity=f"{n}-workload", worker_group=group, service=f"{n}-serve")
 
 
 def child_labels(tft: TPUFinetune, component: c.Component) -> dict[str, str]:
@@ -172,6 +178,24 @@ def _checkpoint_volume(tft: TPUFinetune) -> tuple[list[dict], list[dict]]:
 
 
 def build_raycluster(tft: TPUFinetune) -> dict:
+    n, extra_labels = names(tft), {}
+    queue = tft.meta.labels.get(c.KUEUE_QUEUE_LABEL)
+    if queue:
+        extra_labels[c.KUEUE_QUEUE_LABEL] = queue
+    body = {
+        "apiVersion": c.RAY_API_VERSION,
+        "kind": c.RAYCLUSTER_KIND,
+        "metadata": _metadata(tft, n.cluster, c.Component.CLUSTER, extra_labels),
+        "spec": _cluster_spec(tft, c.Component.CLUSTER),
+    }
+    if tft.spec.suspend:
+        body["spec"]["suspend"] = True
+    return body
+
+
+def _cluster_spec(tft: TPUFinetune, component: c.Component) -> dict:
+    """A RayClusterSpec for tft.spec's slice: the training cluster's, and (through serving_view)
+    the RayService's rayClusterConfig."""
     s, spec, n = tft.spec.slice, tft.spec, names(tft)
     head = _container(tft, HEAD_CONTAINER)
     head["ports"] = [{"containerPort": port, "name": pname} for pname, port in c.RAY_PORTS]
@@ -208,33 +232,20 @@ def build_raycluster(tft: TPUFinetune) -> dict:
         "maxReplicas": replicas,
         "numOfHosts": hosts,
         "rayStartParams": start_params,
-        "template": _pod_template(tft, c.Component.CLUSTER, [worker], pod_extra),
+        "template": _pod_template(tft, component, [worker], pod_extra),
     }
     if s.tpu_resource_per_chip > 1:
         group["resources"] = {c.RAY_TPU_CUSTOM_RESOURCE: str(s.devices_per_host)}
-
-    extra_labels = {}
-    queue = tft.meta.labels.get(c.KUEUE_QUEUE_LABEL)
-    if queue:
-        extra_labels[c.KUEUE_QUEUE_LABEL] = queue
-    body = {
-        "apiVersion": c.RAY_API_VERSION,
-        "kind": c.RAYCLUSTER_KIND,
-        "metadata": _metadata(tft, n.cluster, c.Component.CLUSTER, extra_labels),
-        "spec": {
-            "rayVersion": RAY_VERSION_PIN,
-            "enableInTreeAutoscaling": False,
-            "headGroupSpec": {
-                "rayStartParams": {"num-cpus": "0"},
-                "template": _pod_template(tft, c.Component.CLUSTER, [head],
-                                          {"volumes": copy.deepcopy(ck_volumes)} if ck_volumes else None),
-            },
-            "workerGroupSpecs": [group],
+    return {
+        "rayVersion": RAY_VERSION_PIN,
+        "enableInTreeAutoscaling": False,
+        "headGroupSpec": {
+            "rayStartParams": {"num-cpus": "0"},
+            "template": _pod_template(tft, component, [head],
+                                      {"volumes": copy.deepcopy(ck_volumes)} if ck_volumes else None),
         },
+        "workerGroupSpecs": [group],
     }
-    if spec.suspend:
-        body["spec"]["suspend"] = True
-    return body
 
 
 def _common_args(tft: TPUFinetune) -> list[str]:
@@ -329,7 +340,73 @@ def build_workload_identity(tft: TPUFinetune) -> list[dict]:
     return [sa, role, binding]
 
 
+def export_path(tft: TPUFinetune) -> str:
+    """Where the training job writes the Hugging Face export (tpuft_workload.train: run_dir/export)."""
+    return "/".join([tft.spec.checkpoint.storage_path.rstrip("/"), run_name(tft), c.EXPORT_DIR])
+
+
+def serving_view(tft: TPUFinetune) -> TPUFinetune:
+    """The object as the serving cluster sees it: the serve slice (one per replica), image and
+    resources in place of training's, so the training cluster's builders give the RayService's
+    rayClusterConfig (numOfHosts, google.com/tpu, selectors, TPU7x env and TPU: "8", /dev/shm)."""
+    sv = tft.spec.serve
+    assert sv is not None, "serving_view needs spec.serve enabled"
+    return dataclasses.replace(tft, spec=dataclasses.replace(
+        tft.spec, slice=sv.slice, slices=sv.replicas, image=sv.image, image_pull_policy=sv.image_pull_policy,
+        resources=sv.resources))
+
+
+def serve_app(tft: TPUFinetune, model_source: str) -> dict:
+    """The one Serve application, as serveConfigV2 lists it."""
+    sv, model_id = tft.spec.serve, tft.meta.name
+    if sv.engine == c.ServeEngine.VLLM:
+        return {"name": c.SERVE_APP_NAME, "route_prefix": c.SERVE_ROUTE_PREFIX, "import_path": c.SERVE_VLLM_IMPORT_PATH,
+                "args": {"llm_configs": [llm_config(tft, model_source)]}}
+    args: dict = {c.ServeArg.MODEL_SOURCE.value: model_source, c.ServeArg.MODEL_ID.value: model_id}
+    if sv.max_model_length:
+        args[c.ServeArg.MAX_MODEL_LEN.value] = sv.max_model_length
+    return {"name": c.SERVE_APP_NAME, "route_prefix": c.SERVE_ROUTE_PREFIX, "import_path": c.SERVE_TRANSFORMERS_IMPORT_PATH,
+            "args": args, "deployments": [{"name": c.SERVE_DEPLOYMENT_NAME, "num_replicas": sv.replicas}]}
+
+
+def llm_config(tft: TPUFinetune, model_source: str) -> dict:
+    """Ray Serve LLM's LLMConfig for vLLM. The slice topology line is the one seed 004 says is always
+    forgotten: without it the replica's per-chip bundles can straddle slices and the app sits in
+    DEPLOYING forever; with it the replica reserves one whole slice."""
+    sv = tft.spec.serve
+    s = sv.slice
+    engine: dict = {"tensor_parallel_size": s.devices if s.is_tpu else 1}
+    if sv.max_model_length:
+        engine["max_model_len"] = sv.max_model_length
+    out: dict = {"model_loading_config": {"model_id": tft.meta.name, "model_source": model_source},
+                 "engine_kwargs": engine, "deployment_config": {"num_replicas": sv.replicas}}
+    if s.is_tpu:
+        out["accelerator_type"] = s.ray_accelerator_type
+        out["accelerator_config"] = {"kind": "tpu", "topology": s.topology}
+        if s.multi_host:   # vLLM's TPU backend spreads one model over the slice's hosts through Ray
+            out["runtime_env"] = {"env_vars": {c.TPU_MULTIHOST_BACKEND_ENV: "ray"}}
+    return out
+
+
+def build_rayservice(tft: TPUFinetune, model_source: str | None = None) -> dict:
+    """The KubeRay RayService serving the fine-tuned model (spec.serve): model_source is the export
+    the training job reported (status.training.exportedModel), else where it writes it."""
+    view, n = serving_view(tft), names(tft)
+    cluster = _cluster_spec(view, c.Component.SERVE)
+    for tmpl in [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]:
+        tmpl["spec"]["automountServiceAccountToken"] = False   # serving never calls the Kubernetes API
+    cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"].append(
+        {"containerPort": c.SERVE_PORT, "name": "serve"})   # the port KubeRay's serve Service targets
+    app = serve_app(tft, model_source or export_path(tft))
+    return {"apiVersion": c.RAY_API_VERSION, "kind": c.RAYSERVICE_KIND,
+            "metadata": _metadata(tft, n.service, c.Component.SERVE),
+            "spec": {"serveConfigV2": yaml.safe_dump({"applications": [app]}, sort_keys=False),
+                     "rayClusterConfig": cluster}}
+
+
 def build_children(tft: TPUFinetune) -> list[dict]:
-    """Everything the operator will create, RayCluster first (the order `tpuft render` prints)."""
+    """Everything the operator will create, RayCluster first (the order `tpuft render` prints);
+    the RayService last, created once training has succeeded."""
     jobs = [build_verify_job(tft)] if tft.spec.verification.enabled else []
-    return [build_raycluster(tft), *jobs, build_train_job(tft), *build_workload_identity(tft)]
+    serve = [build_rayservice(tft)] if tft.spec.serve else []
+    return [build_raycluster(tft), *jobs, build_train_job(tft), *build_workload_identity(tft), *serve]

@@ -27,6 +27,10 @@ RAYCLUSTER_KIND = "RayCluster"
 RAYCLUSTER_PLURAL = "rayclusters"
 RAYJOB_KIND = "RayJob"
 RAYJOB_PLURAL = "rayjobs"
+RAYSERVICE_KIND = "RayService"
+RAYSERVICE_PLURAL = "rayservices"
+RAYSERVICE_MAX_NAME_LENGTH = 47   # KubeRay rejects longer RayService names (its Services add suffixes)
+RAYSERVICE_SERVE_SVC_SUFFIX = "-serve-svc"   # KubeRay's Service in front of the Serve proxies
 RAY_CLUSTER_LABEL = "ray.io/cluster"  # KubeRay's clusterSelector key
 
 # --- Labels and annotations we put on children ----------------------------------------
@@ -43,6 +47,7 @@ class Component(str, enum.Enum):
     VERIFY = "verify"
     TRAIN = "train"
     IDENTITY = "workload-identity"
+    SERVE = "serve"
 
 
 # --- GKE / TPU ---------------------------------------------------------------------------
@@ -69,6 +74,10 @@ POD_LIST_INTERVAL_SECONDS = 10.0
 POOLS_CACHE_SECONDS = 30.0  # one list of TPU nodes serves every unschedulable slice for this long
 RECOVERY_HISTORY_MAX = 10   # status.recovery.history keeps the latest this many losses
 
+# A run's Hugging Face export: {storagePath}/{run name}/export (tpuft_workload.checkpoint writes
+# it; the RayService serves it from there).
+EXPORT_DIR = "export"
+
 ENV_CR_NAMESPACE = "TPUFT_NAMESPACE"
 ENV_CR_NAME = "TPUFT_NAME"
 
@@ -82,6 +91,7 @@ class Phase(str, enum.Enum):
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
     SUSPENDED = "Suspended"
+    SERVING = "Serving"   # not terminal: the model is (being) served until spec.serve.enabled is false
 
     @property
     def terminal(self) -> bool:
@@ -92,7 +102,8 @@ class Condition(str, enum.Enum):
     SLICE_PROVISIONED = "SliceProvisioned"
     COLLECTIVES_VERIFIED = "CollectivesVerified"
     TRAINING_SUCCEEDED = "TrainingSucceeded"
-    READY = "Ready"      # overall: True once Succeeded
+    SERVING = "Serving"  # the RayService is Ready and its app RUNNING
+    READY = "Ready"      # overall: True once Succeeded, or while Serving with the app RUNNING
     FAILED = "Failed"    # overall: True once Failed
 
 
@@ -122,6 +133,9 @@ class Reason(str, enum.Enum):
     RETRYING = "Retrying"
     WAITING_FOR_PREVIOUS = "WaitingForPrevious"  # an earlier object of this name is still being deleted
     REPLACING_SLICE = "ReplacingSlice"   # a host was lost: waiting for the replaced slice
+    DEPLOYING = "Deploying"   # the RayService is being created / its Serve app is not RUNNING yet
+    SERVING = "Serving"
+    SERVE_STOPPED = "ServeStopped"   # spec.serve.enabled set to false: the RayService is deleted
     # failures
     INVALID_SPEC = "InvalidSpec"
     PROVISIONING_TIMEOUT = "ProvisioningTimeout"
@@ -131,11 +145,18 @@ class Reason(str, enum.Enum):
     TRAINING_FAILED = "TrainingFailed"
     CHILD_DELETED = "ChildDeleted"
     SLICE_LOST = "SliceLost"   # a host lost once more than spec.recovery.maxSliceReplacements allows
+    SERVE_FAILED = "ServeFailed"   # the Serve app not RUNNING within spec.serve.timeoutSeconds
     # notices (events / status.ignoredSpecChange; not phases)
     SPEC_CHANGE_IGNORED = "SpecChangeIgnored"
     TTL_EXPIRED = "TTLExpired"
     SLICE_BLOCKED = "SliceBlocked"   # a new cause keeps the slice from coming up (tpuft.diagnosis)
     RECONCILE_ERROR = "ReconcileError"
+
+
+class ServeEngine(str, enum.Enum):
+    """spec.serve.engine: what answers the OpenAI-compatible API."""
+    VLLM = "vllm"                  # Ray Serve LLM (ray.serve.llm) on vLLM: the TPU default
+    TRANSFORMERS = "transformers"  # tpuft_workload.serve: plain transformers generate(), the CPU default
 
 
 class DatasetFormat(str, enum.Enum):
@@ -219,13 +240,43 @@ class JobDeploymentStatus(str, enum.Enum):
     SUSPENDING = "Suspending"
     SUSPENDED = "Suspended"
     RETRYING = "Retrying"
-    WAITING_FOR_PREVIOUS = "WaitingForPrevious"  # an earlier object of this name is still being deleted
-    REPLACING_SLICE = "ReplacingSlice"   # a host was lost: waiting for the replaced slice
     WAITING = "Waiting"
 
 
 RAYJOB_REASON_DEADLINE_EXCEEDED = "DeadlineExceeded"   # status.reason after activeDeadlineSeconds
+RAYSERVICE_READY = "Ready"   # RayService condition type (v1.3+)
+
+
+class ServeAppStatus(str, enum.Enum):
+    """RayService status.{active,pending}ServiceStatus.applicationStatuses.<app>.status (Ray Serve's)."""
+    NOT_STARTED = "NOT_STARTED"
+    DEPLOYING = "DEPLOYING"
+    RUNNING = "RUNNING"
+    DEPLOY_FAILED = "DEPLOY_FAILED"
+    DELETING = "DELETING"
+    UNHEALTHY = "UNHEALTHY"
 
 
 # --- Catalog-facing names ------------------------------------------------------------------
 CPU_ACCELERATOR = "cpu"
+
+
+# --- Ray Serve (the RayService's serveConfigV2; tpuft_workload.serve answers the same names) ----------
+SERVE_APP_NAME = "llm"               # the one Serve application of a TPUFinetune's RayService
+SERVE_PORT = 8000                    # Ray Serve's HTTP proxy; KubeRay's serve Service exposes it
+SERVE_TRANSFORMERS_IMPORT_PATH = "tpuft_workload.serve:build_app"
+SERVE_VLLM_IMPORT_PATH = "ray.serve.llm:build_openai_app"
+SERVE_DEPLOYMENT_NAME = "ChatDeployment"   # the transformers engine's deployment (tpuft_workload.serve)
+TPU_MULTIHOST_BACKEND_ENV = "TPU_MULTIHOST_BACKEND"   # vLLM TPU: "ray" spreads a model over the slice's hosts
+# The transformers engine's application (tpuft_workload.serve.build_app reads these too):
+SERVE_ROUTE_PREFIX = "/"                    # applications[].route_prefix
+SERVE_CHAT_PATH = "/v1/chat/completions"    # OpenAI-compatible paths under the prefix (tpuft.chat posts here)
+SERVE_MODELS_PATH = "/v1/models"
+
+
+class ServeArg(str, enum.Enum):
+    """Keys of the transformers application's applications[].args (tpuft_workload.serve.build_app)."""
+    MODEL_SOURCE = "model_source"              # required: the Hugging Face export folder (or a gs:// URI)
+    MODEL_ID = "model_id"                      # required: the name clients send and /v1/models lists
+    MAX_MODEL_LEN = "max_model_len"            # optional int: prompt + completion tokens at most
+    MAX_TOKENS_DEFAULT = "max_tokens_default"  # optional int: completion tokens when a request gives none

@@ -75,25 +75,71 @@ def accelerator_enum() -> list[str]:
     return sorted(out)
 
 
-def _topology_rules() -> list[dict]:
+# spec.serve's slice defaults to training's, field by field: the CEL rules read it through these.
+SERVE_ACCELERATOR = "(has(self.serve.accelerator) ? self.serve.accelerator : self.accelerator)"
+SERVE_TOPOLOGY = "(has(self.serve.topology) ? self.serve.topology : self.topology)"
+
+
+def _topology_rules(acc: str = "self.accelerator", topo: str = "self.topology", field: str = ".topology",
+                    guard: str = "", what: str = "topology") -> list[dict]:
+    """The catalog's shapes as CEL, for the training slice and (guarded by has(self.serve)) the serve one."""
     rules = []
     for g in catalog.GENERATIONS:
         spell = ", ".join(f"'{s}'" for s in _spellings(g))
         shapes = ", ".join(f"'{t}'" for t in g.topologies)
         rules.append({
-            "rule": f"!(self.accelerator in [{spell}]) || self.topology in [{shapes}]",
-            "message": f"topology is not a {g.name} slice shape GKE offers ({g.dims}D); allowed: {', '.join(g.topologies)}",
-            "fieldPath": ".topology",
+            "rule": f"{guard}!({acc} in [{spell}]) || {topo} in [{shapes}]",
+            "message": f"{what} is not a {g.name} slice shape GKE offers ({g.dims}D); allowed: {', '.join(g.topologies)}",
+            "fieldPath": field,
             "reason": "FieldValueInvalid",
         })
     rules.append({
-        "rule": "self.accelerator != 'cpu' || (self.topology.matches('^[1-9][0-9]*$') && "
-                f"int(self.topology) <= {catalog.MAX_CPU_WORKERS})",
-        "message": f"with accelerator cpu, topology is the worker count, 1 to {catalog.MAX_CPU_WORKERS} (e.g. \"2\")",
-        "fieldPath": ".topology",
+        "rule": f"{guard}{acc} != 'cpu' || ({topo}.matches('^[1-9][0-9]*$') && "
+                f"int({topo}) <= {catalog.MAX_CPU_WORKERS})",
+        "message": f"with accelerator cpu, {what} is the worker count, 1 to {catalog.MAX_CPU_WORKERS} (e.g. \"2\")",
+        "fieldPath": field,
         "reason": "FieldValueInvalid",
     })
     return rules
+
+
+def _serve_rules() -> list[dict]:
+    guard = "!has(self.serve) || "
+    return [*_topology_rules(SERVE_ACCELERATOR, SERVE_TOPOLOGY, ".serve.topology", guard, "serve topology"), {
+        "rule": "!(has(self.serve) && has(self.serve.enabled) && self.serve.enabled) || has(self.serve.image) || (has(self.serve.engine) ? self.serve.engine == "
+                f"'{c.ServeEngine.TRANSFORMERS.value}' : {SERVE_ACCELERATOR} == 'cpu')",
+        "message": "serve.image is required to serve with engine vllm (the default on TPU): the training image has "
+                   "no vLLM",
+        "fieldPath": ".serve.image",
+        "reason": "FieldValueRequired",
+    }]
+
+
+def _serve_schema() -> dict:
+    return _obj("Serve the fine-tuned model once training succeeds: a KubeRay RayService (Ray Serve) behind an "
+                "OpenAI-compatible API (/v1/chat/completions, /v1/models). Its slice is built like training's.", {
+        "enabled": _p("boolean", "Serve after training. Setting it to false while Serving deletes the RayService "
+                      "and ends in Succeeded.", default=DEFAULTS["serve.enabled"]),
+        "accelerator": _p("string", "Serving TPU generation (default: spec.accelerator).", enum=accelerator_enum()),
+        "topology": _p("string", "Serving slice shape (default: spec.topology); validated like spec.topology.",
+                       maxLength=16),
+        "replicas": _int("Serve replicas, one slice each.", "serve.replicas"),
+        "engine": _p("string", "vllm (Ray Serve LLM on vLLM; the default on TPU) or transformers (the workload's "
+                     "own deployment; the default on cpu).", enum=[e.value for e in c.ServeEngine]),
+        "image": _p("string", "Serving image; required for vllm (the training image has no vLLM). Default for "
+                    "transformers: spec.image.", minLength=1, maxLength=512, pattern=r"^[^\s;&|`$<>\\'\"]+$"),
+        "maxModelLength": _p("integer", "Prompt plus completion tokens per request (vLLM max_model_len).",
+                             minimum=int(LIMITS["serve.maxModelLength"][0]),
+                             maximum=int(LIMITS["serve.maxModelLength"][1])),
+        "timeoutSeconds": _int("Fail with ServeFailed when the Serve app is not RUNNING this long after deploying "
+                               "(or after it stops being RUNNING).", "serve.timeoutSeconds"),
+        "resources": _obj("Resource overrides for the serving Ray pods.", {
+            "head": _resource_override("Ray head"),
+            "worker": _resource_override("serving worker"),
+            "shmSize": _p("string", "Size of the in-memory /dev/shm on serving workers.",
+                          maxLength=MAX_QUANTITY_LENGTH, pattern=QUANTITY.pattern),
+        }),
+    }, default={})
 
 
 def _resource_override(who: str) -> dict:
@@ -236,6 +282,7 @@ def spec_schema() -> dict:
             }, **{"x-kubernetes-validations": [{
                 "rule": "!(has(self.spot) && self.spot && has(self.reservation))",
                 "message": "spot and reservation are mutually exclusive"}]}),
+            "serve": _serve_schema(),
             "labels": _string_map("Labels added to every child object and Ray pod.", label_values=True),
             "annotations": _string_map("Annotations added to every child object and Ray pod."),
             "env": {"type": "array", "description": "Extra environment for the Ray containers (value or valueFrom; "
@@ -254,13 +301,13 @@ def spec_schema() -> dict:
                                                       "message": "set value or valueFrom, not both"}]}},
         },
         required=["accelerator", "topology", "image", "model", "dataset", "checkpoint"],
-        **{"x-kubernetes-validations": _topology_rules()},
+        **{"x-kubernetes-validations": [*_topology_rules(), *_serve_rules()]},
     )
 
 
 def _condition() -> dict:
     return _obj("A condition, as in metav1.Condition.", {
-        "type": _p("string", "SliceProvisioned, CollectivesVerified, TrainingSucceeded, Ready or Failed."),
+        "type": _p("string", "SliceProvisioned, CollectivesVerified, TrainingSucceeded, Serving, Ready or Failed."),
         "status": _p("string", "True, False or Unknown.", enum=[s.value for s in c.ConditionStatus]),
         "reason": _p("string", "CamelCase reason."),
         "message": _p("string", "Human-readable detail."),
@@ -315,6 +362,17 @@ def status_schema() -> dict:
             "verifyJob": _p("string", "Verification RayJob name."),
             "trainJob": _p("string", "Current training RayJob name."),
             "serviceAccount": _p("string", "Workload ServiceAccount (may patch only this object's status)."),
+            "rayService": _p("string", "RayService serving the model (spec.serve)."),
+        }),
+        "serving": _obj("Where the fine-tuned model is served (spec.serve), while Serving.", {
+            "service": _p("string", "KubeRay's Service in front of the Serve proxies."),
+            "port": integer("Its port."),
+            "model": _p("string", "The model id clients send (the TPUFinetune's name)."),
+            "url": _p("string", "In-cluster base URL of the OpenAI-compatible API (/v1/...)."),
+            "engine": _p("string", "vllm or transformers."),
+            "modelSource": _p("string", "The Hugging Face export being served."),
+            "notReadySince": _p("string", "Since when the app has not been RUNNING (the serve timeout counts "
+                                "from here); absent while it is.", format="date-time"),
         }),
         "slice": _obj("Slice facts derived from accelerator and topology.", {
             "accelerator": _p("string", "Canonical generation."),
@@ -399,6 +457,7 @@ def crd() -> dict:
         ("Hosts", "integer", ".status.slice.hosts", 1),
         ("Devices", "integer", ".status.slice.devices", 1),
         ("Reason", "string", ".status.reason", 1),
+        ("Endpoint", "string", ".status.serving.url", 1),
         ("Age", "date", ".metadata.creationTimestamp", 0),
     ]
     return {

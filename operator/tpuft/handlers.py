@@ -39,7 +39,7 @@ from tpuft import constants as c
 from tpuft import builders, diagnosis, metrics, phases
 from tpuft.kube import Kube, KubeError, Rejected, new_api_client
 from tpuft.ledger import Ledger
-from tpuft.phases import AdmissionError, ClusterObs, IndexedChild, JobObs, Observed, Op
+from tpuft.phases import AdmissionError, ClusterObs, IndexedChild, JobObs, Observed, Op, ServiceObs
 
 log = logging.getLogger("tpuft.operator")
 Key = tuple[str, str]
@@ -70,6 +70,12 @@ def rayjobs_by_owner(namespace: str, name: str, labels: Any, spec: Any, status: 
     return {(namespace, labels[c.LABEL_NAME]): IndexedChild.of(name, spec, status, meta)}
 
 
+@kopf.index(c.RAY_GROUP, c.RAY_VERSION, c.RAYSERVICE_PLURAL, labels={c.LABEL_NAME: kopf.PRESENT})
+def rayservices_by_owner(namespace: str, name: str, labels: Any, spec: Any, status: Any, meta: Any,
+                         **_: Any) -> dict:
+    return {(namespace, labels[c.LABEL_NAME]): IndexedChild.of(name, spec, status, meta)}
+
+
 # The controller lives in kopf's memo (set by startup; resource handlers get copies of the
 # operator's memo, made after startup, so they see it).
 def _controller(memo: kopf.Memo) -> Controller | None:
@@ -96,6 +102,12 @@ async def rayjob_event(namespace: str, labels: Any, memo: kopf.Memo, **_: Any) -
         ctl.kick((namespace, labels[c.LABEL_NAME]))
 
 
+@kopf.on.event(c.RAY_GROUP, c.RAY_VERSION, c.RAYSERVICE_PLURAL, labels={c.LABEL_NAME: kopf.PRESENT})
+async def rayservice_event(namespace: str, labels: Any, memo: kopf.Memo, **_: Any) -> None:
+    if (ctl := _controller(memo)) is not None:
+        ctl.kick((namespace, labels[c.LABEL_NAME]))
+
+
 # --- lifecycle ------------------------------------------------------------------------------------
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -> None:
@@ -106,7 +118,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: An
     settings.watching.server_timeout = 300        # re-list at least every 5 minutes
     metrics.serve()
     ctl = Controller(Kube(new_api_client()), kwargs["tpufinetunes"], kwargs["rayclusters_by_owner"],
-                     kwargs["rayjobs_by_owner"], _tunables())
+                     kwargs["rayjobs_by_owner"], _tunables(), kwargs["rayservices_by_owner"])
     ctl.start()
     memo["controller"] = ctl
 
@@ -133,8 +145,10 @@ def probe(memo: kopf.Memo, **_: Any) -> dict:
 
 # --- the controller ---------------------------------------------------------------------------------
 class Controller:
-    def __init__(self, kube: Kube, keys: Any, clusters: Any, jobs: Any, tun: phases.Tunables):
+    def __init__(self, kube: Kube, keys: Any, clusters: Any, jobs: Any, tun: phases.Tunables,
+                 services: Any = None):
         self.kube, self.keys, self.clusters, self.jobs, self.tun = kube, keys, clusters, jobs, tun
+        self.services = services if services is not None else {}
         self.queue: asyncio.Queue[Key] = asyncio.Queue()
         self.queued: set[Key] = set()
         self.busy: set[Key] = set()
@@ -186,11 +200,12 @@ class Controller:
                 self.dirty.discard(key)
                 self.kick(key)
 
-    def _snapshot(self, key: Key) -> tuple[dict | None, list[IndexedChild], list[IndexedChild]]:
+    def _snapshot(self, key: Key) -> tuple[dict | None, list[IndexedChild], list[IndexedChild], list[IndexedChild]]:
         body = next(iter(self.keys.get(key, [])), None)
         clusters = [copy.deepcopy(x) for x in self.clusters.get(key, [])]
         jobs = [copy.deepcopy(x) for x in self.jobs.get(key, [])]
-        return copy.deepcopy(body), clusters, jobs
+        services = [copy.deepcopy(x) for x in self.services.get(key, [])]
+        return copy.deepcopy(body), clusters, jobs, services
 
     async def _reconcile(self, key: Key) -> float:
         started = time.perf_counter()
@@ -214,7 +229,8 @@ class Controller:
             metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
 
     # Everything below runs in a worker thread: plain blocking API calls.
-    def observe(self, obj: dict, clusters: list[IndexedChild], jobs: list[IndexedChild]) -> Observed:
+    def observe(self, obj: dict, clusters: list[IndexedChild], jobs: list[IndexedChild],
+                services: list[IndexedChild] = ()) -> Observed:
         ns = obj["metadata"]["namespace"]
         children = (obj.get("status") or {}).get("children") or {}
         # Children we deleted: after a relist (410) kopf's index can keep them forever (it never
@@ -236,8 +252,32 @@ class Controller:
                 entry = self._confirm(c.RAYJOB_KIND, ns, want, uid)
                 if entry is not None:
                     found[want] = JobObs(want, entry.status)
-        observed = Observed(cluster=cluster, jobs=found)
+        service = self._service(obj, services, removed)
+        observed = Observed(cluster=cluster, jobs=found, service=service)
+        if phases.wants_serve_pods(obj):
+            return self._with_serve_pods(observed, obj)
         return self._with_pods(observed, obj, clusters) if phases.wants_pods(obj) else observed
+
+    def _service(self, obj: dict, services: list[IndexedChild], removed: Any) -> ServiceObs | None:
+        want = ((obj.get("status") or {}).get("children") or {}).get("rayService")
+        if not want:
+            return None
+        ns, uid = obj["metadata"]["namespace"], obj["metadata"].get("uid")
+        live = {x.name: x for x in services
+                if not x.deleting and x.belongs_to(uid) and (c.RAYSERVICE_KIND, x.name) not in removed}
+        entry = live.get(want) or self._confirm(c.RAYSERVICE_KIND, ns, want, uid)
+        return ServiceObs(want, entry.status) if entry is not None else None
+
+    def _with_serve_pods(self, observed: Observed, obj: dict) -> Observed:
+        """While the Serve app is not RUNNING: the serving cluster's pods (an image that does not
+        pull, a pod that does not fit), listed at most once per pod_list_seconds."""
+        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        key = (ns, name)
+        pods = self.ledger.pods(key, time.monotonic(), self.pod_list_seconds)
+        if pods is None:
+            pods = self.kube.pods(ns, f"{c.LABEL_NAME}={name},{c.LABEL_COMPONENT}={c.Component.SERVE.value}")
+            self.ledger.listed_pods(key, time.monotonic(), pods)
+        return dataclasses.replace(observed, pods=tuple(pods or ()))
 
     def _with_pods(self, observed: Observed, obj: dict, clusters: list[IndexedChild]) -> Observed:
         """While the slice comes up: its pods (a stall's cause) and whatever an earlier object of
@@ -278,7 +318,7 @@ class Controller:
         return entry if entry.belongs_to(uid) else None
 
     def reconcile(self, key: Key, body: dict | None, clusters: list[IndexedChild],
-                  jobs: list[IndexedChild]) -> float | None:
+                  jobs: list[IndexedChild], services: list[IndexedChild] = ()) -> float | None:
         ns, name = key
         if body is None or body["metadata"].get("deletionTimestamp"):
             metrics.set_phase(key, None)   # children go with it: ownerReferences + garbage collector
@@ -295,7 +335,7 @@ class Controller:
             self.ledger.wrote(key, fresh.get("status") or {})   # until the index shows what the server has
         obj = self.ledger.overlay(key, body)
         now = datetime.now(timezone.utc)
-        observed = self.observe(obj, clusters, jobs)
+        observed = self.observe(obj, clusters, jobs, services)
         decision = phases.decide(obj, observed, now, self.tun)
         uid = obj["metadata"].get("uid", "")
         done = []

@@ -2,7 +2,7 @@
 a worker thread). Every error names the verb, kind and namespace/name it was about.
 
 Verbs used (and nothing else; see charts/.../_rbac-rules.tpl): tpufinetunes status patch (kopf lists/watches);
-rayclusters/rayjobs get, create, patch, delete; serviceaccounts, roles, rolebindings get,
+rayclusters/rayjobs get, create, patch, delete; rayservices get, create, delete (spec.serve); serviceaccounts, roles, rolebindings get,
 create; events create; pods list (a RayCluster's, while its slice comes up); nodes list
 (optional, cluster-wide installs: node pool hints for an unschedulable slice). The operator
 never reads Secrets.
@@ -35,6 +35,7 @@ CUSTOM = {
     c.KIND: (c.GROUP, c.VERSION, c.PLURAL),
     c.RAYCLUSTER_KIND: (c.RAY_GROUP, c.RAY_VERSION, c.RAYCLUSTER_PLURAL),
     c.RAYJOB_KIND: (c.RAY_GROUP, c.RAY_VERSION, c.RAYJOB_PLURAL),
+    c.RAYSERVICE_KIND: (c.RAY_GROUP, c.RAY_VERSION, c.RAYSERVICE_PLURAL),
     "Role": (RBAC_GROUP, RBAC_VERSION, "roles"),
     "RoleBinding": (RBAC_GROUP, RBAC_VERSION, "rolebindings"),
 }
@@ -107,12 +108,16 @@ class Kube:
     def slice_pods(self, ns: str, cluster: str) -> tuple[PodObs, ...] | None:
         """A RayCluster's pods (KubeRay labels them ray.io/cluster=<name>), reduced for
         tpuft.diagnosis. Best effort: without permission or on an error, None (and a warning)."""
+        return self.pods(ns, f"{c.RAY_CLUSTER_LABEL}={cluster}")
+
+    def pods(self, ns: str, selector: str) -> tuple[PodObs, ...] | None:
+        """Pods by label selector, reduced for tpuft.diagnosis; None (and a warning) on any error."""
         try:
-            resp = self.core.list_namespaced_pod(ns, label_selector=f"{c.RAY_CLUSTER_LABEL}={cluster}",
-                                                 _preload_content=False, _request_timeout=REQUEST_TIMEOUT)
+            resp = self.core.list_namespaced_pod(ns, label_selector=selector, _preload_content=False,
+                                                 _request_timeout=REQUEST_TIMEOUT)
             items = json.loads(resp.data).get("items") or []
         except Exception as e:  # noqa: BLE001 - diagnosis is extra: the reconcile goes on without it
-            log.warning("list pods of RayCluster %s/%s failed: %s", ns, cluster, e)
+            log.warning("list pods %s in %s failed: %s", selector, ns, e)
             return None
         return tuple(PodObs.of(pod) for pod in items)
 

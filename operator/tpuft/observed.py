@@ -18,10 +18,11 @@ from tpuft.spec import TPUFinetune
 # Status keys the operator owns. status.verification and status.training belong to the workload.
 OWNED_KEYS = ("phase", "reason", "message", "observedGeneration", "appliedGeneration", "appliedSpec",
               "phaseTransitionTime", "startTime", "completionTime", "trainingAttempts", "conditions",
-              "children", "slice", "ignoredSpecChange", "recovery")
+              "children", "slice", "ignoredSpecChange", "recovery", "serving")
 LIVE_SPEC_FIELDS = ("suspend", "ttlSecondsAfterFinished")
+SERVE_ENABLED_FIELD = "spec.serve.enabled"   # acts live when set to false: serving stops
 CONDITION_ORDER = (Condition.SLICE_PROVISIONED, Condition.COLLECTIVES_VERIFIED, Condition.TRAINING_SUCCEEDED,
-                   Condition.READY, Condition.FAILED)
+                   Condition.SERVING, Condition.READY, Condition.FAILED)
 FAILED_JOB_STATES = {c.JobDeploymentStatus.FAILED.value, c.JobDeploymentStatus.VALIDATION_FAILED.value}
 FAILED_JOB_STATUSES = {c.JobStatus.FAILED.value, c.JobStatus.STOPPED.value}
 DEFAULT_VERIFY_GRACE_SECONDS = builders.VERIFY_DEADLINE_GRACE_SECONDS
@@ -68,6 +69,13 @@ class JobObs:
 
 
 @dataclass(frozen=True)
+class ServiceObs:
+    """The RayService serving the model (spec.serve)."""
+    name: str
+    status: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class AdmissionError:
     kind: str
     name: str
@@ -79,6 +87,7 @@ class Observed:
     """What exists. None / missing key = confirmed absent (or being deleted)."""
     cluster: ClusterObs | None = None
     jobs: Mapping[str, JobObs] = field(default_factory=dict)
+    service: ServiceObs | None = None
     admission_error: AdmissionError | None = None
     # The RayCluster's pods, read while the slice is coming up (phases.wants_pods): the cause
     # of a stall, in the scheduler's or the kubelet's words (tpuft.diagnosis).
@@ -223,6 +232,34 @@ def job_failure_detail(job: JobObs) -> str:
     if st.get("message"):
         bits.append(str(st["message"]))
     return f"RayJob {job.name}: " + ", ".join(bits)
+
+
+def serve_app_state(status: Mapping) -> tuple[str, str]:
+    """(Ray Serve's status of our app, its message) as KubeRay reports it: the active cluster's
+    once it has one, else the pending one's (a RayService's first cluster is pending until ready)."""
+    for side in ("activeServiceStatus", "pendingServiceStatus"):
+        app = ((status.get(side) or {}).get("applicationStatuses") or {}).get(c.SERVE_APP_NAME)
+        if app:
+            return str(app.get("status") or ""), str(app.get("message") or "")
+    return "", ""
+
+
+def service_ready(status: Mapping) -> bool:
+    """KubeRay: condition Ready True (v1.3+; older: no conditions) and our app RUNNING."""
+    ready = _cond(status, c.RAYSERVICE_READY)
+    return (serve_app_state(status)[0] == c.ServeAppStatus.RUNNING.value
+            and (ready is None or ready.get("status") == ConditionStatus.TRUE.value))
+
+
+def service_progress(status: Mapping) -> str:
+    app, message = serve_app_state(status)
+    out = f"app {c.SERVE_APP_NAME} {app or 'not deployed yet'}"
+    if message:
+        out += f": {message.strip()[:600]}"
+    ready = _cond(status, c.RAYSERVICE_READY)
+    if ready is not None and ready.get("status") != ConditionStatus.TRUE.value and ready.get("reason"):
+        out += f" (RayService Ready={ready.get('status')}: {ready.get('reason')})"
+    return out
 
 
 def spec_diff(a: Any, b: Any, path: str = "spec") -> list[str]:

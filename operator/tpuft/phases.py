@@ -40,7 +40,7 @@ from tpuft.observed import (  # noqa: F401  (re-exported)
     OWNED_KEYS, LIVE_SPEC_FIELDS, CONDITION_ORDER, DEFAULT_VERIFY_GRACE_SECONDS, ClusterObs, IndexedChild,
     JobObs, AdmissionError, Observed, Op, Action, Event, Decision, Tunables, fmt_time, parse_time, owned,
     cluster_provisioned, cluster_progress, slice_loss, job_state, job_succeeded, job_failed, job_failure_detail,
-    spec_diff)
+    spec_diff, ServiceObs, SERVE_ENABLED_FIELD, serve_app_state, service_ready, service_progress)
 
 
 # --- the draft status ---------------------------------------------------------------------------
@@ -57,6 +57,7 @@ class _Draft:
         self.ignored: dict | None = None   # status.ignoredSpecChange, when a spec edit is not applied
         self.ttl = 0
         self.reason: Reason | None = None  # the last go() of this reconcile
+        self.serving_ready = False         # Serving with the app RUNNING: Ready is True
         try:
             self.phase: Phase | None = Phase(self.prev["phase"]) if self.prev.get("phase") else None
         except ValueError:
@@ -103,13 +104,15 @@ class _Draft:
             st.pop("ignoredSpecChange", None)
         phase, reason = st.get("phase"), st.get("reason") or ""
         pending = Reason.PENDING.value
-        self.cond(Condition.READY, ConditionStatus.of(phase == Phase.SUCCEEDED.value), reason or pending,
-                  st.get("message") or "")
+        ready = phase == Phase.SUCCEEDED.value or (phase == Phase.SERVING.value and self.serving_ready)
+        self.cond(Condition.READY, ConditionStatus.of(ready), reason or pending, st.get("message") or "")
         self.cond(Condition.FAILED, ConditionStatus.of(phase == Phase.FAILED.value), reason or pending,
                   st.get("message") if phase == Phase.FAILED.value else "")
         old = {x.get("type"): x for x in prev.get("conditions") or []}
         conds = []
         for ctype in CONDITION_ORDER:
+            if ctype == Condition.SERVING and ctype not in self.conds and ctype.value not in old:
+                continue   # only objects that serve carry it
             if ctype in self.conds:
                 cstatus, creason, cmsg = self.conds[ctype]
                 status = cstatus.value
@@ -174,7 +177,10 @@ def decide(obj: Mapping[str, Any], observed: Observed, now: datetime, tun: Tunab
             d.fail(Reason.INVALID_SPEC, "the applied spec no longer validates: " + "; ".join(map(str, e.problems)))
         return d.finish()
     live_suspend = spec_raw.get("suspend") if isinstance(spec_raw.get("suspend"), bool) else tft.spec.suspend
+    live_serve = _live_serve(spec_raw, tft)
     ignored = spec_diff(spec_raw, applied_raw)
+    if tft.spec.serve and not live_serve:   # turning serving off acts live; turning it on mid-run does not
+        ignored = [f for f in ignored if f != SERVE_ENABLED_FIELD]
     if ignored or error is not None:
         d.ignored = _ignored_change(d, ignored, error)
         if d.prev.get("observedGeneration") != d.generation:
@@ -185,6 +191,8 @@ def decide(obj: Mapping[str, Any], observed: Observed, now: datetime, tun: Tunab
         e = observed.admission_error
         d.fail(Reason.ADMISSION_REJECTED, f"{e.kind} {e.name} was rejected at admission: {e.message}")
         return d.finish()
+    if d.phase == Phase.SERVING:
+        return _serving(d, tft, observed, live_serve)
     if live_suspend and d.phase != Phase.SUSPENDED:
         return _suspend(d, tft, observed)
     if d.phase == Phase.SUSPENDED:
@@ -195,7 +203,13 @@ def decide(obj: Mapping[str, Any], observed: Observed, now: datetime, tun: Tunab
         return _provisioning(d, tft, observed)
     if d.phase == Phase.VERIFYING:
         return _verifying(d, obj, tft, observed, tun)
-    return _training(d, obj, tft, observed)
+    return _training(d, obj, tft, observed, live_serve)
+
+
+def _live_serve(spec_raw: Mapping, tft: TPUFinetune) -> bool:
+    """Whether to serve: the applied spec enables it and the current spec has not turned it off."""
+    enabled = (spec_raw.get("serve") or {}).get("enabled") if isinstance(spec_raw.get("serve"), Mapping) else None
+    return tft.spec.serve is not None and (enabled if isinstance(enabled, bool) else True)
 
 
 def _ignored_change(d: _Draft, ignored: list[str], error: SpecError | None) -> dict:
@@ -261,6 +275,8 @@ def _initial_conditions(d: _Draft, tft: TPUFinetune, progress: str) -> None:
     else:
         d.cond(Condition.COLLECTIVES_VERIFIED, ConditionStatus.FALSE, Reason.VERIFICATION_SKIPPED, "spec.verification.enabled is false")
     d.cond(Condition.TRAINING_SUCCEEDED, ConditionStatus.UNKNOWN, Reason.WAITING_FOR_SLICE, "")
+    if tft.spec.serve:
+        d.cond(Condition.SERVING, ConditionStatus.UNKNOWN, Reason.WAITING_FOR_SLICE, "serves once training succeeds")
 
 
 def _provisioning(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
@@ -420,7 +436,7 @@ def _verifying(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, tun: Tu
     return d.finish()
 
 
-def _training(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed) -> Decision:
+def _training(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, live_serve: bool = False) -> Decision:
     n = builders.names(tft)
     attempts = max(int(d.st.get("trainingAttempts") or 1), 1)
     retries = tft.spec.training.max_job_retries
@@ -436,6 +452,8 @@ def _training(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed) -> Decis
         return d.finish()
     if job_succeeded(job):
         d.cond(Condition.TRAINING_SUCCEEDED, ConditionStatus.TRUE, Reason.TRAINING_COMPLETE, f"RayJob {name} succeeded")
+        if live_serve:
+            return _start_serving(d, obj, tft)
         d.go(Phase.SUCCEEDED, Reason.TRAINING_COMPLETE, f"training complete (RayJob {name}, attempt {attempts})")
         return d.finish()
     if job_failed(job):
@@ -456,6 +474,79 @@ def _training(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed) -> Decis
         return d.finish()
     d.go(Phase.TRAINING, Reason.TRAINING, f"training (RayJob {name}, attempt {attempts} of {retries + 1})")
     return d.finish()
+
+
+def _start_serving(d: _Draft, obj: Mapping, tft: TPUFinetune) -> Decision:
+    """Training is done: release its slice and serve the export on the serve slice."""
+    n, sv, s = builders.names(tft), tft.spec.serve, tft.spec.serve.slice
+    exported = ((obj.get("status") or {}).get("training") or {}).get(c.TrainingStatus.EXPORTED_MODEL.value)
+    source = exported or builders.export_path(tft)
+    d.act(Op.DELETE, c.RAYCLUSTER_KIND, n.cluster)
+    d.act(Op.CREATE, c.RAYSERVICE_KIND, n.service, builders.build_rayservice(tft, source))
+    d.st.setdefault("children", {})["rayService"] = n.service
+    d.st["serving"] = {"service": n.serve_service, "port": c.SERVE_PORT, "model": tft.meta.name,
+                       "url": f"http://{n.serve_service}.{tft.meta.namespace}.svc:{c.SERVE_PORT}",
+                       "engine": sv.engine.value, "modelSource": source, "notReadySince": fmt_time(d.now)}
+    msg = (f"training complete; deploying {tft.meta.name} with {sv.engine.value} on {s.generation} {s.topology} "
+           f"x{sv.replicas} (RayService {n.service}; RayCluster {n.cluster} released)")
+    d.cond(Condition.SERVING, ConditionStatus.FALSE, Reason.DEPLOYING, msg)
+    d.go(Phase.SERVING, Reason.DEPLOYING, msg)
+    d.wake(sv.timeout_seconds)
+    return d.finish()
+
+
+def _serving(d: _Draft, tft: TPUFinetune, obs: Observed, live_serve: bool) -> Decision:
+    """The RayService until spec.serve.enabled goes false (-> Succeeded) or its app stays short of
+    RUNNING for spec.serve.timeoutSeconds (-> Failed/ServeFailed, in the app's own words)."""
+    n, sv = builders.names(tft), tft.spec.serve
+    if not live_serve:
+        if obs.service is not None:
+            d.act(Op.DELETE, c.RAYSERVICE_KIND, n.service)
+        d.st.pop("serving", None)
+        msg = f"training complete; serving stopped (spec.serve.enabled is false: RayService {n.service} deleted)"
+        d.cond(Condition.SERVING, ConditionStatus.FALSE, Reason.SERVE_STOPPED, msg)
+        d.go(Phase.SUCCEEDED, Reason.SERVE_STOPPED, msg)
+        return d.finish()
+    if obs.service is None:
+        d.fail(Reason.CHILD_DELETED, f"RayService {n.service} was deleted while serving; recreate the TPUFinetune "
+               "(with spec.checkpoint.resumeFrom to skip training) to serve again")
+        return d.finish()
+    serving = dict(d.st.get("serving") or {})
+    if service_ready(obs.service.status):
+        serving.pop("notReadySince", None)
+        d.st["serving"] = serving
+        msg = f"serving model {serving.get('model')} at {serving.get('url')} (OpenAI-compatible /v1)"
+        d.cond(Condition.SERVING, ConditionStatus.TRUE, Reason.SERVING, msg)
+        d.serving_ready = True
+        d.go(Phase.SERVING, Reason.SERVING, msg)
+        return d.finish()
+    since = parse_time(serving.get("notReadySince")) or d.now
+    serving["notReadySince"] = fmt_time(since)
+    d.st["serving"] = serving
+    progress = f"RayService {n.service}: {service_progress(obs.service.status)}"
+    found = blocking(obs.pods)
+    if found:
+        progress += f"; {found[1]}"
+        if found[1] not in (d.prev.get("message") or ""):
+            d.event(EventType.WARNING, Reason.SLICE_BLOCKED, found[1])
+    waited = (d.now - since).total_seconds()
+    if waited >= sv.timeout_seconds:
+        msg = f"the Serve app was not RUNNING within spec.serve.timeoutSeconds ({sv.timeout_seconds}s): {progress}"
+        d.cond(Condition.SERVING, ConditionStatus.FALSE, Reason.SERVE_FAILED, msg)
+        d.fail(Reason.SERVE_FAILED, msg)
+        return d.finish()
+    d.cond(Condition.SERVING, ConditionStatus.FALSE, Reason.DEPLOYING, progress)
+    d.go(Phase.SERVING, Reason.DEPLOYING, f"deploying: {progress}")
+    d.wake(sv.timeout_seconds - waited)
+    return d.finish()
+
+
+def wants_serve_pods(obj: Mapping[str, Any]) -> bool:
+    """Serving and not (yet) ready: the serving cluster's pods say why (image pull, scheduling)."""
+    st = owned(obj.get("status"))
+    ready = any(x.get("type") == Condition.SERVING.value and x.get("status") == ConditionStatus.TRUE.value
+                for x in st.get("conditions") or [])
+    return st.get("phase") == Phase.SERVING.value and not ready
 
 
 def _suspend(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
@@ -490,13 +581,15 @@ def _suspended(d: _Draft, tft: TPUFinetune, obs: Observed, live_suspend: bool) -
 def _terminal(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
     ttl = d.ttl
     done = parse_time(d.st.get("completionTime"))
-    name = builders.names(tft).cluster
-    if obs.cluster is not None and done is not None:
+    left_over = [(kind, x.name) for kind, x in ((c.RAYCLUSTER_KIND, obs.cluster), (c.RAYSERVICE_KIND, obs.service))
+                 if x is not None]
+    if left_over and done is not None:
         left = ttl - (d.now - done).total_seconds()
         if left <= 0:
-            d.act(Op.DELETE, c.RAYCLUSTER_KIND, name)
-            d.event(EventType.NORMAL, Reason.TTL_EXPIRED, f"deleting RayCluster {name}: ttlSecondsAfterFinished "
-                    f"({ttl}s) has passed; status and checkpoints stay")
+            for kind, name in left_over:
+                d.act(Op.DELETE, kind, name)
+                d.event(EventType.NORMAL, Reason.TTL_EXPIRED, f"deleting {kind} {name}: ttlSecondsAfterFinished "
+                        f"({ttl}s) has passed; status and checkpoints stay")
         else:
             d.wake(left)
     return d.finish()

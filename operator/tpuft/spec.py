@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from tpuft import catalog
-from tpuft.constants import API_VERSION, KIND, TPU_RESOURCE, DatasetFormat, TrainingFramework
+from tpuft.constants import API_VERSION, KIND, TPU_RESOURCE, DatasetFormat, ServeEngine, TrainingFramework
 
 # Children are named "{name}-{suffix}" (longest suffix "-workload", plus "-train-r99" for
 # retries); KubeRay derives pod and service names from those and labels them with the
@@ -60,6 +60,9 @@ DEFAULTS: dict[str, Any] = {
     "recovery.maxSliceReplacements": 2,
     "suspend": False,
     "ttlSecondsAfterFinished": 300,
+    "serve.enabled": False,
+    "serve.replicas": 1,
+    "serve.timeoutSeconds": 1800,
 }
 
 LIMITS: dict[str, tuple[float, float]] = {
@@ -76,7 +79,13 @@ LIMITS: dict[str, tuple[float, float]] = {
     "provisioningTimeoutSeconds": (5, 604800),
     "recovery.maxSliceReplacements": (0, 20),
     "ttlSecondsAfterFinished": (0, 2_592_000),
+    "serve.replicas": (1, 64),
+    "serve.timeoutSeconds": (10, 86400),
+    "serve.maxModelLength": (16, 1_048_576),
 }
+# Context lengths of the models the workload builds itself (tpuft_workload.tiny), so
+# spec.serve.maxModelLength is checked offline too; a test ties them to the workload's configs.
+BUILTIN_MODEL_MAX_POSITIONS = {"builtin:tiny-llama": 4096}
 LEARNING_RATE_MAX = 1.0
 
 
@@ -183,6 +192,20 @@ class Scheduling:
 
 
 @dataclass(frozen=True)
+class Serve:
+    """spec.serve, when enabled: the model training exported, behind an OpenAI-compatible API on
+    its own slice (a KubeRay RayService built by the same builders as the training cluster)."""
+    slice: catalog.SliceShape
+    replicas: int             # Serve replicas, one slice each
+    engine: ServeEngine
+    image: str                # serve.image, else (transformers only) the training image
+    image_pull_policy: str | None
+    max_model_length: int | None
+    timeout_seconds: int      # for the app to become RUNNING
+    resources: Resources
+
+
+@dataclass(frozen=True)
 class Spec:
     slice: catalog.SliceShape
     slices: int
@@ -203,6 +226,7 @@ class Spec:
     labels: Mapping[str, str]
     annotations: Mapping[str, str]
     env: tuple[Mapping[str, Any], ...]
+    serve: Serve | None = None   # None: spec.serve absent or not enabled
 
     @property
     def accelerator(self) -> str:
@@ -357,6 +381,7 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
     resources = _resources(r, spec)
     scheduling = _scheduling(r, spec)
     env = _env(r, spec)
+    serve = _serve(r, spec, slice_shape, image, pull, model)
     provisioning_timeout = r.integer(spec, "provisioningTimeoutSeconds", "spec.provisioningTimeoutSeconds",
                                      "provisioningTimeoutSeconds")
     suspend = r.boolean(spec, "suspend", "spec.suspend", "suspend")
@@ -370,7 +395,7 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
         dataset=dataset, training=training, checkpoint=checkpoint, hf_token_secret=hf, verification=verification,
         recovery=recovery,
         provisioning_timeout_seconds=provisioning_timeout, suspend=suspend, ttl_seconds_after_finished=ttl,
-        resources=resources, scheduling=scheduling, labels=labels, annotations=annotations, env=env))
+        resources=resources, scheduling=scheduling, labels=labels, annotations=annotations, env=env, serve=serve))
 
 
 def _metadata(r: _Reader, obj: Mapping) -> tuple[ObjectMeta, str]:
@@ -522,16 +547,71 @@ def _verification(r: _Reader, spec: Mapping) -> Verification:
     )
 
 
-def _resources(r: _Reader, spec: Mapping) -> Resources:
-    res = r.section(spec, "resources", "spec.resources")
-    shm = r.string(res, "shmSize", "spec.resources.shmSize", max_len=MAX_QUANTITY_LENGTH)
+def _resources(r: _Reader, spec: Mapping, path: str = "spec.resources") -> Resources:
+    res = r.section(spec, "resources", path)
+    shm = r.string(res, "shmSize", f"{path}.shmSize", max_len=MAX_QUANTITY_LENGTH)
     if shm and not QUANTITY.fullmatch(shm):
-        r.fail("spec.resources.shmSize", f"{shm!r} is not a Kubernetes quantity (e.g. 100Gi)")
+        r.fail(f"{path}.shmSize", f"{shm!r} is not a Kubernetes quantity (e.g. 100Gi)")
     return Resources(
-        head=_resource_block(r, res, "head", "spec.resources.head"),
-        worker=_resource_block(r, res, "worker", "spec.resources.worker"),
+        head=_resource_block(r, res, "head", f"{path}.head"),
+        worker=_resource_block(r, res, "worker", f"{path}.worker"),
         shm_size=shm,
     )
+
+
+def _serve(r: _Reader, spec: Mapping, training: catalog.SliceShape | None, image: str | None,
+           pull: str | None, model: str | None) -> Serve | None:
+    """spec.serve: validated whenever present (a disabled section still has to be right), kept only
+    when enabled. The serve slice defaults to the training one and goes through the same catalog."""
+    if spec.get("serve") is None:
+        return None
+    sv = r.section(spec, "serve", "spec.serve")
+    enabled = r.boolean(sv, "enabled", "spec.serve.enabled", "serve.enabled")
+    shape = training
+    if sv.get("accelerator") is not None or sv.get("topology") is not None:
+        try:
+            shape = catalog.resolve_slice(sv.get("accelerator", spec.get("accelerator")),
+                                          sv.get("topology", spec.get("topology")),
+                                          "spec.serve.accelerator", "spec.serve.topology")
+        except catalog.CatalogError as e:
+            r.fail(e.field, e.message)
+            shape = None
+    engines = [e.value for e in ServeEngine]
+    engine_raw = r.string(sv, "engine", "spec.serve.engine")
+    if engine_raw is not None and engine_raw not in engines:
+        r.fail("spec.serve.engine", f"must be one of {', '.join(engines)} (got {engine_raw!r})")
+        engine_raw = None
+    engine = ServeEngine(engine_raw) if engine_raw else (
+        ServeEngine.VLLM if shape is not None and shape.is_tpu else ServeEngine.TRANSFORMERS)
+    serve_image = r.string(sv, "image", "spec.serve.image")
+    if serve_image and UNSAFE.search(serve_image):
+        r.fail("spec.serve.image", f"{serve_image!r} is not an image reference (no spaces or shell characters)")
+    if enabled and engine == ServeEngine.VLLM and not serve_image:
+        r.fail("spec.serve.image", "is required with engine vllm: the training image has no vLLM (use a vLLM TPU "
+               "image, or engine transformers to serve with the training image)")
+    max_len = _serve_max_length(r, sv, model)
+    replicas = r.integer(sv, "replicas", "spec.serve.replicas", "serve.replicas")
+    timeout = r.integer(sv, "timeoutSeconds", "spec.serve.timeoutSeconds", "serve.timeoutSeconds")
+    resources = _resources(r, sv, "spec.serve.resources")
+    if not enabled or shape is None:
+        return None
+    return Serve(slice=shape, replicas=replicas, engine=engine, image=serve_image or image or "",
+                 image_pull_policy=pull if not serve_image else None, max_model_length=max_len,
+                 timeout_seconds=timeout, resources=resources)
+
+
+def _serve_max_length(r: _Reader, sv: Mapping, model: str | None) -> int | None:
+    value = sv.get("maxModelLength")
+    if value is None:
+        return None
+    lo, hi = LIMITS["serve.maxModelLength"]
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        r.fail("spec.serve.maxModelLength", f"must be an integer between {int(lo)} and {int(hi)} (got {value!r})")
+        return None
+    known = BUILTIN_MODEL_MAX_POSITIONS.get(model or "")
+    if known is not None and value > known:
+        r.fail("spec.serve.maxModelLength", f"{value} is longer than {model}'s context ({known} positions)")
+    return value
 
 
 def _scheduling(r: _Reader, spec: Mapping) -> Scheduling:

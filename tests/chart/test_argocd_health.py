@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from tests.chart.helmlib import CHART, REPO, run_health
+from tpuft.constants import Condition
 
 
 FIXTURES = sorted((Path(__file__).parent / "fixtures" / "argocd").glob("*.yaml"))
@@ -27,7 +28,7 @@ def test_there_is_a_fixture_per_phase_and_edge_case():
         status = yaml.safe_load(f.read_text())["object"].get("status") or {}
         phases.add(status.get("phase"))
     assert {"Pending", "Provisioning", "VerifyingCollectives", "Training",
-            "Succeeded", "Failed", "Suspended", None} <= phases
+            "Succeeded", "Failed", "Suspended", "Serving", None} <= phases
     names = {f.stem.split("-", 1)[1] for f in FIXTURES}
     assert {"generation-lag", "missing-status"} <= names
 
@@ -48,7 +49,7 @@ def test_fixture_status_matches_crd_schema(fixture):
     if "status" in obj:
         jsonschema.validate(obj["status"], _status_schema())
         for c in obj["status"].get("conditions", []):
-            assert c["type"] in {"SliceProvisioned", "CollectivesVerified", "TrainingSucceeded", "Ready", "Failed"}
+            assert c["type"] in {t.value for t in Condition}
 
 
 def _obj(phase=None, generation=1, observed=1, conditions=None, **status):

@@ -19,6 +19,8 @@ APPLICATION = {
     # KubeRay children
     ("ray.io", "rayclusters"): {"get", "list", "watch", "create", "patch", "delete"},
     ("ray.io", "rayjobs"): {"get", "list", "watch", "create", "patch", "delete"},
+    # the RayService serving the model (spec.serve): created, deleted, never patched
+    ("ray.io", "rayservices"): {"get", "list", "watch", "create", "delete"},
     # events from kopf (core v1) and the handlers (either API)
     ("", "events"): {"create", "patch"},
     # a RayCluster's pods while its slice comes up (tpuft.diagnosis; leftovers of a deleted object)

@@ -2,7 +2,10 @@
 on the real local cluster: our operator (its image, from the chart) creates the RayCluster, the
 real KubeRay creates the pods and submits both RayJobs, the kubelet runs them on containerd, the
 real workload verifies the collectives and fine-tunes. Run twice in a row, as a user trying it
-again would: the second run is a new object and must train from step 0 (issue 19).
+again would: the second run is a new object and must train from step 0 (issue 19). The example
+serves what it trained (spec.serve): the training RayCluster is released, KubeRay's RayService runs
+Ray Serve with the workload's transformers app, the demo's chat exchange answers with the fine-tuned
+model, /v1/models lists it, and Argo CD's health check calls the object Healthy (issue 14).
 """
 import json
 import os
@@ -12,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.chart.helmlib import run_health
 from tests.cluster_fixtures import clear_namespace
 from tests.paths import EXAMPLES, REPO
 
 PHASES_IN_ORDER = ["phase Provisioning", "phase VerifyingCollectives", "verification: passed",
-                   "phase Training", "Epoch 1/3", "Epoch 3/3", "phase Succeeded"]
+                   "phase Training", "Epoch 1/3", "Epoch 3/3", "phase Serving", "tpuft chat", "  user:"]
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +46,11 @@ def _check_succeeded(proc, final, storage: Path) -> list[float]:
     status = final["object"]["status"]
     conditions = {c["type"]: c["status"] for c in status["conditions"]}
     assert conditions == {"SliceProvisioned": "True", "CollectivesVerified": "True",
-                          "TrainingSucceeded": "True", "Ready": "True", "Failed": "False"}
+                          "TrainingSucceeded": "True", "Serving": "True", "Ready": "True", "Failed": "False"}
+    assert status["phase"] == "Serving" and status["serving"]["modelSource"] == status["training"]["exportedModel"]
+    assert run_health(final["object"])["status"] == "Healthy"
+    chat = final["chat"]
+    assert chat["model"] == final["object"]["metadata"]["name"] and chat["answer"].strip(), chat
     assert status["verification"]["passed"] is True
     assert status["verification"]["allReduceSum"] == status["verification"]["expectedSum"] == 3
     # KubeRay's pods ran on the real node (not a simulated host).
@@ -58,7 +66,7 @@ def _check_succeeded(proc, final, storage: Path) -> list[float]:
     return losses
 
 
-def test_demo_runs_twice_and_each_run_trains(local_cluster, tmp_path):
+def test_demo_runs_twice_and_each_run_trains(local_cluster, tmp_path, monkeypatch):
     storage = tmp_path / "checkpoints"
     first, final1 = _demo(tmp_path, "1", "--storage-path", str(storage))
     _check_succeeded(first, final1, storage)
@@ -71,6 +79,26 @@ def test_demo_runs_twice_and_each_run_trains(local_cluster, tmp_path):
     assert run2 != run1 and final2["object"]["metadata"]["uid"] != final1["object"]["metadata"]["uid"]
     assert "Epoch 1/3" in second.stdout  # trained from step 0, not "resumed" at the end
     assert {p: p.stat().st_mtime_ns for p in run1.rglob("*") if p.is_file()} == before  # first run untouched
+    assert final2["object"]["status"]["serving"]["modelSource"].startswith(str(run2))   # serves its own export
+    monkeypatch.setenv("KUBECONFIG", str(local_cluster.kubeconfig))
+    _check_chat_and_models()
+
+
+def _check_chat_and_models():
+    """`tpuft chat` against the object the demo left serving (greedy: the same answer twice), and
+    /v1/models through the same port-forward."""
+    from tpuft import chat, chat_cli
+    from tpuft_local.toolchain import tool_path
+
+    kubectl = tool_path("kubectl")
+    model, first = chat_cli.ask(kubectl, "e2e", "local-cpu", "What is Ray Serve?", max_tokens=16)
+    _, second = chat_cli.ask(kubectl, "e2e", "local-cpu", "What is Ray Serve?", max_tokens=16)
+    assert model == "local-cpu" and first.strip() and first == second
+    got = subprocess.run([kubectl, "get", "tft", "local-cpu", "-n", "e2e", "-o", "json"], capture_output=True,
+                         text=True, check=True, timeout=60)
+    serving = chat_cli.endpoint(json.loads(got.stdout))
+    with chat_cli.port_forward(kubectl, "e2e", serving["service"], serving["port"]) as port:
+        assert [m["id"] for m in chat.models(f"http://127.0.0.1:{port}")] == ["local-cpu"]
 
 
 def test_rehearse_tpu_places_the_slice_on_simulated_hosts_and_says_so(local_cluster, tmp_path):

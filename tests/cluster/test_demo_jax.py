@@ -1,7 +1,8 @@
 """`tpuft demo` on examples/local-cpu-jax.yaml (training.framework: jax) on the real local cluster:
 the same flow as tests/cluster/test_demo.py, with JaxTrainer's 2 CPU workers training, Orbax
-checkpoints on the hostPath volume and the Hugging Face export loading in transformers. Needs the
-workload image rebuilt with the jax extra (Dockerfile.workload installs it)."""
+checkpoints on the hostPath volume, and the Hugging Face export served unchanged (spec.serve: the
+RayService answers the demo's chat with the JAX-trained model) and loading in transformers. Needs
+the workload image rebuilt with the jax extra (Dockerfile.workload installs it)."""
 import json
 import os
 import subprocess
@@ -14,7 +15,7 @@ from tests.cluster_fixtures import clear_namespace
 from tests.paths import EXAMPLES, REPO
 
 PHASES_IN_ORDER = ["phase Provisioning", "phase VerifyingCollectives", "verification: passed",
-                   "phase Training", "Epoch 1/3", "Epoch 3/3", "phase Succeeded"]
+                   "phase Training", "Epoch 1/3", "Epoch 3/3", "phase Serving", "tpuft chat", "  user:"]
 
 
 @pytest.fixture(autouse=True)
@@ -23,7 +24,7 @@ def _clear_demo_namespace(cluster_kubectl):
     clear_namespace(cluster_kubectl, "e2e-jax")
 
 
-def test_jax_demo_trains_checkpoints_with_orbax_and_exports(local_cluster, tmp_path):
+def test_jax_demo_trains_checkpoints_with_orbax_and_serves_the_export(local_cluster, tmp_path):
     storage, result = tmp_path / "checkpoints", tmp_path / "result.json"
     proc = subprocess.run([sys.executable, "-m", "tpuft.cli", "demo", "--namespace", "e2e-jax", "--result", str(result),
                            "--example", str(EXAMPLES / "local-cpu-jax.yaml"), "--storage-path", str(storage)],
@@ -36,7 +37,10 @@ def test_jax_demo_trains_checkpoints_with_orbax_and_exports(local_cluster, tmp_p
     final = json.loads(result.read_text())
     assert final["object"]["spec"]["training"]["framework"] == "jax"
     status = final["object"]["status"]
-    assert {c["type"]: c["status"] for c in status["conditions"]}["TrainingSucceeded"] == "True"
+    conditions = {c["type"]: c["status"] for c in status["conditions"]}
+    assert conditions["TrainingSucceeded"] == conditions["Serving"] == "True"
+    assert status["phase"] == "Serving" and status["serving"]["modelSource"] == status["training"]["exportedModel"]
+    assert final["chat"]["answer"].strip(), final["chat"]
     losses = final["epochLosses"]
     assert len(losses) == 3 and losses[-1] < losses[0], losses
     checkpoint, export = Path(status["training"]["lastCheckpoint"]), status["training"]["exportedModel"]

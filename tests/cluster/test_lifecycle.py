@@ -24,6 +24,7 @@ def _operator_pods(kubectl) -> list[dict]:
 
 def test_operator_restart_and_suspend_resume_mid_training(cluster_kubectl, cluster_ns, tmp_path):
     doc = yaml.safe_load((EXAMPLES / "local-cpu.yaml").read_text())
+    doc["spec"].pop("serve")   # training only: this test ends at Succeeded
     storage = str(tmp_path / "checkpoints")
     doc["metadata"]["name"] = "life"
     doc["spec"]["checkpoint"].update(storagePath=storage, everySteps=5)

@@ -172,6 +172,7 @@ def test_an_image_that_does_not_exist_is_named_while_provisioning(cluster_kubect
     """The kubelet's pull error on the real node (every registry here is a closed loopback port,
     so the pull fails at once, locally), in status while the object is still Provisioning."""
     doc = yaml.safe_load((EXAMPLES / "local-cpu.yaml").read_text())
+    doc["spec"].pop("serve")   # never gets that far
     doc["metadata"]["name"] = "no-image"
     doc["spec"]["image"] = "docker.io/tpufinetune/workload:does-not-exist"
     doc["spec"]["provisioningTimeoutSeconds"] = 600

@@ -98,7 +98,7 @@ def test_workload_installs_wget_and_pins_ray_260():
     assert any(re.search(r"apt-get install .*\bwget\b", r) for r in runs)
     reqs = [q for r in runs for a in pip_install_args(r) for q in _requirements(a)]
     ray = [q for q in reqs if q.lower().startswith("ray")]
-    assert ray == ["ray[default,train]==2.60.*"]
+    assert ray == ["ray[default,train,serve]==2.60.*"]
     assert any(q.startswith("transformers") for q in reqs)
     assert any(q.startswith("datasets") for q in reqs)
 
@@ -137,6 +137,7 @@ WORKLOAD_MODULE_SOURCES = {
     "safetensors": "safetensors", "datasets": "datasets", "kubernetes": "kubernetes", "yaml": "pyyaml",
     "numpy": "transformers", "huggingface_hub": "transformers",
     "jax": "jax", "ml_dtypes": "jax", "optax": "optax", "orbax": "orbax-checkpoint",
+    "fastapi": "ray", "pydantic": "ray",   # ray's `serve` extra (tpuft_workload.serve, chat_api)
 }
 
 

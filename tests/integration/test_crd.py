@@ -4,8 +4,8 @@
   generation x every offered topology, every accelerator spelling, int quantities, env valueFrom, ...)
   are accepted by a server-side create, and tpuft.spec.parse accepts what the server stored and
   derives the same Spec as from the local document (the server applies tpuft.spec.DEFAULTS exactly).
-- INVALID: 197 invalid TPUFinetunes (test_table_counts checks these numbers and prints them).
-  195 are rejected at admission (HTTP 422) with an error naming the field, and tpuft.spec.parse
+- INVALID: 205 invalid TPUFinetunes (test_table_counts checks these numbers and prints them).
+  203 are rejected at admission (HTTP 422) with an error naming the field, and tpuft.spec.parse
   rejects each of them with the same field too (server and parser agree row by row).
   2 rows are PARSER-ONLY, marked PARSER_ONLY in the table: the CRD cannot express them because the
   API server refuses the request before schema validation (HTTP 400: a wrong apiVersion; metadata
@@ -236,6 +236,20 @@ INVALID = [
     row("env-value-from-two-sources", ("spec.env", [{"name": "A", "valueFrom": {
         "secretKeyRef": {"name": "s", "key": "k"}, "configMapKeyRef": {"name": "c", "key": "k"}}}]),
         "spec.env[0].valueFrom"),
+    # --- serve ---
+    row("serve-vllm-no-image", ("spec.serve", {"enabled": True}), "spec.serve.image"),
+    row("serve-engine-unknown", ("spec.serve", {"enabled": True, "engine": "tgi"}), "spec.serve.engine"),
+    row("serve-topology-not-v6e", ("spec.serve", {"enabled": True, "image": "v:1", "topology": "3x3"}),
+        "spec.serve.topology"),
+    row("serve-accelerator-3d-on-2d-topology", ("spec.serve", {"enabled": True, "image": "v:1", "accelerator": "tpu7x"}),
+        "spec.serve.topology"),
+    row("serve-replicas-zero", ("spec.serve", {"enabled": True, "image": "v:1", "replicas": 0}), "spec.serve.replicas"),
+    row("serve-timeout-short", ("spec.serve", {"timeoutSeconds": 5}), "spec.serve.timeoutSeconds"),
+    row("serve-max-len-short", ("spec.serve", {"enabled": True, "image": "v:1", "maxModelLength": 8}),
+        "spec.serve.maxModelLength"),
+    row("serve-tpu-override", ("spec.serve", {"enabled": True, "image": "v:1",
+                                              "resources": {"worker": {"limits": {"google.com/tpu": "4"}}}}),
+        "spec.serve.resources.worker.limits"),
     # --- metadata: names too long for derived child names ---
     row("name-41-chars", ("metadata.name", "x" * 41), "metadata.name"),
     row("name-63-chars", ("metadata.name", "a" * 63), "metadata.name"),
@@ -260,7 +274,7 @@ COUNTS = {
     "admission": sum(1 for p in INVALID if p.values[2] == ADMISSION),
     "parser_only": sum(1 for p in INVALID if p.values[2] == PARSER_ONLY),
 }
-DOCUMENTED_COUNTS = {"total": 197, "admission": 195, "parser_only": 2}  # as the module docstring says
+DOCUMENTED_COUNTS = {"total": 205, "admission": 203, "parser_only": 2}  # as the module docstring says
 
 
 # --- helpers ------------------------------------------------------------------------------------
@@ -407,6 +421,12 @@ EDGE_VALID = [
                           {"name": "CM", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}},
                           {"name": "MEM", "valueFrom": {"resourceFieldRef": {"resource": "limits.memory"}}}])]),
         ("split-slice-syntax", [("spec.dataset.split", "train[10%:20%]+validation")]),
+        ("serve-vllm-other-shape", [("spec.serve", {"enabled": True, "image": "vllm-tpu:1", "topology": "2x4",
+                                                    "replicas": 2, "maxModelLength": 4096, "timeoutSeconds": 900})]),
+        ("serve-tpu7x-from-v6e", [("spec.serve", {"enabled": True, "image": "v:1", "accelerator": "tpu7x",
+                                                  "topology": "2x2x2"})]),
+        ("serve-transformers-training-image", [("spec.serve", {"enabled": True, "engine": "transformers"})]),
+        ("serve-disabled-no-image", [("spec.serve", {"enabled": False})]),
     ]
 ]
 
@@ -465,17 +485,19 @@ def test_invalid_spec_is_rejected_naming_the_field(objects, ns, doc, field, how)
 def test_kubectl_get_printer_columns_and_short_name(objects, ns, kubectl):
     name = f"cols-{uuid.uuid4().hex[:5]}"
     create(objects, ns, with_("metadata.name", name))
-    status = {"status": {"phase": "Training", "reason": "Running", "slice": {"hosts": 4, "devices": 16},
-                         "training": {"epoch": 2, "loss": 1.25, "tokensPerSecond": 1234.5}}}
+    status = {"status": {"phase": "Serving", "reason": "Serving", "slice": {"hosts": 4, "devices": 16},
+                         "training": {"epoch": 2, "loss": 1.25, "tokensPerSecond": 1234.5},
+                         "serving": {"url": "http://x-serve-serve-svc.ns.svc:8000"}}}
     kubectl("patch", "tft", name, "-n", ns, "--subresource=status", "--type=merge", "-p", json.dumps(status),
             check=True)
     out = kubectl("get", "tft", name, "-n", ns, check=True).stdout.splitlines()
     assert out[0].split() == ["NAME", "PHASE", "ACCELERATOR", "TOPOLOGY", "LOSS", "AGE"], out
-    assert out[1].split()[:5] == [name, "Training", "v6e", "4x4", "1.25"], out
+    assert out[1].split()[:5] == [name, "Serving", "v6e", "4x4", "1.25"], out
     wide = kubectl("get", "tft", name, "-n", ns, "-o", "wide", check=True).stdout.splitlines()
     assert wide[0].split() == ["NAME", "PHASE", "ACCELERATOR", "TOPOLOGY", "LOSS", "EPOCH", "TOKENS/S", "HOSTS",
-                               "DEVICES", "REASON", "AGE"], wide
-    assert wide[1].split()[:10] == [name, "Training", "v6e", "4x4", "1.25", "2", "1234.5", "4", "16", "Running"]
+                               "DEVICES", "REASON", "ENDPOINT", "AGE"], wide
+    assert wide[1].split()[:11] == [name, "Serving", "v6e", "4x4", "1.25", "2", "1234.5", "4", "16", "Serving",
+                                    "http://x-serve-serve-svc.ns.svc:8000"]
     # Plural, singular, short name and kind all resolve to the same object.
     for resource in ("tpufinetunes", "tpufinetune", "tft", "TPUFinetune", f"tpufinetunes.{GROUP}"):
         res = kubectl("get", resource, name, "-n", ns, "-o", "name", check=True)

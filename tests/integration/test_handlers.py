@@ -171,6 +171,35 @@ def test_full_lifecycle_to_succeeded(operator, tft, kuberay, kubectl, namespace)
     assert 'tpuft_reconcile_total{result="ok"}' in text and "tpuft_phase_duration_seconds_bucket" in text
 
 
+def test_serving_after_training_then_stopped(operator, tft, kuberay, kubectl, namespace):
+    """spec.serve on a live operator: the training slice is released, the RayService (owned, labelled)
+    is watched through its own index, Ready follows KubeRay's status, serve.enabled: false ends it."""
+    with operator():
+        tft.apply(accelerator="cpu", topology="2", serve={"enabled": True, "topology": "1"}, verification={"enabled": False})
+        tft.wait("Provisioning")
+        kuberay.cluster_ready(f"{NAME}-ray")
+        tft.wait("Training")
+        kuberay.job_succeeded(f"{NAME}-train")
+        st = tft.wait("Serving")
+        assert st["reason"] == "Deploying" and st["children"]["rayService"] == f"{NAME}-serve"
+        wait_until(lambda: tft.children("rayclusters") == [], 10, "the training RayCluster released")
+        svc = json.loads(kubectl("get", "rayservice", f"{NAME}-serve", "-n", namespace, "-o", "json", check=True).stdout)
+        assert [r["uid"] for r in svc["metadata"]["ownerReferences"]] == [tft.get()["metadata"]["uid"]]
+        kuberay.service_status(f"{NAME}-serve", "DEPLOYING", "Deploying app 'llm'")
+        wait_until(lambda: "app llm DEPLOYING: Deploying app 'llm'" in tft.status().get("message", ""),
+                   what="Serve's own status in the message")
+        kuberay.service_status(f"{NAME}-serve", "RUNNING", ready=True, side="activeServiceStatus")
+        res = kubectl("wait", f"tft/{NAME}", "-n", namespace, "--for=condition=Ready", "--timeout=20s")
+        assert res.returncode == 0, res.stderr
+        st = tft.status()
+        assert st["phase"] == "Serving" and cond(st, "Serving")["status"] == "True"
+        assert st["serving"]["url"] == f"http://{NAME}-serve-serve-svc.{namespace}.svc:8000"
+        tft.patch({"serve": {"enabled": False}})
+        st = tft.wait("Succeeded")
+        assert st["reason"] == "ServeStopped" and "serving" not in st and "ignoredSpecChange" not in st
+        wait_until(lambda: tft.children("rayservices") == [], 10, "the RayService deleted")
+
+
 # --- failures, each with its reason ------------------------------------------------------------------
 def test_provisioning_timeout(operator, tft, kuberay, kubectl, namespace):
     """One topology line wrong -> workers never come: Failed with a reason, within the timeout."""

@@ -4,7 +4,7 @@ import yaml
 
 from tests.factories import DELETE, MINIMUM, with_
 from tpuft import spec as spec_mod
-from tpuft.spec import SpecError, parse
+from tpuft.spec import MAX_NAME_LENGTH, SpecError, parse
 
 
 def test_minimum_spec_is_accepted_exactly_as_written():
@@ -100,6 +100,21 @@ BAD = [
     ("spec.labels", ["a"], "spec.labels", "map of strings"),
     ("spec.env", [{"name": "1BAD"}], "spec.env[0].name", "valid environment variable"),
     ("spec.env", [{"name": "A", "value": "1", "valueFrom": {}}], "spec.env[0]", "not both"),
+    ("spec.serve", {"enabled": True}, "spec.serve.image", "required with engine vllm"),
+    ("spec.serve", {"enabled": True, "engine": "vllm"}, "spec.serve.image", "training image has no vLLM"),
+    ("spec.serve", {"enabled": True, "engine": "tgi"}, "spec.serve.engine", "vllm, transformers"),
+    ("spec.serve", {"enabled": True, "engine": "transformers", "topology": "3x3"}, "spec.serve.topology", "v6e"),
+    ("spec.serve", {"enabled": True, "engine": "transformers", "accelerator": "v9"}, "spec.serve.accelerator",
+     "unknown accelerator"),
+    ("spec.serve", {"enabled": True, "engine": "transformers", "accelerator": "tpu7x"}, "spec.serve.topology", "3D"),
+    ("spec.serve", {"enabled": True, "engine": "transformers", "replicas": 0}, "spec.serve.replicas", "between 1"),
+    ("spec.serve", {"enabled": "yes"}, "spec.serve.enabled", "true or false"),
+    ("spec.serve", {"enabled": False, "timeoutSeconds": 5}, "spec.serve.timeoutSeconds", "between 10"),
+    ("spec.serve", {"enabled": True, "image": "vllm:1", "maxModelLength": 8}, "spec.serve.maxModelLength",
+     "between 16"),
+    ("spec.serve", {"enabled": True, "image": "vllm tpu"}, "spec.serve.image", "shell characters"),
+    ("spec.serve", {"enabled": True, "image": "v:1", "resources": {"worker": {"limits": {"google.com/tpu": "4"}}}},
+     "spec.serve.resources.worker.limits.google.com/tpu", "derived from spec.topology"),
     ("metadata.name", "x" * 41, "metadata.name", "at most 40"),
     ("metadata.name", "Bad_Name", "metadata.name", "DNS label"),
     ("metadata.name", DELETE, "metadata.name", "is required"),
@@ -160,3 +175,33 @@ def test_checkpoint_volume_needs_a_path_storage():
     doc = with_("spec.checkpoint.storagePath", "gs://bucket/runs", base=doc)
     with pytest.raises(SpecError, match="storagePath, which must then be an absolute path"):
         parse(doc)
+
+
+def test_serve_defaults_to_the_training_slice_and_the_engine_to_the_accelerator():
+    tpu = parse(with_("spec.serve", {"enabled": True, "image": "vllm-tpu:1"})).spec.serve
+    assert (tpu.slice.generation, tpu.slice.topology, tpu.engine.value, tpu.image) == ("v6e", "4x4", "vllm", "vllm-tpu:1")
+    assert (tpu.replicas, tpu.timeout_seconds, tpu.max_model_length) == (1, 1800, None)
+    cpu_doc = with_("spec.topology", "2", with_("spec.accelerator", "cpu", with_("spec.serve", {"enabled": True})))
+    cpu = parse(cpu_doc).spec.serve
+    assert cpu.engine.value == "transformers" and cpu.image == MINIMUM["spec"]["image"]   # the training image
+    other = parse(with_("spec.serve", {"enabled": True, "image": "v:1", "topology": "2x4"})).spec.serve
+    assert (other.slice.topology, other.slice.hosts) == ("2x4", 1)
+
+
+def test_a_disabled_or_absent_serve_section_serves_nothing():
+    assert parse(MINIMUM).spec.serve is None
+    assert parse(with_("spec.serve", {"enabled": False})).spec.serve is None   # no image needed to not serve
+
+
+def test_max_model_length_is_checked_against_a_builtin_models_context():
+    doc = with_("spec.model", "builtin:tiny-llama", with_("spec.serve", {"enabled": True, "image": "v:1",
+                                                                         "maxModelLength": 8192}))
+    with pytest.raises(SpecError, match="longer than builtin:tiny-llama's context"):
+        parse(doc)
+
+
+def test_every_rayservice_name_fits_kuberays_limit():
+    """metadata.name is capped so that "{name}-serve" always fits KubeRay's 47 characters."""
+    from tpuft import builders, constants
+    longest = parse(with_("metadata.name", "x" * MAX_NAME_LENGTH, with_("spec.serve", {"enabled": True, "image": "v:1"})))
+    assert len(builders.names(longest).service) <= constants.RAYSERVICE_MAX_NAME_LENGTH

@@ -15,8 +15,9 @@ import os
 import tempfile
 from pathlib import Path
 
+from tpuft.constants import EXPORT_DIR  # noqa: F401  (one source: the operator's RayService serves it)
+
 TRAIN_STATE = "train_state.json"
-EXPORT_DIR = "export"
 
 
 def _state(model, optimizer):

@@ -20,6 +20,18 @@ BUILTIN_DATASET = "builtin:dolly-mini"
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
 _WORD = re.compile(r"\w+|[^\w\s]+")  # same split as tokenizers' Whitespace pre-tokenizer
 
+# The chat template the exported tokenizer carries, so the served model (tpuft_workload.serve) sees
+# a chat in the training prompt's sections (tpuft_workload.data.PROMPT): a single user message
+# renders exactly as training rendered an instruction. A system message becomes a Context section,
+# an earlier assistant turn a Response section ended by EOS (as every training example is).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}### Context:\n{{ m['content'] }}\n\n"
+    "{% elif m['role'] == 'assistant' %}### Response:\n{{ m['content'] }}{{ eos_token }}\n\n"
+    "{% else %}### Instruction:\n{{ m['content'] }}\n\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}### Response:\n{% endif %}"
+)
+
 
 def dolly_mini_path() -> Path:
     return Path(str(resources.files("tpuft_workload") / "data" / "dolly-mini.jsonl"))
@@ -59,7 +71,7 @@ def build_tokenizer():
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
-                                   unk_token=UNK, model_max_length=1 << 20)
+                                   unk_token=UNK, model_max_length=1 << 20, chat_template=CHAT_TEMPLATE)
 
 
 def build_model(vocab_size: int, seed: int = 0, hidden: int = 64, layers: int = 2):

@@ -9,6 +9,10 @@
 --   Training
 --   Failed                  Degraded     Failed condition message (else Ready's, else status.message)
 --   Suspended               Suspended    status.message (else Ready condition's)
+--   Serving, Ready True     Healthy      status.message (the model's in-cluster URL)
+--   Serving, Ready not True Progressing  "Serving: " .. status.message (else the Serving condition's):
+--                                        the app is deploying (or stopped running); the operator
+--                                        fails it with ServeFailed after spec.serve.timeoutSeconds
 --   no status, or status.observedGeneration < metadata.generation: Progressing
 --   (the operator has not looked at the latest spec yet; judging the old status would
 --   flap between the old and the new outcome)
@@ -80,7 +84,10 @@ local progress_condition = {
   Provisioning = "SliceProvisioned",
   VerifyingCollectives = "CollectivesVerified",
   Training = "TrainingSucceeded",
+  Serving = "Serving",
 }
+
+local ready = find_condition(status, "Ready")
 
 if phase == "Succeeded" then
   hs.status = "Healthy"
@@ -88,6 +95,9 @@ if phase == "Succeeded" then
 elseif phase == "Failed" then
   hs.status = "Degraded"
   hs.message = condition_message(status, {"Failed", "Ready"}, "Fine-tuning failed")
+elseif phase == "Serving" and ready ~= nil and ready.status == "True" then
+  hs.status = "Healthy"
+  hs.message = summary(status, {"Serving", "Ready"}, "Serving")
 elseif phase == "Suspended" then
   hs.status = "Suspended"
   hs.message = summary(status, {"Ready"}, "Suspended")

@@ -19,13 +19,19 @@ exact set).
 - apiGroups: ["ray.io"]
   resources: ["rayclusters", "rayjobs"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# spec.serve: the RayService serving the fine-tuned model, created once training succeeds and
+# deleted when serving is turned off. Never patched (its spec is built once, like the jobs').
+- apiGroups: ["ray.io"]
+  resources: ["rayservices"]
+  verbs: ["get", "list", "watch", "create", "delete"]
 # Events kopf and the handlers post about progress and errors (both Event APIs).
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]
-# A RayCluster's pods, listed (by its ray.io/cluster label) while its slice comes up: the
-# scheduler's and the kubelet's reason for a stall goes into status, and a re-created object
-# waits for the deleted one's pods to go. Read only; nothing else on pods.
+# A RayCluster's pods, listed (by its ray.io/cluster label) while its slice comes up, and the
+# serving cluster's (by our labels) until its app runs: the scheduler's and the kubelet's reason
+# for a stall goes into status, and a re-created object waits for the deleted one's pods to go.
+# Read only; nothing else on pods.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list"]
