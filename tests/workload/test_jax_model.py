@@ -142,3 +142,19 @@ def test_unsupported_architectures_are_refused_by_name(tokenizer, change, words)
     with pytest.raises(jax_model.ModelError) as err:
         jax_model.config_from_hf(hf)
     assert words in str(err.value) and str(err.value).startswith("spec.model (training.framework jax)")
+
+
+def test_the_serve_app_answers_with_a_jax_written_export(tokenizer, tmp_path):
+    """The serving engine (tpuft_workload.serve, what spec.serve runs on cpu) loads the JAX path's
+    export as it loads the torch path's and answers a chat request."""
+    from tpuft_workload import chat_api
+    from tpuft_workload import serve as serveapp
+
+    hf, _, params = jax_model.from_torch(tiny.build_model(len(tokenizer), seed=0))
+    jax_model.save_hf(params, hf, str(tmp_path))
+    tokenizer.save_pretrained(str(tmp_path))
+    engine = serveapp.Engine(serveapp.parse_args({"model_source": str(tmp_path), "model_id": "jax-tiny"}))
+    request = chat_api.parse_request({"model": "jax-tiny", "messages": [{"role": "user", "content": "What is a dog?"}],
+                                      "max_tokens": 8, "temperature": 0})
+    reply = engine.chat(request, "jax-tiny", 64)
+    assert 0 < reply.usage.completion_tokens <= 8 and reply.choices[0].message.content.strip()
