@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==2.13.*"
-	$(PY) -m pip install -q -e ".[workload,local,test]"
+	$(PY) -m pip install -q -e ".[workload,jax,local,test]"
 	touch $(STAMP)
 
 demo: venv

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import yaml
 
 from tpuft import constants as c
-from tpuft.spec import TPUFinetune
+from tpuft.spec import DEFAULTS, TPUFinetune
 
 RAY_VERSION_PIN = "2.60.0"
 HEAD_CONTAINER = "ray-head"
@@ -285,6 +285,8 @@ def train_entrypoint(tft: TPUFinetune) -> str:
         args += ["--dataset-format", sp.dataset.format]
     if not tr.packing:
         args.append("--no-packing")
+    if tr.framework != DEFAULTS["training.framework"]:   # torch entrypoints stay as they were
+        args += ["--framework", tr.framework]
     if ck.resume_from:
         args += ["--resume-from", ck.resume_from]
     return shlex.join(args)

@@ -165,6 +165,12 @@ class DatasetFormat(str, enum.Enum):
     PARQUET = "parquet"
 
 
+class TrainingFramework(str, enum.Enum):
+    """spec.training.framework: which Ray Train trainer fine-tunes the model."""
+    TORCH = "torch"      # TorchTrainer + FSDP2, one worker per device
+    JAX = "jax"          # JaxTrainer, one worker per host (tpuft_workload.jax_train)
+
+
 class EventType(str, enum.Enum):
     NORMAL = "Normal"
     WARNING = "Warning"

@@ -200,6 +200,10 @@ def spec_schema() -> dict:
                 "maxJobRetries": _int("Times the operator resubmits a failed training RayJob (e.g. Spot "
                                       "preemption); each resumes from the latest checkpoint.",
                                       "training.maxJobRetries"),
+                "framework": _p("string", "torch: TorchTrainer + FSDP2, one worker per device. jax: JaxTrainer, "
+                                "one worker per host, parameters and optimizer state sharded over the slice's "
+                                "devices; Orbax checkpoints, the same Hugging Face export.",
+                                default=DEFAULTS["training.framework"], enum=[f.value for f in c.TrainingFramework]),
             }, default={}),
             "checkpoint": _obj("Where sharded checkpoints and the exported model go. Deleting the TPUFinetune "
                                "never deletes them.", {
@@ -449,6 +453,7 @@ def crd() -> dict:
         ("Loss", "number", ".status.training.loss", 0),
         ("Epoch", "integer", ".status.training.epoch", 1),
         ("Tokens/s", "number", ".status.training.tokensPerSecond", 1),
+        ("Framework", "string", ".spec.training.framework", 1),
         ("Hosts", "integer", ".status.slice.hosts", 1),
         ("Devices", "integer", ".status.slice.devices", 1),
         ("Reason", "string", ".status.reason", 1),

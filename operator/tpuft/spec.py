@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from tpuft import catalog
-from tpuft.constants import API_VERSION, KIND, TPU_RESOURCE, DatasetFormat, ServeEngine
+from tpuft.constants import API_VERSION, KIND, TPU_RESOURCE, DatasetFormat, ServeEngine, TrainingFramework
 
 # Children are named "{name}-{suffix}" (longest suffix "-workload", plus "-train-r99" for
 # retries); KubeRay derives pod and service names from those and labels them with the
@@ -51,6 +51,7 @@ DEFAULTS: dict[str, Any] = {
     "training.reportEverySteps": 10,
     "training.maxFailures": 1,
     "training.maxJobRetries": 0,
+    "training.framework": TrainingFramework.TORCH.value,
     "checkpoint.everySteps": 0,
     "checkpoint.keep": 1,
     "verification.enabled": True,
@@ -137,6 +138,7 @@ class Training:
     report_every_steps: int
     max_failures: int       # Ray Train FailureConfig: worker restarts inside one job
     max_job_retries: int    # operator resubmissions of a failed training RayJob (preemption)
+    framework: str = DEFAULTS["training.framework"]   # constants.TrainingFramework value
 
 
 @dataclass(frozen=True)
@@ -483,7 +485,16 @@ def _training(r: _Reader, spec: Mapping) -> Training:
         report_every_steps=integer("reportEverySteps"),
         max_failures=integer("maxFailures"),
         max_job_retries=integer("maxJobRetries"),
+        framework=_framework(r, tr),
     )
+
+
+def _framework(r: _Reader, tr: Mapping) -> str:
+    fw = r.string(tr, "framework", "spec.training.framework", default=DEFAULTS["training.framework"])
+    names = [f.value for f in TrainingFramework]
+    if fw is not None and fw not in names:
+        r.fail("spec.training.framework", f"must be one of {', '.join(names)} (got {fw!r})")
+    return fw if fw in names else DEFAULTS["training.framework"]
 
 
 def _checkpoint(r: _Reader, spec: Mapping) -> Checkpoint:

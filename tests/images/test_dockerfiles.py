@@ -135,7 +135,8 @@ WORKLOAD_MODULE_SOURCES = {
     "torch": "base", "torch_tpu": "base",
     "ray": "ray", "pyarrow": "ray", "transformers": "transformers", "tokenizers": "transformers",
     "safetensors": "safetensors", "datasets": "datasets", "kubernetes": "kubernetes", "yaml": "pyyaml",
-    "numpy": "transformers",
+    "numpy": "transformers", "huggingface_hub": "transformers",
+    "jax": "jax", "ml_dtypes": "jax", "optax": "optax", "orbax": "orbax-checkpoint",
     "fastapi": "ray", "pydantic": "ray",   # ray's `serve` extra (tpuft_workload.serve, chat_api)
 }
 

@@ -1,6 +1,8 @@
 """Pure translation: golden files per example, the seed's manifests, KubeRay's own schemas,
 and one focused test per option."""
 
+import shlex
+
 import jsonschema
 import pytest
 import yaml
@@ -296,6 +298,27 @@ def test_no_checkpoint_volume_without_the_field():
     rc = builders.build_raycluster(parse(MINIMUM))
     head = rc["spec"]["headGroupSpec"]["template"]["spec"]
     assert "volumes" not in head and "volumeMounts" not in head["containers"][0]
+
+
+@pytest.mark.parametrize("example,hosts", [("v6e-4x4.yaml", 4), ("tpu7x-2x2x2.yaml", 2)])
+def test_jax_training_job_runs_one_jax_worker_per_host(example, hosts):
+    """framework jax: the training RayJob's entrypoint, read back by the workload's own CLI, runs
+    JaxTrainer with one worker per host (torch: one per device), and the job is schema-valid."""
+    from tpuft_workload import __main__ as workload_cli
+
+    doc = yaml.safe_load((EXAMPLES / example).read_text())
+    doc["spec"].setdefault("training", {})["framework"] = "jax"
+    job = by_kind(render(doc), "RayJob")[-1]
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert argv[:4] == ["python", "-m", "tpuft_workload", "train"] and _flag(argv, "--framework") == "jax"
+    args, target = workload_cli.parse_args(argv[3:])
+    assert args.framework == "jax" and target.jax_workers == hosts < target.world_size
+    assert list(_crd_validator("ray.io_rayjobs.yaml").iter_errors(job)) == []
+
+
+def test_torch_entrypoint_is_unchanged_by_the_framework_field():
+    assert "--framework" not in _train_args(MINIMUM)
+    assert _train_args(with_("spec.training", {"framework": "torch"})) == _train_args(MINIMUM)
 
 
 # --- the RayService (spec.serve) ----------------------------------------------------------------------

@@ -90,3 +90,17 @@ def test_dataset_formats_are_one_list():
     sub = next(a for a in workload_cli.build_parser()._subparsers._group_actions[0].choices["train"]._actions
                if a.dest == "dataset_format")
     assert list(sub.choices) == values
+
+
+def test_training_frameworks_are_one_list():
+    """spec.training.framework's CRD enum and default, the parser's and the workload's --framework."""
+    from tpuft.constants import TrainingFramework
+    from tpuft.spec import DEFAULTS
+
+    spec = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    values = [f.value for f in TrainingFramework]
+    field = spec["training"]["properties"]["framework"]
+    assert field["enum"] == values and field["default"] == DEFAULTS["training.framework"] == "torch"
+    sub = next(a for a in workload_cli.build_parser()._subparsers._group_actions[0].choices["train"]._actions
+               if a.dest == "framework")
+    assert list(sub.choices) == values and sub.default == DEFAULTS["training.framework"]

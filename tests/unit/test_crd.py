@@ -47,6 +47,8 @@ def test_status_phases_columns_and_short_name():
     assert v["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]["phase"]["enum"] == [p.value for p in Phase]
     cols = {c["name"] for c in v["additionalPrinterColumns"] if not c.get("priority")}
     assert cols == {"Phase", "Accelerator", "Topology", "Loss", "Age"}
+    wide = {c["name"]: c["jsonPath"] for c in v["additionalPrinterColumns"] if c.get("priority") == 1}
+    assert wide["Framework"] == ".spec.training.framework"   # kubectl get -o wide
     assert doc["spec"]["names"]["shortNames"] == ["tft"]
 
 

@@ -31,6 +31,11 @@ def test_defaults_match_the_documented_ones():
     assert (s.verification.timeout_seconds, s.provisioning_timeout_seconds) == (600, 1800)
     assert s.hf_token_secret is None and s.suspend is False
     assert s.num_workers == 16  # 8 chips x 2 chiplets
+    assert s.training.framework == "torch"
+
+
+def test_jax_framework_is_parsed():
+    assert parse(with_("spec.training", {"framework": "jax"})).spec.training.framework == "jax"
 
 
 @pytest.mark.parametrize("spelling", ["TPU-V6E", "tpu-v6e-slice", "V6E", "trillium"])
@@ -116,6 +121,8 @@ BAD = [
     ("apiVersion", "tpufinetune.dev/v1", "apiVersion", "v1alpha1"),
     ("kind", "RayJob", "kind", "TPUFinetune"),
     ("spec", DELETE, "spec", "is required"),
+    ("spec.training.framework", "flax", "spec.training.framework", "torch, jax"),
+    ("spec.training.framework", 1, "spec.training.framework", "must be a string"),
 ]
 
 

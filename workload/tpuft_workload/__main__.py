@@ -14,7 +14,7 @@ import sys
 from tpuft.catalog import CatalogError
 from tpuft.spec import DEFAULTS as D  # one source: a flag left out means what the field left out means
 
-from tpuft.constants import DatasetFormat
+from tpuft.constants import DatasetFormat, TrainingFramework
 from tpuft_workload.platform import Target, resolve_target
 
 EXIT_USAGE = 2
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--timeout-seconds", type=_positive_float, default=float(D["verification.timeoutSeconds"]),
                    help=f"hard bound on the whole check, placement included (default {D['verification.timeoutSeconds']})")
 
-    t = sub.add_parser("train", help="fine-tune a causal LM with Ray Train + FSDP2")
+    t = sub.add_parser("train", help="fine-tune a causal LM with Ray Train (TorchTrainer + FSDP2, or JaxTrainer)")
     _add_slice_args(t)
     t.add_argument("--model", required=True,
                    help="hub name, local path, gs:// URI, or builtin:tiny-llama")
@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {D['training.maxFailures']})")
     t.add_argument("--report-every-steps", type=_positive_int, default=D["training.reportEverySteps"],
                    help="log and report metrics every K steps (and at every epoch end)")
+    t.add_argument("--framework", choices=[f.value for f in TrainingFramework], default=D["training.framework"],
+                   help="torch: TorchTrainer + FSDP2, one worker per device; jax: JaxTrainer, one worker per "
+                        f"host (default {D['training.framework']})")
     t.add_argument("--seed", type=int, default=42)
     return parser
 
@@ -141,11 +144,19 @@ def main(argv: list[str] | None = None) -> int:
     from tpuft_workload import checkpoint, train
 
     try:  # before Ray and any worker: a bad storage path fails in seconds, with its name
+        if args.framework == TrainingFramework.JAX.value:
+            from tpuft_workload import jax_checkpoint
+
+            jax_checkpoint.check_storage(args.storage_path)
         checkpoint.check_writable(checkpoint.join(args.storage_path, args.run_name))
     except checkpoint.StorageError as e:
         print(f"{train.RESULT_PREFIX} " + json.dumps({"succeeded": False, "error": str(e)}), flush=True)
         return 1
     _ray_init()
+    if args.framework == TrainingFramework.JAX.value:
+        from tpuft_workload import jax_train  # the torch path never imports jax
+
+        return jax_train.run_training(args, target, faults.from_env())
     return train.run_training(args, target, faults.from_env())
 
 

@@ -1,7 +1,7 @@
 """Training input through Ray Data: read, apply the template, tokenize and pack ONCE for the
 whole run (CPU tasks, before and outside the accelerator hosts' step loop), then stream disjoint
 shards to the workers (Ray Train's DataConfig splits it; each worker reads
-`get_dataset_shard("train").iter_torch_batches`).
+`get_dataset_shard("train").iter_torch_batches`, or `iter_batches` as numpy on the JAX path).
 
 Stages (driver, `build`):
   read       a builtin, a local or gs:// JSONL / Parquet file (`--dataset-format` when the suffix
@@ -190,6 +190,16 @@ def torch_batches(shard, batch_size: int, seed: int, epoch: int, skip: int = 0):
 
     it = shard.iter_torch_batches(batch_size=batch_size, drop_last=True, dtypes=torch.long, prefetch_batches=2,
                                   local_shuffle_buffer_size=4 * batch_size, local_shuffle_seed=seed * 1000003 + epoch)
+    for i, batch in enumerate(it):
+        if i >= skip:
+            yield batch
+
+
+def numpy_batches(shard, batch_size: int, seed: int, epoch: int, skip: int = 0):
+    """torch_batches' twin for the JAX path: the same rows, order and skipping, as numpy arrays
+    (the worker turns them into global jax.Arrays over its mesh; see jax_train)."""
+    it = shard.iter_batches(batch_size=batch_size, batch_format="numpy", drop_last=True, prefetch_batches=2,
+                            local_shuffle_buffer_size=4 * batch_size, local_shuffle_seed=seed * 1000003 + epoch)
     for i, batch in enumerate(it):
         if i >= skip:
             yield batch

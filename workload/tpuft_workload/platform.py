@@ -54,6 +54,12 @@ class Target:
     def world_size(self) -> int:
         return self.shape.devices * self.slices
 
+    @property
+    def jax_workers(self) -> int:
+        """JaxTrainer workers: one JAX process per host of every slice on TPU, each driving all of
+        its host's chips; on CPU/GPU the topology's worker count, as for torch."""
+        return self.shape.hosts * self.slices if self.platform.is_tpu else self.world_size
+
 
 def resolve_target(accelerator: str, topology: str, slices: int = 1) -> Target:
     """--accelerator/--topology/--slices -> Target. Raises CatalogError with the flag at fault.

@@ -380,18 +380,16 @@ def scaling_config(target: Target):
     return ScalingConfig(num_workers=target.world_size, resources_per_worker={"CPU": 1})
 
 
-def build_trainer(args, target: Target, fault_spec: str = ""):
-    """(TorchTrainer, its train_loop_config as a dict: TrainConfig.as_dict)."""
-    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+def prepare(args, target: Target, fault_spec: str = "") -> tuple[str, pipeline.Packed, dict]:
+    """What any trainer needs, before any worker starts: (storage path, the packed dataset, the
+    workers' TrainConfig as a dict). ResumeError / DataError for a resume point or data that
+    cannot be used."""
     from tpuft.constants import ENV_CR_NAME, ENV_CR_NAMESPACE
 
-    plat = target.platform
     storage = args.storage_path if "://" in args.storage_path else os.path.abspath(args.storage_path)
     run_dir = ckptlib.join(storage, args.run_name)
     # Checked (it exists, tpuft wrote it) before any worker starts; the architecture on the workers.
     resume_from, resume_manifest = ckptlib.resolve_resume(args.resume_from) if args.resume_from else ("", {})
-    scaling = scaling_config(target)
     packed = pipeline.build(args.dataset, args.dataset_split, args.dataset_format, args.model,
                             args.max_seq_length, args.packing)
     if datalib.steps_per_epoch(packed.rows, target.world_size, args.batch_size_per_device) == 0:
@@ -400,7 +398,7 @@ def build_trainer(args, target: Target, fault_spec: str = ""):
             f"{args.batch_size_per_device} per device: use a larger spec.dataset.split, a smaller "
             "spec.training.batchSizePerDevice or maxSeqLength, or fewer workers")
     cfg = TrainConfig(
-        platform=plat.kind, model=args.model, rows=packed.rows, examples=packed.examples,
+        platform=target.platform.kind, model=args.model, rows=packed.rows, examples=packed.examples,
         pad_fraction=packed.pad_fraction, epochs=args.epochs, batch_size_per_device=args.batch_size_per_device,
         max_seq_length=args.max_seq_length, learning_rate=args.learning_rate, packing=args.packing,
         checkpoint_every_steps=args.checkpoint_every_steps, report_every_steps=args.report_every_steps,
@@ -411,18 +409,33 @@ def build_trainer(args, target: Target, fault_spec: str = ""):
         cr_namespace=os.environ.get(ENV_CR_NAMESPACE, ""), cr_name=os.environ.get(ENV_CR_NAME, ""),
         status_every_s=float(os.environ.get("TPUFT_STATUS_EVERY_S", "10")),
     ).as_dict()
+    return storage, packed, cfg
+
+
+def run_config(args, storage: str):
+    """RunConfig(name, storage_path): a re-submitted job with the same run name resumes there."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig
+
+    return RunConfig(name=args.run_name, storage_path=storage,
+                     checkpoint_config=CheckpointConfig(num_to_keep=args.keep_checkpoints),
+                     failure_config=FailureConfig(max_failures=args.max_failures))
+
+
+def build_trainer(args, target: Target, fault_spec: str = ""):
+    """(TorchTrainer, its train_loop_config as a dict: TrainConfig.as_dict)."""
+    from ray.train import DataConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    scaling = scaling_config(target)
+    storage, packed, cfg = prepare(args, target, fault_spec)
     return TorchTrainer(
         train_loop_per_worker=train_loop,
         train_loop_config=cfg,
         datasets={"train": packed.dataset},
         dataset_config=DataConfig(datasets_to_split=["train"]),
-        torch_config=TorchConfig(backend=plat.backend),
+        torch_config=TorchConfig(backend=target.platform.backend),
         scaling_config=scaling,
-        run_config=RunConfig(
-            name=args.run_name, storage_path=storage,
-            checkpoint_config=CheckpointConfig(num_to_keep=args.keep_checkpoints),
-            failure_config=FailureConfig(max_failures=args.max_failures),
-        ),
+        run_config=run_config(args, storage),
     ), cfg
 
 
@@ -431,16 +444,18 @@ def _failed(error: str) -> int:
     return 1
 
 
-def run_training(args, target: Target, fault_spec: str = "") -> int:
+def run_training(args, target: Target, fault_spec: str = "", build=None) -> int:
+    """Build (`build`: build_trainer, or jax_train.build_trainer), fit, print the result line."""
     try:
-        trainer, cfg = build_trainer(args, target, fault_spec)
+        trainer, cfg = (build or build_trainer)(args, target, fault_spec)
     except (ckptlib.ResumeError, pipeline.DataError) as e:
         StatusReporter().training(message=str(e))
         log.error("%s", e)
         return _failed(str(e))
     print(f"Starting fine-tuning: model={args.model} dataset={args.dataset}[{args.dataset_split}] "
-          f"{target.shape.generation} {target.shape.topology} x{target.slices} -> {target.world_size} workers "
-          f"({target.platform.backend}), run={cfg['run_dir']}", flush=True)
+          f"{target.shape.generation} {target.shape.topology} x{target.slices} -> "
+          f"{trainer.scaling_config.num_workers} workers ({type(trainer).__name__}), run={cfg['run_dir']}",
+          flush=True)
     t0 = time.monotonic()
     try:
         trainer.fit()

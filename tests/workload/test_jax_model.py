@@ -1,0 +1,160 @@
+"""The JAX causal LM against transformers' torch models on the same weights (no Ray).
+
+Tolerance: the first-step loss (before any update) and the loss after one AdamW step agree to
+1e-4 relative in float32 (measured: 0 to ~1e-7, summation order only); logits to 1e-4 absolute.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from tpuft_workload import data, jax_model, pipeline, tiny  # noqa: E402
+
+REL_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny.build_tokenizer()
+
+
+def _rows(tokenizer, packing: bool, n: int = 4) -> dict:
+    records = data.load_records(tiny.BUILTIN_DATASET, "train[:40]")
+    return pipeline.rows_of(data.build_blocks(tokenizer, records, 128, packing)[:n], np)
+
+
+def _torch_loss(model, rows: dict, packing: bool) -> float:
+    import torch
+
+    keys = ("input_ids", "labels", "position_ids" if packing else "attention_mask")
+    return model(**{k: torch.as_tensor(rows[k]) for k in keys}).loss
+
+
+def _jax_loss(params, cfg, rows: dict, packing: bool) -> float:
+    import jax
+
+    return float(jax.jit(lambda p, b: jax_model.loss(p, cfg, b))(params, jax_model.inputs_from_rows(rows, packing)))
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_first_step_loss_matches_torch_on_the_same_tiny_weights(tokenizer, packing):
+    import torch
+
+    model = tiny.build_model(len(tokenizer), seed=42)
+    _, cfg, params = jax_model.from_torch(model)
+    rows = _rows(tokenizer, packing)
+    with torch.no_grad():
+        want = float(_torch_loss(model, rows, packing))
+    got = _jax_loss(params, cfg, rows, packing)
+    assert abs(got - want) <= REL_TOL * want, (got, want)
+
+
+def test_packed_examples_do_not_attend_across_their_boundary(tokenizer):
+    """The same first example alone or followed by another: its logits do not change."""
+    import jax.numpy as jnp
+
+    _, cfg, params = jax_model.from_torch(tiny.build_model(len(tokenizer), seed=1))
+    ids = jnp.arange(4, 20, dtype=jnp.int32)[None]
+    restart = jnp.concatenate([jnp.arange(8), jnp.arange(8)])[None].astype(jnp.int32)
+    ones = jnp.ones_like(ids)
+    packed = jax_model.forward(params, cfg, ids, restart, ones)
+    alone = jax_model.forward(params, cfg, ids[:, 8:], restart[:, 8:], ones[:, 8:])
+    assert np.allclose(packed[:, 8:], alone, atol=1e-5)
+    causal_only = jax_model.forward(params, cfg, ids, jnp.arange(16, dtype=jnp.int32)[None], ones)
+    assert not np.allclose(causal_only[:, 8:], alone, atol=1e-3)   # the check can fail
+
+
+def test_one_adamw_step_matches_torch(tokenizer):
+    """optax chain(clip 1.0, adamw wd 0.01) is the torch path's clip_grad_norm_ + AdamW(wd 0.01)."""
+    import jax
+    import optax
+    import torch
+
+    model = tiny.build_model(len(tokenizer), seed=42)
+    _, cfg, params = jax_model.from_torch(model)
+    rows = _rows(tokenizer, True)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    _torch_loss(model, rows, True).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    with torch.no_grad():
+        want = float(_torch_loss(model, rows, True))
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, weight_decay=0.01))
+    batch = jax_model.inputs_from_rows(rows, True)
+    grads = jax.grad(lambda p: jax_model.loss(p, cfg, batch))(params)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    got = _jax_loss(optax.apply_updates(params, updates), cfg, rows, True)
+    assert abs(got - want) <= REL_TOL * want, (got, want)
+
+
+def _gemma(tmp_path, **overrides):
+    import torch
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    cfg = GemmaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=1, head_dim=16, **overrides)
+    torch.manual_seed(0)
+    model = GemmaForCausalLM(cfg).eval()
+    model.save_pretrained(tmp_path)
+    return model
+
+
+def test_a_gemma_shaped_checkpoint_loads_and_matches_transformers(tmp_path):
+    """Gemma (v1): tied embeddings scaled by sqrt(hidden), (1 + w) RMSNorm, GELU-tanh, head_dim
+    apart from hidden/heads, one KV head."""
+    import torch
+
+    model = _gemma(tmp_path)
+    hf, cfg, params = jax_model.load_hf_dir(str(tmp_path))
+    assert cfg.gemma and cfg.tie_word_embeddings and "lm_head.weight" not in params
+    ids = np.arange(1, 25, dtype=np.int32)[None] % 96
+    pos = np.arange(24, dtype=np.int32)[None]
+    with torch.no_grad():
+        want = model(input_ids=torch.as_tensor(ids, dtype=torch.long)).logits.numpy()
+    got = np.asarray(jax_model.forward(params, cfg, ids, pos, np.ones_like(ids)))
+    assert np.abs(got - want).max() < 1e-4
+
+
+def test_the_export_loads_in_transformers_with_the_same_logits(tokenizer, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = tiny.build_model(len(tokenizer), seed=3).eval()
+    hf, cfg, params = jax_model.from_torch(model)
+    jax_model.save_hf(params, hf, str(tmp_path))
+    again = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    ids = torch.arange(4, 30)[None]
+    with torch.no_grad():
+        assert torch.allclose(again(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-6)
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"model_type": "gemma2"}, "model_type 'gemma2' is not implemented"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "rope_type 'llama3'"),
+    ({"attention_bias": True}, "attention_bias"),
+])
+def test_unsupported_architectures_are_refused_by_name(tokenizer, change, words):
+    hf = {**tiny.build_model(len(tokenizer)).config.to_dict(), **change}
+    with pytest.raises(jax_model.ModelError) as err:
+        jax_model.config_from_hf(hf)
+    assert words in str(err.value) and str(err.value).startswith("spec.model (training.framework jax)")
+
+
+def test_the_serve_app_answers_with_a_jax_written_export(tokenizer, tmp_path):
+    """The serving engine (tpuft_workload.serve, what spec.serve runs on cpu) loads the JAX path's
+    export as it loads the torch path's and answers a chat request."""
+    from tpuft_workload import chat_api
+    from tpuft_workload import serve as serveapp
+
+    hf, _, params = jax_model.from_torch(tiny.build_model(len(tokenizer), seed=0))
+    jax_model.save_hf(params, hf, str(tmp_path))
+    tokenizer.save_pretrained(str(tmp_path))
+    engine = serveapp.Engine(serveapp.parse_args({"model_source": str(tmp_path), "model_id": "jax-tiny"}))
+    request = chat_api.parse_request({"model": "jax-tiny", "messages": [{"role": "user", "content": "What is a dog?"}],
+                                      "max_tokens": 8, "temperature": 0})
+    reply = engine.chat(request, "jax-tiny", 64)
+    assert 0 < reply.usage.completion_tokens <= 8 and reply.choices[0].message.content.strip()

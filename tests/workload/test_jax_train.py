@@ -1,0 +1,214 @@
+"""JAX fine-tuning on 2 real CPU workers (JaxTrainer, one 2-process JAX program over gloo) with the
+built-in tiny model and data.
+
+One run covers: loss goes down over 3 epochs, a worker killed mid-epoch is restarted
+(FailureConfig) and resumes from the last Orbax checkpoint with at most one interval lost,
+rank 0 reports status.training with the torch path's keys (to a loopback recorder: no API
+server), and the export loads with AutoModelForCausalLM.from_pretrained and generates. The
+RayJob's CLI path (`--framework jax`) then finds the finished run and retrains nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tpuft_workload import __main__ as cli
+from tpuft_workload import checkpoint, jax_checkpoint, jax_train, train
+from tpuft_workload.platform import resolve_target
+from tpuft_workload.report import TRAINING_KEYS
+
+CKPT_EVERY = 3
+KILL_STEP = 8
+NS, NAME = "ns", "tiny-jax"
+PATCHES: list = []
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    def do_PATCH(self):
+        PATCHES.append(json.loads(self.rfile.read(int(self.headers["Content-Length"])))["status"])
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def status_recorder(tmp_path_factory):
+    """Status patches recorded on loopback; KUBECONFIG set before Ray starts (workers inherit it)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    kubeconfig = tmp_path_factory.mktemp("kube") / "config"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "rec",
+        "clusters": [{"name": "rec", "cluster": {"server": f"http://127.0.0.1:{server.server_port}"}}],
+        "users": [{"name": "rec", "user": {"token": "t"}}],
+        "contexts": [{"name": "rec", "context": {"cluster": "rec", "user": "rec"}}]}))
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KUBECONFIG", str(kubeconfig))
+    mp.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    yield PATCHES
+    mp.undo()
+    server.shutdown()
+
+
+def _argv(storage: Path | str, run: str, **extra) -> list[str]:
+    argv = ["train", "--framework", "jax", "--accelerator", "cpu", "--topology", "2",
+            "--model", "builtin:tiny-llama", "--dataset", "builtin:dolly-mini", "--dataset-split", "train[:80]",
+            "--epochs", "3", "--batch-size-per-device", "4", "--max-seq-length", "128", "--learning-rate", "3e-3",
+            "--storage-path", str(storage), "--run-name", run, "--report-every-steps", "100",
+            "--checkpoint-every-steps", str(CKPT_EVERY), "--keep-checkpoints", "20"]
+    for k, v in extra.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    return argv
+
+
+@pytest.fixture(scope="module")
+def killed_run(status_recorder, ray_cluster, tmp_path_factory):
+    storage = tmp_path_factory.mktemp("storage")
+    args, target = cli.parse_args(_argv(storage, "tiny-jax-run", max_failures=1))
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TPUFT_NAMESPACE", NS)
+    mp.setenv("TPUFT_NAME", NAME)
+    try:
+        trainer, cfg = jax_train.build_trainer(args, target, fault_spec=f"kill-rank:1:step:{KILL_STEP}")
+    finally:
+        mp.undo()
+    result = trainer.fit()
+    return storage, args, cfg, result
+
+
+def _summary(cfg) -> dict:
+    return json.loads(Path(cfg["run_dir"], train.SUMMARY).read_text())
+
+
+def test_killed_worker_resumes_from_last_orbax_checkpoint(killed_run):
+    _, _, cfg, result = killed_run
+    assert Path(cfg["run_dir"], f".tpuft-fault-kill-r1-s{KILL_STEP}").exists()  # the fault did fire
+    s = _summary(cfg)
+    assert s["step"] == s["totalSteps"] == result.metrics["total_steps"]
+    per_epoch = s["totalSteps"] // 3
+    done_before_kill = KILL_STEP - 1
+    saved = [k for k in range(1, done_before_kill + 1) if k % CKPT_EVERY == 0 or k % per_epoch == 0]
+    assert s["resumedFromStep"] == max(saved)                    # the newest checkpoint
+    assert done_before_kill - s["resumedFromStep"] < CKPT_EVERY   # at most one interval lost
+    assert s["resumedFrom"] == str(Path(cfg["run_dir"], f"checkpoint_step_{max(saved):07d}"))
+
+
+def test_loss_decreases(killed_run):
+    _, _, _, result = killed_run
+    reported = sorted(((m["step"], m["loss"]) for _, m in result.best_checkpoints if "loss" in m))
+    assert len(reported) >= 3 and reported[-1][0] == result.metrics["total_steps"]
+    first, last = reported[0][1], reported[-1][1]
+    assert last < first - 0.5, reported
+
+
+def test_checkpoints_are_orbax_committed_in_place_and_marked_jax(killed_run):
+    _, _, cfg, result = killed_run
+    run_dir = Path(cfg["run_dir"])
+    last = run_dir / f"checkpoint_step_{result.metrics['total_steps']:07d}"
+    assert {jax_checkpoint.STATE_DIR, checkpoint.TRAIN_STATE, checkpoint.COMMITTED} <= set(os.listdir(last))
+    assert Path(result.checkpoint.path) == last                  # registered with Ray where it lies
+    manifest = json.loads((run_dir / checkpoint.RUN_MANIFEST).read_text())
+    assert manifest["architecture"]["framework"] == "jax"
+    assert manifest["architecture"]["class"] == "LlamaForCausalLM"
+
+
+def test_status_has_the_torch_paths_keys_written_by_rank_0(killed_run, status_recorder):
+    _, _, cfg, result = killed_run
+    patches = [p["training"] for p in status_recorder if "training" in p]
+    assert patches and all(set(p) <= set(TRAINING_KEYS) for p in patches)
+    final = patches[-1]
+    assert final["step"] == final["totalSteps"] == result.metrics["total_steps"] and final["epoch"] == 3
+    assert final["exportedModel"] == cfg["export_uri"] and final["lastCheckpoint"].startswith(cfg["run_dir"])
+    assert final["loss"] > 0 and final["tokensPerSecond"] > 0 and 0 <= final["padFraction"] < 0.1
+    assert any(p.get("resumedFromStep") == _summary(cfg)["resumedFromStep"] for p in patches)
+
+
+def test_export_loads_and_generates(killed_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tpuft_workload.data import format_prompt
+
+    export = killed_run[2]["export_uri"]
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(export))
+    model = AutoModelForCausalLM.from_pretrained(export)
+    tok = AutoTokenizer.from_pretrained(export)
+    ids = tok(format_prompt({"instruction": "Tell me about the cow."}), return_tensors="pt")
+    out = model.generate(input_ids=ids["input_ids"], max_new_tokens=12, do_sample=False)
+    new = out[0, ids["input_ids"].shape[1]:]
+    assert len(new) > 0 and tok.decode(new, skip_special_tokens=True).strip()
+
+
+def test_resubmitted_job_resumes_through_the_cli(killed_run):
+    """`python -m tpuft_workload train --framework jax` (the RayJob's entrypoint) on the finished run."""
+    storage, args, cfg, first = killed_run
+    total = first.metrics["total_steps"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(_argv(storage, args.run_name)) == 0
+    text = out.getvalue()
+    assert "(JaxTrainer)" in text
+    line = next(ln for ln in text.splitlines() if ln.startswith(train.RESULT_PREFIX))
+    body = json.loads(line[len(train.RESULT_PREFIX):])
+    assert body["succeeded"] and body["resumedFromStep"] == body["step"] == total
+    assert body["exportedModel"] == cfg["export_uri"]
+
+
+# ---- no Ray cluster needed ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("acc,topo,workers,ray_type", [("v6e", "4x4", 4, "TPU-V6E"), ("tpu7x", "2x2x2", 2, "TPU-V7X")])
+def test_tpu_scaling_is_one_worker_per_host(acc, topo, workers, ray_type, monkeypatch):
+    from tpuft.constants import RAY_TPU_RESOURCE_PER_CHIP_ENV
+
+    monkeypatch.delenv(RAY_TPU_RESOURCE_PER_CHIP_ENV, raising=False)
+    sc = jax_train.scaling_config(resolve_target(acc, topo))
+    assert (sc.use_tpu, sc.topology, sc.accelerator_type, sc.num_workers) == (True, topo, ray_type, workers)
+
+
+def test_cpu_scaling_is_the_topologys_worker_count():
+    sc = jax_train.scaling_config(resolve_target("cpu", "2"))
+    assert (sc.use_tpu, sc.num_workers, sc.resources_per_worker) == (False, 2, {"CPU": 1})
+
+
+@pytest.mark.parametrize("shape,shards,spec", [((204, 64), 2, ("fsdp",)), ((64,), 4, ("fsdp",)),
+                                               ((3, 8), 4, (None, "fsdp")), ((3,), 2, ())])
+def test_parameters_shard_on_their_first_divisible_dimension(shape, shards, spec):
+    assert tuple(jax_train.param_spec(shape, shards)) == spec
+
+
+def test_a_torch_checkpoint_is_refused_by_the_jax_path():
+    import numpy as np
+
+    params = {"model.embed_tokens.weight": np.zeros((4, 2))}
+    jax_arch = jax_checkpoint.architecture("LlamaForCausalLM", params)
+    torch_arch = {k: v for k, v in jax_arch.items() if k != "framework"}
+    with pytest.raises(checkpoint.ResumeError, match="different model architecture"):
+        checkpoint.check_architecture("/ckpt/checkpoint_step_0000001", {"architecture": torch_arch}, jax_arch,
+                                      "builtin:tiny-llama")
+
+
+def test_an_object_store_path_orbax_cannot_reach_fails_before_ray(monkeypatch, capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("s3fs") is not None:
+        pytest.skip("s3fs is installed here")
+
+    def no_ray():
+        raise AssertionError("the storage check must come before Ray starts")
+
+    monkeypatch.setattr(cli, "_ray_init", no_ray)
+    assert cli.main(_argv("s3://bucket/ckpt", "run")) == 1
+    out = capsys.readouterr().out
+    assert "s3fs is not installed" in out and "spec.checkpoint.storagePath" in out

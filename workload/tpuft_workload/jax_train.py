@@ -1,0 +1,422 @@
+"""Fine-tuning with Ray Train v2's JaxTrainer (`spec.training.framework: jax`).
+
+Driver (`build_trainer`): the torch path's preparation (tpuft_workload.train.prepare: storage,
+resume checks, the Ray Data pipeline, TrainConfig) and RunConfig, then a JaxTrainer with ONE
+worker per host (TPU: `ScalingConfig(use_tpu=True, topology, accelerator_type)`, each worker
+holding all of its host's chips; JaxTrainer sets JAX_PLATFORMS=tpu and calls
+jax.distributed.initialize). On CPU (accelerator cpu) JaxTrainer starts plain workers and no
+jax.distributed; the workers initialize it themselves over loopback with gloo CPU collectives,
+so 2 CPU workers form one 2-device JAX program exactly as 4 TPU hosts form a 16-device one.
+
+Workers (`train_loop`): a 2-D mesh (data = slices, fsdp = the devices of a slice) over every
+device of every process; each parameter and its AdamW moments sharded over `fsdp` on its first
+divisible dimension (FSDP: XLA all-gathers weights for the step and reduce-scatters the
+gradients); each step's global batch sharded over the whole mesh from the worker's Ray Data
+shard (`jax.make_array_from_process_local_data`). bf16 compute with float32 master weights on
+accelerators, float32 on CPU. Orbax checkpoints (tpuft_workload.jax_checkpoint), status keys,
+log lines, export layout and the run summary are the torch path's.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from functools import partial
+
+import ray
+import ray.train
+
+from tpuft_workload import checkpoint as ckptlib
+from tpuft_workload import data as datalib
+from tpuft_workload import faults as faultlib
+from tpuft_workload import jax_checkpoint, pipeline
+from tpuft_workload import jax_model as jm
+from tpuft_workload.platform import PLATFORMS, Target
+from tpuft_workload.report import BackgroundReporter, StatusReporter, Throttle
+from tpuft_workload.train import (SUMMARY, TrainConfig, _ckpt_name, _maybe_kill, _resume_message, _say,
+                                  _status_metrics, prepare, run_config)
+from tpuft_workload.train import run_training as _run_training
+
+MESH_AXES = ("data", "fsdp")
+
+
+def scaling_config(target: Target):
+    from ray.train import ScalingConfig
+    from tpuft.constants import RAY_TPU_RESOURCE_PER_CHIP_ENV
+
+    shape, plat = target.shape, target.platform
+    if plat.is_tpu:
+        if shape.tpu_resource_per_chip > 1:  # TPU7x: Ray reads it at ScalingConfig validation
+            os.environ.setdefault(RAY_TPU_RESOURCE_PER_CHIP_ENV, str(shape.tpu_resource_per_chip))
+        # resources_per_worker left to Ray: all of a host's TPU resources per worker
+        return ScalingConfig(use_tpu=True, topology=shape.topology, accelerator_type=shape.ray_accelerator_type,
+                             num_workers=target.jax_workers)
+    if plat.kind == "gpu":
+        return ScalingConfig(num_workers=target.jax_workers, use_gpu=True)
+    return ScalingConfig(num_workers=target.jax_workers, resources_per_worker={"CPU": 1})
+
+
+def build_trainer(args, target: Target, fault_spec: str = ""):
+    """(JaxTrainer, its train_loop_config as a dict: TrainConfig.as_dict)."""
+    from ray.train import DataConfig
+    from ray.train.v2.jax import JaxTrainer
+
+    scaling = scaling_config(target)
+    storage, packed, cfg = prepare(args, target, fault_spec)
+    return JaxTrainer(
+        train_loop_per_worker=train_loop, train_loop_config=cfg, datasets={"train": packed.dataset},
+        dataset_config=DataConfig(datasets_to_split=["train"]), scaling_config=scaling,
+        run_config=run_config(args, storage)), cfg
+
+
+def run_training(args, target: Target, fault_spec: str = "") -> int:
+    return _run_training(args, target, fault_spec, build=build_trainer)
+
+
+# ---- worker: JAX setup ------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def init_jax(platform_kind: str, rank: int, world: int):
+    """`jax`, distributed over every worker. TPU/GPU: JaxTrainer already initialized it. CPU:
+    JaxTrainer does not (Ray 2.60 `_JaxBackend.on_start` returns early without use_tpu/use_gpu),
+    so rank 0 hosts the coordinator and broadcasts its address; gloo carries the collectives."""
+    import logging
+
+    logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every save step at INFO
+    if platform_kind != "cpu":
+        import jax
+
+        return jax
+    from ray.train.collective import broadcast_from_rank_zero
+
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    address = f"{ray.util.get_node_ip_address()}:{_free_port()}" if rank == 0 else None
+    address = broadcast_from_rank_zero(address)
+    if world > 1:
+        jax.distributed.initialize(address, world, rank)
+    return jax
+
+
+def build_mesh(jax):
+    """(data, fsdp) = (slices, devices per slice): parameters shard inside a slice (ICI), batches
+    over everything; across slices only gradients travel (DCN)."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    devices = jax.devices()
+    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    if slices > 1:
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_hybrid_device_mesh((1, len(devices) // slices), (slices, 1), devices)
+    else:
+        grid = np.array(devices).reshape(1, len(devices))
+    return Mesh(grid, MESH_AXES)
+
+
+def param_spec(shape: tuple, shards: int):
+    """FSDP placement of one parameter: its first dimension divisible by `shards` split over
+    `fsdp`; replicated when none is (small norms on odd device counts)."""
+    from jax.sharding import PartitionSpec as P
+
+    for dim, size in enumerate(shape):
+        if size % shards == 0:
+            return P(*([None] * dim), "fsdp")
+    return P()
+
+
+def _put(jax, array, sharding):
+    """A host array every process holds in full -> a global jax.Array, each device its slice."""
+    return jax.make_array_from_callback(array.shape, sharding, lambda idx: array[idx])
+
+
+def _train_step(tx, cfg: jm.ModelConfig, dtype, params, opt_state, batch):
+    """One AdamW step on the global batch: the mean loss over every labelled token of every
+    shard (one jit over the mesh: exact data-parallel averaging, FSDP gathers/scatters by XLA)."""
+    import jax
+    import optax
+
+    def mean_loss(p):
+        total, count = jm.loss_sums(p, cfg, batch, dtype)
+        return total / count.clip(1)
+
+    loss, grads = jax.value_and_grad(mean_loss)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss, batch["n_real"].sum()
+
+
+def _model_dir(ref: str) -> str:
+    """A from_pretrained() folder on this host for a local path, gs:// URI or hub id."""
+    from tpuft_workload import model as modellib
+
+    path = modellib._local_copy(ref)
+    if os.path.isdir(path):
+        return path
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(ref, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+
+
+def load_weights(model_ref: str, tokenizer, seed: int):
+    """(HF config dict, ModelConfig, host params) of spec.model; the builtin is built with the
+    torch path's seed, so both frameworks start from the same weights."""
+    from tpuft_workload.tiny import BUILTIN_MODEL
+
+    if model_ref == BUILTIN_MODEL:
+        from tpuft_workload.tiny import build_model
+
+        return jm.from_torch(build_model(len(tokenizer), seed=seed))
+    return jm.load_hf_dir(_model_dir(model_ref))
+
+
+# ---- worker: the run --------------------------------------------------------------------------
+
+class _Window:
+    """Per-step numbers between two reports. Every value is already global (one program over the
+    mesh), so reducing needs no collective; the loss stays on device until then."""
+
+    def __init__(self):
+        self.loss, self.steps, self.real, self.padded = 0.0, 0, 0, 0
+        self.t0 = time.perf_counter()
+        self.excluded = 0.0
+
+    def add(self, loss, real, padded: int) -> None:
+        self.loss = self.loss + loss
+        self.steps += 1
+        self.real = self.real + real
+        self.padded += padded
+
+    def reduce(self) -> dict:
+        loss, real = float(self.loss), int(self.real)
+        wall = time.perf_counter() - self.t0
+        secs = max(wall - self.excluded, 1e-9)
+        return {"loss": loss / max(self.steps, 1), "seconds": wall, "tokens_per_s": real / secs,
+                "padded_tokens_per_s": self.padded / secs, "step_time_s": secs / max(self.steps, 1),
+                "pad_fraction": 1.0 - real / self.padded if self.padded else 0.0}
+
+
+def train_loop(config: dict) -> None:
+    """One JAX worker (one host): setup, restore, train, finish (export)."""
+    run = _Run(TrainConfig.from_dict(config))
+    run.restore()
+    run.train()
+    run.finish()
+
+
+class _Run:
+    def __init__(self, cfg: TrainConfig):
+        ctx = ray.train.get_context()
+        self.cfg, self.rank, self.world = cfg, ctx.get_world_rank(), ctx.get_world_size()
+        self.plat = PLATFORMS[cfg.platform]
+        self.jax = init_jax(cfg.platform, self.rank, self.world)
+        self.faults = faultlib.parse_faults(cfg.fault)
+        self.reporter = BackgroundReporter(StatusReporter(cfg.cr_namespace, cfg.cr_name) if self.rank == 0
+                                           else StatusReporter("", ""))
+        self.throttle = Throttle(cfg.status_every_s)
+        self._data()
+        self._model()
+        self.step, self.resumed_from = 0, -1
+        self.last_ckpt, self.message, self.source = "", None, ""
+        self.last_metrics: dict = {}
+
+    def _data(self) -> None:
+        from tpuft_workload import model as modellib
+
+        cfg = self.cfg
+        self.tokenizer = modellib.load_tokenizer(cfg.model)
+        self.shard = ray.train.get_dataset_shard("train")
+        # a worker feeds all of its host's devices: batchSizePerDevice rows each
+        self.local_batch = cfg.batch_size_per_device * self.jax.local_device_count()
+        self.spe = datalib.steps_per_epoch(cfg.rows, self.world, self.local_batch)
+        self.total_steps = self.spe * cfg.epochs
+        if self.rank == 0:
+            _say(f"[tpuft] {cfg.examples} examples -> {cfg.rows} rows of {cfg.max_seq_length} tokens "
+                 f"({'packed' if cfg.packing else 'padded'}, pad fraction {cfg.pad_fraction:.1%}; Ray Data, "
+                 f"tokenized once); {self.spe} steps/epoch x {cfg.epochs} epochs on {self.world} JAX processes, "
+                 f"{self.jax.device_count()} devices")
+
+    def _check_resume(self, arch: dict) -> None:
+        cfg = self.cfg
+        try:
+            ckptlib.check_architecture(cfg.resume_from, cfg.resume_manifest, arch, cfg.model)
+        except ckptlib.ResumeError as e:
+            if self.rank == 0:
+                self.reporter.training(message=str(e))
+                self.reporter.close()
+            ray.train.collective.barrier()  # rank 0's status write goes out before any rank fails
+            raise
+
+    def _model(self) -> None:
+        import optax
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        jax, cfg = self.jax, self.cfg
+        self.hf_config, self.mcfg, host = load_weights(cfg.model, self.tokenizer, cfg.seed)
+        arch = jax_checkpoint.architecture(jm.hf_class(self.hf_config), host)
+        if cfg.resume_from:
+            self._check_resume(arch)
+        if self.rank == 0:
+            ckptlib.write_run_manifest(cfg.run_dir, {
+                "model": cfg.model, "architecture": arch, "namespace": cfg.cr_namespace,
+                "name": cfg.cr_name, "resumeFrom": cfg.resume_from or None})
+        self.mesh = build_mesh(jax)
+        self.params = {n: _put(jax, a, self._sharding(a)) for n, a in host.items()}
+        self.tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(cfg.learning_rate, weight_decay=0.01))
+        # Every leaf placed explicitly: the moments like their parameters; the step count, left to
+        # jit, lands on one local device and no longer fits the mesh once Orbax restores it.
+        shardings = jax.tree.map(self._sharding, jax.eval_shape(self.tx.init, self.params))
+        self.opt_state = jax.jit(self.tx.init, out_shardings=shardings)(self.params)
+        self.batch_sharding = NamedSharding(self.mesh, P(MESH_AXES))
+        dtype = jax.numpy.bfloat16 if self.plat.mixed_precision else None
+        self.step_fn = jax.jit(partial(_train_step, self.tx, self.mcfg, dtype), donate_argnums=(0, 1))
+
+    def _sharding(self, leaf):
+        """Where a parameter (or a state leaf of its shape) lives: FSDP over the mesh's fsdp axis."""
+        from jax.sharding import NamedSharding
+
+        return NamedSharding(self.mesh, param_spec(leaf.shape, self.mesh.shape["fsdp"]))
+
+    # --- restore ------------------------------------------------------------------------------------
+    def restore(self) -> None:
+        """This run's newest committed checkpoint, else --resume-from's. Every checkpoint this path
+        registers with Ray is committed first, so Ray's get_checkpoint() adds nothing here."""
+        cfg = self.cfg
+        path = ckptlib.find_latest_committed(cfg.run_dir) or cfg.resume_from
+        if not path:
+            return
+        state, ts = jax_checkpoint.load(jax_checkpoint.abstract(self._state()), path)
+        self.params, self.opt_state = state["params"], state["opt_state"]
+        self.source = path
+        self.step, self.resumed_from, self.last_ckpt = int(ts["step"]), int(ts["step"]), ts.get("path", "")
+        self.last_metrics = dict(ts.get("metrics") or {})
+        self.message = _resume_message(self.step, self.total_steps, self.source)
+        if self.rank == 0:
+            _say(f"[tpuft] {self.message}")
+        epoch = min(self.step // self.spe + 1, cfg.epochs) if self.spe else cfg.epochs
+        self.status(True, epoch=epoch, step=self.step, resumedFrom=self.source, resumedFromStep=self.step,
+                    message=self.message, lastCheckpoint=self.last_ckpt or None, **self.last_metrics)
+
+    def _state(self) -> dict:
+        return {"params": self.params, "opt_state": self.opt_state}
+
+    # --- report -------------------------------------------------------------------------------------
+    def status(self, force: bool, **fields) -> None:
+        if self.rank == 0 and self.reporter.enabled and self.throttle.ready(force):
+            self.reporter.training(epochs=self.cfg.epochs, totalSteps=self.total_steps, **fields)
+
+    def report(self, metrics: dict, save: bool) -> None:
+        """ray.train.report; with `save`, an Orbax checkpoint written in place under the run
+        directory, committed, then registered with Ray as it lies (NO_UPLOAD)."""
+        from ray.train import Checkpoint
+        from ray.train.v2.api.report_config import CheckpointUploadMode
+
+        self.last_metrics = _status_metrics(metrics)
+        metrics = {**metrics, "step": self.step, "total_steps": self.total_steps,
+                   "resumed_from_step": self.resumed_from}
+        if not save:
+            ray.train.report(metrics)
+            return
+        name = _ckpt_name(self.step)
+        path = ckptlib.join(self.cfg.run_dir, name)
+        jax_checkpoint.save(self._state(), {"step": self.step, "epoch": metrics.get("epoch"), "path": path,
+                                            "metrics": self.last_metrics}, path, self.rank)
+        ray.train.collective.barrier()  # every process's shards and rank 0's train_state are written
+        if self.rank == 0:
+            ckptlib.mark_committed(path)
+        ckpt = Checkpoint(path, filesystem=ckptlib.filesystem(path)) if self.rank == 0 else None
+        ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=name,
+                         checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+        self.last_ckpt = path
+
+    # --- train ----------------------------------------------------------------------------------------
+    def train(self) -> None:
+        for epoch in range(self.step // self.spe if self.spe else 0, self.cfg.epochs):
+            self._epoch(epoch)
+
+    def _step(self, rows: dict) -> tuple:
+        """One optimizer step on this worker's rows of the global batch: (loss, real tokens), global."""
+        _maybe_kill(self.faults, self.rank, self.step + 1, self.cfg.run_dir_local)
+        local = {**jm.inputs_from_rows(rows, self.cfg.packing), "n_real": rows["n_real"].astype("int32")}
+        batch = {k: self.jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in local.items()}
+        self.params, self.opt_state, loss, real = self.step_fn(self.params, self.opt_state, batch)
+        self.step += 1
+        return loss, real
+
+    def _epoch(self, epoch: int) -> None:
+        cfg, spe = self.cfg, self.spe
+        every_ckpt, every_rep = cfg.checkpoint_every_steps, cfg.report_every_steps
+        padded = self.local_batch * self.world * cfg.max_seq_length
+        done = self.step - epoch * spe   # a resumed epoch passes over the batches it already trained on
+        batches = pipeline.numpy_batches(self.shard, self.local_batch, cfg.seed, epoch, skip=done)
+        epoch_win, win = _Window(), _Window()
+        for i, rows in zip(range(done, spe), batches):
+            loss, real = self._step(rows)
+            for w in (win, epoch_win):
+                w.add(loss, real, padded)
+            if i == spe - 1:
+                break
+            save = bool(every_ckpt) and self.step % every_ckpt == 0
+            if self.step % every_rep == 0 or save:
+                paused = time.perf_counter()
+                self._interval(epoch, win.reduce(), save)
+                epoch_win.excluded += time.perf_counter() - paused  # reports are not training time
+                win = _Window()
+        m = epoch_win.reduce()
+        if self.rank == 0:
+            _say(f"Epoch {epoch + 1}/{cfg.epochs} | loss={m['loss']:.4f} | epoch_time={m['seconds']:.2f}s | "
+                 f"tokens/s={m['tokens_per_s']:.1f} | padded_tokens/s={m['padded_tokens_per_s']:.1f} | "
+                 f"pad={m['pad_fraction']:.1%}")
+        self.report({"epoch": epoch + 1, "epoch_loss": m["loss"], "epoch_time_s": m["seconds"], **m}, True)
+        self.status(True, epoch=epoch + 1, step=self.step, lastCheckpoint=self.last_ckpt, **self.last_metrics)
+
+    def _interval(self, epoch: int, m: dict, save: bool) -> None:
+        if self.rank == 0:
+            _say(f"Epoch {epoch + 1}/{self.cfg.epochs} | step {self.step}/{self.total_steps} | "
+                 f"loss={m['loss']:.4f} | step_time={m['step_time_s']:.3f}s | "
+                 f"tokens/s={m['tokens_per_s']:.1f} | padded_tokens/s={m['padded_tokens_per_s']:.1f}")
+        self.report({"epoch": epoch + 1, **m}, save)
+        self.status(save, epoch=epoch + 1, step=self.step, lastCheckpoint=self.last_ckpt or None,
+                    **self.last_metrics)
+
+    # --- finish ---------------------------------------------------------------------------------------
+    def finish(self) -> None:
+        cfg = self.cfg
+        exported = self._export()
+        summary = {"step": self.step, "totalSteps": self.total_steps, "resumedFromStep": self.resumed_from,
+                   "lastCheckpoint": self.last_ckpt, "exportedModel": exported, **self.last_metrics,
+                   **({"resumedFrom": self.source, "message": self.message} if self.source else {})}
+        if self.rank == 0:
+            _say(f"[tpuft] exported Hugging Face model to {exported}")
+            self.status(True, epoch=cfg.epochs, step=self.step, lastCheckpoint=self.last_ckpt,
+                        exportedModel=exported, **self.last_metrics)
+            ckptlib.write_json(ckptlib.join(cfg.run_dir, SUMMARY), summary)
+        self.reporter.close()
+
+    def _export(self) -> str | None:
+        """Collective: the full weights gathered to every host; rank 0 writes the from_pretrained()
+        folder (bf16 on accelerators, the dtype the model trained in; float32 on CPU)."""
+        from jax.experimental import multihost_utils
+
+        full = multihost_utils.process_allgather(self.params, tiled=True)
+        if self.rank != 0:
+            return None
+        dtype = None
+        if self.plat.mixed_precision:
+            import ml_dtypes
+
+            dtype = ml_dtypes.bfloat16
+        with tempfile.TemporaryDirectory() as tmp:
+            jm.save_hf(full, self.hf_config, tmp, dtype=dtype)
+            self.tokenizer.save_pretrained(tmp)
+            ckptlib.upload_dir(tmp, self.cfg.export_uri)
+        return self.cfg.export_uri
