@@ -66,6 +66,7 @@ def _check_succeeded(proc, final, storage: Path) -> list[float]:
     return losses
 
 
+@pytest.mark.timeout(2400)   # two demo runs, each to a served model
 def test_demo_runs_twice_and_each_run_trains(local_cluster, tmp_path, monkeypatch):
     storage = tmp_path / "checkpoints"
     first, final1 = _demo(tmp_path, "1", "--storage-path", str(storage))

@@ -24,6 +24,7 @@ def _clear_demo_namespace(cluster_kubectl):
     clear_namespace(cluster_kubectl, "e2e-jax")
 
 
+@pytest.mark.timeout(1800)
 def test_jax_demo_trains_checkpoints_with_orbax_and_serves_the_export(local_cluster, tmp_path):
     storage, result = tmp_path / "checkpoints", tmp_path / "result.json"
     proc = subprocess.run([sys.executable, "-m", "tpuft.cli", "demo", "--namespace", "e2e-jax", "--result", str(result),

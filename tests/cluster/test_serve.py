@@ -6,6 +6,7 @@ caught and named). The happy path (Serving, chat, /v1/models, Argo CD health) is
 """
 import json
 
+import pytest
 import yaml
 
 from tests.paths import EXAMPLES
@@ -18,6 +19,7 @@ def _status(kubectl, ns: str, name: str) -> dict:
     return json.loads(kubectl("get", "tft", name, "-n", ns, "-o", "json", check=True).stdout).get("status") or {}
 
 
+@pytest.mark.timeout(1500)
 def test_a_serving_image_that_does_not_exist_is_named_then_fails_serve_failed(cluster_kubectl, cluster_ns, tmp_path):
     doc = yaml.safe_load((EXAMPLES / "local-cpu.yaml").read_text())
     storage = str(tmp_path / "checkpoints")
