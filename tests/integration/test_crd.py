@@ -494,10 +494,10 @@ def test_kubectl_get_printer_columns_and_short_name(objects, ns, kubectl):
     assert out[0].split() == ["NAME", "PHASE", "ACCELERATOR", "TOPOLOGY", "LOSS", "AGE"], out
     assert out[1].split()[:5] == [name, "Serving", "v6e", "4x4", "1.25"], out
     wide = kubectl("get", "tft", name, "-n", ns, "-o", "wide", check=True).stdout.splitlines()
-    assert wide[0].split() == ["NAME", "PHASE", "ACCELERATOR", "TOPOLOGY", "LOSS", "EPOCH", "TOKENS/S", "HOSTS",
-                               "DEVICES", "REASON", "ENDPOINT", "AGE"], wide
-    assert wide[1].split()[:11] == [name, "Serving", "v6e", "4x4", "1.25", "2", "1234.5", "4", "16", "Serving",
-                                    "http://x-serve-serve-svc.ns.svc:8000"]
+    assert wide[0].split() == ["NAME", "PHASE", "ACCELERATOR", "TOPOLOGY", "LOSS", "EPOCH", "TOKENS/S", "FRAMEWORK",
+                               "HOSTS", "DEVICES", "REASON", "ENDPOINT", "AGE"], wide
+    assert wide[1].split()[:12] == [name, "Serving", "v6e", "4x4", "1.25", "2", "1234.5", "torch", "4", "16",
+                                    "Serving", "http://x-serve-serve-svc.ns.svc:8000"]
     # Plural, singular, short name and kind all resolve to the same object.
     for resource in ("tpufinetunes", "tpufinetune", "tft", "TPUFinetune", f"tpufinetunes.{GROUP}"):
         res = kubectl("get", resource, name, "-n", ns, "-o", "name", check=True)
