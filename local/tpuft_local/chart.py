@@ -1,6 +1,9 @@
 """Our operator on the local cluster, installed the way users install it: `helm install` of
 charts/tpufinetune-operator with its default values (the image it names was built from
-Dockerfile.operator and imported into the node's containerd, so nothing is pulled)."""
+Dockerfile.operator and imported into the node's containerd, so nothing is pulled), but for a
+nodeSelector that pins it to the real node: the simulated (KWOK) nodes report any pod Running and
+Ready without running it, and the scheduler picks one when the real node is briefly tainted (disk
+pressure while a 6 GB image is imported), which leaves an operator that never reconciles."""
 from __future__ import annotations
 
 import json
@@ -8,6 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from tpuft_local.node import NODE_NAME
 from tpuft_local.toolchain import tool_path
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "tpufinetune-operator"
@@ -31,7 +35,8 @@ def helm(cluster, *args: str, check: bool = True) -> subprocess.CompletedProcess
 def install(cluster, restart: bool = False, timeout: float = 240) -> None:
     """helm upgrade --install (idempotent), then wait until the operator pod is Ready.
     restart: a new image was imported under the same tag; roll the Deployment onto it."""
-    helm(cluster, "upgrade", "--install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--create-namespace")
+    helm(cluster, "upgrade", "--install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--create-namespace",
+         "--set-json", "nodeSelector=" + json.dumps({"kubernetes.io/hostname": NODE_NAME}))
     if restart:
         cluster.cp.kubectl("rollout", "restart", f"deployment/{RELEASE}", "-n", NAMESPACE, check=True)
         cluster.cp.kubectl("rollout", "status", f"deployment/{RELEASE}", "-n", NAMESPACE, f"--timeout={int(timeout)}s")
