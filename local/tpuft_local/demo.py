@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 
 from tpuft import constants as c
-from tpuft.observed import parse_time
+from tpuft.observed import parse_time, serving_ready
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_EXAMPLE = REPO / "examples" / "local-cpu.yaml"
@@ -121,17 +121,11 @@ def stream(custom, namespace: str, name: str, clock: Clock, timeout: float,
                 epoch_losses[int(tr[TR.EPOCH])] = float(tr[TR.LOSS])
         if on_poll is not None:
             on_poll()
-        if phase in (c.Phase.SUCCEEDED.value, c.Phase.FAILED.value) or _serving_ready(st):
+        if phase in (c.Phase.SUCCEEDED.value, c.Phase.FAILED.value) or serving_ready(st):
             return obj, [epoch_losses[k] for k in sorted(epoch_losses)]
         time.sleep(1)
     raise DemoError(f"{namespace}/{name} did not finish within {timeout:.0f}s (last phase: {seen_phase}); "
                     "raise --timeout or look at the logs printed below")
-
-
-def _serving_ready(st: dict) -> bool:
-    return st.get("phase") == c.Phase.SERVING.value and any(
-        x.get("type") == c.Condition.READY.value and x.get("status") == c.ConditionStatus.TRUE.value
-        for x in st.get("conditions") or [])
 
 
 DEMO_PROMPT = "Give three tips for staying healthy."   # an instruction of the kind dolly-mini trains on
@@ -269,7 +263,7 @@ def run_demo(args: argparse.Namespace) -> int:
         final, losses = stream(client.CustomObjectsApi(api_client), args.namespace, name, clock, args.timeout,
                                on_poll=placement.poll)
         code = _summary(final, losses, placement, clock)
-        exchange = _chat(final, kubeconfig, clock) if code == 0 and _serving_ready(final.get("status") or {}) else None
+        exchange = _chat(final, kubeconfig, clock) if code == 0 and serving_ready(final.get("status") or {}) else None
         if args.result:
             args.result.parent.mkdir(parents=True, exist_ok=True)
             args.result.write_text(json.dumps({"object": final, "epochLosses": losses, "chat": exchange,
@@ -295,7 +289,7 @@ def run_demo(args: argparse.Namespace) -> int:
 def _summary(obj: dict, losses: list[float], placement: Placement, clock: Clock) -> int:
     st = obj.get("status") or {}
     conds = {x["type"]: x["status"] for x in st.get("conditions", [])}
-    if st.get("phase") == c.Phase.SUCCEEDED.value or _serving_ready(st):
+    if st.get("phase") == c.Phase.SUCCEEDED.value or serving_ready(st):
         tr = st.get("training") or {}
         print(f"{clock.stamp()} {st['phase']}: conditions {', '.join(f'{k}={v}' for k, v in conds.items())}")
         if losses:

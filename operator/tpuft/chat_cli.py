@@ -19,6 +19,7 @@ from typing import Iterator
 
 from tpuft import chat as chatlib
 from tpuft import constants as c
+from tpuft.observed import serving_ready
 
 FORWARD_WAIT_SECONDS = 30
 FORWARDING = re.compile(r"Forwarding from 127\.0\.0\.1:(\d+) ->")
@@ -41,11 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def endpoint(obj: dict) -> dict:
     """status.serving of an object whose model is ready to answer; NotServing otherwise."""
     st = obj.get("status") or {}
-    ready = any(x.get("type") == c.Condition.READY.value and x.get("status") == c.ConditionStatus.TRUE.value
-                for x in st.get("conditions") or [])
     serving = st.get("serving") or {}
     meta = obj.get("metadata") or {}
-    if st.get("phase") != c.Phase.SERVING.value or not ready or not serving.get("service"):
+    if not serving_ready(st) or not serving.get("service"):
         raise NotServing(f"{meta.get('namespace')}/{meta.get('name')} is not serving yet (phase "
                          f"{st.get('phase') or '-'}: {st.get('message') or 'no status'})"
                          + ("" if (obj.get("spec") or {}).get("serve", {}).get("enabled") else

@@ -251,6 +251,13 @@ def service_ready(status: Mapping) -> bool:
             and (ready is None or ready.get("status") == ConditionStatus.TRUE.value))
 
 
+def serving_ready(status: Mapping) -> bool:
+    """A TPUFinetune's status (not KubeRay's): Serving with Ready True, the model answering."""
+    ready = _cond(status, Condition.READY.value)
+    return (status.get("phase") == c.Phase.SERVING.value and ready is not None
+            and ready.get("status") == ConditionStatus.TRUE.value)
+
+
 def service_progress(status: Mapping) -> str:
     app, message = serve_app_state(status)
     out = f"app {c.SERVE_APP_NAME} {app or 'not deployed yet'}"

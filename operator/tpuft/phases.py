@@ -40,7 +40,7 @@ from tpuft.observed import (  # noqa: F401  (re-exported)
     OWNED_KEYS, LIVE_SPEC_FIELDS, CONDITION_ORDER, DEFAULT_VERIFY_GRACE_SECONDS, ClusterObs, IndexedChild,
     JobObs, AdmissionError, Observed, Op, Action, Event, Decision, Tunables, fmt_time, parse_time, owned,
     cluster_provisioned, cluster_progress, slice_loss, job_state, job_succeeded, job_failed, job_failure_detail,
-    spec_diff, ServiceObs, SERVE_ENABLED_FIELD, serve_app_state, service_ready, service_progress)
+    spec_diff, ServiceObs, SERVE_ENABLED_FIELD, serve_app_state, service_ready, service_progress, serving_ready)
 
 
 # --- the draft status ---------------------------------------------------------------------------
@@ -544,9 +544,7 @@ def _serving(d: _Draft, tft: TPUFinetune, obs: Observed, live_serve: bool) -> De
 def wants_serve_pods(obj: Mapping[str, Any]) -> bool:
     """Serving and not (yet) ready: the serving cluster's pods say why (image pull, scheduling)."""
     st = owned(obj.get("status"))
-    ready = any(x.get("type") == Condition.SERVING.value and x.get("status") == ConditionStatus.TRUE.value
-                for x in st.get("conditions") or [])
-    return st.get("phase") == Phase.SERVING.value and not ready
+    return st.get("phase") == Phase.SERVING.value and not serving_ready(st)
 
 
 def _suspend(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:

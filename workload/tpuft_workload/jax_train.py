@@ -34,27 +34,17 @@ from tpuft_workload import jax_checkpoint, pipeline
 from tpuft_workload import jax_model as jm
 from tpuft_workload.platform import PLATFORMS, Target
 from tpuft_workload.report import BackgroundReporter, StatusReporter, Throttle
-from tpuft_workload.train import (SUMMARY, TrainConfig, _ckpt_name, _maybe_kill, _resume_message, _say,
-                                  _status_metrics, prepare, run_config)
+from tpuft_workload.train import (TrainConfig, _ckpt_name, _maybe_kill, _resume_message, _say, _status_metrics,
+                                  epoch_line, finish_run, interval_line, prepare, run_config)
+from tpuft_workload.train import scaling_config as _scaling_config
 from tpuft_workload.train import run_training as _run_training
 
 MESH_AXES = ("data", "fsdp")
 
 
 def scaling_config(target: Target):
-    from ray.train import ScalingConfig
-    from tpuft.constants import RAY_TPU_RESOURCE_PER_CHIP_ENV
-
-    shape, plat = target.shape, target.platform
-    if plat.is_tpu:
-        if shape.tpu_resource_per_chip > 1:  # TPU7x: Ray reads it at ScalingConfig validation
-            os.environ.setdefault(RAY_TPU_RESOURCE_PER_CHIP_ENV, str(shape.tpu_resource_per_chip))
-        # resources_per_worker left to Ray: all of a host's TPU resources per worker
-        return ScalingConfig(use_tpu=True, topology=shape.topology, accelerator_type=shape.ray_accelerator_type,
-                             num_workers=target.jax_workers)
-    if plat.kind == "gpu":
-        return ScalingConfig(num_workers=target.jax_workers, use_gpu=True)
-    return ScalingConfig(num_workers=target.jax_workers, resources_per_worker={"CPU": 1})
+    """One JaxTrainer worker per host (train.scaling_config's per_host)."""
+    return _scaling_config(target, per_host=True)
 
 
 def build_trainer(args, target: Target, fault_spec: str = ""):
@@ -373,34 +363,20 @@ class _Run:
                 win = _Window()
         m = epoch_win.reduce()
         if self.rank == 0:
-            _say(f"Epoch {epoch + 1}/{cfg.epochs} | loss={m['loss']:.4f} | epoch_time={m['seconds']:.2f}s | "
-                 f"tokens/s={m['tokens_per_s']:.1f} | padded_tokens/s={m['padded_tokens_per_s']:.1f} | "
-                 f"pad={m['pad_fraction']:.1%}")
+            _say(epoch_line(epoch + 1, cfg.epochs, m))
         self.report({"epoch": epoch + 1, "epoch_loss": m["loss"], "epoch_time_s": m["seconds"], **m}, True)
         self.status(True, epoch=epoch + 1, step=self.step, lastCheckpoint=self.last_ckpt, **self.last_metrics)
 
     def _interval(self, epoch: int, m: dict, save: bool) -> None:
         if self.rank == 0:
-            _say(f"Epoch {epoch + 1}/{self.cfg.epochs} | step {self.step}/{self.total_steps} | "
-                 f"loss={m['loss']:.4f} | step_time={m['step_time_s']:.3f}s | "
-                 f"tokens/s={m['tokens_per_s']:.1f} | padded_tokens/s={m['padded_tokens_per_s']:.1f}")
+            _say(interval_line(epoch + 1, self.cfg.epochs, self.step, self.total_steps, m))
         self.report({"epoch": epoch + 1, **m}, save)
         self.status(save, epoch=epoch + 1, step=self.step, lastCheckpoint=self.last_ckpt or None,
                     **self.last_metrics)
 
     # --- finish ---------------------------------------------------------------------------------------
     def finish(self) -> None:
-        cfg = self.cfg
-        exported = self._export()
-        summary = {"step": self.step, "totalSteps": self.total_steps, "resumedFromStep": self.resumed_from,
-                   "lastCheckpoint": self.last_ckpt, "exportedModel": exported, **self.last_metrics,
-                   **({"resumedFrom": self.source, "message": self.message} if self.source else {})}
-        if self.rank == 0:
-            _say(f"[tpuft] exported Hugging Face model to {exported}")
-            self.status(True, epoch=cfg.epochs, step=self.step, lastCheckpoint=self.last_ckpt,
-                        exportedModel=exported, **self.last_metrics)
-            ckptlib.write_json(ckptlib.join(cfg.run_dir, SUMMARY), summary)
-        self.reporter.close()
+        finish_run(self, self._export())
 
     def _export(self) -> str | None:
         """Collective: the full weights gathered to every host; rank 0 writes the from_pretrained()

@@ -323,9 +323,7 @@ class _Run:
                 paused = time.perf_counter()
                 m = win.reduce()
                 if self.rank == 0:
-                    _say(f"Epoch {epoch + 1}/{cfg.epochs} | step {self.step}/{self.total_steps} | "
-                         f"loss={m['loss']:.4f} | step_time={m['step_time_s']:.3f}s | "
-                         f"tokens/s={m['tokens_per_s']:.1f} | padded_tokens/s={m['padded_tokens_per_s']:.1f}")
+                    _say(interval_line(epoch + 1, cfg.epochs, self.step, self.total_steps, m))
                 self.report({"epoch": epoch + 1, **m}, save)
                 self.status(save, epoch=epoch + 1, step=self.step, lastCheckpoint=self.last_ckpt or None,
                             **self.last_metrics)
@@ -337,9 +335,7 @@ class _Run:
                 win = _Window(self.device)
         m = epoch_win.reduce()
         if self.rank == 0:
-            _say(f"Epoch {epoch + 1}/{cfg.epochs} | loss={m['loss']:.4f} | epoch_time={m['seconds']:.2f}s | "
-                 f"tokens/s={m['tokens_per_s']:.1f} | padded_tokens/s={m['padded_tokens_per_s']:.1f} | "
-                 f"pad={m['pad_fraction']:.1%}")
+            _say(epoch_line(epoch + 1, cfg.epochs, m))
         self.report({"epoch": epoch + 1, "epoch_loss": m["loss"], "epoch_time_s": m["seconds"], **m}, True)
         self.status(True, epoch=epoch + 1, step=self.step, lastCheckpoint=self.last_ckpt, **self.last_metrics)
 
@@ -351,33 +347,55 @@ class _Run:
         # bf16 export on accelerators (the dtype the model trains in); fp32 on CPU
         exported = ckptlib.export_hf(self.model, self.tokenizer, cfg.export_uri, self.rank,
                                      dtype=torch.bfloat16 if self.plat.mixed_precision else None)
-        summary = {"step": self.step, "totalSteps": self.total_steps, "resumedFromStep": self.resumed_from,
-                   "lastCheckpoint": self.last_ckpt, "exportedModel": exported, **self.last_metrics,
-                   **({"resumedFrom": self.source, "message": self.message} if self.source else {})}
-        if self.rank == 0:
-            _say(f"[tpuft] exported Hugging Face model to {exported}")
-            self.status(True, epoch=cfg.epochs, step=self.step, lastCheckpoint=self.last_ckpt,
-                        exportedModel=exported, **self.last_metrics)
-            # Result.metrics is the latest *checkpoint's* metrics (maybe from an earlier attempt):
-            # this file is what the final attempt actually did.
-            ckptlib.write_json(ckptlib.join(cfg.run_dir, SUMMARY), summary)
-        self.reporter.close()
+        finish_run(self, exported)
 
 
-def scaling_config(target: Target):
-    """One Ray Train worker per device: TPU (with the slice's topology), GPU or CPU."""
+def scaling_config(target: Target, per_host: bool = False):
+    """Ray Train's workers on TPU (with the slice's topology), GPU or CPU: one per device (torch),
+    or with per_host one per host, each holding all of its host's TPU resources (JAX)."""
     from ray.train import ScalingConfig
     from tpuft.constants import RAY_TPU_RESOURCE_PER_CHIP_ENV
 
     shape, plat = target.shape, target.platform
+    workers = target.jax_workers if per_host else target.world_size
     if plat.is_tpu:
         if shape.tpu_resource_per_chip > 1:  # TPU7x: Ray reads it at ScalingConfig validation
             os.environ.setdefault(RAY_TPU_RESOURCE_PER_CHIP_ENV, str(shape.tpu_resource_per_chip))
+        # per host: resources_per_worker left to Ray, which gives a worker all of its host's TPUs
+        per_worker = {} if per_host else {"resources_per_worker": {"TPU": 1}}
         return ScalingConfig(use_tpu=True, topology=shape.topology, accelerator_type=shape.ray_accelerator_type,
-                             num_workers=target.world_size, resources_per_worker={"TPU": 1})
+                             num_workers=workers, **per_worker)
     if plat.kind == "gpu":
-        return ScalingConfig(num_workers=target.world_size, use_gpu=True)
-    return ScalingConfig(num_workers=target.world_size, resources_per_worker={"CPU": 1})
+        return ScalingConfig(num_workers=workers, use_gpu=True)
+    return ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1})
+
+
+def interval_line(epoch: int, epochs: int, step: int, total: int, m: dict) -> str:
+    """The per-interval log line both trainers print (`tpuft demo`'s docs and the benches read it)."""
+    return (f"Epoch {epoch}/{epochs} | step {step}/{total} | loss={m['loss']:.4f} | "
+            f"step_time={m['step_time_s']:.3f}s | tokens/s={m['tokens_per_s']:.1f} | "
+            f"padded_tokens/s={m['padded_tokens_per_s']:.1f}")
+
+
+def epoch_line(epoch: int, epochs: int, m: dict) -> str:
+    return (f"Epoch {epoch}/{epochs} | loss={m['loss']:.4f} | epoch_time={m['seconds']:.2f}s | "
+            f"tokens/s={m['tokens_per_s']:.1f} | padded_tokens/s={m['padded_tokens_per_s']:.1f} | "
+            f"pad={m['pad_fraction']:.1%}")
+
+
+def finish_run(run, exported: str | None) -> None:
+    """The end both trainers share: rank 0 reports the export into status and writes the run's
+    summary (Result.metrics is the latest *checkpoint's*, maybe an earlier attempt's: this file is
+    what the final attempt did); every rank closes its reporter."""
+    summary = {"step": run.step, "totalSteps": run.total_steps, "resumedFromStep": run.resumed_from,
+               "lastCheckpoint": run.last_ckpt, "exportedModel": exported, **run.last_metrics,
+               **({"resumedFrom": run.source, "message": run.message} if run.source else {})}
+    if run.rank == 0:
+        _say(f"[tpuft] exported Hugging Face model to {exported}")
+        run.status(True, epoch=run.cfg.epochs, step=run.step, lastCheckpoint=run.last_ckpt,
+                   exportedModel=exported, **run.last_metrics)
+        ckptlib.write_json(ckptlib.join(run.cfg.run_dir, SUMMARY), summary)
+    run.reporter.close()
 
 
 def prepare(args, target: Target, fault_spec: str = "") -> tuple[str, pipeline.Packed, dict]:
