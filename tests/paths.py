@@ -1,4 +1,5 @@
 """Where tests find the repo and the reference data they need (all inside the repo)."""
+import functools
 import gzip
 from pathlib import Path
 
@@ -14,5 +15,11 @@ GOLDEN = REPO / "tests" / "golden"
 
 
 def kuberay_crd(name: str) -> dict:
-    """A KubeRay v1.7.0 CRD by file name, e.g. ray.io_rayclusters.yaml."""
-    return yaml.safe_load(gzip.decompress((KUBERAY_REF / f"{name}.gz").read_bytes()))
+    """A KubeRay v1.7.0 CRD by file name, e.g. ray.io_rayclusters.yaml (a fresh copy each call)."""
+    return yaml.load(_kuberay_crd_text(name), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
+@functools.cache
+def _kuberay_crd_text(name: str) -> bytes:
+    # Parsed per call (callers may edit the result), but read and unzipped once: the CRDs are ~1 MB of YAML.
+    return gzip.decompress((KUBERAY_REF / f"{name}.gz").read_bytes())

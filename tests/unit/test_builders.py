@@ -1,6 +1,7 @@
 """Pure translation: golden files per example, the seed's manifests, KubeRay's own schemas,
 and one focused test per option."""
 
+import functools
 import shlex
 
 import jsonschema
@@ -55,6 +56,7 @@ def test_every_field_the_seed_sets_is_present_with_the_seeds_value(example, grou
     assert missing_from(seed, ours) == []
 
 
+@functools.cache   # one validator per CRD for the session: building and first use cost seconds
 def _crd_validator(name):
     crd = kuberay_crd(name)
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
@@ -225,8 +227,6 @@ def test_names_fit_and_owner_references_are_set():
 
 
 def _train_args(doc) -> list[str]:
-    import shlex
-
     return shlex.split(by_kind(render(doc), "RayJob")[-1]["spec"]["entrypoint"])
 
 

@@ -20,7 +20,10 @@ from tests.factories import MINIMUM
 from tpuft import builders, catalog
 from tpuft.spec import MAX_NAME_LENGTH, SpecError, TPUFinetune, parse
 
-SETTINGS = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomize: the same 200 examples on every run, so CI never fails on a draw a rerun would not
+# repeat (to explore new draws locally, set derandomize=False).
+SETTINGS = settings(max_examples=200, deadline=None, database=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow])
 
 # spec/metadata/apiVersion/kind, then .key or [index] segments (keys may contain '/' and '.',
 # e.g. spec.resources.worker.limits.google.com/tpu).
