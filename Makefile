@@ -20,9 +20,12 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(VENV)/bin/tpuft demo
 
+# Fast tiers first (a broken unit test fails in a minute), then three lanes at once (the cluster's
+# real node, its simulated TPU hosts, and integration/chart/workload), then `tpuft cluster down`;
+# prints each tier's time and the 30 slowest tests. See tests/lanes.py; logs in .test-logs/.
 test: venv
 	$(VENV)/bin/tpuft cluster tools
-	RAY_AUTH_MODE=disabled $(PY) -m pytest -q tests
+	RAY_AUTH_MODE=disabled $(PY) -m tests.lanes
 
 # The unit tier needs neither torch nor Ray: a light venv of its own (seconds to build from
 # pip's cache), so `make unit` and `make lint` never wait for the workload's dependencies.

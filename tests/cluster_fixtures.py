@@ -10,9 +10,15 @@ Fixtures:
   cluster_ns     function a fresh namespace, deleted after the test (and its pods gone)
   clear_namespace(kubectl, ns)  delete what a test left in a namespace and wait for its pods to go,
                  so the next test finds the node's CPUs and the simulated TPU hosts free
+  assert_nothing_left_failed(kubectl, ns)  no Job Failed, no pod Failed, no RayJob whose job ended
+                 while its deployment did not: what a run that succeeded must leave (issue 24)
+
+Marker `real_node`: a test that trains on the real node (CPU-heavy); `make test` runs those in
+one lane and the rest of the cluster tests (simulated TPU hosts, mostly waiting) beside them.
 """
 from __future__ import annotations
 
+import json
 import re
 import uuid
 
@@ -33,7 +39,10 @@ def local_cluster():
 
     cluster = LocalCluster()
     was_running = cluster.cp.ready() and cluster.pid_of("kubelet") is not None
-    cluster.up()
+    if not (was_running and cluster.status_lines()[1]):
+        # A healthy running cluster is used as it is: `make test` runs two cluster lanes at once,
+        # and two `up`s at the same time would both helm-upgrade the operator.
+        cluster.up()
     yield cluster
     if not was_running:
         cluster.down()
@@ -74,3 +83,23 @@ def clear_namespace(kubectl, ns: str, timeout: float = 240) -> None:
         res = kubectl("get", "pods", "-n", ns, "-l", "ray.io/node-type", "-o", "name")
         return res.returncode != 0 or not res.stdout.strip()
     wait_until(gone, timeout=timeout, interval=2, what=f"KubeRay's pods in {ns} to go")
+
+
+JOB_ENDED = {"SUCCEEDED", "FAILED", "STOPPED"}
+DEPLOYMENT_ENDED = {"Complete", "Failed"}
+
+
+def assert_nothing_left_failed(kubectl, ns: str) -> None:
+    """What a run that succeeded leaves in its namespace: no Job with a Failed condition, no pod
+    in phase Failed, and no RayJob whose Ray job has ended while KubeRay's deployment of it has not."""
+    def items(kind: str) -> list[dict]:
+        return json.loads(kubectl("get", kind, "-n", ns, "-o", "json", check=True).stdout)["items"]
+
+    failed_jobs = [j["metadata"]["name"] for j in items("jobs")
+                   if any(c["type"] == "Failed" and c["status"] == "True" for c in j["status"].get("conditions") or [])]
+    failed_pods = [p["metadata"]["name"] for p in items("pods") if p["status"].get("phase") == "Failed"]
+    half_done = [f"{r['metadata']['name']} (jobStatus {st.get('jobStatus')}, jobDeploymentStatus "
+                 f"{st.get('jobDeploymentStatus')})" for r in items("rayjobs") if (st := r.get("status") or {})
+                 and st.get("jobStatus") in JOB_ENDED and st.get("jobDeploymentStatus") not in DEPLOYMENT_ENDED]
+    assert not (failed_jobs or failed_pods or half_done), \
+        f"in {ns}: Failed Jobs {failed_jobs}, Failed pods {failed_pods}, RayJobs ended but not Complete {half_done}"

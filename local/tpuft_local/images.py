@@ -471,7 +471,9 @@ def _dockerfile_hash(recipe: Recipe, base_hash: str) -> str:
 
 
 def _build_dockerfile(lay: Layout, recipe: Recipe, inputs_hash: str, progress: Progress) -> None:
-    args = ["build", "--pull=never", "--layers=false", "--network=host", "--format=oci",
+    # --layers: each step's result is kept, so a change to the code (copied last) rebuilds the
+    # last steps only, not the torch and Ray installs under them.
+    args = ["build", "--pull=never", "--layers=true", "--network=host", "--format=oci",
             "-f", str(REPO_ROOT / recipe.dockerfile), "-t", recipe.ref,
             "--label", f"{INPUTS_LABEL}={inputs_hash}"]
     for key, value in recipe.build_args:

@@ -2,7 +2,9 @@
 on the real local cluster: our operator (its image, from the chart) creates the RayCluster, the
 real KubeRay creates the pods and submits both RayJobs, the kubelet runs them on containerd, the
 real workload verifies the collectives and fine-tunes. Run twice in a row, as a user trying it
-again would: the second run is a new object and must train from step 0 (issue 19). The example
+again would: the second run is a new object under the same name and must train from step 0
+(issue 19); it is examples/local-cpu-jax.yaml (training.framework: jax, JaxTrainer's 2 CPU
+workers, Orbax checkpoints) renamed, so one run also shows the JAX path end to end. Each run
 serves what it trained (spec.serve): the training RayCluster is released, KubeRay's RayService runs
 Ray Serve with the workload's transformers app, the demo's chat exchange answers with the fine-tuned
 model, /v1/models lists it, and Argo CD's health check calls the object Healthy (issue 14).
@@ -14,9 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.chart.helmlib import run_health
-from tests.cluster_fixtures import clear_namespace
+from tests.cluster_fixtures import assert_nothing_left_failed, clear_namespace
 from tests.paths import EXAMPLES, REPO
 
 PHASES_IN_ORDER = ["phase Provisioning", "phase VerifyingCollectives", "verification: passed",
@@ -38,7 +41,7 @@ def _demo(tmp_path: Path, tag: str, *extra: str, timeout: float = 1800) -> tuple
     return proc, (json.loads(result.read_text()) if result.exists() else {})
 
 
-def _check_succeeded(proc, final, storage: Path) -> list[float]:
+def _check_succeeded(proc, final, storage: Path, kubectl) -> list[float]:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     positions = [out.find(marker) for marker in PHASES_IN_ORDER]
@@ -63,24 +66,52 @@ def _check_succeeded(proc, final, storage: Path) -> list[float]:
     assert checkpoint.startswith(str(storage)) and os.path.isdir(checkpoint)
     assert os.path.isfile(os.path.join(export, "config.json"))
     assert any(f.endswith(".safetensors") for f in os.listdir(export))
+    # A run that succeeded leaves nothing Failed behind (no submitter Job, pod or RayJob; issue 24).
+    assert_nothing_left_failed(kubectl, "e2e")
     return losses
 
 
+def _jax_example_as(name: str, tmp_path: Path) -> Path:
+    doc = yaml.safe_load((EXAMPLES / "local-cpu-jax.yaml").read_text())
+    doc["metadata"]["name"] = name
+    path = tmp_path / f"{name}-jax.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def _check_jax(final) -> None:
+    """The JAX run: JaxTrainer's Orbax checkpoint committed on the hostPath volume, and an export
+    transformers loads and generates with (it is also what the RayService serves)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert final["object"]["spec"]["training"]["framework"] == "jax"
+    status = final["object"]["status"]
+    checkpoint, export = Path(status["training"]["lastCheckpoint"]), status["training"]["exportedModel"]
+    assert (checkpoint / "state").is_dir() and (checkpoint / "COMMITTED").is_file(), sorted(checkpoint.iterdir())
+    model, tok = AutoModelForCausalLM.from_pretrained(export), AutoTokenizer.from_pretrained(export)
+    ids = tok("### Instruction:\nTell me about the cow.\n\n### Response:\n", return_tensors="pt")["input_ids"]
+    assert model.generate(input_ids=ids, max_new_tokens=8, do_sample=False).shape[1] > ids.shape[1]
+
+
+@pytest.mark.real_node
 @pytest.mark.timeout(2400)   # two demo runs, each to a served model
-def test_demo_runs_twice_and_each_run_trains(local_cluster, tmp_path, monkeypatch):
+def test_demo_runs_twice_and_each_run_trains(local_cluster, cluster_kubectl, tmp_path, monkeypatch):
     storage = tmp_path / "checkpoints"
     first, final1 = _demo(tmp_path, "1", "--storage-path", str(storage))
-    _check_succeeded(first, final1, storage)
+    _check_succeeded(first, final1, storage, cluster_kubectl)
     run1 = Path(final1["object"]["status"]["training"]["lastCheckpoint"]).parent
     before = {p: p.stat().st_mtime_ns for p in run1.rglob("*") if p.is_file()}
 
-    second, final2 = _demo(tmp_path, "2", "--storage-path", str(storage))
-    _check_succeeded(second, final2, storage)
+    # The same name again at once (the demo deletes the first object and applies), now with JAX.
+    second, final2 = _demo(tmp_path, "2", "--storage-path", str(storage),
+                           "--example", str(_jax_example_as("local-cpu", tmp_path)))
+    _check_succeeded(second, final2, storage, cluster_kubectl)
     run2 = Path(final2["object"]["status"]["training"]["lastCheckpoint"]).parent
     assert run2 != run1 and final2["object"]["metadata"]["uid"] != final1["object"]["metadata"]["uid"]
     assert "Epoch 1/3" in second.stdout  # trained from step 0, not "resumed" at the end
     assert {p: p.stat().st_mtime_ns for p in run1.rglob("*") if p.is_file()} == before  # first run untouched
     assert final2["object"]["status"]["serving"]["modelSource"].startswith(str(run2))   # serves its own export
+    _check_jax(final2)
     monkeypatch.setenv("KUBECONFIG", str(local_cluster.kubeconfig))
     _check_chat_and_models()
 

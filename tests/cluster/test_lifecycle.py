@@ -1,11 +1,14 @@
-"""One CPU run through the disruptions a real cluster has, against the real KubeRay: our
-operator's pod is deleted mid-training (the Deployment starts another, which picks the run up),
-then the run is suspended (KubeRay's pods go away) and resumed, and it still ends Succeeded,
-resumed from its own last checkpoint."""
+"""One CPU run through the disruptions a real cluster has, against the real KubeRay: the run is
+suspended mid-training (KubeRay's pods go away) and resumed, then our operator's pod is deleted
+while the resumed training runs (the Deployment starts another, which picks the run up), and it
+still ends Succeeded, resumed from its own last checkpoint. Suspend goes first: the operator
+acts on it within seconds, so it always lands while training (after a restart of unknown length
+the run might already have finished)."""
 from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from tests.paths import EXAMPLES
@@ -22,7 +25,8 @@ def _operator_pods(kubectl) -> list[dict]:
     return json.loads(res.stdout)["items"] if res.returncode == 0 else []
 
 
-def test_operator_restart_and_suspend_resume_mid_training(cluster_kubectl, cluster_ns, tmp_path):
+@pytest.mark.real_node
+def test_suspend_resume_and_operator_restart_mid_training(cluster_kubectl, cluster_ns, tmp_path):
     doc = yaml.safe_load((EXAMPLES / "local-cpu.yaml").read_text())
     doc["spec"].pop("serve")   # training only: this test ends at Succeeded
     storage = str(tmp_path / "checkpoints")
@@ -43,21 +47,29 @@ def test_operator_restart_and_suspend_resume_mid_training(cluster_kubectl, clust
                                           check=True).stdout)["items"]
     assert ray_pods and {p["spec"]["nodeName"] for p in ray_pods} == {node.NODE_NAME}, \
         [(p["metadata"]["name"], p["spec"]["nodeName"]) for p in ray_pods]
-    (old,) = [p["metadata"]["name"] for p in _operator_pods(cluster_kubectl)]
-    cluster_kubectl("delete", "pod", old, "-n", chart.NAMESPACE, "--wait=false", check=True)
-    wait_until(lambda: any(p["metadata"]["name"] != old and any(
-        c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions") or [])
-        for p in _operator_pods(cluster_kubectl)), timeout=180, interval=2, what="a new operator pod Ready")
-
     cluster_kubectl("patch", "tft", "life", "-n", cluster_ns, "--type=merge", "-p", '{"spec":{"suspend":true}}',
                     check=True)
-    wait_until(lambda: _tft(cluster_kubectl, cluster_ns, "life")["status"].get("phase") == "Suspended",
-               timeout=300, interval=2, what="phase Suspended")
+    st = wait_until(lambda: (s := _tft(cluster_kubectl, cluster_ns, "life")["status"]).get("phase") in
+                    ("Suspended", "Succeeded", "Failed") and s, timeout=300, interval=2, what="phase Suspended")
+    assert st["phase"] == "Suspended" and "suspended during Training" in st["message"], st
     wait_until(lambda: not json.loads(cluster_kubectl("get", "pods", "-n", cluster_ns, "-l", "ray.io/node-type",
                                                       "-o", "json", check=True).stdout)["items"],
                timeout=300, interval=2, what="KubeRay's pods to go while suspended")
     cluster_kubectl("patch", "tft", "life", "-n", cluster_ns, "--type=merge", "-p", '{"spec":{"suspend":false}}',
                     check=True)
+
+    def resumed_training():
+        st = _tft(cluster_kubectl, cluster_ns, "life").get("status") or {}
+        assert st.get("phase") not in ("Failed", "Succeeded"), st
+        # the resumed workload writes resumedFromStep as it loads the checkpoint, then trains on
+        return st.get("phase") == "Training" and (st.get("training") or {}).get("resumedFromStep", 0) >= 5
+
+    wait_until(resumed_training, timeout=900, interval=2, what="the resumed run training again")
+    (old,) = [p["metadata"]["name"] for p in _operator_pods(cluster_kubectl)]
+    cluster_kubectl("delete", "pod", old, "-n", chart.NAMESPACE, "--wait=false", check=True)
+    wait_until(lambda: any(p["metadata"]["name"] != old and any(
+        c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions") or [])
+        for p in _operator_pods(cluster_kubectl)), timeout=180, interval=2, what="a new operator pod Ready")
 
     def finished():
         st = _tft(cluster_kubectl, cluster_ns, "life").get("status") or {}

@@ -1,0 +1,193 @@
+"""`make test`: every test tier, fast ones first, the slow ones in parallel lanes.
+
+    python -m tests.lanes [--only TIER ...] [--logs DIR]
+
+1. `fast` (unit, local, packaging, the Dockerfile checks): seconds; a failure here stops the run,
+   so a broken unit test fails CI in a minute, not an hour.
+2. Three lanes at once, each a list of tiers run one after another:
+     cluster   `tpuft cluster up`, then the cluster tests that train on the real node (marker
+               `real_node`: the CPU-heavy ones, the run's long pole);
+     simulated once the cluster is up: the cluster tests that do not (KWOK slices, which mostly
+               wait; the CLI; the operator's image), then the image tests;
+     workload  integration and chart (their own control planes), then the workload tier (real
+               Ray and torch), niced so the cluster's pods keep the CPUs the long pole needs.
+3. `down`: tests/cluster/test_zz_down.py, after every lane, whenever the cluster came up.
+
+Each tier is one pytest process with its own log and JUnit file under --logs (default
+.test-logs/); a lane's logs are printed whole when it ends, then one table of every tier's time
+and the 30 slowest tests of the whole run. Exit status: 0 only if every tier passed.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import subprocess
+import sys
+import threading
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+HEARTBEAT_S = 120
+SLOWEST = 30
+NOT_SIM = ["--ignore=tests/cluster/test_zz_down.py"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tier:
+    name: str
+    argv: tuple[str, ...]          # a pytest command line (after `python -m pytest`), or a command
+    pytest: bool = True
+    nice: int = 0
+
+
+def _pytest(name: str, *args: str, nice: int = 0) -> Tier:
+    return Tier(name, args, nice=nice)
+
+
+FAST = _pytest("fast", "tests/unit", "tests/local", "tests/packaging", "tests/images/test_dockerfiles.py",
+               "tests/images/test_operator_wheel.py")
+CLUSTER_UP = Tier("cluster up", (PY, "-m", "tpuft.cli", "cluster", "up"), pytest=False)
+LANES: dict[str, list[Tier]] = {
+    "cluster": [CLUSTER_UP, _pytest("cluster (real node)", "-m", "cluster and real_node", "tests/cluster", *NOT_SIM)],
+    "simulated": [_pytest("cluster (simulated)", "-m", "cluster and not real_node", "tests/cluster", *NOT_SIM),
+                  _pytest("images", "tests/images/test_images.py")],
+    "workload": [_pytest("integration+chart", "tests/integration", "tests/chart", nice=5),
+                 _pytest("workload", "tests/workload", nice=10)],
+}
+DOWN = _pytest("down", "tests/cluster/test_zz_down.py")
+NEEDS_CLUSTER = {"simulated"}   # lanes that start once `cluster up` has succeeded
+
+
+@dataclasses.dataclass
+class Result:
+    tier: Tier
+    seconds: float
+    rc: int
+    log: Path
+    junit: Path | None
+
+
+def _run(tier: Tier, logs: Path) -> Result:
+    slug = tier.name.split(" ")[0].replace("+", "-") + ("-" + tier.name.split("(")[1].rstrip(")").replace(" ", "-")
+                                                         if "(" in tier.name else "")
+    log, junit = logs / f"{slug}.log", logs / f"{slug}.xml"
+    if tier.pytest:
+        argv = [PY, "-m", "pytest", "-q", f"--junitxml={junit}", "--durations=10", *tier.argv]
+    else:
+        argv, junit = list(tier.argv), None
+    if tier.nice:
+        argv = ["nice", "-n", str(tier.nice), *argv]
+    _say(f"start {tier.name}: {' '.join(argv[argv.index('-m') + 1:] if '-m' in argv else argv)}  (log {log})")
+    start = time.monotonic()
+    with open(log, "w") as out:
+        rc = subprocess.run(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+    res = Result(tier, time.monotonic() - start, rc, log, junit if junit and junit.exists() else None)
+    _say(f"{'ok  ' if rc == 0 else 'FAIL'} {tier.name}: {res.seconds:.0f} s (exit {rc})")
+    return res
+
+
+T0 = time.monotonic()
+_print_lock = threading.Lock()
+
+
+def _say(msg: str) -> None:
+    with _print_lock:
+        print(f"[lanes {time.monotonic() - T0:6.0f}s] {msg}", flush=True)
+
+
+def _show(results: list[Result]) -> None:
+    with _print_lock:
+        for r in results:
+            print(f"\n===== {r.tier.name} ({r.seconds:.0f} s, exit {r.rc}): {r.log} =====", flush=True)
+            print(r.log.read_text(errors="replace").rstrip(), flush=True)
+
+
+def _lane(tiers: list[Tier], logs: Path, results: list[Result], gate: threading.Event | None,
+          up_ok: threading.Event) -> None:
+    mine: list[Result] = []
+    if gate is not None:
+        gate.wait()
+        if not up_ok.is_set():
+            _say(f"skip {', '.join(t.name for t in tiers)}: the cluster did not come up")
+            return
+    for tier in tiers:
+        res = _run(tier, logs)
+        mine.append(res)
+        if tier is CLUSTER_UP:
+            (up_ok.set() if res.rc == 0 else None)
+            for ev in _gates.values():
+                ev.set()
+            if res.rc != 0:
+                break
+    results.extend(mine)
+    _show(mine)
+
+
+_gates: dict[str, threading.Event] = {}
+
+
+def _slowest(results: list[Result], n: int = SLOWEST) -> list[tuple[float, str]]:
+    rows = []
+    for r in results:
+        if r.junit is None:
+            continue
+        for case in ET.parse(r.junit).getroot().iter("testcase"):
+            rows.append((float(case.get("time") or 0), f"{case.get('classname')}::{case.get('name')}"))
+    return sorted(rows, reverse=True)[:n]
+
+
+def _report(results: list[Result], wall: float) -> None:
+    print(f"\n===== time per tier (wall {wall:.0f} s = {wall / 60:.1f} min) =====")
+    for r in results:
+        print(f"{r.tier.name:<24} {r.seconds:7.0f} s  {'passed' if r.rc == 0 else f'FAILED (exit {r.rc})'}")
+    print(f"\n===== {SLOWEST} slowest tests (setup + call + teardown) =====")
+    for secs, name in _slowest(results):
+        print(f"{secs:8.1f} s  {name}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.lanes", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--logs", type=Path, default=REPO / ".test-logs")
+    ap.add_argument("--only", nargs="+", choices=["fast", *LANES, "down"],
+                    help="run these parts only (default: all, in the order above)")
+    args = ap.parse_args(argv)
+    args.logs.mkdir(parents=True, exist_ok=True)
+    want = set(args.only or ["fast", *LANES, "down"])
+    results: list[Result] = []
+
+    if "fast" in want:
+        res = _run(FAST, args.logs)
+        results.append(res)
+        _show([res])
+        if res.rc != 0:
+            _report(results, time.monotonic() - T0)
+            return 1
+
+    up_ok = threading.Event()
+    if "cluster" not in want:
+        up_ok.set()   # --only simulated/down: a cluster the developer brought up themselves
+    _gates.update({name: threading.Event() for name in LANES if name in NEEDS_CLUSTER and "cluster" in want})
+    threads = [threading.Thread(target=_lane, args=(LANES[name], args.logs, results, _gates.get(name), up_ok),
+                                name=name, daemon=True) for name in LANES if name in want]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        for t in threads:
+            t.join(timeout=HEARTBEAT_S / max(len(threads), 1))
+        running = [t.name for t in threads if t.is_alive()]
+        if running:
+            _say(f"still running: {', '.join(running)}")
+
+    if "down" in want and up_ok.is_set():
+        res = _run(DOWN, args.logs)
+        results.append(res)
+        _show([res])
+    _report(results, time.monotonic() - T0)
+    return 0 if results and all(r.rc == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
