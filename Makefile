@@ -9,12 +9,10 @@ STAMP  := $(VENV)/.installed
 
 venv: $(STAMP)
 
-# torch goes in first and pinned, so Ray and transformers never pull another build.
-$(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "torch==2.13.*"
-	$(PY) -m pip install -q -e ".[workload,jax,local,test]"
+# Dependencies once per machine (keyed by pyproject.toml), this clone editable in its own .venv:
+# see hack/venv.sh. torch goes in first and pinned, so Ray and transformers never pull another build.
+$(STAMP): pyproject.toml hack/venv.sh
+	PYTHON=$(PYTHON) hack/venv.sh $(VENV) workload,jax,local,test "torch==2.13.*"
 	touch $(STAMP)
 
 demo: venv
@@ -33,17 +31,16 @@ UNIT_VENV  ?= .venv-unit
 UNIT_PY    := $(UNIT_VENV)/bin/python
 UNIT_STAMP := $(UNIT_VENV)/.installed
 
-$(UNIT_STAMP): pyproject.toml
-	$(PYTHON) -m venv $(UNIT_VENV)
-	$(UNIT_PY) -m pip install -q --upgrade pip
-	$(UNIT_PY) -m pip install -q -e ".[local,test,lint]"
+$(UNIT_STAMP): pyproject.toml hack/venv.sh
+	PYTHON=$(PYTHON) hack/venv.sh $(UNIT_VENV) local,test,lint
 	touch $(UNIT_STAMP)
 
 unit: $(UNIT_STAMP)
 	$(UNIT_PY) -m pytest -q tests/unit
 
 lint: $(UNIT_STAMP)
-	$(UNIT_VENV)/bin/ruff check .
+	$(UNIT_PY) -m ruff check .
 
+# The dependency venvs stay in ~/.cache/tpuft/venvs (the newest two keys of each are kept).
 clean:
-	rm -rf $(VENV) $(UNIT_VENV) .pytest_cache
+	rm -rf $(VENV) $(UNIT_VENV) .pytest_cache .test-logs

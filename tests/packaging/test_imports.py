@@ -17,7 +17,6 @@ import importlib.metadata as md
 import os
 import subprocess
 import sys
-import sysconfig
 import tomllib
 from pathlib import Path
 
@@ -82,14 +81,16 @@ def fresh_venv(root: Path, dists: dict[str, md.Distribution], sources: list[str]
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
     site = Path(subprocess.run([str(root / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                                check=True, capture_output=True, text=True).stdout.strip())
-    here = Path(sysconfig.get_path("purelib"))
     for dist in dists.values():
+        # the site dir this distribution is installed in: this venv's, or the shared dependency
+        # venv its .pth adds (hack/venv.sh)
+        here = Path(dist.locate_file("")).resolve()
         for f in dist.files or []:
             if "__pycache__" in f.parts or f.suffix == ".pth":
                 continue
             src = Path(dist.locate_file(f)).resolve()
             try:
-                rel = src.relative_to(here.resolve())
+                rel = src.relative_to(here)
             except ValueError:
                 continue   # scripts and data outside site-packages
             dst = site / rel
