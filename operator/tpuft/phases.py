@@ -47,7 +47,8 @@ from tpuft.observed import (  # noqa: F401  (re-exported)
     OWNED_KEYS, LIVE_SPEC_FIELDS, CONDITION_ORDER, DEFAULT_VERIFY_GRACE_SECONDS, ClusterObs, IndexedChild,
     JobObs, AdmissionError, Observed, Op, Action, Event, Decision, Tunables, fmt_time, parse_time, owned,
     cluster_provisioned, cluster_progress, slice_loss, job_state, job_succeeded, job_failed, job_failure_detail,
-    job_finishing, job_settled, spec_diff, ServiceObs, SERVE_ENABLED_FIELD, serve_app_state, service_ready, service_progress, serving_ready)
+    job_finishing, job_settled, spec_diff, ServiceObs, SERVE_ENABLED_FIELD, serve_app_state, service_ready,
+    service_progress, serving_ready)
 
 
 # --- the draft status ---------------------------------------------------------------------------
@@ -649,11 +650,11 @@ def _finishing(d: _Draft, job: JobObs, ctype: Condition, then: str, tun: Tunable
 def _release(d: _Draft, obs: Observed, waited: float, tun: Tunables, stop: set[str] = frozenset()) -> list[str]:
     """Before a RayCluster goes (deleted or suspended) every RayJob on it is finished or gone: a
     submitter still following its job's logs when the head goes fails (its K8s Job ends Failed,
-    the RayJob never Complete). A RayJob KubeRay is finishing may take the grace; any other
-    unfinished one, and those in `stop`, is deleted now (KubeRay's finalizer stops its Ray job
-    while the head is up; its submitter Job goes with it). Returns the RayJobs still holding the
-    cluster, `waited` seconds after it was to go: none past twice the grace (KubeRay has not let
-    them go: the cluster goes anyway)."""
+    the RayJob never Complete). A RayJob KubeRay is finishing may take the grace; the other
+    unfinished ones, and those in `stop`, are deleted now (KubeRay's finalizer stops a Ray job
+    still running while the head is up; the submitter Job goes with its RayJob). Returns the
+    RayJobs still holding the cluster `waited` seconds after it was to go: none past twice the
+    grace (KubeRay has not let them go: the cluster goes anyway)."""
     grace = tun.rayjob_grace_seconds
     holding = set(obs.jobs_deleting)
     for name, job in sorted(obs.jobs.items()):
