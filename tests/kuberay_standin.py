@@ -101,6 +101,13 @@ class KubeRay:
                                        "dashboardURL": f"{cluster}-head-svc:8265",
                                        "startTime": job.get("status", {}).get("startTime") or _now()})
 
+    def job_ended(self, name: str, job_status: str = "SUCCEEDED") -> None:
+        """The Ray job has ended (KubeRay read it from the dashboard) but the submitter Job, which
+        follows the job's logs, has not finished yet: KubeRay keeps jobDeploymentStatus Running
+        until it has (ray-operator/controllers/ray/rayjob_controller.go); job_succeeded or
+        job_failed is the next step."""
+        self._status("rayjobs", name, {"jobDeploymentStatus": "Running", "jobStatus": job_status})
+
     def job_succeeded(self, name: str) -> None:
         self._status("rayjobs", name, {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED",
                                        "endTime": _now(), "succeeded": 1, "failed": 0})

@@ -73,6 +73,12 @@ LEFTOVER_POLL_SECONDS = 2.0
 POD_LIST_INTERVAL_SECONDS = 10.0
 POOLS_CACHE_SECONDS = 30.0  # one list of TPU nodes serves every unschedulable slice for this long
 RECOVERY_HISTORY_MAX = 10   # status.recovery.history keeps the latest this many losses
+# A RayJob whose Ray job has ended is finished by KubeRay (jobDeploymentStatus Complete/Failed)
+# only once its submitter, still following the job's logs, has exited: seconds, normally. Its
+# RayCluster stays until then, for at most this long; past it the RayJob is deleted first, and a
+# deleted RayJob holds its RayCluster (deleted or suspended) for at most this long again
+# (phases._release; TPUFT_RAYJOB_GRACE_SECONDS).
+RAYJOB_FINISH_GRACE_SECONDS = 60.0
 
 # A run's Hugging Face export: {storagePath}/{run name}/export (tpuft_workload.checkpoint writes
 # it; the RayService serves it from there).
@@ -136,6 +142,7 @@ class Reason(str, enum.Enum):
     DEPLOYING = "Deploying"   # the RayService is being created / its Serve app is not RUNNING yet
     SERVING = "Serving"
     SERVE_STOPPED = "ServeStopped"   # spec.serve.enabled set to false: the RayService is deleted
+    FINISHING_RAYJOB = "FinishingRayJob"   # the Ray job ended: waiting for KubeRay to finish its RayJob
     # failures
     INVALID_SPEC = "InvalidSpec"
     PROVISIONING_TIMEOUT = "ProvisioningTimeout"

@@ -19,6 +19,7 @@ drift and which block deletion when the operator is gone). Instead:
     when it changed (operator keys only), post Events.
 
 Environment: TPUFT_RESYNC_SECONDS, TPUFT_WORKERS (4), TPUFT_VERIFY_GRACE_SECONDS (60),
+TPUFT_RAYJOB_GRACE_SECONDS (60: how long KubeRay may take to finish a RayJob whose job has ended),
 TPUFT_POD_LIST_SECONDS (10: how long one list of a coming-up slice's pods is reused),
 TPUFT_METRICS_PORT (9090; 0 disables), TPUFT_LOG_LEVEL.
 """
@@ -48,8 +49,8 @@ BACKOFF_MIN, BACKOFF_MAX = 1.0, 60.0
 
 
 def _tunables() -> phases.Tunables:
-    grace = os.environ.get("TPUFT_VERIFY_GRACE_SECONDS")
-    return phases.Tunables(verify_grace_seconds=float(grace)) if grace else phases.Tunables()
+    env = {"verify_grace_seconds": "TPUFT_VERIFY_GRACE_SECONDS", "rayjob_grace_seconds": "TPUFT_RAYJOB_GRACE_SECONDS"}
+    return phases.Tunables(**{k: float(os.environ[v]) for k, v in env.items() if os.environ.get(v)})
 
 
 # --- indexes and event handlers ----------------------------------------------------------------------
@@ -253,10 +254,18 @@ class Controller:
                 if entry is not None:
                     found[want] = JobObs(want, entry.status)
         service = self._service(obj, services, removed)
-        observed = Observed(cluster=cluster, jobs=found, service=service)
+        deleting = self._deleting_jobs(ns, jobs, removed, uid) if cluster is not None else ()
+        observed = Observed(cluster=cluster, jobs=found, jobs_deleting=deleting, service=service)
         if phases.wants_serve_pods(obj):
             return self._with_serve_pods(observed, obj)
         return self._with_pods(observed, obj, clusters) if phases.wants_pods(obj) else observed
+
+    def _deleting_jobs(self, ns: str, jobs: list[IndexedChild], removed: Any, uid: str | None) -> tuple[str, ...]:
+        """RayJobs of ours on their way out: the index shows them deleting, or we deleted them and
+        it has not caught up. Each is confirmed with a GET (after a re-list the index can keep them
+        forever); only while there is a RayCluster they could hold."""
+        names = sorted({x.name for x in jobs if x.belongs_to(uid) and (x.deleting or (c.RAYJOB_KIND, x.name) in removed)})
+        return tuple(name for name in names if self.kube.get(c.RAYJOB_KIND, ns, name) is not None)
 
     def _service(self, obj: dict, services: list[IndexedChild], removed: Any) -> ServiceObs | None:
         want = ((obj.get("status") or {}).get("children") or {}).get("rayService")

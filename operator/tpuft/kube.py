@@ -189,8 +189,13 @@ class Kube:
 
     def delete(self, kind: str, ns: str, name: str) -> None:
         g, v, p = CUSTOM[kind]
+        # A RayJob goes in the foreground: it is gone only once KubeRay's submitter Job and its pods
+        # are, so its RayCluster, deleted or suspended after it (phases._release), cannot fail a
+        # submitter still following its job, and a new RayJob of the same name never finds the old
+        # submitter Job (KubeRay reuses a Job of the RayJob's name).
+        policy = "Foreground" if kind == c.RAYJOB_KIND else "Background"
         self._unless_gone("delete", kind, ns, name, lambda: self.custom.delete_namespaced_custom_object(
-            g, v, ns, p, name, propagation_policy="Background", _request_timeout=REQUEST_TIMEOUT))
+            g, v, ns, p, name, propagation_policy=policy, _request_timeout=REQUEST_TIMEOUT))
 
     @staticmethod
     def _unless_gone(verb: str, kind: str, ns: str, name: str, call) -> None:

@@ -25,6 +25,8 @@ CONDITION_ORDER = (Condition.SLICE_PROVISIONED, Condition.COLLECTIVES_VERIFIED, 
                    Condition.SERVING, Condition.READY, Condition.FAILED)
 FAILED_JOB_STATES = {c.JobDeploymentStatus.FAILED.value, c.JobDeploymentStatus.VALIDATION_FAILED.value}
 FAILED_JOB_STATUSES = {c.JobStatus.FAILED.value, c.JobStatus.STOPPED.value}
+ENDED_JOB_STATUSES = {c.JobStatus.SUCCEEDED.value, *FAILED_JOB_STATUSES}   # KubeRay's IsJobTerminal
+DONE_JOB_STATES = {c.JobDeploymentStatus.COMPLETE.value, c.JobDeploymentStatus.FAILED.value}   # IsJobDeploymentTerminal
 DEFAULT_VERIFY_GRACE_SECONDS = builders.VERIFY_DEADLINE_GRACE_SECONDS
 
 
@@ -87,6 +89,10 @@ class Observed:
     """What exists. None / missing key = confirmed absent (or being deleted)."""
     cluster: ClusterObs | None = None
     jobs: Mapping[str, JobObs] = field(default_factory=dict)
+    # RayJobs of ours on their way out (KubeRay's finalizer, the garbage collector removing their
+    # submitter Job and pods): they still hold the RayCluster (phases._release). Read only while
+    # there is a RayCluster.
+    jobs_deleting: tuple[str, ...] = ()
     service: ServiceObs | None = None
     admission_error: AdmissionError | None = None
     # The RayCluster's pods, read while the slice is coming up (phases.wants_pods): the cause
@@ -138,6 +144,7 @@ class Decision:
 @dataclass(frozen=True)
 class Tunables:
     verify_grace_seconds: float = DEFAULT_VERIFY_GRACE_SECONDS
+    rayjob_grace_seconds: float = c.RAYJOB_FINISH_GRACE_SECONDS
 
 
 def fmt_time(t: datetime) -> str:
@@ -222,6 +229,22 @@ def job_succeeded(job: JobObs) -> bool:
 def job_failed(job: JobObs) -> bool:
     st = job.status
     return st.get("jobStatus") in FAILED_JOB_STATUSES or st.get("jobDeploymentStatus") in FAILED_JOB_STATES
+
+
+def job_finishing(job: JobObs) -> bool:
+    """The Ray job has ended but KubeRay has not finished the RayJob yet. In K8sJobMode KubeRay
+    (rayjob_controller.go, v1.6.2) sets jobDeploymentStatus Complete/Failed only once the
+    submitter Job, which follows the job's logs from the head, has finished too; its RayCluster
+    must stay until then, or the submitter loses the head and its Job ends Failed."""
+    st = job.status
+    return st.get("jobStatus") in ENDED_JOB_STATUSES and st.get("jobDeploymentStatus") == c.JobDeploymentStatus.RUNNING.value
+
+
+def job_settled(job: JobObs) -> bool:
+    """KubeRay is done with it: the Ray job has ended and so has the RayJob. Anything else may
+    still run on the cluster (a job past its deadline, a submitter still waiting for the head)."""
+    st = job.status
+    return st.get("jobStatus") in ENDED_JOB_STATUSES and st.get("jobDeploymentStatus") in DONE_JOB_STATES
 
 
 def job_failure_detail(job: JobObs) -> str:

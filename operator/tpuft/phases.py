@@ -12,10 +12,17 @@ Rules worth knowing (see also the README):
     so a spec edit mid-run is never half-applied; it is recorded (observedGeneration, a
     Warning event, status.ignoredSpecChange). Only `suspend` and `ttlSecondsAfterFinished`
     act live.
-  * Suspend: the RayCluster is patched suspend=true and the active RayJob is deleted (it cannot
-    outlive its pods; checkpoints stay). Resume -> Provisioning (clock restarts), then the new
-    slice is verified again, then training continues with the same attempt, resuming from its
-    checkpoint.
+  * A RayCluster's RayJobs go before it does (_release): a RayJob whose Ray job has ended is
+    finished by KubeRay (jobDeploymentStatus Complete/Failed) only once its submitter, following
+    the job's logs from the head, has exited. So a job's outcome moves the run on (Succeeded,
+    Serving, TrainingFailed, VerificationFailed) only once KubeRay has finished its RayJob
+    (reason FinishingRayJob meanwhile, at most Tunables.rayjob_grace_seconds; past it the RayJob
+    is deleted), and a RayCluster is deleted (serving, TTL) or suspended only once every RayJob on
+    it is finished or gone (an unfinished one is deleted first; at most twice the grace).
+  * Suspend: the active RayJob and the verify job are deleted (they cannot outlive their pods;
+    checkpoints stay), then the RayCluster is patched suspend=true. Resume -> Provisioning (clock
+    restarts), then the new slice is verified again, then training continues with the same
+    attempt, resuming from its checkpoint.
   * A child deleted out from under us: the RayCluster is recreated while Provisioning; in
     VerifyingCollectives/Training the run fails with ChildDeleted (the slice/job is gone).
   * After Succeeded/Failed the RayCluster is deleted once ttlSecondsAfterFinished has passed.
@@ -40,7 +47,8 @@ from tpuft.observed import (  # noqa: F401  (re-exported)
     OWNED_KEYS, LIVE_SPEC_FIELDS, CONDITION_ORDER, DEFAULT_VERIFY_GRACE_SECONDS, ClusterObs, IndexedChild,
     JobObs, AdmissionError, Observed, Op, Action, Event, Decision, Tunables, fmt_time, parse_time, owned,
     cluster_provisioned, cluster_progress, slice_loss, job_state, job_succeeded, job_failed, job_failure_detail,
-    spec_diff, ServiceObs, SERVE_ENABLED_FIELD, serve_app_state, service_ready, service_progress, serving_ready)
+    job_finishing, job_settled, spec_diff, ServiceObs, SERVE_ENABLED_FIELD, serve_app_state, service_ready,
+    service_progress, serving_ready)
 
 
 # --- the draft status ---------------------------------------------------------------------------
@@ -186,24 +194,24 @@ def decide(obj: Mapping[str, Any], observed: Observed, now: datetime, tun: Tunab
         if d.prev.get("observedGeneration") != d.generation:
             d.event(EventType.WARNING, Reason.SPEC_CHANGE_IGNORED, d.ignored["message"])
     if d.phase is not None and d.phase.terminal:
-        return _terminal(d, tft, observed)
+        return _terminal(d, tft, observed, tun)
     if observed.admission_error is not None:
         e = observed.admission_error
         d.fail(Reason.ADMISSION_REJECTED, f"{e.kind} {e.name} was rejected at admission: {e.message}")
         return d.finish()
     if d.phase == Phase.SERVING:
-        return _serving(d, tft, observed, live_serve)
+        return _serving(d, tft, observed, live_serve, tun)
     if live_suspend and d.phase != Phase.SUSPENDED:
-        return _suspend(d, tft, observed)
+        return _suspend(d, tft, observed, tun)
     if d.phase == Phase.SUSPENDED:
-        return _suspended(d, tft, observed, live_suspend)
+        return _suspended(d, tft, observed, live_suspend, tun)
     if d.phase in (None, Phase.PENDING):  # created but status lost: the creates are idempotent
         return _pending(d, obj, tft, observed)
     if d.phase == Phase.PROVISIONING:
         return _provisioning(d, tft, observed)
     if d.phase == Phase.VERIFYING:
         return _verifying(d, obj, tft, observed, tun)
-    return _training(d, obj, tft, observed, live_serve)
+    return _training(d, obj, tft, observed, tun, live_serve)
 
 
 def _live_serve(spec_raw: Mapping, tft: TPUFinetune) -> bool:
@@ -287,11 +295,15 @@ def _provisioning(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
         d.act(Op.CREATE, c.RAYCLUSTER_KIND, n.cluster, body)
         d.event(EventType.WARNING, Reason.CHILD_DELETED, f"RayCluster {n.cluster} not found while provisioning; "
                 "recreating it (the provisioning deadline is unchanged)")
-    if (obs.cluster is not None and cluster_provisioned(obs.cluster.status, obs.cluster.generation)
-            and not slice_loss(obs.cluster.status)):   # RayClusterProvisioned stays True after a loss
+    ready = (obs.cluster is not None and cluster_provisioned(obs.cluster.status, obs.cluster.generation)
+             and not slice_loss(obs.cluster.status))   # RayClusterProvisioned stays True after a loss
+    if ready and not obs.jobs_deleting:
         d.cond(Condition.SLICE_PROVISIONED, ConditionStatus.TRUE, Reason.SLICE_READY, cluster_progress(tft, obs.cluster))
         return _start_verification(d, tft) if tft.spec.verification.enabled else _start_training(d, tft, obs)
     progress = cluster_progress(tft, obs.cluster)
+    if ready:   # after a replacement or a resume: KubeRay would take the old submitter Job (same name) for the new one's
+        progress += (f"; waiting for RayJob {', '.join(obs.jobs_deleting)} (deleted before) to be gone before "
+                     "submitting again")
     if obs.cluster is not None and obs.cluster.suspended:  # not by us (we resume on leaving Suspended): Kueue?
         progress += "; the RayCluster is suspended (waiting for admission, e.g. by Kueue)"
     found = blocking(obs.pods)
@@ -363,7 +375,8 @@ def _replace_slice(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, cau
     """A host was lost under a running job: stop the jobs (they cannot finish on a broken slice),
     let KubeRay recreate the lost pods, wait for the whole slice under a fresh provisioning
     deadline, verify it again and resume training from its checkpoint (the same attempt, as after
-    a suspend). Past spec.recovery.maxSliceReplacements: Failed/SliceLost, with the history."""
+    a suspend). Past spec.recovery.maxSliceReplacements: Failed/SliceLost, with the history (the
+    jobs are stopped then too: left on the broken slice, their submitters would fail)."""
     allowed, was = tft.spec.recovery.max_slice_replacements, d.phase
     rec = copy.deepcopy(d.st.get("recovery") or {})
     done = int(rec.get("sliceReplacements") or 0)
@@ -376,6 +389,10 @@ def _replace_slice(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, cau
     rec["history"] = ([*(rec.get("history") or []), entry])[-c.RECOVERY_HISTORY_MAX:]
     rec["sliceReplacements"] = done
     d.st["recovery"] = rec
+    n = builders.names(tft)
+    for job in sorted({n.verify_job, d.st.get("children", {}).get("trainJob")} - {None}):
+        if job in obs.jobs:   # while the head may still be up: KubeRay's finalizer stops the Ray job
+            d.act(Op.DELETE, c.RAYJOB_KIND, job)
     if done >= allowed:
         msg = (f"a host of the slice was lost during {was.value} ({cause}) and the slice has already been replaced "
                f"{done} time(s) (spec.recovery.maxSliceReplacements={allowed}); checkpoints are kept")
@@ -383,10 +400,6 @@ def _replace_slice(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, cau
         d.fail(Reason.SLICE_LOST, msg)
         return d.finish()
     rec["sliceReplacements"] = done + 1
-    n = builders.names(tft)
-    for job in sorted({n.verify_job, d.st.get("children", {}).get("trainJob")} - {None}):
-        if job in obs.jobs:
-            d.act(Op.DELETE, c.RAYJOB_KIND, job)
     msg = (f"replacing the slice ({done + 1} of {allowed}): a host was lost during {was.value} ({cause}); "
            "KubeRay recreates the lost pods, then the slice is verified again"
            + (" and training resumes from its last checkpoint" if was == Phase.TRAINING or d.st.get("trainingAttempts")
@@ -419,6 +432,8 @@ def _verifying(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, tun: Tu
         reason = Reason.COLLECTIVE_TIMEOUT if timed_out else Reason.VERIFICATION_FAILED
         msg = f"collective verification failed: {job_failure_detail(job)}" + (f"; workload: {workload}" if workload else "")
         d.cond(Condition.COLLECTIVES_VERIFIED, ConditionStatus.FALSE, reason, msg)
+        if _finishing(d, job, Condition.COLLECTIVES_VERIFIED, f"failing with {reason.value}", tun):
+            return d.finish()
         d.fail(reason, msg)
         return d.finish()
     bound = timeout + tun.verify_grace_seconds
@@ -436,7 +451,8 @@ def _verifying(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, tun: Tu
     return d.finish()
 
 
-def _training(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, live_serve: bool = False) -> Decision:
+def _training(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, tun: Tunables,
+              live_serve: bool = False) -> Decision:
     n = builders.names(tft)
     attempts = max(int(d.st.get("trainingAttempts") or 1), 1)
     retries = tft.spec.training.max_job_retries
@@ -452,8 +468,11 @@ def _training(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, live_ser
         return d.finish()
     if job_succeeded(job):
         d.cond(Condition.TRAINING_SUCCEEDED, ConditionStatus.TRUE, Reason.TRAINING_COMPLETE, f"RayJob {name} succeeded")
+        if _finishing(d, job, Condition.TRAINING_SUCCEEDED, "releasing the slice to serve" if live_serve
+                      else "succeeding", tun):
+            return d.finish()
         if live_serve:
-            return _start_serving(d, obj, tft)
+            return _start_serving(d, obj, tft, obs, tun)
         d.go(Phase.SUCCEEDED, Reason.TRAINING_COMPLETE, f"training complete (RayJob {name}, attempt {attempts})")
         return d.finish()
     if job_failed(job):
@@ -470,35 +489,43 @@ def _training(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, live_ser
             return d.finish()
         msg = f"training failed after {attempts} attempt(s): {detail}"
         d.cond(Condition.TRAINING_SUCCEEDED, ConditionStatus.FALSE, Reason.TRAINING_FAILED, msg)
+        if _finishing(d, job, Condition.TRAINING_SUCCEEDED, f"failing with {Reason.TRAINING_FAILED.value}", tun):
+            return d.finish()
         d.fail(Reason.TRAINING_FAILED, msg)
         return d.finish()
     d.go(Phase.TRAINING, Reason.TRAINING, f"training (RayJob {name}, attempt {attempts} of {retries + 1})")
     return d.finish()
 
 
-def _start_serving(d: _Draft, obj: Mapping, tft: TPUFinetune) -> Decision:
-    """Training is done: release its slice and serve the export on the serve slice."""
+def _start_serving(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, tun: Tunables) -> Decision:
+    """Training is done: release its slice (once its RayJobs are finished or gone) and serve the
+    export on the serve slice."""
     n, sv, s = builders.names(tft), tft.spec.serve, tft.spec.serve.slice
     exported = ((obj.get("status") or {}).get("training") or {}).get(c.TrainingStatus.EXPORTED_MODEL.value)
     source = exported or builders.export_path(tft)
-    d.act(Op.DELETE, c.RAYCLUSTER_KIND, n.cluster)
+    holding = _release(d, obs, 0, tun)
+    if not holding:
+        d.act(Op.DELETE, c.RAYCLUSTER_KIND, n.cluster)
     d.act(Op.CREATE, c.RAYSERVICE_KIND, n.service, builders.build_rayservice(tft, source))
     d.st.setdefault("children", {})["rayService"] = n.service
     d.st["serving"] = {"service": n.serve_service, "port": c.SERVE_PORT, "model": tft.meta.name,
                        "url": f"http://{n.serve_service}.{tft.meta.namespace}.svc:{c.SERVE_PORT}",
                        "engine": sv.engine.value, "modelSource": source, "notReadySince": fmt_time(d.now)}
     msg = (f"training complete; deploying {tft.meta.name} with {sv.engine.value} on {s.generation} {s.topology} "
-           f"x{sv.replicas} (RayService {n.service}; RayCluster {n.cluster} released)")
+           f"x{sv.replicas} (RayService {n.service}; RayCluster {n.cluster} released"
+           + (" once its RayJobs are gone)" if holding else ")"))
     d.cond(Condition.SERVING, ConditionStatus.FALSE, Reason.DEPLOYING, msg)
     d.go(Phase.SERVING, Reason.DEPLOYING, msg)
     d.wake(sv.timeout_seconds)
     return d.finish()
 
 
-def _serving(d: _Draft, tft: TPUFinetune, obs: Observed, live_serve: bool) -> Decision:
+def _serving(d: _Draft, tft: TPUFinetune, obs: Observed, live_serve: bool, tun: Tunables) -> Decision:
     """The RayService until spec.serve.enabled goes false (-> Succeeded) or its app stays short of
     RUNNING for spec.serve.timeoutSeconds (-> Failed/ServeFailed, in the app's own words)."""
     n, sv = builders.names(tft), tft.spec.serve
+    if obs.cluster is not None and not _release(d, obs, d.elapsed(), tun):   # the training slice, held by a RayJob
+        d.act(Op.DELETE, c.RAYCLUSTER_KIND, n.cluster)
     if not live_serve:
         if obs.service is not None:
             d.act(Op.DELETE, c.RAYSERVICE_KIND, n.service)
@@ -547,26 +574,27 @@ def wants_serve_pods(obj: Mapping[str, Any]) -> bool:
     return st.get("phase") == Phase.SERVING.value and not serving_ready(st)
 
 
-def _suspend(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
+def _suspend(d: _Draft, tft: TPUFinetune, obs: Observed, tun: Tunables) -> Decision:
     n, was = builders.names(tft), d.phase or Phase.PENDING
-    if obs.cluster is not None:
-        d.act(Op.SUSPEND, c.RAYCLUSTER_KIND, n.cluster)
     # Jobs cannot outlive their pods; the verify job goes too, so the resumed slice is verified again.
+    # They go first: the RayCluster is suspended once they are gone (_suspended).
     active = {Phase.VERIFYING: n.verify_job, Phase.TRAINING: d.st.get("children", {}).get("trainJob")}.get(was)
-    for job in sorted({n.verify_job, active} - {None}):
-        if job in obs.jobs:
-            d.act(Op.DELETE, c.RAYJOB_KIND, job)
-    d.cond(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, Reason.SUSPENDED, "RayCluster suspended")
+    holding = _release(d, obs, 0, tun, stop={n.verify_job, active} - {None}) if obs.cluster is not None else []
+    if obs.cluster is not None and not holding:
+        d.act(Op.SUSPEND, c.RAYCLUSTER_KIND, n.cluster)
+    d.cond(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, Reason.SUSPENDED,
+           f"RayCluster suspended once RayJob {', '.join(holding)} is gone" if holding else "RayCluster suspended")
     d.go(Phase.SUSPENDED, Reason.SUSPENDED, f"suspended during {was.value}" +
          (f" (RayJob {active} deleted; it resumes from its checkpoint)" if active else ""))
     return d.finish()
 
 
-def _suspended(d: _Draft, tft: TPUFinetune, obs: Observed, live_suspend: bool) -> Decision:
+def _suspended(d: _Draft, tft: TPUFinetune, obs: Observed, live_suspend: bool, tun: Tunables) -> Decision:
     n = builders.names(tft)
     if live_suspend:
-        if obs.cluster is not None and not obs.cluster.suspended:
+        if obs.cluster is not None and not obs.cluster.suspended and not _release(d, obs, d.elapsed(), tun):
             d.act(Op.SUSPEND, c.RAYCLUSTER_KIND, n.cluster)
+            d.cond(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, Reason.SUSPENDED, "RayCluster suspended")
         return d.finish()
     if obs.cluster is not None:
         d.act(Op.RESUME, c.RAYCLUSTER_KIND, n.cluster)
@@ -576,7 +604,7 @@ def _suspended(d: _Draft, tft: TPUFinetune, obs: Observed, live_suspend: bool) -
     return d.finish()
 
 
-def _terminal(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
+def _terminal(d: _Draft, tft: TPUFinetune, obs: Observed, tun: Tunables) -> Decision:
     ttl = d.ttl
     done = parse_time(d.st.get("completionTime"))
     left_over = [(kind, x.name) for kind, x in ((c.RAYCLUSTER_KIND, obs.cluster), (c.RAYSERVICE_KIND, obs.service))
@@ -585,12 +613,60 @@ def _terminal(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
         left = ttl - (d.now - done).total_seconds()
         if left <= 0:
             for kind, name in left_over:
+                if kind == c.RAYCLUSTER_KIND and _release(d, obs, -left, tun):
+                    continue   # its RayJobs go first
                 d.act(Op.DELETE, kind, name)
                 d.event(EventType.NORMAL, Reason.TTL_EXPIRED, f"deleting {kind} {name}: ttlSecondsAfterFinished "
                         f"({ttl}s) has passed; status and checkpoints stay")
         else:
             d.wake(left)
     return d.finish()
+
+
+# --- a RayCluster's RayJobs go before it does ----------------------------------------------------------
+def _finishing(d: _Draft, job: JobObs, ctype: Condition, then: str, tun: Tunables) -> bool:
+    """The job's outcome is known (ctype, just set, says it) but KubeRay has not finished its RayJob
+    yet (observed.job_finishing): the phase stays, reason FinishingRayJob, until it has, for at
+    most the grace from when ctype took its status. Past it the RayJob is deleted, so it and its
+    submitter are gone before its RayCluster goes. True while waiting."""
+    if not job_finishing(job):
+        return False
+    grace = tun.rayjob_grace_seconds
+    before = next((x for x in d.prev.get("conditions") or [] if x.get("type") == ctype.value), {})
+    since = parse_time(before.get("lastTransitionTime")) if before.get("status") == d.conds[ctype][0].value else None
+    waited = (d.now - since).total_seconds() if since else 0.0
+    if waited < grace:
+        d.go(d.phase or Phase.PENDING, Reason.FINISHING_RAYJOB,
+             f"RayJob {job.name}: the job is {job.status.get('jobStatus')}; waiting for KubeRay to finish the RayJob "
+             f"(its submitter to exit) before {then}")
+        d.wake(grace - waited)
+        return True
+    d.act(Op.DELETE, c.RAYJOB_KIND, job.name)
+    d.event(EventType.WARNING, Reason.FINISHING_RAYJOB, f"KubeRay did not finish RayJob {job.name} within {grace:g}s "
+            f"of its job ending ({job_state(job)}); deleting it before its RayCluster goes")
+    return False
+
+
+def _release(d: _Draft, obs: Observed, waited: float, tun: Tunables, stop: set[str] = frozenset()) -> list[str]:
+    """Before a RayCluster goes (deleted or suspended) every RayJob on it is finished or gone: a
+    submitter still following its job's logs when the head goes fails (its K8s Job ends Failed,
+    the RayJob never Complete). A RayJob KubeRay is finishing may take the grace; the other
+    unfinished ones, and those in `stop`, are deleted now (KubeRay's finalizer stops a Ray job
+    still running while the head is up; the submitter Job goes with its RayJob). Returns the
+    RayJobs still holding the cluster `waited` seconds after it was to go: none past twice the
+    grace (KubeRay has not let them go: the cluster goes anyway)."""
+    grace = tun.rayjob_grace_seconds
+    holding = set(obs.jobs_deleting)
+    for name, job in sorted(obs.jobs.items()):
+        if name in holding or (name not in stop and job_settled(job)):
+            continue
+        if name in stop or not (job_finishing(job) and waited < grace):
+            d.act(Op.DELETE, c.RAYJOB_KIND, name)
+        holding.add(name)
+    if not holding or waited >= 2 * grace:
+        return []
+    d.wake((grace if waited < grace else 2 * grace) - waited)
+    return sorted(holding)
 
 
 def note_error(obj: Mapping[str, Any], error: str, now: datetime) -> dict | None:

@@ -172,14 +172,21 @@ def test_full_lifecycle_to_succeeded(operator, tft, kuberay, kubectl, namespace)
 
 
 def test_serving_after_training_then_stopped(operator, tft, kuberay, kubectl, namespace):
-    """spec.serve on a live operator: the training slice is released, the RayService (owned, labelled)
-    is watched through its own index, Ready follows KubeRay's status, serve.enabled: false ends it."""
+    """spec.serve on a live operator: the training slice is released once KubeRay has finished the
+    training RayJob (not when its job has ended: the submitter still follows the job from the head),
+    the RayService (owned, labelled) is watched through its own index, Ready follows KubeRay's
+    status, serve.enabled: false ends it."""
     with operator():
         tft.apply(accelerator="cpu", topology="2", serve={"enabled": True, "topology": "1"}, verification={"enabled": False})
         tft.wait("Provisioning")
         kuberay.cluster_ready(f"{NAME}-ray")
         tft.wait("Training")
-        kuberay.job_succeeded(f"{NAME}-train")
+        kuberay.job_ended(f"{NAME}-train")   # SUCCEEDED; KubeRay's submitter is still following the job's logs
+        wait_until(lambda: tft.status().get("reason") == "FinishingRayJob", 10, "waiting for KubeRay's RayJob")
+        time.sleep(1.5)
+        assert tft.status()["phase"] == "Training" and tft.children("rayclusters") == [f"{NAME}-ray"]  # the head stays
+        assert tft.children("rayservices") == []
+        kuberay.job_succeeded(f"{NAME}-train")   # the submitter exited: KubeRay marks the RayJob Complete
         st = tft.wait("Serving")
         assert st["reason"] == "Deploying" and st["children"]["rayService"] == f"{NAME}-serve"
         wait_until(lambda: tft.children("rayclusters") == [], 10, "the training RayCluster released")
@@ -323,8 +330,8 @@ def test_invalid_spec_stored_under_a_looser_crd(operator, tft, kubectl, namespac
 
 # --- suspend ----------------------------------------------------------------------------------------
 def test_suspend_and_resume(operator, tft, kuberay):
-    """Suspended mid-verification: cluster suspended, verify job deleted; resumed: the slice is
-    waited for again (KubeRay's pre-suspend 'ready' status is not trusted) and re-verified."""
+    """Suspended mid-verification: verify job deleted, then (once it is gone) the cluster suspended;
+    resumed: the slice is waited for again (KubeRay's pre-suspend 'ready' status is not trusted) and re-verified."""
     with operator():
         tft.apply()
         tft.wait("Provisioning")
@@ -335,7 +342,7 @@ def test_suspend_and_resume(operator, tft, kuberay):
         st = tft.wait("Suspended")
         assert "suspended during VerifyingCollectives" in st["message"]
         wait_until(lambda: kuberay.get("rayclusters", f"{NAME}-ray")["spec"].get("suspend") is True, what="suspend")
-        wait_until(lambda: tft.children("rayjobs") == [], what="the verify job's deletion")
+        assert tft.children("rayjobs") == []   # the verify job went first: its submitter never loses the head
         tft.patch({"suspend": False})
         tft.wait("Provisioning")
         wait_until(lambda: kuberay.get("rayclusters", f"{NAME}-ray")["spec"].get("suspend") is False, what="resume")

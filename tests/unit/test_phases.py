@@ -410,8 +410,14 @@ def test_suspend_during_training_resumes_same_attempt_after_reverification():
     jobs = {n.verify_job: job(n.verify_job, "SUCCEEDED", "Complete"), n.train_job: job(n.train_job)}
     d = phases.decide(o, Observed(cluster(4, provisioned=True), jobs), at(50), TUN)
     assert d.phase == "Suspended"
-    assert kinds(d) == [("suspend", "RayCluster", f"{NAME}-ray"), ("delete", "RayJob", n.train_job),
-                        ("delete", "RayJob", n.verify_job)]
+    # the jobs go first (KubeRay's finalizer stops the Ray job while the head is up), then the cluster
+    assert kinds(d) == [("delete", "RayJob", n.train_job), ("delete", "RayJob", n.verify_job)]
+    o = apply(o, d)
+    going = phases.decide(o, Observed(cluster(4, provisioned=True), jobs_deleting=(n.train_job,)), at(55), TUN)
+    assert going.actions == () and going.patch is None
+    d = phases.decide(o, Observed(cluster(4, provisioned=True)), at(58), TUN)
+    assert kinds(d) == [("suspend", "RayCluster", f"{NAME}-ray")]
+    assert cond(d, c.Condition.SLICE_PROVISIONED)["message"] == "RayCluster suspended"
     o = apply(o, d)
     o["spec"]["suspend"] = False
     o = apply(o, phases.decide(o, Observed(cluster(0, suspended=True)), at(60), TUN))
@@ -653,7 +659,8 @@ def test_no_replacement_allowed_fails_at_the_first_loss():
     o = run_to(make(recovery={"maxSliceReplacements": 0}), Phase.VERIFYING)
     n = names(o)
     d = phases.decide(o, Observed(lost(3), {n.verify_job: job(n.verify_job)}), at(30), TUN)
-    assert d.phase == "Failed" and d.status["reason"] == "SliceLost" and d.actions == ()
+    assert d.phase == "Failed" and d.status["reason"] == "SliceLost"
+    assert kinds(d) == [("delete", "RayJob", n.verify_job)]   # not left on the broken slice
 
 
 def test_a_replaced_slice_that_never_comes_back_times_out():
@@ -827,3 +834,176 @@ def test_objects_that_do_not_serve_carry_no_serving_condition():
     assert "Serving" not in [x["type"] for x in o["status"]["conditions"]]
     o = run_to(make(accelerator="cpu", topology="2", serve=dict(SERVE_CPU)), Phase.PROVISIONING)
     assert cond(o, c.Condition.SERVING)["status"] == "Unknown"
+
+
+# --- a RayCluster's RayJobs go before it does ----------------------------------------------------------
+# KubeRay (K8sJobMode) sets jobDeploymentStatus Complete/Failed only once the submitter Job, which
+# follows the job's logs from the head, has finished: a RayCluster deleted (or suspended) before
+# then leaves that Job Failed and the RayJob Running. TUN's grace: 60 s.
+
+
+@pytest.mark.parametrize("status,finishing,settled", [
+    ({"jobStatus": "SUCCEEDED", "jobDeploymentStatus": "Running"}, True, False),
+    ({"jobStatus": "FAILED", "jobDeploymentStatus": "Running"}, True, False),
+    ({"jobStatus": "STOPPED", "jobDeploymentStatus": "Running"}, True, False),
+    ({"jobStatus": "SUCCEEDED", "jobDeploymentStatus": "Complete"}, False, True),
+    ({"jobStatus": "FAILED", "jobDeploymentStatus": "Failed"}, False, True),
+    ({"jobStatus": "RUNNING", "jobDeploymentStatus": "Running"}, False, False),
+    ({"jobStatus": "RUNNING", "jobDeploymentStatus": "Failed", "reason": "DeadlineExceeded"}, False, False),
+    ({"jobStatus": "", "jobDeploymentStatus": "Failed", "reason": "SubmissionFailed"}, False, False),
+    ({}, False, False),
+])
+def test_what_counts_as_finishing_and_as_settled(status, finishing, settled):
+    j = JobObs("j", status)
+    assert (phases.job_finishing(j), phases.job_settled(j)) == (finishing, settled)
+
+
+def test_a_succeeded_training_job_waits_for_kuberay_before_the_run_succeeds():
+    o, n = training()
+    obs = lambda deploy: Observed(cluster(4, provisioned=True), {  # noqa: E731
+        n.verify_job: job(n.verify_job, "SUCCEEDED", "Complete"), n.train_job: job(n.train_job, "SUCCEEDED", deploy)})
+    d = phases.decide(o, obs("Running"), at(100), TUN)
+    assert d.phase == "Training" and d.status["reason"] == "FinishingRayJob" and d.actions == ()
+    assert d.status["message"] == (f"RayJob {n.train_job}: the job is SUCCEEDED; waiting for KubeRay to finish the "
+                                   "RayJob (its submitter to exit) before succeeding")
+    assert cond(d, c.Condition.TRAINING_SUCCEEDED)["status"] == "True" and cond(d, c.Condition.READY)["status"] == "False"
+    assert "completionTime" not in d.status and d.requeue_after == pytest.approx(60)
+    o = apply(o, d)
+    again = phases.decide(o, obs("Running"), at(130), TUN)
+    assert again.patch is None and again.actions == () and again.requeue_after == pytest.approx(30)
+    d = phases.decide(o, obs("Complete"), at(131), TUN)
+    assert d.phase == "Succeeded" and d.status["reason"] == "TrainingComplete" and d.actions == ()
+    assert d.status["completionTime"] == phases.fmt_time(at(131))
+
+
+def test_past_the_grace_the_unfinished_rayjob_is_deleted_and_the_run_succeeds():
+    o, n = training()
+    obs = Observed(cluster(4, provisioned=True), {n.train_job: job(n.train_job, "SUCCEEDED", "Running")})
+    o = apply(o, phases.decide(o, obs, at(100), TUN))
+    assert phases.decide(o, obs, at(159), TUN).phase == "Training"
+    d = phases.decide(o, obs, at(160), TUN)
+    assert d.phase == "Succeeded" and kinds(d) == [("delete", "RayJob", n.train_job)]
+    assert ("Warning", "FinishingRayJob") in [(e.type, e.reason) for e in d.events]
+
+
+def test_serving_releases_the_training_slice_only_once_kuberay_has_finished_the_rayjob():
+    o, n = training(accelerator="cpu", topology="2", serve=dict(SERVE_CPU))
+    slice_ = cluster(2, desired=2, provisioned=True)
+    o = apply(o, phases.decide(o, Observed(slice_, {n.train_job: job(n.train_job, "SUCCEEDED", "Running")}), at(100), TUN))
+    assert o["status"]["phase"] == "Training" and o["status"]["reason"] == "FinishingRayJob"
+    assert o["status"]["message"].endswith("before releasing the slice to serve")
+    d = phases.decide(o, Observed(slice_, {n.train_job: job(n.train_job, "SUCCEEDED", "Complete")}), at(104), TUN)
+    assert d.phase == "Serving" and kinds(d) == [("delete", "RayCluster", n.cluster), ("create", "RayService", n.service)]
+
+
+def test_past_the_grace_serving_starts_and_the_slice_goes_once_the_rayjob_has():
+    o, n = training(accelerator="cpu", topology="2", serve=dict(SERVE_CPU))
+    slice_ = cluster(2, desired=2, provisioned=True)
+    stuck = Observed(slice_, {n.train_job: job(n.train_job, "SUCCEEDED", "Running")})
+    o = apply(o, phases.decide(o, stuck, at(100), TUN))
+    d = phases.decide(o, stuck, at(160), TUN)
+    assert d.phase == "Serving" and kinds(d) == [("delete", "RayJob", n.train_job), ("create", "RayService", n.service)]
+    assert "once its RayJobs are gone" in d.status["message"]
+    o = apply(o, d)
+    going = Observed(slice_, jobs_deleting=(n.train_job,), service=rayservice("DEPLOYING"))
+    held = phases.decide(o, going, at(170), TUN)
+    assert held.phase == "Serving" and held.actions == ()
+    gone = phases.decide(o, Observed(slice_, service=rayservice("DEPLOYING")), at(175), TUN)
+    assert kinds(gone) == [("delete", "RayCluster", n.cluster)]
+    # KubeRay never lets the RayJob go (its finalizer stuck): the slice goes at twice the grace
+    assert kinds(phases.decide(o, going, at(160 + 119), TUN)) == []
+    assert kinds(phases.decide(o, going, at(160 + 120), TUN)) == [("delete", "RayCluster", n.cluster)]
+
+
+@pytest.mark.parametrize("phase,reason", [(Phase.VERIFYING, "VerificationFailed"), (Phase.TRAINING, "TrainingFailed")])
+def test_a_failed_job_ends_the_run_only_once_kuberay_has_finished_its_rayjob(phase, reason):
+    o = run_to(make(), phase)
+    n = names(o)
+    name = n.verify_job if phase == Phase.VERIFYING else n.train_job
+    done = {n.verify_job: job(n.verify_job, "SUCCEEDED", "Complete")} if phase == Phase.TRAINING else {}
+    obs = lambda deploy: Observed(cluster(4, provisioned=True), {**done, name: job(name, "FAILED", deploy)})  # noqa: E731
+    d = phases.decide(o, obs("Running"), at(30), TUN)
+    assert d.phase == phase.value and d.status["reason"] == "FinishingRayJob" and d.actions == ()
+    assert d.status["message"].endswith(f"before failing with {reason}")
+    ctype = c.Condition.COLLECTIVES_VERIFIED if phase == Phase.VERIFYING else c.Condition.TRAINING_SUCCEEDED
+    assert cond(d, ctype)["status"] == "False" and cond(d, c.Condition.FAILED)["status"] == "False"
+    o = apply(o, d)
+    d = phases.decide(o, obs("Failed"), at(33), TUN)
+    assert d.phase == "Failed" and d.status["reason"] == reason and d.actions == ()
+    d = phases.decide(o, obs("Running"), at(90), TUN)   # KubeRay never finished it: deleted, the run fails
+    assert d.phase == "Failed" and kinds(d) == [("delete", "RayJob", name)]
+
+
+def test_a_failed_attempt_with_retries_left_is_resubmitted_without_waiting():
+    o, n = training(training={"maxJobRetries": 1})
+    d = phases.decide(o, Observed(cluster(4, provisioned=True), {n.train_job: job(n.train_job, "FAILED", "Running")}),
+                      at(100), TUN)
+    assert d.status["reason"] == "Retrying" and kinds(d) == [("create", "RayJob", n.train_attempt(1))]
+
+
+def collective_timeout() -> tuple[dict, builders.ChildNames]:
+    """Failed with CollectiveTimeout at 660 s: its verify job still RUNNING on the slice."""
+    o, n = verifying()
+    o = apply(o, phases.decide(o, Observed(cluster(4, provisioned=True), {n.verify_job: job(n.verify_job)}), at(660), TUN))
+    assert o["status"]["reason"] == "CollectiveTimeout"
+    return o, n
+
+
+def test_the_ttl_deletes_unfinished_rayjobs_first_then_the_cluster():
+    o, n = collective_timeout()
+    running = {n.verify_job: job(n.verify_job)}
+    d = phases.decide(o, Observed(cluster(4, provisioned=True), running), at(660 + 300), TUN)
+    assert kinds(d) == [("delete", "RayJob", n.verify_job)] and d.events == () and d.patch is None
+    held = phases.decide(o, Observed(cluster(4, provisioned=True), jobs_deleting=(n.verify_job,)), at(965), TUN)
+    assert held.actions == () and held.requeue_after == pytest.approx(55)
+    d = phases.decide(o, Observed(cluster(4, provisioned=True)), at(970), TUN)
+    assert kinds(d) == [("delete", "RayCluster", n.cluster)] and [e.reason for e in d.events] == ["TTLExpired"]
+    stuck = phases.decide(o, Observed(cluster(4, provisioned=True), jobs_deleting=(n.verify_job,)), at(960 + 120), TUN)
+    assert kinds(stuck) == [("delete", "RayCluster", n.cluster)]
+
+
+def test_the_ttl_keeps_finished_rayjobs_as_the_record():
+    o, n = training(training={"maxJobRetries": 1})
+    jobs = {n.verify_job: job(n.verify_job, "SUCCEEDED", "Complete"), n.train_job: job(n.train_job, "FAILED", "Failed"),
+            n.train_attempt(1): job(n.train_attempt(1), "SUCCEEDED", "Complete")}
+    o = apply(o, phases.decide(o, Observed(cluster(4, provisioned=True), jobs), at(100), TUN))
+    o = apply(o, phases.decide(o, Observed(cluster(4, provisioned=True), jobs), at(200), TUN))
+    assert o["status"]["phase"] == "Succeeded"
+    d = phases.decide(o, Observed(cluster(4, provisioned=True), jobs), at(500), TUN)
+    assert kinds(d) == [("delete", "RayCluster", n.cluster)]
+
+
+def test_a_finishing_rayjob_at_the_ttl_gets_the_grace_before_it_is_deleted():
+    o, n = training(training={"maxJobRetries": 1})
+    first = {n.train_job: job(n.train_job, "FAILED", "Running")}   # its submitter still following the logs
+    o = apply(o, phases.decide(o, Observed(cluster(4, provisioned=True), first), at(100), TUN))
+    jobs = {**first, n.train_attempt(1): job(n.train_attempt(1), "SUCCEEDED", "Complete")}
+    o = apply(o, phases.decide(o, Observed(cluster(4, provisioned=True), jobs), at(101), TUN))
+    o["spec"]["ttlSecondsAfterFinished"] = 0
+    assert o["status"]["phase"] == "Succeeded"
+    assert kinds(phases.decide(o, Observed(cluster(4, provisioned=True), jobs), at(130), TUN)) == []
+    assert kinds(phases.decide(o, Observed(cluster(4, provisioned=True), jobs), at(161), TUN)) == [
+        ("delete", "RayJob", n.train_job)]
+
+
+def test_suspend_waits_at_most_twice_the_grace_for_the_rayjobs_to_go():
+    o, n = training()
+    o["spec"]["suspend"] = True
+    o = apply(o, phases.decide(o, Observed(cluster(4, provisioned=True), {n.train_job: job(n.train_job)}), at(50), TUN))
+    assert cond(o, c.Condition.SLICE_PROVISIONED)["message"] == f"RayCluster suspended once RayJob {n.train_job} is gone"
+    going = Observed(cluster(4, provisioned=True), jobs_deleting=(n.train_job,))
+    assert phases.decide(o, going, at(50 + 119), TUN).actions == ()
+    assert kinds(phases.decide(o, going, at(50 + 120), TUN)) == [("suspend", "RayCluster", n.cluster)]
+
+
+def test_a_recovered_slice_waits_for_the_deleted_rayjobs_before_submitting_again():
+    """KubeRay's submitter Job has the RayJob's name: a new RayJob created while the old one (and
+    its submitter Job) is still going would take that Job for its own."""
+    o = run_to(make(), Phase.TRAINING)
+    n = names(o)
+    o = apply(o, phases.decide(o, Observed(lost(3), {n.train_job: job(n.train_job)}), at(100), TUN))
+    d = phases.decide(o, Observed(lost(4), jobs_deleting=(n.train_job,)), at(110), TUN)
+    assert d.phase == "Provisioning" and d.actions == ()
+    assert f"waiting for RayJob {n.train_job} (deleted before) to be gone before submitting again" in d.status["message"]
+    d = phases.decide(apply(o, d), Observed(lost(4)), at(112), TUN)
+    assert d.phase == "VerifyingCollectives" and kinds(d) == [("create", "RayJob", n.verify_job)]

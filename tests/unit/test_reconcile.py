@@ -98,6 +98,39 @@ def test_a_previous_objects_children_are_not_taken_for_its_own():
     assert ctl.observe(obj, [own], []).cluster is not None
 
 
+def test_rayjobs_on_their_way_out_are_confirmed_with_a_get_while_there_is_a_cluster():
+    """A RayJob being deleted (KubeRay's finalizer, its submitter Job going) still holds its
+    RayCluster (phases._release); the index may keep one forever after a re-list, so each is
+    confirmed with a GET, and only while there is a RayCluster it could hold."""
+    kube = FakeKube(tft())
+    ctl = controller(kube)
+    ctl.reconcile((NS, NAME), indexed(kube), [], [])
+    obj = kube.objects[("TPUFinetune", NAME)]
+    cluster = phases.IndexedChild(f"{NAME}-ray", {})
+    going = phases.IndexedChild(f"{NAME}-verify", {"jobStatus": "SUCCEEDED"}, deleting=True)
+    kube.objects[("RayJob", f"{NAME}-verify")] = {"metadata": {"name": f"{NAME}-verify"}}
+    observed = ctl.observe(obj, [cluster], [going])
+    assert observed.jobs_deleting == (f"{NAME}-verify",) and observed.jobs == {}
+    assert ("get", "RayJob", f"{NAME}-verify") in kube.log
+    del kube.objects[("RayJob", f"{NAME}-verify")]   # gone; the index has not caught up
+    assert ctl.observe(obj, [cluster], [going]).jobs_deleting == ()
+    ctl.ledger.deleted_child((NS, NAME), "RayJob", f"{NAME}-train")   # deleted by us, the index still shows it
+    kube.objects[("RayJob", f"{NAME}-train")] = {"metadata": {"name": f"{NAME}-train"}}
+    assert ctl.observe(obj, [cluster], [phases.IndexedChild(f"{NAME}-train", {})]).jobs_deleting == (f"{NAME}-train",)
+    del kube.objects[("RayCluster", f"{NAME}-ray")]
+    kube.log.clear()
+    assert ctl.observe(obj, [], [going]).jobs_deleting == ()   # no cluster: nothing to hold, no GET for it
+    assert ("get", "RayJob", f"{NAME}-verify") not in kube.log
+
+
+def test_grace_periods_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("TPUFT_RAYJOB_GRACE_SECONDS", "5")
+    monkeypatch.delenv("TPUFT_VERIFY_GRACE_SECONDS", raising=False)
+    assert handlers._tunables() == phases.Tunables(rayjob_grace_seconds=5.0)
+    monkeypatch.setenv("TPUFT_VERIFY_GRACE_SECONDS", "1")
+    assert handlers._tunables() == phases.Tunables(verify_grace_seconds=1.0, rayjob_grace_seconds=5.0)
+
+
 def test_the_index_records_the_owner():
     meta = {"ownerReferences": [{"kind": "TPUFinetune", "uid": "u-1", "controller": True}]}
     entry = handlers.rayclusters_by_owner(namespace=NS, name=f"{NAME}-ray", labels={"tpufinetune.dev/name": NAME},
