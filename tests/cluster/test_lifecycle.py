@@ -11,6 +11,7 @@ import json
 import pytest
 import yaml
 
+from tests.cluster_fixtures import assert_nothing_left_failed
 from tests.paths import EXAMPLES
 from tests.waiting import wait_until
 from tpuft_local import chart, node
@@ -80,3 +81,5 @@ def test_suspend_resume_and_operator_restart_mid_training(cluster_kubectl, clust
     training = st["training"]
     assert training.get("resumedFromStep", 0) >= 5, training  # its own checkpoint, not step 0
     assert training["step"] == training["totalSteps"] and training.get("loss") is not None
+    # the suspended attempt's RayJob went before its pods; the finished one is Complete (issue 24)
+    assert_nothing_left_failed(cluster_kubectl, cluster_ns)
