@@ -21,8 +21,9 @@ demo: venv
 # Fast tiers first (a broken unit test fails in a minute), then three lanes at once (the cluster's
 # real node, its simulated TPU hosts, and integration/chart/workload), then `tpuft cluster down`;
 # prints each tier's time and the 30 slowest tests. See tests/lanes.py; logs in .test-logs/.
+# The Go tools are built by the cluster lane's `tpuft cluster up`, beside the images, on a cold
+# machine; the other lanes' control planes wait for them (a build lock).
 test: venv
-	$(VENV)/bin/tpuft cluster tools
 	RAY_AUTH_MODE=disabled $(PY) -m tests.lanes
 
 # The unit tier needs neither torch nor Ray: a light venv of its own (seconds to build from

@@ -16,6 +16,7 @@ what died is started again.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -123,8 +124,7 @@ class LocalCluster:
         self.state.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(parents=True, exist_ok=True)
         host.apply(self.journal, self.net)
-        ensure_tools(TOOLS)
-        built = self._build_images() if images else {}
+        built = self._tools_and_images(images)
         self._containerd()
         self._load_images(built, only=("pause",))
         if not self.cp.ready():
@@ -142,6 +142,17 @@ class LocalCluster:
         self._operator()
         _say(f"cluster up in {time.monotonic() - t0:.0f} s; kubeconfig: {self.kubeconfig}")
         return self
+
+    def _tools_and_images(self, images: bool) -> dict:
+        """The Go builds (CPU) and the image builds (mostly downloads and disk) at the same time:
+        on a cold machine they are the two long steps, and neither needs the other."""
+        if not images:
+            ensure_tools(TOOLS)
+            return {}
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="images") as pool:
+            built = pool.submit(self._build_images)
+            ensure_tools(TOOLS)
+            return built.result()
 
     def _build_images(self) -> dict:
         from tpuft_local import images
