@@ -251,6 +251,10 @@ class JobDeploymentStatus(str, enum.Enum):
 
 
 RAYJOB_REASON_DEADLINE_EXCEEDED = "DeadlineExceeded"   # status.reason after activeDeadlineSeconds
+RAYJOB_REASON_APP_FAILED = "AppFailed"
+# status.message (reason AppFailed) once the submitter Job has completed and the dashboard answers 404
+# for the job id (v1.6.2 controllers/ray/rayjob_controller.go, the Running case); matched as a prefix.
+RAYJOB_MESSAGE_JOB_NOT_FOUND = "Submitter completed but Ray job not found in RayCluster"
 RAYSERVICE_READY = "Ready"   # RayService condition type (v1.3+)
 
 

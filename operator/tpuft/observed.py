@@ -241,10 +241,24 @@ def job_finishing(job: JobObs) -> bool:
 
 
 def job_settled(job: JobObs) -> bool:
-    """KubeRay is done with it: the Ray job has ended and so has the RayJob. Anything else may
-    still run on the cluster (a job past its deadline, a submitter still waiting for the head)."""
+    """KubeRay is done with it: the Ray job has ended and so has the RayJob, or the RayJob is
+    lost (no Ray job of it on the cluster, its submitter done). Anything else may still run on the
+    cluster (a job past its deadline, a submitter still waiting for the head)."""
     st = job.status
-    return st.get("jobStatus") in ENDED_JOB_STATUSES and st.get("jobDeploymentStatus") in DONE_JOB_STATES
+    return (st.get("jobStatus") in ENDED_JOB_STATUSES and st.get("jobDeploymentStatus") in DONE_JOB_STATES) or job_lost(job)
+
+
+def job_lost(job: JobObs) -> bool:
+    """KubeRay failed the RayJob because its submitter Job completed while the dashboard answered
+    404 for the job id (v1.6.2 rayjob_controller.go, the Running case: reason AppFailed, message
+    c.RAYJOB_MESSAGE_JOB_NOT_FOUND). No Ray job of it ended, so no user code failed: the Ray job
+    was never submitted, or the head lost it. jobStatus is whatever KubeRay last read ("" if it
+    never read the job); an ended one (a Ray job that did fail) is not lost."""
+    st = job.status
+    return (st.get("jobDeploymentStatus") == c.JobDeploymentStatus.FAILED.value
+            and st.get("reason") == c.RAYJOB_REASON_APP_FAILED
+            and str(st.get("message") or "").startswith(c.RAYJOB_MESSAGE_JOB_NOT_FOUND)
+            and st.get("jobStatus") not in ENDED_JOB_STATUSES)
 
 
 def job_failure_detail(job: JobObs) -> str:

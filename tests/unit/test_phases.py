@@ -851,6 +851,8 @@ def test_objects_that_do_not_serve_carry_no_serving_condition():
     ({"jobStatus": "RUNNING", "jobDeploymentStatus": "Running"}, False, False),
     ({"jobStatus": "RUNNING", "jobDeploymentStatus": "Failed", "reason": "DeadlineExceeded"}, False, False),
     ({"jobStatus": "", "jobDeploymentStatus": "Failed", "reason": "SubmissionFailed"}, False, False),
+    ({"jobStatus": "", "jobDeploymentStatus": "Failed", "reason": "AppFailed",   # lost: nothing of it runs
+      "message": "Submitter completed but Ray job not found in RayCluster."}, False, True),
     ({}, False, False),
 ])
 def test_what_counts_as_finishing_and_as_settled(status, finishing, settled):
