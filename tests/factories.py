@@ -113,12 +113,7 @@ class FakeKube:
 
     def patch_status(self, ns, name, patch):
         self.log.append(("patch_status", tuple(sorted(patch))))
-        st = self.objects[("TPUFinetune", NAME)].setdefault("status", {})
-        for k, v in patch.items():
-            if v is None:
-                st.pop(k, None)
-            else:
-                st[k] = copy.deepcopy(v)
+        merge_patch(self.objects[("TPUFinetune", NAME)].setdefault("status", {}), patch)   # as the API server does
         return True
 
     def post_event(self, obj, event):

@@ -140,10 +140,23 @@ class _Draft:
             etype = (EventType.WARNING if phase == Phase.FAILED.value or self.reason == Reason.REPLACING_SLICE
                      else EventType.NORMAL)
             self.events.insert(0, Event(etype, self.reason or Reason(reason), f"{phase}: {st.get('message') or ''}"))
-        patch = {k: v for k, v in st.items() if prev.get(k) != v}
-        patch.update({k: None for k in prev if k not in st})
-        return Decision(status=st, patch=patch or None, actions=tuple(self.actions), events=tuple(self.events),
+        patch = _merge_patch(prev, st)
+        return Decision(status=st, patch=patch, actions=tuple(self.actions), events=tuple(self.events),
                         requeue_after=self.requeue)
+
+
+def _merge_patch(prev: Mapping, new: Mapping) -> dict | None:
+    """The JSON merge patch (RFC 7386, what the status write sends) that turns prev into new:
+    changed keys with their new values, removed keys as null, at every depth (a key dropped
+    from a nested object, e.g. status.serving.notReadySince, is removed only by an explicit null)."""
+    def value(before: Any, after: Any) -> Any:
+        if isinstance(before, Mapping) and isinstance(after, Mapping):
+            return {**after, **{k: None for k in before if k not in after},
+                    **{k: value(before[k], v) for k, v in after.items() if k in before}}
+        return after
+    patch = {k: value(prev.get(k), v) for k, v in new.items() if prev.get(k) != v}
+    patch.update({k: None for k in prev if k not in new})
+    return patch or None
 
 
 # --- decide ----------------------------------------------------------------------------------------

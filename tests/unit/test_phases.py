@@ -7,6 +7,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
+from tests.factories import merge_patch
 from tpuft import builders, phases
 from tpuft import constants as c
 from tpuft.constants import Phase
@@ -42,12 +43,7 @@ def names(o: dict) -> builders.ChildNames:
 def apply(o: dict, d: phases.Decision) -> dict:
     """What the API server holds after the handler writes d.patch (a JSON merge patch)."""
     o = copy.deepcopy(o)
-    status = o.setdefault("status", {})
-    for k, v in (d.patch or {}).items():
-        if v is None:
-            status.pop(k, None)
-        else:
-            status[k] = copy.deepcopy(v)
+    merge_patch(o.setdefault("status", {}), d.patch or {})
     return o
 
 
@@ -734,7 +730,9 @@ def test_serving_becomes_ready_when_the_app_is_running_and_writes_once():
     assert d.phase == "Serving" and d.status["reason"] == "Serving"
     assert cond(d, c.Condition.SERVING)["status"] == "True" and cond(d, c.Condition.READY)["status"] == "True"
     assert "notReadySince" not in d.status["serving"]
+    assert d.patch["serving"]["notReadySince"] is None   # a merge patch removes a nested key by null only
     o = apply(o, d)
+    assert "notReadySince" not in o["status"]["serving"]
     assert phases.decide(o, Observed(service=rayservice("RUNNING", ready=True)), at(300), TUN).patch is None
     assert not phases.wants_serve_pods(o)
 
