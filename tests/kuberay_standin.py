@@ -117,6 +117,17 @@ class KubeRay:
                                        "reason": "AppFailed", "message": message, "endTime": _now(),
                                        "succeeded": 0, "failed": 1})
 
+    def job_lost(self, name: str) -> None:
+        """The submitter Job completed while the dashboard answered 404 for the job id: KubeRay
+        v1.6.2 fails the deployment (rayjob_controller.go, the Running case); jobStatus stays as
+        it was, "" when KubeRay never read the job."""
+        job = self.get("rayjobs", name)
+        cluster = job["spec"].get("clusterSelector", {}).get("ray.io/cluster", "")
+        self._status("rayjobs", name, {"jobDeploymentStatus": "Failed", "reason": "AppFailed",
+                                       "message": "Submitter completed but Ray job not found in RayCluster.",
+                                       "jobId": f"{name}-b5khs", "rayClusterName": cluster,
+                                       "dashboardURL": f"{cluster}-head-svc:8265", "failed": 1})
+
     def job_deadline_exceeded(self, name: str, deadline: int) -> None:
         """activeDeadlineSeconds passed: KubeRay fails the deployment; jobStatus stays as it was."""
         self._status("rayjobs", name, {"jobDeploymentStatus": "Failed", "reason": "DeadlineExceeded",

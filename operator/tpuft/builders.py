@@ -67,6 +67,11 @@ class ChildNames:
         """Training RayJob name for a resubmission; attempt 0 is the first."""
         return self.train_job if attempt == 0 else f"{self.train_job}-r{attempt}"
 
+    def verify_attempt(self, attempt: int) -> str:
+        """Verification RayJob name; attempt 0 is the first, later ones follow a lost submission
+        (a new name: KubeRay would take a same-named submitter Job still there for the new one's)."""
+        return self.verify_job if attempt == 0 else f"{self.verify_job}-r{attempt}"
+
 
 def cluster_name(tft_name: str) -> str:
     return f"{tft_name}-ray"
@@ -310,9 +315,9 @@ def _rayjob(tft: TPUFinetune, name: str, component: c.Component, entrypoint: str
             "metadata": _metadata(tft, name, component), "spec": spec}
 
 
-def build_verify_job(tft: TPUFinetune) -> dict:
+def build_verify_job(tft: TPUFinetune, attempt: int = 0) -> dict:
     deadline = tft.spec.verification.timeout_seconds + VERIFY_DEADLINE_GRACE_SECONDS
-    return _rayjob(tft, names(tft).verify_job, c.Component.VERIFY, verify_entrypoint(tft), deadline)
+    return _rayjob(tft, names(tft).verify_attempt(attempt), c.Component.VERIFY, verify_entrypoint(tft), deadline)
 
 
 def build_train_job(tft: TPUFinetune, attempt: int = 0) -> dict:

@@ -79,6 +79,13 @@ RECOVERY_HISTORY_MAX = 10   # status.recovery.history keeps the latest this many
 # deleted RayJob holds its RayCluster (deleted or suspended) for at most this long again
 # (phases._release; TPUFT_RAYJOB_GRACE_SECONDS).
 RAYJOB_FINISH_GRACE_SECONDS = 60.0
+# A RayJob KubeRay failed because its submitter completed while the dashboard did not know its Ray
+# job (observed.job_lost) is resubmitted as a new RayJob at most this many times per run (training
+# and verification together), not counted against training.maxJobRetries: no user code failed. The
+# first waits this long, each later one twice the one before (phases._resubmission_due;
+# TPUFT_RESUBMIT_BACKOFF_SECONDS).
+LOST_SUBMISSION_RETRIES = 3
+LOST_SUBMISSION_BACKOFF_SECONDS = 10.0
 
 # A run's Hugging Face export: {storagePath}/{run name}/export (tpuft_workload.checkpoint writes
 # it; the RayService serves it from there).
@@ -143,6 +150,7 @@ class Reason(str, enum.Enum):
     SERVING = "Serving"
     SERVE_STOPPED = "ServeStopped"   # spec.serve.enabled set to false: the RayService is deleted
     FINISHING_RAYJOB = "FinishingRayJob"   # the Ray job ended: waiting for KubeRay to finish its RayJob
+    SUBMISSION_LOST = "SubmissionLost"   # KubeRay lost a RayJob's Ray job: resubmitted (c.LOST_SUBMISSION_RETRIES)
     # failures
     INVALID_SPEC = "InvalidSpec"
     PROVISIONING_TIMEOUT = "ProvisioningTimeout"

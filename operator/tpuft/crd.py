@@ -332,8 +332,10 @@ def status_schema() -> dict:
         "phaseTransitionTime": _p("string", "When the phase last changed.", format="date-time"),
         "startTime": _p("string", "When the operator first acted on this object.", format="date-time"),
         "completionTime": _p("string", "When it reached Succeeded or Failed.", format="date-time"),
-        "trainingAttempts": integer("Training RayJobs submitted so far (1 + retries)."),
-        "recovery": _obj("Slice replacements after a lost host (spec.recovery).", {
+        "trainingAttempts": integer("Training RayJobs submitted so far (1 + retries + resubmissions after a "
+                                    "lost submission, status.recovery.lostSubmissions)."),
+        "recovery": _obj("Recovery from what is not the workload's failure: slice replacements after a lost host "
+                         "(spec.recovery), RayJobs resubmitted after KubeRay lost their Ray job.", {
             "sliceReplacements": integer("Replacements so far."),
             "history": {"type": "array", "maxItems": c.RECOVERY_HISTORY_MAX,
                         "description": "The latest losses, oldest first.", "items": _obj("One lost slice.", {
@@ -344,6 +346,21 @@ def status_schema() -> dict:
                             "hosts": integer("Worker hosts the slice needs."),
                             "step": integer("The training step last reported before the loss."),
                         })},
+            "lostSubmissions": {"type": "array", "maxItems": c.LOST_SUBMISSION_RETRIES,
+                                "description": "RayJobs KubeRay failed with \"Submitter completed but Ray job not found "
+                                               "in RayCluster\" and the operator resubmitted (not counted against "
+                                               "training.maxJobRetries), oldest first.",
+                                "items": _obj("One lost submission.", {
+                                    "time": _p("string", "When it was seen.", format="date-time"),
+                                    "phase": _p("string", "VerifyingCollectives or Training."),
+                                    "rayJob": _p("string", "The RayJob KubeRay failed."),
+                                    "resubmittedAs": _p("string", "The new RayJob."),
+                                })},
+            "resubmit": _obj("A lost RayJob waiting out its backoff before it is resubmitted; absent otherwise.", {
+                "rayJob": _p("string", "The RayJob KubeRay failed."),
+                "seen": _p("string", "When it was seen.", format="date-time"),
+                "at": _p("string", "When it is resubmitted.", format="date-time"),
+            }),
         }),
         "ignoredSpecChange": _obj("A spec edit made during the run that the run does not apply (children are "
                                   "built from appliedSpec); gone once the spec matches it again.", {

@@ -20,6 +20,7 @@ drift and which block deletion when the operator is gone). Instead:
 
 Environment: TPUFT_RESYNC_SECONDS, TPUFT_WORKERS (4), TPUFT_VERIFY_GRACE_SECONDS (60),
 TPUFT_RAYJOB_GRACE_SECONDS (60: how long KubeRay may take to finish a RayJob whose job has ended),
+TPUFT_RESUBMIT_BACKOFF_SECONDS (10: the wait before a lost RayJob's first resubmission, doubling),
 TPUFT_POD_LIST_SECONDS (10: how long one list of a coming-up slice's pods is reused),
 TPUFT_METRICS_PORT (9090; 0 disables), TPUFT_LOG_LEVEL.
 """
@@ -49,7 +50,8 @@ BACKOFF_MIN, BACKOFF_MAX = 1.0, 60.0
 
 
 def _tunables() -> phases.Tunables:
-    env = {"verify_grace_seconds": "TPUFT_VERIFY_GRACE_SECONDS", "rayjob_grace_seconds": "TPUFT_RAYJOB_GRACE_SECONDS"}
+    env = {"verify_grace_seconds": "TPUFT_VERIFY_GRACE_SECONDS", "rayjob_grace_seconds": "TPUFT_RAYJOB_GRACE_SECONDS",
+           "resubmit_backoff_seconds": "TPUFT_RESUBMIT_BACKOFF_SECONDS"}
     return phases.Tunables(**{k: float(os.environ[v]) for k, v in env.items() if os.environ.get(v)})
 
 

@@ -145,6 +145,7 @@ class Decision:
 class Tunables:
     verify_grace_seconds: float = DEFAULT_VERIFY_GRACE_SECONDS
     rayjob_grace_seconds: float = c.RAYJOB_FINISH_GRACE_SECONDS
+    resubmit_backoff_seconds: float = c.LOST_SUBMISSION_BACKOFF_SECONDS
 
 
 def fmt_time(t: datetime) -> str:

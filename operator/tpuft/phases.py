@@ -19,6 +19,12 @@ Rules worth knowing (see also the README):
     (reason FinishingRayJob meanwhile, at most Tunables.rayjob_grace_seconds; past it the RayJob
     is deleted), and a RayCluster is deleted (serving, TTL) or suspended only once every RayJob on
     it is finished or gone (an unfinished one is deleted first; at most twice the grace).
+  * A RayJob KubeRay failed because its submitter completed while the dashboard did not know its
+    Ray job (observed.job_lost) is not the workload failing: after a backoff it is resubmitted as a
+    new RayJob (training: the next attempt's name; verification: a fresh verify job), at most
+    c.LOST_SUBMISSION_RETRIES times per run, not counted against training.maxJobRetries
+    (status.recovery.lostSubmissions, reason and Warning event SubmissionLost). Past that it is a
+    failed job like any other.
   * Suspend: the active RayJob and the verify job are deleted (they cannot outlive their pods;
     checkpoints stay), then the RayCluster is patched suspend=true. Resume -> Provisioning (clock
     restarts), then the new slice is verified again, then training continues with the same
@@ -35,7 +41,7 @@ Rules worth knowing (see also the README):
 from __future__ import annotations
 
 import copy
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Mapping
 
 from tpuft import builders
@@ -47,7 +53,7 @@ from tpuft.observed import (  # noqa: F401  (re-exported)
     OWNED_KEYS, LIVE_SPEC_FIELDS, CONDITION_ORDER, DEFAULT_VERIFY_GRACE_SECONDS, ClusterObs, IndexedChild,
     JobObs, AdmissionError, Observed, Op, Action, Event, Decision, Tunables, fmt_time, parse_time, owned,
     cluster_provisioned, cluster_progress, slice_loss, job_state, job_succeeded, job_failed, job_failure_detail,
-    job_finishing, job_settled, spec_diff, ServiceObs, SERVE_ENABLED_FIELD, serve_app_state, service_ready,
+    job_finishing, job_settled, job_lost, spec_diff, ServiceObs, SERVE_ENABLED_FIELD, serve_app_state, service_ready,
     service_progress, serving_ready)
 
 
@@ -354,13 +360,20 @@ def wants_pods(obj: Mapping[str, Any]) -> bool:
     return phase in (None, "", Phase.PENDING.value, Phase.PROVISIONING.value)
 
 
-def _start_verification(d: _Draft, tft: TPUFinetune) -> Decision:
-    n = builders.names(tft)
-    d.act(Op.CREATE, c.RAYJOB_KIND, n.verify_job, builders.build_verify_job(tft))
-    d.st.setdefault("children", {})["verifyJob"] = n.verify_job
-    d.cond(Condition.COLLECTIVES_VERIFIED, ConditionStatus.UNKNOWN, Reason.VERIFYING, f"RayJob {n.verify_job} submitted")
-    d.go(Phase.VERIFYING, Reason.VERIFYING, f"verifying collectives on every device (RayJob {n.verify_job})")
+def _start_verification(d: _Draft, tft: TPUFinetune, reason: Reason = Reason.VERIFYING,
+                        message: str | None = None) -> Decision:
+    index = _lost_count(d, Phase.VERIFYING)   # a fresh name after each lost submission
+    name = builders.names(tft).verify_attempt(index)
+    d.act(Op.CREATE, c.RAYJOB_KIND, name, builders.build_verify_job(tft, index))
+    d.st.setdefault("children", {})["verifyJob"] = name
+    d.cond(Condition.COLLECTIVES_VERIFIED, ConditionStatus.UNKNOWN, reason, message or f"RayJob {name} submitted")
+    d.go(Phase.VERIFYING, reason, message or f"verifying collectives on every device (RayJob {name})")
     return d.finish()
+
+
+def _verify_job(d: _Draft, tft: TPUFinetune) -> str:
+    """The current verification RayJob's name."""
+    return builders.names(tft).verify_attempt(_lost_count(d, Phase.VERIFYING))
 
 
 def _start_training(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
@@ -402,8 +415,8 @@ def _replace_slice(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, cau
     rec["history"] = ([*(rec.get("history") or []), entry])[-c.RECOVERY_HISTORY_MAX:]
     rec["sliceReplacements"] = done
     d.st["recovery"] = rec
-    n = builders.names(tft)
-    for job in sorted({n.verify_job, d.st.get("children", {}).get("trainJob")} - {None}):
+    rec.pop("resubmit", None)   # the jobs are submitted again once the slice is back
+    for job in sorted({_verify_job(d, tft), d.st.get("children", {}).get("trainJob")} - {None}):
         if job in obs.jobs:   # while the head may still be up: KubeRay's finalizer stops the Ray job
             d.act(Op.DELETE, c.RAYJOB_KIND, job)
     if done >= allowed:
@@ -427,19 +440,27 @@ def _replace_slice(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, cau
 
 
 def _verifying(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, tun: Tunables) -> Decision:
-    n, timeout = builders.names(tft), tft.spec.verification.timeout_seconds
+    n, timeout, name = builders.names(tft), tft.spec.verification.timeout_seconds, _verify_job(d, tft)
     if _lost_cluster(d, tft, obs):
         return d.finish()
     if lost := slice_loss(obs.cluster.status):
         return _replace_slice(d, obj, tft, obs, lost)
-    job = obs.jobs.get(n.verify_job)
+    job = obs.jobs.get(name)
     if job is None:
-        d.fail(Reason.CHILD_DELETED, f"RayJob {n.verify_job} was deleted during verification")
+        d.fail(Reason.CHILD_DELETED, f"RayJob {name} was deleted during verification")
         return d.finish()
     workload = ((obj.get("status") or {}).get("verification") or {}).get("message")
     if job_succeeded(job):
-        d.cond(Condition.COLLECTIVES_VERIFIED, ConditionStatus.TRUE, Reason.VERIFIED, workload or f"RayJob {n.verify_job} succeeded")
+        d.cond(Condition.COLLECTIVES_VERIFIED, ConditionStatus.TRUE, Reason.VERIFIED, workload or f"RayJob {name} succeeded")
         return _start_training(d, tft, obs)
+    if job_lost(job) and _lost_count(d) < c.LOST_SUBMISSION_RETRIES:
+        msg = _resubmission_due(d, job, n.verify_attempt(_lost_count(d, Phase.VERIFYING) + 1),
+                                Condition.COLLECTIVES_VERIFIED, tun)
+        if msg is None:
+            return d.finish()
+        d.event(EventType.WARNING, Reason.SUBMISSION_LOST, msg)
+        d.st["phaseTransitionTime"] = fmt_time(d.now)   # the fresh job's own verification deadline
+        return _start_verification(d, tft, Reason.SUBMISSION_LOST, msg)
     if job_failed(job):
         timed_out = job.status.get("reason") == c.RAYJOB_REASON_DEADLINE_EXCEEDED
         reason = Reason.COLLECTIVE_TIMEOUT if timed_out else Reason.VERIFICATION_FAILED
@@ -452,14 +473,14 @@ def _verifying(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, tun: Tu
     bound = timeout + tun.verify_grace_seconds
     if d.elapsed() >= bound:
         msg = (f"collective verification did not finish within {timeout}s (+{tun.verify_grace_seconds:g}s grace): "
-               f"RayJob {n.verify_job} {job_state(job)}; a host that never joins (wrong topology, unhealthy ICI) "
+               f"RayJob {name} {job_state(job)}; a host that never joins (wrong topology, unhealthy ICI) "
                "looks like this")
         d.cond(Condition.COLLECTIVES_VERIFIED, ConditionStatus.FALSE, Reason.COLLECTIVE_TIMEOUT, msg)
         d.fail(Reason.COLLECTIVE_TIMEOUT, msg)
         return d.finish()
     # Same message as on entry: the job's own progress lives in the RayJob's status, and an
     # unchanged message means no status write (one write per phase change).
-    d.go(Phase.VERIFYING, Reason.VERIFYING, f"verifying collectives on every device (RayJob {n.verify_job})")
+    d.go(Phase.VERIFYING, Reason.VERIFYING, f"verifying collectives on every device (RayJob {name})")
     d.wake(bound - d.elapsed())
     return d.finish()
 
@@ -467,8 +488,9 @@ def _verifying(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, tun: Tu
 def _training(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, tun: Tunables,
               live_serve: bool = False) -> Decision:
     n = builders.names(tft)
-    attempts = max(int(d.st.get("trainingAttempts") or 1), 1)
-    retries = tft.spec.training.max_job_retries
+    attempts = max(int(d.st.get("trainingAttempts") or 1), 1)   # RayJobs submitted
+    resubmitted = _lost_count(d, Phase.TRAINING)                 # of them after a lost submission
+    counted, retries = attempts - resubmitted, tft.spec.training.max_job_retries
     name = n.train_attempt(attempts - 1)
     if _lost_cluster(d, tft, obs):
         return d.finish()
@@ -486,28 +508,86 @@ def _training(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, tun: Tun
             return d.finish()
         if live_serve:
             return _start_serving(d, obj, tft, obs, tun)
-        d.go(Phase.SUCCEEDED, Reason.TRAINING_COMPLETE, f"training complete (RayJob {name}, attempt {attempts})")
+        d.go(Phase.SUCCEEDED, Reason.TRAINING_COMPLETE, f"training complete (RayJob {name}, attempt {counted})")
         return d.finish()
+    if job_lost(job) and _lost_count(d) < c.LOST_SUBMISSION_RETRIES:
+        msg = _resubmission_due(d, job, n.train_attempt(attempts), Condition.TRAINING_SUCCEEDED, tun)
+        if msg is None:
+            return d.finish()
+        return _resubmit_training(d, tft, attempts, Reason.SUBMISSION_LOST, f"{msg}, resuming from checkpoint")
     if job_failed(job):
         detail = job_failure_detail(job)
-        if attempts <= retries:
-            nxt = n.train_attempt(attempts)
-            d.act(Op.CREATE, c.RAYJOB_KIND, nxt, builders.build_train_job(tft, attempts))
-            d.st["trainingAttempts"] = attempts + 1
-            d.st.setdefault("children", {})["trainJob"] = nxt
-            msg = f"{detail}; resubmitted as {nxt} (attempt {attempts + 1} of {retries + 1}), resuming from checkpoint"
-            d.event(EventType.WARNING, Reason.RETRYING, msg)
-            d.cond(Condition.TRAINING_SUCCEEDED, ConditionStatus.UNKNOWN, Reason.RETRYING, msg)
-            d.go(Phase.TRAINING, Reason.RETRYING, msg)
-            return d.finish()
-        msg = f"training failed after {attempts} attempt(s): {detail}"
+        if counted <= retries:
+            return _resubmit_training(d, tft, attempts, Reason.RETRYING, f"{detail}; resubmitted as "
+                                      f"{n.train_attempt(attempts)} (attempt {counted + 1} of {retries + 1}), "
+                                      "resuming from checkpoint")
+        msg = f"training failed after {counted} attempt(s): {detail}" + (
+            f" ({resubmitted} more RayJob(s) resubmitted after a lost submission)" if resubmitted else "")
         d.cond(Condition.TRAINING_SUCCEEDED, ConditionStatus.FALSE, Reason.TRAINING_FAILED, msg)
         if _finishing(d, job, Condition.TRAINING_SUCCEEDED, f"failing with {Reason.TRAINING_FAILED.value}", tun):
             return d.finish()
         d.fail(Reason.TRAINING_FAILED, msg)
         return d.finish()
-    d.go(Phase.TRAINING, Reason.TRAINING, f"training (RayJob {name}, attempt {attempts} of {retries + 1})")
+    d.go(Phase.TRAINING, Reason.TRAINING, f"training (RayJob {name}, attempt {counted} of {retries + 1})")
     return d.finish()
+
+
+def _resubmit_training(d: _Draft, tft: TPUFinetune, index: int, reason: Reason, msg: str) -> Decision:
+    """The next training RayJob (attempt `index`, a new name), after a failed attempt (Retrying)
+    or a lost submission (SubmissionLost); it resumes from the last checkpoint."""
+    nxt = builders.names(tft).train_attempt(index)
+    d.act(Op.CREATE, c.RAYJOB_KIND, nxt, builders.build_train_job(tft, index))
+    d.st["trainingAttempts"] = index + 1
+    d.st.setdefault("children", {})["trainJob"] = nxt
+    d.event(EventType.WARNING, reason, msg)
+    d.cond(Condition.TRAINING_SUCCEEDED, ConditionStatus.UNKNOWN, reason, msg)
+    d.go(Phase.TRAINING, reason, msg)
+    return d.finish()
+
+
+# --- a RayJob KubeRay lost (observed.job_lost) -------------------------------------------------------
+def _drop_resubmission(d: _Draft) -> None:
+    """A resubmission being waited for is off (the run is suspended): its RayJob is deleted."""
+    rec = d.st.get("recovery")
+    if rec and rec.pop("resubmit", None) is not None and not rec:
+        d.st.pop("recovery")
+
+
+def _lost_count(d: _Draft, phase: Phase | None = None) -> int:
+    """Lost submissions resubmitted so far in this run (in `phase` only, when given)."""
+    lost = (d.st.get("recovery") or {}).get("lostSubmissions") or []
+    return sum(1 for x in lost if phase is None or x.get("phase") == phase.value)
+
+
+def _resubmission_due(d: _Draft, job: JobObs, nxt: str, ctype: Condition, tun: Tunables) -> str | None:
+    """`job` is lost and the run has resubmitted fewer than c.LOST_SUBMISSION_RETRIES: wait out
+    the backoff (tun.resubmit_backoff_seconds, doubling with each earlier loss in the run; 0: none;
+    status.recovery.resubmit says until when, reason SubmissionLost meanwhile), then record it in
+    status.recovery.lostSubmissions and return the message to resubmit it as `nxt` with. None
+    while waiting."""
+    rec = copy.deepcopy(d.st.get("recovery") or {})
+    lost = list(rec.get("lostSubmissions") or [])
+    wait = rec.get("resubmit") or {}
+    if wait.get("rayJob") != job.name:
+        backoff = tun.resubmit_backoff_seconds * 2 ** len(lost)
+        wait = {"rayJob": job.name, "seen": fmt_time(d.now), "at": fmt_time(d.now + timedelta(seconds=backoff))}
+    what = (f"{job_failure_detail(job)}; KubeRay lost the Ray job, not the workload failing (lost submission "
+            f"{len(lost) + 1} of {c.LOST_SUBMISSION_RETRIES} in this run"
+            + (", not counted against training.maxJobRetries)" if d.phase == Phase.TRAINING else ")"))
+    left = (parse_time(wait["at"]) - d.now).total_seconds() if tun.resubmit_backoff_seconds > 0 else 0.0
+    if left > 0:
+        rec["resubmit"] = wait
+        d.st["recovery"] = rec
+        msg = f"{what}; resubmitting as {nxt} at {wait['at']}"
+        d.cond(ctype, ConditionStatus.UNKNOWN, Reason.SUBMISSION_LOST, msg)
+        d.go(d.phase or Phase.PENDING, Reason.SUBMISSION_LOST, msg)
+        d.wake(left)
+        return None
+    rec.pop("resubmit", None)
+    rec["lostSubmissions"] = [*lost, {"time": wait["seen"], "phase": (d.phase or Phase.PENDING).value,
+                                      "rayJob": job.name, "resubmittedAs": nxt}]
+    d.st["recovery"] = rec
+    return f"{what}; resubmitted as {nxt}"
 
 
 def _start_serving(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, tun: Tunables) -> Decision:
@@ -591,8 +671,10 @@ def _suspend(d: _Draft, tft: TPUFinetune, obs: Observed, tun: Tunables) -> Decis
     n, was = builders.names(tft), d.phase or Phase.PENDING
     # Jobs cannot outlive their pods; the verify job goes too, so the resumed slice is verified again.
     # They go first: the RayCluster is suspended once they are gone (_suspended).
-    active = {Phase.VERIFYING: n.verify_job, Phase.TRAINING: d.st.get("children", {}).get("trainJob")}.get(was)
-    holding = _release(d, obs, 0, tun, stop={n.verify_job, active} - {None}) if obs.cluster is not None else []
+    verify = _verify_job(d, tft)
+    active = {Phase.VERIFYING: verify, Phase.TRAINING: d.st.get("children", {}).get("trainJob")}.get(was)
+    holding = _release(d, obs, 0, tun, stop={verify, active} - {None}) if obs.cluster is not None else []
+    _drop_resubmission(d)   # the resumed run verifies the slice, then submits again
     if obs.cluster is not None and not holding:
         d.act(Op.SUSPEND, c.RAYCLUSTER_KIND, n.cluster)
     d.cond(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, Reason.SUSPENDED,

@@ -15,8 +15,8 @@ from tpuft import catalog
 from tpuft.constants import API_VERSION, KIND, TPU_RESOURCE, DatasetFormat, ServeEngine, TrainingFramework
 
 # Children are named "{name}-{suffix}" (longest suffix "-workload", plus "-train-r99" for
-# retries); KubeRay derives pod and service names from those and labels them with the
-# cluster name, so 40 keeps every derived name inside the 63-character label limit.
+# retries and resubmissions, "-verify-r3"); KubeRay derives pod and service names from those and
+# labels them with the cluster name, so 40 keeps every derived name inside the 63-character label limit.
 MAX_NAME_LENGTH = 40
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 CHECKPOINT_VOLUME_SOURCES = ("persistentVolumeClaim", "csi", "nfs", "hostPath")

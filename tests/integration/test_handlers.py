@@ -388,6 +388,30 @@ def test_a_host_lost_in_training_replaces_the_slice_and_resumes(operator, tft, k
     assert reasons.count("ReplacingSlice") == 1 and "SliceLost" in reasons
 
 
+def test_a_lost_submission_is_resubmitted_without_spending_a_retry(operator, tft, kuberay, monkeypatch):
+    """KubeRay fails a RayJob whose submitter completed while the dashboard knew no job of it: the
+    next attempt is submitted after the backoff, training.maxJobRetries (0) untouched, and
+    status.recovery's new fields survive the API server's schema."""
+    monkeypatch.setenv("TPUFT_RESUBMIT_BACKOFF_SECONDS", "3")
+    with operator():
+        tft.apply(verification={"enabled": False})
+        tft.wait("Provisioning")
+        kuberay.cluster_ready(f"{NAME}-ray")
+        tft.wait("Training")
+        kuberay.job_lost(f"{NAME}-train")
+        st = wait_until(lambda: (s := tft.status()).get("reason") == "SubmissionLost" and s, what="the backoff")
+        assert st["recovery"]["resubmit"]["rayJob"] == f"{NAME}-train" and st["recovery"]["resubmit"]["at"]
+        st = wait_until(lambda: (s := tft.status()).get("trainingAttempts") == 2 and s, 3 + MARGIN, "the resubmission")
+        assert st["children"]["trainJob"] == f"{NAME}-train-r1" and "resubmit" not in st["recovery"]
+        (lost,) = st["recovery"]["lostSubmissions"]
+        assert (lost["phase"], lost["rayJob"], lost["resubmittedAs"]) == ("Training", f"{NAME}-train", f"{NAME}-train-r1")
+        assert lost["time"]
+        kuberay.job_succeeded(f"{NAME}-train-r1")
+        st = tft.wait("Succeeded")
+        assert st["message"] == f"training complete (RayJob {NAME}-train-r1, attempt 1)"
+    assert [e["reason"] for e in tft.events() if e["type"] == "Warning"] == ["SubmissionLost"]
+
+
 # --- operator restarts and deletion ------------------------------------------------------------------
 def test_operator_restarted_at_each_phase(operator, tft, kuberay, kubectl, namespace):
     with operator():

@@ -129,6 +129,8 @@ def test_grace_periods_come_from_the_environment(monkeypatch):
     assert handlers._tunables() == phases.Tunables(rayjob_grace_seconds=5.0)
     monkeypatch.setenv("TPUFT_VERIFY_GRACE_SECONDS", "1")
     assert handlers._tunables() == phases.Tunables(verify_grace_seconds=1.0, rayjob_grace_seconds=5.0)
+    monkeypatch.setenv("TPUFT_RESUBMIT_BACKOFF_SECONDS", "0")
+    assert handlers._tunables().resubmit_backoff_seconds == 0.0
 
 
 def test_the_index_records_the_owner():
@@ -208,6 +210,27 @@ def test_training_retries_then_fails():
     st = tft.wait("Failed")
     assert st["reason"] == "TrainingFailed" and "after 2 attempt(s)" in st["message"]
     assert "Retrying" in [e["reason"] for e in tft.events()]
+
+
+def test_lost_submissions_are_resubmitted_as_fresh_rayjobs():
+    """KubeRay fails a RayJob whose submitter completed while the dashboard knew no job of it:
+    a fresh verify job, then the next training attempt, neither spending training.maxJobRetries."""
+    tft = Lifecycle(phases.Tunables(verify_grace_seconds=1, resubmit_backoff_seconds=0))
+    kuberay = tft.kuberay
+    verifying(tft)
+    kuberay.job_lost(f"{NAME}-verify")
+    tft.wait_until(lambda: tft.status()["children"]["verifyJob"] == f"{NAME}-verify-r1", what="a fresh verify job")
+    assert tft.children("rayjobs") == [f"{NAME}-verify", f"{NAME}-verify-r1"]
+    kuberay.job_succeeded(f"{NAME}-verify-r1")
+    tft.wait("Training")
+    kuberay.job_lost(f"{NAME}-train")
+    tft.wait_until(lambda: tft.status().get("trainingAttempts") == 2, what="the resubmission")
+    kuberay.job_succeeded(f"{NAME}-train-r1")
+    st = tft.wait("Succeeded")
+    assert [(x["phase"], x["rayJob"], x["resubmittedAs"]) for x in st["recovery"]["lostSubmissions"]] == [
+        ("VerifyingCollectives", f"{NAME}-verify", f"{NAME}-verify-r1"),
+        ("Training", f"{NAME}-train", f"{NAME}-train-r1")]
+    assert [e["reason"] for e in tft.events() if e["type"] == "Warning"] == ["SubmissionLost", "SubmissionLost"]
 
 
 def test_child_deleted():

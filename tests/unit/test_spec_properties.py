@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from tests.factories import MINIMUM
 from tpuft import builders, catalog
+from tpuft import constants as c
 from tpuft.spec import MAX_NAME_LENGTH, SpecError, TPUFinetune, parse
 
 # derandomize: the same 200 examples on every run, so CI never fails on a draw a rerun would not
@@ -140,7 +141,8 @@ def _check_children(tft: TPUFinetune) -> None:
     assert children, "no children"
     n = builders.names(tft)
     for name in [ch["metadata"]["name"] for ch in children] + [
-            n.train_attempt(tft.spec.training.max_job_retries), n.worker_group]:
+            n.train_attempt(tft.spec.training.max_job_retries + c.LOST_SUBMISSION_RETRIES),
+            n.verify_attempt(c.LOST_SUBMISSION_RETRIES), n.worker_group]:
         assert 0 < len(name) <= DNS_LABEL_MAX, f"child name {name!r} is {len(name)} characters"
         assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name), name
     assert len(tft.meta.name) <= MAX_NAME_LENGTH
