@@ -26,17 +26,24 @@ PHASES_IN_ORDER = ["phase Provisioning", "phase VerifyingCollectives", "verifica
                    "phase Training", "Epoch 1/3", "Epoch 3/3", "phase Serving", "tpuft chat", "  user:"]
 
 
-@pytest.fixture(autouse=True)
-def _clear_demo_namespace(cluster_kubectl):
+# One namespace per test: the rehearsal runs in the other lane at the same time as the demo
+# (tests/lanes.py), and each test's teardown clears its own namespace.
+DEMO_NS, REHEARSAL_NS = "e2e", "e2e-rehearse"
+
+
+@pytest.fixture
+def demo_namespace(cluster_kubectl, request):
     """The demo leaves its object for the user to inspect; the next test needs the hosts free."""
-    yield
-    clear_namespace(cluster_kubectl, "e2e")
+    ns = request.param
+    yield ns
+    clear_namespace(cluster_kubectl, ns)
 
 
-def _demo(tmp_path: Path, tag: str, *extra: str, timeout: float = 1800) -> tuple[subprocess.CompletedProcess, dict]:
+def _demo(tmp_path: Path, ns: str, tag: str, *extra: str,
+          timeout: float = 1800) -> tuple[subprocess.CompletedProcess, dict]:
     result = tmp_path / f"result-{tag}.json"
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    proc = subprocess.run([sys.executable, "-m", "tpuft.cli", "demo", "--namespace", "e2e", "--result", str(result),
+    proc = subprocess.run([sys.executable, "-m", "tpuft.cli", "demo", "--namespace", ns, "--result", str(result),
                            *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     return proc, (json.loads(result.read_text()) if result.exists() else {})
 
@@ -67,7 +74,7 @@ def _check_succeeded(proc, final, storage: Path, kubectl) -> list[float]:
     assert os.path.isfile(os.path.join(export, "config.json"))
     assert any(f.endswith(".safetensors") for f in os.listdir(export))
     # A run that succeeded leaves nothing Failed behind (no submitter Job, pod or RayJob; issue 24).
-    assert_nothing_left_failed(kubectl, "e2e")
+    assert_nothing_left_failed(kubectl, DEMO_NS)
     return losses
 
 
@@ -95,15 +102,16 @@ def _check_jax(final) -> None:
 
 @pytest.mark.real_node
 @pytest.mark.timeout(2400)   # two demo runs, each to a served model
-def test_demo_runs_twice_and_each_run_trains(local_cluster, cluster_kubectl, tmp_path, monkeypatch):
+@pytest.mark.parametrize("demo_namespace", [DEMO_NS], indirect=True, ids=[DEMO_NS])
+def test_demo_runs_twice_and_each_run_trains(local_cluster, cluster_kubectl, demo_namespace, tmp_path, monkeypatch):
     storage = tmp_path / "checkpoints"
-    first, final1 = _demo(tmp_path, "1", "--storage-path", str(storage))
+    first, final1 = _demo(tmp_path, DEMO_NS, "1", "--storage-path", str(storage))
     _check_succeeded(first, final1, storage, cluster_kubectl)
     run1 = Path(final1["object"]["status"]["training"]["lastCheckpoint"]).parent
     before = {p: p.stat().st_mtime_ns for p in run1.rglob("*") if p.is_file()}
 
     # The same name again at once (the demo deletes the first object and applies), now with JAX.
-    second, final2 = _demo(tmp_path, "2", "--storage-path", str(storage),
+    second, final2 = _demo(tmp_path, DEMO_NS, "2", "--storage-path", str(storage),
                            "--example", str(_jax_example_as("local-cpu", tmp_path)))
     _check_succeeded(second, final2, storage, cluster_kubectl)
     run2 = Path(final2["object"]["status"]["training"]["lastCheckpoint"]).parent
@@ -123,18 +131,19 @@ def _check_chat_and_models():
     from tpuft_local.toolchain import tool_path
 
     kubectl = tool_path("kubectl")
-    model, first = chat_cli.ask(kubectl, "e2e", "local-cpu", "What is Ray Serve?", max_tokens=16)
-    _, second = chat_cli.ask(kubectl, "e2e", "local-cpu", "What is Ray Serve?", max_tokens=16)
+    model, first = chat_cli.ask(kubectl, DEMO_NS, "local-cpu", "What is Ray Serve?", max_tokens=16)
+    _, second = chat_cli.ask(kubectl, DEMO_NS, "local-cpu", "What is Ray Serve?", max_tokens=16)
     assert model == "local-cpu" and first.strip() and first == second
-    got = subprocess.run([kubectl, "get", "tft", "local-cpu", "-n", "e2e", "-o", "json"], capture_output=True,
+    got = subprocess.run([kubectl, "get", "tft", "local-cpu", "-n", DEMO_NS, "-o", "json"], capture_output=True,
                          text=True, check=True, timeout=60)
     serving = chat_cli.endpoint(json.loads(got.stdout))
-    with chat_cli.port_forward(kubectl, "e2e", serving["service"], serving["port"]) as port:
+    with chat_cli.port_forward(kubectl, DEMO_NS, serving["service"], serving["port"]) as port:
         assert [m["id"] for m in chat.models(f"http://127.0.0.1:{port}")] == ["local-cpu"]
 
 
-def test_rehearse_tpu_places_the_slice_on_simulated_hosts_and_says_so(local_cluster, tmp_path):
-    proc, final = _demo(tmp_path, "rehearse", "--rehearse-tpu", "--example", str(EXAMPLES / "v6e-4x4.yaml"),
+@pytest.mark.parametrize("demo_namespace", [REHEARSAL_NS], indirect=True, ids=[REHEARSAL_NS])
+def test_rehearse_tpu_places_the_slice_on_simulated_hosts_and_says_so(local_cluster, demo_namespace, tmp_path):
+    proc, final = _demo(tmp_path, REHEARSAL_NS, "rehearse", "--rehearse-tpu", "--example", str(EXAMPLES / "v6e-4x4.yaml"),
                         timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-4000:]
