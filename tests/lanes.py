@@ -6,11 +6,12 @@
    so a broken unit test fails CI in a minute, not an hour.
 2. Three lanes at once, each a list of tiers run one after another:
      cluster   `tpuft cluster up`, then the cluster tests that train on the real node (marker
-               `real_node`: the CPU-heavy ones, the run's long pole);
-     simulated once the cluster is up: the cluster tests that do not (KWOK slices, which mostly
-               wait; the CLI; the operator's image), then the image tests;
-     workload  integration and chart (their own control planes), then the workload tier (real
-               Ray and torch), niced so the cluster's pods keep the CPUs the long pole needs.
+               `real_node`: the CPU-heavy ones);
+     simulated integration and chart (their own control planes) while the cluster comes up, then
+               the cluster tests that do not train (KWOK slices, which mostly wait; the CLI; the
+               operator's image), then the image tests;
+     workload  the workload tier (real Ray and torch: the longest), niced so the cluster's pods
+               keep the CPUs the real-node tests need.
 3. `down`: tests/cluster/test_zz_down.py, after every lane, whenever the cluster came up.
 
 Each tier is one pytest process with its own log and JUnit file under --logs (default
@@ -41,10 +42,11 @@ class Tier:
     argv: tuple[str, ...]          # a pytest command line (after `python -m pytest`), or a command
     pytest: bool = True
     nice: int = 0
+    needs_cluster: bool = False    # starts once `cluster up` has succeeded
 
 
-def _pytest(name: str, *args: str, nice: int = 0) -> Tier:
-    return Tier(name, args, nice=nice)
+def _pytest(name: str, *args: str, nice: int = 0, needs_cluster: bool = False) -> Tier:
+    return Tier(name, args, nice=nice, needs_cluster=needs_cluster)
 
 
 FAST = _pytest("fast", "tests/unit", "tests/local", "tests/packaging", "tests/images/test_dockerfiles.py",
@@ -52,13 +54,13 @@ FAST = _pytest("fast", "tests/unit", "tests/local", "tests/packaging", "tests/im
 CLUSTER_UP = Tier("cluster up", (PY, "-m", "tpuft.cli", "cluster", "up"), pytest=False)
 LANES: dict[str, list[Tier]] = {
     "cluster": [CLUSTER_UP, _pytest("cluster (real node)", "-m", "cluster and real_node", "tests/cluster", *NOT_SIM)],
-    "simulated": [_pytest("cluster (simulated)", "-m", "cluster and not real_node", "tests/cluster", *NOT_SIM),
-                  _pytest("images", "tests/images/test_images.py")],
-    "workload": [_pytest("integration+chart", "tests/integration", "tests/chart", nice=5),
-                 _pytest("workload", "tests/workload", nice=10)],
+    "simulated": [_pytest("integration+chart", "tests/integration", "tests/chart", nice=5),
+                  _pytest("cluster (simulated)", "-m", "cluster and not real_node", "tests/cluster", *NOT_SIM,
+                          needs_cluster=True),
+                  _pytest("images", "tests/images/test_images.py", needs_cluster=True)],
+    "workload": [_pytest("workload", "tests/workload", nice=10)],
 }
 DOWN = _pytest("down", "tests/cluster/test_zz_down.py")
-NEEDS_CLUSTER = {"simulated"}   # lanes that start once `cluster up` has succeeded
 
 
 @dataclasses.dataclass
@@ -105,28 +107,25 @@ def _show(results: list[Result]) -> None:
             print(r.log.read_text(errors="replace").rstrip(), flush=True)
 
 
-def _lane(tiers: list[Tier], logs: Path, results: list[Result], gate: threading.Event | None,
+def _lane(tiers: list[Tier], logs: Path, results: list[Result], up_done: threading.Event,
           up_ok: threading.Event) -> None:
     mine: list[Result] = []
-    if gate is not None:
-        gate.wait()
-        if not up_ok.is_set():
-            _say(f"skip {', '.join(t.name for t in tiers)}: the cluster did not come up")
-            return
-    for tier in tiers:
+    for i, tier in enumerate(tiers):
+        if tier.needs_cluster:
+            up_done.wait()
+            if not up_ok.is_set():
+                _say(f"skip {', '.join(t.name for t in tiers[i:])}: the cluster did not come up")
+                break
         res = _run(tier, logs)
         mine.append(res)
         if tier is CLUSTER_UP:
-            (up_ok.set() if res.rc == 0 else None)
-            for ev in _gates.values():
-                ev.set()
+            if res.rc == 0:
+                up_ok.set()
+            up_done.set()
             if res.rc != 0:
                 break
     results.extend(mine)
     _show(mine)
-
-
-_gates: dict[str, threading.Event] = {}
 
 
 def _slowest(results: list[Result], n: int = SLOWEST) -> list[tuple[float, str]]:
@@ -166,11 +165,11 @@ def main(argv: list[str] | None = None) -> int:
             _report(results, time.monotonic() - T0)
             return 1
 
-    up_ok = threading.Event()
-    if "cluster" not in want:
-        up_ok.set()   # --only simulated/down: a cluster the developer brought up themselves
-    _gates.update({name: threading.Event() for name in LANES if name in NEEDS_CLUSTER and "cluster" in want})
-    threads = [threading.Thread(target=_lane, args=(LANES[name], args.logs, results, _gates.get(name), up_ok),
+    up_done, up_ok = threading.Event(), threading.Event()
+    if "cluster" not in want:   # --only simulated/down: a cluster the developer brought up themselves
+        up_ok.set()
+        up_done.set()
+    threads = [threading.Thread(target=_lane, args=(LANES[name], args.logs, results, up_done, up_ok),
                                 name=name, daemon=True) for name in LANES if name in want]
     for t in threads:
         t.start()
