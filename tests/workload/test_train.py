@@ -3,8 +3,7 @@
 One run covers: loss goes down over 3 epochs, a worker killed mid-epoch is restarted
 (FailureConfig) and resumes from the last checkpoint with at most one interval lost, the
 status subresource of a real TPUFinetune is written by rank 0, and the exported folder loads
-with AutoModelForCausalLM.from_pretrained and generates. A re-submitted job with the same
-run name resumes instead of starting over.
+with AutoModelForCausalLM.from_pretrained and generates.
 """
 from __future__ import annotations
 
@@ -126,18 +125,9 @@ def test_export_loads_and_generates(killed_run):
     assert tok.decode(new, skip_special_tokens=True).strip()  # real words, not only specials
 
 
-def test_resubmitted_job_with_same_run_name_resumes(killed_run, capsys):
-    """The CLI path a RayJob runs: a second submission finds the finished run and retrains nothing."""
-    storage, args, cfg, first = killed_run
-    total = first.metrics["total_steps"]
-    args2, target = _args(storage, args.run_name, checkpoint_every_steps=CKPT_EVERY, keep_checkpoints=20)
-    assert train.run_training(args2, target) == 0
-    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(train.RESULT_PREFIX))
-    body = json.loads(line[len(train.RESULT_PREFIX):])
-    assert body["succeeded"] and body["resumedFromStep"] == total and body["step"] == total
-    assert body["exportedModel"] == cfg["export_uri"]
-    state = json.loads(Path(cfg["run_dir"], f"checkpoint_step_{total:07d}", "train_state.json").read_text())
-    assert state["step"] == total
+# A finished run resubmitted retrains nothing: tests/workload/test_train_resume.py (its retry picks
+# the run's own newest checkpoint; resumed at the last step, nothing is left to do) and, through
+# the RayJob's CLI, tests/workload/test_jax_train.py. Not a third Ray Train run here.
 
 
 def test_too_little_data_fails_with_a_clear_reason(ray_cluster, tmp_path, capsys):
