@@ -111,8 +111,16 @@ def tpu_nodes(pool: TpuPool) -> list[dict]:
             for i in range(pool.slices) for h in range(s.hosts)]
 
 
+# The simulated CPU pool hosts what fits nowhere real (a TPU slice's 4-CPU Ray head). Unmarked, the
+# scheduler's least-allocated scoring preferred its 16 empty vCPUs to the busy real node for any
+# small pod, KubeRay's job submitters included: KWOK then marked the submitter Completed without
+# running it, and KubeRay failed the RayJob "Submitter completed but Ray job not found in
+# RayCluster" (issue 34). PreferNoSchedule keeps such pods on the real node while they fit there.
+SIMULATED_TAINT = {"key": KWOK_ANNOTATION, "value": "fake", "effect": "PreferNoSchedule"}
+
+
 def cpu_node() -> dict:
-    return _node(f"gke-{CPU_POOL}-0", CPU_POOL, CPU_POOL_MACHINE, {}, [], {})
+    return _node(f"gke-{CPU_POOL}-0", CPU_POOL, CPU_POOL_MACHINE, {}, [SIMULATED_TAINT], {})
 
 
 def all_nodes(pools) -> list[dict]:

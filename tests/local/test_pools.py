@@ -58,3 +58,10 @@ def test_tpu_pool_flag_with_slices():
     pool = pools.TpuPool.parse("tpu7x:2x2x2:2")
     assert (pool.accelerator, pool.topology, pool.slices) == ("tpu7x", "2x2x2", 2)
     assert len(pools.tpu_nodes(pool)) == 4
+
+
+def test_the_simulated_cpu_pool_is_only_where_nothing_real_fits():
+    """Soft-tainted: the scheduler places a pod there only when the real node cannot take it (a
+    KubeRay submitter there would be marked Completed by KWOK without running: issue 34)."""
+    node = pools.cpu_node()
+    assert node["spec"]["taints"] == [{"key": "kwok.x-k8s.io/node", "value": "fake", "effect": "PreferNoSchedule"}]
