@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import fcntl
 import json
 import os
 import shutil
@@ -120,8 +121,19 @@ class LocalCluster:
 
     # ----- up ------------------------------------------------------------------------------------------
     def up(self, images: bool = True) -> "LocalCluster":
-        t0 = time.monotonic()
         self.state.mkdir(parents=True, exist_ok=True)
+        # One `up` at a time per state dir: two at once (two demos, two test lanes) would both
+        # helm-upgrade the operator, and helm refuses the second ("another operation is in progress").
+        with open(self.state / "up.lock", "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                _say(f"another `tpuft cluster up` is running on {self.state}; waiting for it")
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            return self._up(images)
+
+    def _up(self, images: bool) -> "LocalCluster":
+        t0 = time.monotonic()
         self.logs.mkdir(parents=True, exist_ok=True)
         host.apply(self.journal, self.net)
         built = self._tools_and_images(images)
