@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import subprocess
 import sys
 import threading
@@ -33,7 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 HEARTBEAT_S = 120
 SLOWEST = 30
-NOT_SIM = ["--ignore=tests/cluster/test_zz_down.py"]
+DOWN_TEST = "tests/cluster/test_zz_down.py"   # takes the cluster down: after every lane, alone
+WITHOUT_DOWN = [f"--ignore={DOWN_TEST}"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,14 +55,14 @@ FAST = _pytest("fast", "tests/unit", "tests/local", "tests/packaging", "tests/im
                "tests/images/test_operator_wheel.py")
 CLUSTER_UP = Tier("cluster up", (PY, "-m", "tpuft.cli", "cluster", "up"), pytest=False)
 LANES: dict[str, list[Tier]] = {
-    "cluster": [CLUSTER_UP, _pytest("cluster (real node)", "-m", "cluster and real_node", "tests/cluster", *NOT_SIM)],
+    "cluster": [CLUSTER_UP, _pytest("cluster (real node)", "-m", "cluster and real_node", "tests/cluster", *WITHOUT_DOWN)],
     "simulated": [_pytest("integration+chart", "tests/integration", "tests/chart", nice=5),
-                  _pytest("cluster (simulated)", "-m", "cluster and not real_node", "tests/cluster", *NOT_SIM,
+                  _pytest("cluster (simulated)", "-m", "cluster and not real_node", "tests/cluster", *WITHOUT_DOWN,
                           needs_cluster=True),
                   _pytest("images", "tests/images/test_images.py", needs_cluster=True)],
     "workload": [_pytest("workload", "tests/workload", nice=10)],
 }
-DOWN = _pytest("down", "tests/cluster/test_zz_down.py")
+DOWN = _pytest("down", DOWN_TEST)
 
 
 @dataclasses.dataclass
@@ -73,8 +75,7 @@ class Result:
 
 
 def _run(tier: Tier, logs: Path) -> Result:
-    slug = tier.name.split(" ")[0].replace("+", "-") + ("-" + tier.name.split("(")[1].rstrip(")").replace(" ", "-")
-                                                         if "(" in tier.name else "")
+    slug = re.sub(r"[^a-z0-9]+", "-", tier.name.lower()).strip("-")   # "cluster (real node)" -> cluster-real-node
     log, junit = logs / f"{slug}.log", logs / f"{slug}.xml"
     if tier.pytest:
         argv = [PY, "-m", "pytest", "-q", f"--junitxml={junit}", "--durations=10", *tier.argv]
@@ -126,6 +127,10 @@ def _lane(tiers: list[Tier], logs: Path, results: list[Result], up_done: threadi
                 break
     results.extend(mine)
     _show(mine)
+
+
+def all_tiers() -> list[Tier]:
+    return [FAST, *(t for lane in LANES.values() for t in lane), DOWN]
 
 
 def _slowest(results: list[Result], n: int = SLOWEST) -> list[tuple[float, str]]:
