@@ -7,11 +7,13 @@
 2. Three lanes at once, each a list of tiers run one after another:
      cluster   `tpuft cluster up`, then the cluster tests that train on the real node (marker
                `real_node`: the CPU-heavy ones);
-     simulated integration and chart (their own control planes) while the cluster comes up, then
-               the cluster tests that do not train (KWOK slices, which mostly wait; the CLI; the
-               operator's image), then the image tests;
-     workload  the workload tier (real Ray and torch: the longest), niced so the cluster's pods
-               keep the CPUs the real-node tests need.
+     simulated once the cluster is up: the cluster tests that do not train (KWOK slices, which
+               mostly wait; the CLI; the operator's image), then the image tests;
+     workload  integration and chart (their own control planes), then the workload tier (real
+               Ray and torch), niced so the cluster's pods keep the CPUs the real-node tests need.
+               One after the other, not beside each other: the integration tier's fault and chaos
+               runs have deadlines, and beside the workload tier and a demo on 2 cores they missed
+               them; the real-node lane is longer than this one either way.
 3. `down`: tests/cluster/test_zz_down.py, after every lane, whenever the cluster came up.
 
 Each tier is one pytest process with its own log and JUnit file under --logs (default
@@ -56,11 +58,11 @@ FAST = _pytest("fast", "tests/unit", "tests/local", "tests/packaging", "tests/im
 CLUSTER_UP = Tier("cluster up", (PY, "-m", "tpuft.cli", "cluster", "up"), pytest=False)
 LANES: dict[str, list[Tier]] = {
     "cluster": [CLUSTER_UP, _pytest("cluster (real node)", "-m", "cluster and real_node", "tests/cluster", *WITHOUT_DOWN)],
-    "simulated": [_pytest("integration+chart", "tests/integration", "tests/chart", nice=5),
-                  _pytest("cluster (simulated)", "-m", "cluster and not real_node", "tests/cluster", *WITHOUT_DOWN,
+    "simulated": [_pytest("cluster (simulated)", "-m", "cluster and not real_node", "tests/cluster", *WITHOUT_DOWN,
                           needs_cluster=True),
                   _pytest("images", "tests/images/test_images.py", needs_cluster=True)],
-    "workload": [_pytest("workload", "tests/workload", nice=10)],
+    "workload": [_pytest("integration+chart", "tests/integration", "tests/chart", nice=5),
+                 _pytest("workload", "tests/workload", nice=10)],
 }
 DOWN = _pytest("down", DOWN_TEST)
 
