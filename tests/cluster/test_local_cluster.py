@@ -168,7 +168,7 @@ def _tft(kubectl, ns: str, name: str) -> dict:
 def _provisioning_with(kubectl, ns: str, name: str, text: str, timeout: float) -> dict:
     """The object while still Provisioning, once its message carries `text`."""
     def check():
-        st = _tft(kubectl, ns, name)["status"]
+        st = _tft(kubectl, ns, name).get("status") or {}   # none yet: the operator has not seen it (or restarts)
         assert st.get("phase") in (None, "Pending", "Provisioning"), st
         return st if st.get("phase") == "Provisioning" and text in st.get("message", "") else None
     return wait_until(check, timeout=timeout, what=f"{text!r} in {name}'s status while Provisioning")
@@ -186,8 +186,8 @@ def test_a_shape_no_pool_offers_says_why_then_ends_in_provisioning_timeout(clust
     assert "cannot be scheduled: the scheduler says: 0/" in st["message"], st["message"]
     slice_cond = next(x for x in st["conditions"] if x["type"] == "SliceProvisioned")
     assert "the scheduler says" in slice_cond["message"], slice_cond
-    tft = wait_until(lambda: (t := _json(cluster_kubectl, "get", "tft", "too-big", "-n", cluster_ns))
-                     ["status"].get("phase") == "Failed" and t, timeout=210, what="ProvisioningTimeout")
+    tft = wait_until(lambda: ((t := _json(cluster_kubectl, "get", "tft", "too-big", "-n", cluster_ns))
+                              .get("status") or {}).get("phase") == "Failed" and t, timeout=210, what="ProvisioningTimeout")
     assert tft["status"]["reason"] == "ProvisioningTimeout"
     events = _json(cluster_kubectl, "get", "events", "-n", cluster_ns, "--field-selector", "reason=FailedScheduling")
     assert any("didn't match Pod's node affinity/selector" in e["message"] for e in events["items"]), events
