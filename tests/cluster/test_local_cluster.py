@@ -138,8 +138,8 @@ def _watch_the_rehearsal(kubectl, ns: str, name: str) -> None:
 
     # KubeRay's own status, read by our operator: the slice is provisioned and verification starts.
     rc_name = pods[0]["metadata"]["labels"]["ray.io/cluster"]
-    rc = wait_until(lambda: (r := _json(kubectl, "get", "raycluster", rc_name, "-n", ns))
-                    ["status"].get("state") == "ready" and r, timeout=180, what="KubeRay to mark the RayCluster ready")
+    rc = wait_until(lambda: ((r := _json(kubectl, "get", "raycluster", rc_name, "-n", ns)).get("status") or {})
+                    .get("state") == "ready" and r, timeout=180, what="KubeRay to mark the RayCluster ready")
     conds = {c["type"]: c["status"] for c in rc["status"]["conditions"]}
     assert conds["HeadPodReady"] == "True" and conds["RayClusterProvisioned"] == "True"
     tft = wait_until(lambda: (t := _json(kubectl, "get", "tft", name, "-n", ns))
