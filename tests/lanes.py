@@ -14,7 +14,8 @@
                One after the other, not beside each other: the integration tier's fault and chaos
                runs have deadlines, and beside the workload tier and a demo on 2 cores they missed
                them; the real-node lane is longer than this one either way.
-3. `down`: tests/cluster/test_zz_down.py, after every lane, whenever the cluster came up.
+3. `down`: tests/cluster/test_zz_down.py, after every lane, whenever the cluster came up (after
+   an `up` that failed, `tpuft cluster down --keep-packages`, so the host is left as it was).
 
 Each tier is one pytest process with its own log and JUnit file under --logs (default
 .test-logs/); a lane's logs are printed whole when it ends, then one table of every tier's time
@@ -65,6 +66,9 @@ LANES: dict[str, list[Tier]] = {
                  _pytest("workload", "tests/workload", nice=10)],
 }
 DOWN = _pytest("down", DOWN_TEST)
+# After an `up` that failed part way: undo what it did to the host without the test's checks.
+DOWN_AFTER_FAILED_UP = Tier("down (up failed)", (PY, "-m", "tpuft.cli", "cluster", "down", "--keep-packages"),
+                            pytest=False)
 
 
 @dataclasses.dataclass
@@ -187,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         if running:
             _say(f"still running: {', '.join(running)}")
 
-    if "down" in want and up_ok.is_set():
-        res = _run(DOWN, args.logs)
+    if "down" in want and (up_ok.is_set() or "cluster" in want):
+        res = _run(DOWN if up_ok.is_set() else DOWN_AFTER_FAILED_UP, args.logs)
         results.append(res)
         _show([res])
     _report(results, time.monotonic() - T0)
