@@ -1,6 +1,7 @@
 """TPU generations and slice shapes: one table, every fact the builders and the workload need.
 
-Facts come from ../shared/docs/tpu-facts.md section 1 (Ray's tpu.py, XPK, GKE docs, seed 000).
+Facts come from Ray's `ray/_private/accelerators/tpu.py`, XPK's system characteristics and GKE's
+TPU documentation.
 Pure: no I/O.
 
 The v6e/v5e 2x4 ambiguity: Ray's `get_chips_per_host` treats 2x4 as one 8-chip VM

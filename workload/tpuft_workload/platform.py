@@ -3,7 +3,7 @@
 One table decides the process-group backend, the torch device, the device-mesh type and
 the training precision for TPU, GPU and CPU, so `verify` and `train` share one code path.
 
-`torch_tpu` is imported ONLY on the TPU path (see shared/docs/tpu-facts.md section 6):
+`torch_tpu` is imported ONLY on the TPU path (torch loads it as a device-backend plugin):
 installing it anywhere else crashes `import torch`, so the CPU/GPU images never have it.
 """
 from __future__ import annotations

@@ -11,8 +11,8 @@ The RayService's serveConfigV2 names it by import path and passes `args` (tpuft.
 
 build_app validates the args where the application is built (the head) and fails naming the arg; the
 replica (ChatDeployment, SERVE_DEPLOYMENT_NAME) loads tokenizer and model once, in eval mode: CPU fp32
-without a GPU, bf16 on CUDA. No TPU path: vLLM's TPU engine is the way to serve on a slice
-(shared/docs/tpu-facts.md section 11); this engine is for CPU pods and local runs. One replica
+without a GPU, bf16 on CUDA. No TPU path: vLLM's TPU engine (Ray Serve LLM) is the way to serve
+on a slice; this engine is for CPU pods and local runs. One replica
 generates one request at a time (a lock): concurrent requests queue rather than share the cores.
 """
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations (Request)
