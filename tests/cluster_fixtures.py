@@ -12,6 +12,8 @@ Fixtures:
                  so the next test finds the node's CPUs and the simulated TPU hosts free
   assert_nothing_left_failed(kubectl, ns)  after a run has ended: no Job Failed, no pod Failed, no
                  RayJob whose job has ended while KubeRay still calls its deployment unfinished
+  demo_command(ns, result, *extra)  `tpuft demo` as a user runs it, in namespace ns, writing its
+                 result JSON to `result`: (argv, env) for subprocess
 
 Marker `real_node`: a test that trains on the real node (CPU-heavy); `make test` runs those in
 one lane and the rest of the cluster tests (simulated TPU hosts, mostly waiting) beside them.
@@ -19,7 +21,9 @@ one lane and the rest of the cluster tests (simulated TPU hosts, mostly waiting)
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 import uuid
 
 import pytest
@@ -40,8 +44,8 @@ def local_cluster():
     cluster = LocalCluster()
     was_running = cluster.cp.ready() and cluster.pid_of("kubelet") is not None
     if not (was_running and cluster.status_lines()[1]):
-        # A healthy running cluster is used as it is: `make test` runs two cluster lanes at once,
-        # and two `up`s at the same time would both helm-upgrade the operator.
+        # A healthy running cluster is used as it is: `make test`'s cluster lane has just brought
+        # it up, and the other lane's session would only wait on that `up`'s lock to repeat it.
         cluster.up()
     yield cluster
     if not was_running:
@@ -83,6 +87,11 @@ def clear_namespace(kubectl, ns: str, timeout: float = 240) -> None:
         res = kubectl("get", "pods", "-n", ns, "-l", "ray.io/node-type", "-o", "name")
         return res.returncode != 0 or not res.stdout.strip()
     wait_until(gone, timeout=timeout, interval=2, what=f"KubeRay's pods in {ns} to go")
+
+
+def demo_command(ns: str, result, *extra: str) -> tuple[list[str], dict]:
+    argv = [sys.executable, "-m", "tpuft.cli", "demo", "--namespace", ns, "--result", str(result), *extra]
+    return argv, dict(os.environ, RAY_AUTH_MODE="disabled")
 
 
 JOB_ENDED = ("SUCCEEDED", "FAILED", "STOPPED")   # KubeRay's IsJobTerminal (RayJob status.jobStatus)

@@ -12,14 +12,13 @@ model, /v1/models lists it, and Argo CD's health check calls the object Healthy 
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.chart.helmlib import run_health
-from tests.cluster_fixtures import assert_nothing_left_failed, clear_namespace
+from tests.cluster_fixtures import assert_nothing_left_failed, clear_namespace, demo_command
 from tests.paths import EXAMPLES, REPO
 
 PHASES_IN_ORDER = ["phase Provisioning", "phase VerifyingCollectives", "verification: passed",
@@ -42,9 +41,8 @@ def demo_namespace(cluster_kubectl, request):
 def _demo(tmp_path: Path, ns: str, tag: str, *extra: str,
           timeout: float = 1800) -> tuple[subprocess.CompletedProcess, dict]:
     result = tmp_path / f"result-{tag}.json"
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    proc = subprocess.run([sys.executable, "-m", "tpuft.cli", "demo", "--namespace", ns, "--result", str(result),
-                           *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    argv, env = demo_command(ns, result, *extra)
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     return proc, (json.loads(result.read_text()) if result.exists() else {})
 
 

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import subprocess
-import sys
 
 import yaml
 
-from tests.cluster_fixtures import clear_namespace
+from tests.cluster_fixtures import clear_namespace, demo_command
 from tests.paths import EXAMPLES, REPO
 from tests.waiting import wait_until
 from tpuft_local import host, node, pools
@@ -100,9 +98,8 @@ def test_rehearse_tpu_lands_the_slice_on_the_simulated_pool_with_the_webhooks_en
     operator, verification started; then, since nothing executes on simulated hosts, the run ends
     at the verification deadline and the demo says SIMULATED."""
     result = tmp_path / "result.json"
-    demo = subprocess.Popen([sys.executable, "-m", "tpuft.cli", "demo", "--namespace", REHEARSAL_NS, "--rehearse-tpu",
-                             "--result", str(result)], cwd=REPO, env=dict(os.environ, RAY_AUTH_MODE="disabled"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    argv, env = demo_command(REHEARSAL_NS, result, "--rehearse-tpu")
+    demo = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _watch_the_rehearsal(cluster_kubectl, REHEARSAL_NS, "gemma4-dolly")
         out, _ = demo.communicate(timeout=900)
