@@ -24,7 +24,7 @@ demo: venv
 # The Go tools are built by the cluster lane's `tpuft cluster up`, beside the images, on a cold
 # machine; the other lanes' control planes wait for them (a build lock).
 test: venv
-	RAY_AUTH_MODE=disabled $(PY) -m tests.lanes
+	$(PY) -m tests.lanes
 
 # The unit tier needs neither torch nor Ray: a light venv of its own (seconds to build from
 # pip's cache), so `make unit` and `make lint` never wait for the workload's dependencies.

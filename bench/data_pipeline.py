@@ -31,6 +31,7 @@ import os
 import random
 import re
 import resource
+import secrets
 import sys
 import tempfile
 import time
@@ -158,9 +159,11 @@ def main() -> int:
     sizes = [int(x) for x in args.records.split(",")]
     lock = open(RAY_LOCK, "w")
     fcntl.flock(lock, fcntl.LOCK_EX)   # one local Ray on the machine
+    # Ray's default token auth, with a token for this run in the env instead of ~/.ray/auth_token;
+    # before `import ray`, which reads RAY_AUTH_MODE once
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
     import ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=args.workers + 2, include_dashboard=False, log_to_driver=False)
     results: dict = {"per-rank": {}, "ray-data": {}}
     try:

@@ -14,6 +14,7 @@ run is deleted as soon as it trains, and the next starts once its pods are gone.
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import re
@@ -63,6 +64,11 @@ class Cluster:
                            "-o", "jsonpath={.items[*].status.podIP}", check=False).split()
         return out[0] if out else None
 
+    def ray_token(self, cluster: str) -> str | None:
+        """The Ray token KubeRay made for the cluster (authOptions mode token): a Secret of its name."""
+        raw = self.kubectl("get", "secret", cluster, "-o", "jsonpath={.data.auth_token}", check=False).strip()
+        return base64.b64decode(raw).decode() if raw else None
+
     def wait_gone(self, selector: str) -> None:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
@@ -72,20 +78,21 @@ class Cluster:
         raise RuntimeError(f"pods {selector} still present after 180 s")
 
 
-def _get_json(url: str):
-    with urllib.request.urlopen(url, timeout=5) as resp:
+def _get_json(url: str, token: str):
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=5) as resp:
         return json.loads(resp.read())
 
 
-def first_step_seen(ip: str | None) -> bool:
+def first_step_seen(ip: str | None, token: str | None) -> bool:
     """Whether the head's training job has logged a step yet."""
-    if not ip:
+    if not ip or not token:
         return False
     try:
-        jobs = _get_json(f"http://{ip}:8265/api/jobs/")
+        jobs = _get_json(f"http://{ip}:8265/api/jobs/", token)
         for job in jobs:
             if "tpuft_workload train" in (job.get("entrypoint") or ""):
-                logs = _get_json(f"http://{ip}:8265/api/jobs/{job['submission_id']}/logs").get("logs", "")
+                logs = _get_json(f"http://{ip}:8265/api/jobs/{job['submission_id']}/logs", token).get("logs", "")
                 if STEP_LINE.search(logs):
                     return True
     except (OSError, ValueError):
@@ -94,8 +101,10 @@ def first_step_seen(ip: str | None) -> bool:
 
 
 def wait_first_step(cl: Cluster, cluster: str, t0: float, failed=lambda: None) -> float:
+    token = None
     while time.monotonic() - t0 < RUN_BOUND_S:
-        if first_step_seen(cl.head_ip(cluster)):
+        token = token or cl.ray_token(cluster)
+        if first_step_seen(cl.head_ip(cluster), token):
             return time.monotonic() - t0
         reason = failed()
         if reason:
@@ -130,11 +139,13 @@ def manual(cl: Cluster, i: int) -> float:
         cl.kubectl("wait", f"raycluster/{name}", "--for=jsonpath={.status.state}=ready", "--timeout=300s")
         address = f"http://{cl.head_ip(name)}:8265"
         ray = str(Path(sys.executable).with_name("ray"))
+        # the token as a user of a token-auth cluster passes it to `ray job submit`
+        env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": cl.ray_token(name) or ""}
         subprocess.run([ray, "job", "submit", "--address", address, "--", *MANUAL_VERIFY.split()],
-                       check=True, capture_output=True, text=True, timeout=300)
+                       check=True, capture_output=True, text=True, timeout=300, env=env)
         subprocess.run([ray, "job", "submit", "--address", address, "--no-wait", "--",
                         *MANUAL_TRAIN.format(run=f"manual-{i}-{int(time.time())}").split()],
-                       check=True, capture_output=True, text=True, timeout=120)
+                       check=True, capture_output=True, text=True, timeout=120, env=env)
         return wait_first_step(cl, name, t0)
     finally:
         cl.kubectl("delete", "raycluster", name, "--wait=false", check=False)

@@ -1,22 +1,28 @@
 """Chat completion latency and throughput of the `transformers` engine's Serve app
-(tpuft_workload.serve) on the builtin tiny model's Hugging Face export, under a local Ray Serve.
+(tpuft_workload.serve) on the builtin tiny model's Hugging Face export, under a local Ray Serve:
+the batched engine (max_batch_size, default tpuft_workload.serve.MAX_BATCH_SIZE_DEFAULT) and the
+unbatched one (max_batch_size 1: one request at a time) side by side, in the same run.
 
-    .venv/bin/python bench/serve_latency.py --requests 40 --concurrency 1,8 --out bench/results/serve_latency.json
+    .venv/bin/python bench/serve_latency.py --concurrency 1,8,32 --repeats 3 --out bench/results/serve_latency.json
 
-The export is written by checkpoint.export_hf (as training writes it) into a temporary folder; the
-app runs as the RayService runs it (build_app with the same args, route prefix "/"), Serve's proxy
-on 127.0.0.1. Each request is one user message (a dolly-mini instruction, in order, so prompt
-lengths vary), `max_tokens` as given, temperature 0. Per concurrency level C, C client threads send
---requests requests in all, each thread waiting for its answer before sending the next, after
---warmup requests that are not counted.
+The export is written by checkpoint.export_hf (as training writes it) into a temporary folder; each
+engine is its own application (build_app's deployment, the same args but max_batch_size, route
+prefix /<engine>) behind one Serve proxy on 127.0.0.1, --replicas replicas each (default 1). Each request is one user
+message (a dolly-mini instruction, in order, so prompt lengths vary), `max_tokens` as given,
+temperature 0, not streamed. Per concurrency level C, C client threads send max(--requests, 4*C)
+requests in all, each thread waiting for its answer before sending the next, after C warm-up
+requests that are not counted. The levels run engine after engine (batched first), then again
+--repeats times; the figures are medians over the repeats.
 
-Per level (results["levels"]["<C>"]):
+Per engine and level (results["engines"][<engine>]["<C>"]; every repeat in results["repeats"]):
   p50Ms, p99Ms           request latency as the client sees it (HTTP round trip, proxy included)
   requestsPerSecond      counted requests / wall time of the level
   completionTokensPerSecond  usage.completion_tokens summed / wall time
   meanCompletionTokens   usage.completion_tokens per request (below max_tokens when the model ends
                          on EOS: the tiny model is untrained)
-Nothing else runs Ray on the machine while it runs (the host-wide Ray lock is taken).
+results["vsOneClient"][<engine>]["<C>"]: tokens/s and p50 at C over the same engine's at 1.
+The clients run on the same machine as Ray (they share its cores). Nothing else runs Ray on the
+machine while it runs (the host-wide Ray lock is taken).
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ import fcntl
 import json
 import math
 import os
+import secrets
 import socket
 import statistics
 import sys
@@ -37,6 +44,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RAY_LOCK = "/tmp/tpuft-ray.lock"
 MODEL_ID = "tiny-bench"
+UNBATCHED = "unbatched"
 
 
 def say(msg: str) -> None:
@@ -110,66 +118,98 @@ def one_level(url: str, prompts: list[str], concurrency: int, max_tokens: int, t
             "meanCompletionTokens": tokens / len(done), "wallSeconds": wall}
 
 
-def run_app(export: str, replicas: int, port: int) -> str:
+def run_apps(export: str, engines: dict[str, int], replicas: int, port: int) -> dict[str, str]:
+    """One application per engine (name -> max_batch_size) behind one proxy; name -> its chat URL."""
     from ray import serve
 
-    from tpuft.constants import SERVE_APP_NAME, SERVE_CHAT_PATH
+    from tpuft.constants import SERVE_CHAT_PATH
     from tpuft_workload import serve as serveapp
 
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    args = serveapp.parse_args({"model_source": export, "model_id": MODEL_ID})
-    serve.run(serveapp.ChatDeployment.options(num_replicas=replicas).bind(args),
-              name=SERVE_APP_NAME, route_prefix=serveapp.ROUTE_PREFIX)
-    return f"http://127.0.0.1:{port}{SERVE_CHAT_PATH}"
+    urls = {}
+    for name, batch in engines.items():
+        args = serveapp.parse_args({"model_source": export, "model_id": MODEL_ID, "max_batch_size": batch})
+        serve.run(serveapp.ChatDeployment.options(num_replicas=replicas).bind(args), name=name,
+                  route_prefix=f"/{name}")
+        urls[name] = f"http://127.0.0.1:{port}/{name}{SERVE_CHAT_PATH}"
+    return urls
 
 
-def table(levels: dict) -> str:
-    rows = ["| concurrency | requests | p50 ms | p99 ms | requests/s | completion tokens/s | mean completion tokens |",
-            "|---|---|---|---|---|---|---|"]
-    for c, r in levels.items():
-        rows.append(f"| {c} | {r['requests']} | {r['p50Ms']:.1f} | {r['p99Ms']:.1f} | {r['requestsPerSecond']:.2f} "
-                    f"| {r['completionTokensPerSecond']:.1f} | {r['meanCompletionTokens']:.1f} |")
+def medians(runs: list[dict]) -> dict:
+    return {k: round(statistics.median(r[k] for r in runs), 2) if isinstance(runs[0][k], float) else runs[0][k]
+            for k in runs[0]}
+
+
+def table(engines: dict) -> str:
+    names = list(engines)
+    rows = ["| concurrency | " + " | ".join(f"{n} {what}" for what in ("p50 ms", "p99 ms", "completion tokens/s")
+                                           for n in names) + " |",
+            "|---" * (1 + 3 * len(names)) + "|"]
+    for c in engines[names[0]]:
+        cells = [f"{engines[n][c][k]:.1f}" for k in ("p50Ms", "p99Ms", "completionTokensPerSecond") for n in names]
+        rows.append(f"| {c} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=40, help="counted requests per concurrency level")
-    ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--requests", type=int, default=48, help="counted requests per level, at least 4 per client")
+    ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3, help="rounds over every engine and level; medians reported")
+    ap.add_argument("--max-batch-size", type=int, default=None,
+                    help="the batched engine's max_batch_size (default: the serve app's own default)")
+    ap.add_argument("--no-unbatched", action="store_true", help="measure the batched engine only")
+    ap.add_argument("--replicas", type=int, default=1, help="replicas of each engine's deployment")
     ap.add_argument("--timeout", type=float, default=120, help="seconds one request may take")
     ap.add_argument("--lock-wait", type=float, default=900, help="seconds to wait for the host-wide Ray lock")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
     lock = take_lock(args.lock_wait)   # one local Ray on the machine
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Ray's default token auth, with a token for this run in the env instead of ~/.ray/auth_token;
+    # before `import ray`, which reads RAY_AUTH_MODE once
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
     import ray
     from ray import serve
 
-    results: dict = {"levels": {}}
+    from tpuft_workload.serve import MAX_BATCH_SIZE_DEFAULT
+
+    batch = args.max_batch_size or MAX_BATCH_SIZE_DEFAULT
+    engines = {f"batched{batch}": batch, **({} if args.no_unbatched else {UNBATCHED: 1})}
+    repeats: dict = {name: {str(c): [] for c in levels} for name in engines}
     try:
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
         with tempfile.TemporaryDirectory(prefix="tpuft-bench-serve-") as tmp:
-            url = run_app(export_tiny(f"{tmp}/export"), args.replicas, free_port())
-            one_level(url, instructions(args.warmup), 1, args.max_tokens, args.timeout)
-            for c in levels:
-                r = one_level(url, instructions(args.requests), c, args.max_tokens, args.timeout)
-                results["levels"][str(c)] = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()}
-                say(f"concurrency {c}: {results['levels'][str(c)]}")
+            urls = run_apps(export_tiny(f"{tmp}/export"), engines, args.replicas, free_port())
+            for url in urls.values():
+                one_level(url, instructions(4), 1, args.max_tokens, args.timeout)
+            for rep in range(args.repeats):
+                for c in levels:
+                    for name, url in urls.items():
+                        one_level(url, instructions(c), c, args.max_tokens, args.timeout)   # warm-up round
+                        r = one_level(url, instructions(max(args.requests, 4 * c)), c, args.max_tokens, args.timeout)
+                        repeats[name][str(c)].append({k: (round(v, 2) if isinstance(v, float) else v)
+                                                      for k, v in r.items()})
+                        say(f"repeat {rep + 1} {name} concurrency {c}: {repeats[name][str(c)][-1]}")
     finally:
         if ray.is_initialized():
             serve.shutdown()
             ray.shutdown()
         fcntl.flock(lock, fcntl.LOCK_UN)
+    results: dict = {"engines": {n: {c: medians(runs) for c, runs in by_level.items()} for n, by_level in repeats.items()}}
+    results["vsOneClient"] = {
+        n: {c: {"tokensPerSecond": round(m["completionTokensPerSecond"] / by_level["1"]["completionTokensPerSecond"], 2),
+                "p50": round(m["p50Ms"] / by_level["1"]["p50Ms"], 2)} for c, m in by_level.items()}
+        for n, by_level in results["engines"].items() if "1" in by_level}
+    results["repeats"] = repeats
     results["config"] = {"model": "builtin:tiny-llama (untrained, seed 0)", "maxTokens": args.max_tokens,
-                         "temperature": 0, "replicas": args.replicas, "warmup": args.warmup,
+                         "temperature": 0, "replicas": args.replicas, "engines": engines, "repeats": args.repeats,
                          "command": " ".join([Path(sys.executable).name, *sys.argv]),
                          "ended": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                          "loadAverage": [round(x, 2) for x in os.getloadavg()]}
-    print(table(results["levels"]))
+    print(table(results["engines"]))
+    print(json.dumps(results["vsOneClient"]))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2) + "\n")

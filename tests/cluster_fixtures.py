@@ -13,7 +13,8 @@ Fixtures:
   assert_nothing_left_failed(kubectl, ns)  after a run has ended: no Job Failed, no pod Failed, no
                  RayJob whose job has ended while KubeRay still calls its deployment unfinished
   demo_command(ns, result, *extra)  `tpuft demo` as a user runs it, in namespace ns, writing its
-                 result JSON to `result`: (argv, env) for subprocess
+                 result JSON to `result`: argv for subprocess (the demo starts no local Ray: it
+                 drives the cluster's KubeRay, so it needs no Ray auth settings)
 
 Marker `real_node`: a test that trains on the real node (CPU-heavy); `make test` runs those in
 one lane and the rest of the cluster tests (simulated TPU hosts, mostly waiting) beside them.
@@ -21,7 +22,6 @@ one lane and the rest of the cluster tests (simulated TPU hosts, mostly waiting)
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import uuid
@@ -80,7 +80,9 @@ def cluster_ns(request, cluster_kubectl):
     cluster_kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found")
 
 
-def clear_namespace(kubectl, ns: str, timeout: float = 240) -> None:
+def clear_namespace(kubectl, ns: str, timeout: float = 420) -> None:
+    # past the training pods' terminationGracePeriodSeconds (300 s: their preStop hook may wait for a
+    # stop checkpoint) plus the kubelet's own pace under load
     kubectl("delete", "tft,rayjobs,rayclusters,rayservices", "--all", "-n", ns, "--wait=false", "--ignore-not-found")
 
     def gone() -> bool:
@@ -89,9 +91,8 @@ def clear_namespace(kubectl, ns: str, timeout: float = 240) -> None:
     wait_until(gone, timeout=timeout, interval=2, what=f"KubeRay's pods in {ns} to go")
 
 
-def demo_command(ns: str, result, *extra: str) -> tuple[list[str], dict]:
-    argv = [sys.executable, "-m", "tpuft.cli", "demo", "--namespace", ns, "--result", str(result), *extra]
-    return argv, dict(os.environ, RAY_AUTH_MODE="disabled")
+def demo_command(ns: str, result, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "tpuft.cli", "demo", "--namespace", ns, "--result", str(result), *extra]
 
 
 JOB_ENDED = ("SUCCEEDED", "FAILED", "STOPPED")   # KubeRay's IsJobTerminal (RayJob status.jobStatus)

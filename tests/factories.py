@@ -57,6 +57,7 @@ UNKNOWN_FIELDS = [
     ("verification-timeoutSecond", "spec.verification", "timeoutSecond", 60, "timeoutSeconds"),
     ("dataset-splits", "spec.dataset", "splits", "train", "split"),
     ("hfTokenSecret-keys", "spec.hfTokenSecret", "keys", "k", "key"),
+    ("apiKeySecret-nmae", "spec.serve.apiKeySecret", "nmae", "k", "name"),
     ("resources-head-request", "spec.resources.head", "request", {"cpu": "1"}, "requests"),
     ("resources-shmsize", "spec.resources", "shmsize", "1Gi", "shmSize"),
     ("scheduling-nodeselector", "spec.scheduling", "nodeselector", {"a": "b"}, "nodeSelector"),
@@ -290,3 +291,28 @@ class Lifecycle:
 
     def events(self) -> list[dict]:
         return list(self.kube.events)
+
+
+def tensorboard_scalars(logdir) -> tuple[int, dict[str, list[tuple[int, float]]]]:
+    """(event files, tag -> [(step, value)]) under `logdir` as TensorBoard shows them: files in name
+    (creation time) order, a file's SessionLog START at step S hiding what earlier files logged at S
+    or later (tensorboardX's purge_step). Reads the TFRecord framing itself: the `tensorboard`
+    package, which has a reader, is not a dependency."""
+    import struct
+    from pathlib import Path
+
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+    files = sorted(Path(logdir).glob("events.out.tfevents.*"))
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for path in files:
+        data, i = path.read_bytes(), 0
+        while i + 12 <= len(data):
+            (n,) = struct.unpack("<Q", data[i:i + 8])
+            event = Event.FromString(data[i + 12:i + 12 + n])
+            i += 12 + n + 4   # length, its crc, the record, its crc
+            if event.HasField("session_log") and event.session_log.status == SessionLog.START:
+                scalars = {tag: [(s, v) for s, v in points if s < event.step] for tag, points in scalars.items()}
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return len(files), scalars

@@ -9,6 +9,10 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"
 # KubeRay v1.7.0's CRDs (gzipped, for schema validation) and TPU samples, copied from its release.
 KUBERAY_REF = DATA / "kuberay-v1.7.0"
+# The NetworkPolicy schemas of Kubernetes v1.35.3's OpenAPI v3 document (api/openapi-spec/v3/
+# apis__networking.k8s.io__v1_openapi.json in kubernetes/kubernetes, the local cluster's version):
+# NetworkPolicy and every schema it refers to, nothing else.
+NETWORK_POLICY_OPENAPI = DATA / "kubernetes-v1.35.3" / "networking.k8s.io_v1_networkpolicy.openapi.json"
 SEED_RAYCLUSTERS = DATA / "seed-000-rayclusters.yaml"
 EXAMPLES = REPO / "examples"
 GOLDEN = REPO / "tests" / "golden"

@@ -30,7 +30,8 @@ from pathlib import Path
 from tpuft_local import addons, host, node, pools, procs
 from tpuft_local.controlplane import ControlPlane, ControlPlaneError, free_port
 from tpuft_local.network import Network, NetworkError, from_env
-from tpuft_local.toolchain import TOOLS, VERSIONS, ToolchainError, cached_path, ensure_tools, kuberay_crd_dir, tool_path
+from tpuft_local.toolchain import (TOOLS, VERSIONS, ToolchainError, cached_path, ensure_tools, kuberay_crd_dir,
+                                   kueue_config_dir, tool_path)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,14 +58,18 @@ class Component:
 NODE_COMPONENTS = (
     Component("containerd", "containerd"), Component("kubelet", "kubelet"), Component("kube-proxy", "kube-proxy"),
     Component("coredns", "coredns"), Component("kwok", "kwok"), Component("kuberay-operator", "kuberay-operator"),
-    Component("tpu-webhook", "tpuft_local.tpu_webhook"), Component("tpufinetune-operator", "kopf"),
+    Component("tpu-webhook", "tpuft_local.tpu_webhook"), Component("kueue", "kueue"),
+    Component("tpufinetune-operator", "kopf"),
 )
+KUEUE_OFF = "kueue.off"   # in the state dir: the last `up` was --no-kueue (status does not expect it)
 
 
 class LocalCluster:
     def __init__(self, state_dir: Path | None = None, *, net: Network | None = None, tpu_pools=pools.DEFAULT_POOLS,
-                 operator: str = "helm", die_with_parent: bool = False):
+                 operator: str = "helm", die_with_parent: bool = False, kueue: bool | None = None):
         self.state = Path(state_dir or default_state_dir()).resolve()
+        # None: as the last `up` left it (status, down); True/False: `up` with or without Kueue
+        self.kueue = kueue if kueue is not None else not (self.state / KUEUE_OFF).exists()
         self.net = net or from_env(dict(os.environ))
         self.tpu_pools = tuple(tpu_pools)
         self.operator_mode = operator  # "helm" | "source" | "none"
@@ -89,7 +94,8 @@ class LocalCluster:
         for name in self.cp.components:
             out.setdefault(name, None)
         for comp in NODE_COMPONENTS:
-            out[comp.name] = self.pid(comp)
+            if comp.name != "kueue" or self.kueue:
+                out[comp.name] = self.pid(comp)
         return out
 
     @property
@@ -148,6 +154,7 @@ class LocalCluster:
         self._kwok()
         self._kuberay()
         self._webhook()
+        self._kueue()
         self.cp.install_crds(sorted((REPO / "crds").glob("*.yaml")))
         self._load_images(built, only=("workload", "operator"))
         self._wait_node_lists([built[n].ref for n in ("workload", "operator") if n in built])
@@ -158,12 +165,13 @@ class LocalCluster:
     def _tools_and_images(self, images: bool) -> dict:
         """The Go builds (CPU) and the image builds (mostly downloads and disk) at the same time:
         on a cold machine they are the two long steps, and neither needs the other."""
+        tools = [t for t in TOOLS if t != "kueue" or self.kueue]
         if not images:
-            ensure_tools(TOOLS)
+            ensure_tools(tools)
             return {}
         with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="images") as pool:
             built = pool.submit(self._build_images)
-            ensure_tools(TOOLS)
+            ensure_tools(tools)
             return built.result()
 
     def _build_images(self) -> dict:
@@ -310,6 +318,44 @@ class LocalCluster:
                     lambda: _https_ok(url + "/", self.cp.pki / "ca.crt"), timeout=60)
         self.apply(list(tpu_webhook.webhook_configurations(url, (self.cp.pki / "ca.crt").read_bytes())))
 
+    def _kueue(self) -> None:
+        """Kueue (a host process, like KubeRay's operator) with its CRDs, RBAC and webhooks (on the
+        bridge address, our CA), then the queue objects: one flavor per pool, the ClusterQueue
+        `local` (one slice of each TPU pool), a LocalQueue `local` in the demo namespace."""
+        from tpuft_local import kueue, tpu_webhook
+        from tpuft_local.demo import DEMO_NAMESPACE, PSA_LABELS
+        off = self.state / KUEUE_OFF
+        if not self.kueue:
+            off.touch()
+            self._stop("kueue")
+            return
+        off.unlink(missing_ok=True)
+        comp = kueue_config_dir()
+        self.cp.install_crds(sorted((comp / "crd" / "bases").glob("*.yaml")))
+        self.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": kueue.NAMESPACE}},
+                    *kueue.rbac(comp / "rbac")])
+        kubeconfig = self._client_kubeconfig("kueue", kueue.USER)
+        crt, key = tpu_webhook.mint_serving_cert(self.cp.pki, self.net.gateway)
+        certs = self.state / "kueue-certs"
+        certs.mkdir(exist_ok=True)
+        shutil.copyfile(crt, certs / "tls.crt")
+        shutil.copyfile(key, certs / "tls.key")
+        port_file = self.state / "kueue-webhook.port"
+        port = int(port_file.read_text()) if port_file.exists() else free_port()
+        port_file.write_text(str(port))
+        health = free_port()
+        config = self.state / "kueue-config.yaml"
+        config.write_text(json.dumps(kueue.configuration(self.net.gateway, port, certs, health)))
+        self._start("kueue", [*kueue.private_etc(self.state / "kueue-etc", certs), tool_path("kueue"), f"--config={config}",
+                              "--feature-gates=VisibilityOnDemand=false"],
+                    lambda: procs.http_ok(f"http://127.0.0.1:{health}/readyz"), timeout=120,
+                    env=dict(os.environ, KUBECONFIG=str(kubeconfig)))
+        url = f"https://{self.net.gateway}:{port}"
+        self.apply(kueue.webhook_configurations(comp / "webhook" / "manifests.yaml", url,
+                                                (self.cp.pki / "ca.crt").read_bytes()))
+        self.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": DEMO_NAMESPACE, "labels": PSA_LABELS}},
+                    *kueue.queue_objects(self.tpu_pools, DEMO_NAMESPACE)])
+
     def _operator(self) -> None:
         if self.operator_mode == "none":
             return
@@ -328,7 +374,7 @@ class LocalCluster:
     # ----- down ----------------------------------------------------------------------------------------
     def down(self, keep_packages: bool = False, purge: bool = False) -> list[str]:
         """Stop everything this state dir started, by PID, and undo the host changes."""
-        for name in ("tpufinetune-operator", "kuberay-operator", "tpu-webhook"):
+        for name in ("tpufinetune-operator", "kueue", "kuberay-operator", "tpu-webhook"):
             self._stop(name)
         self.cp.stop_component("kube-controller-manager")  # nothing may recreate the pods we delete
         self.cp.stop_component("kube-scheduler")
@@ -429,6 +475,8 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--tpu-pool", action="append", default=[], metavar="ACCEL:TOPOLOGY[:SLICES]",
                     help="add a simulated TPU node pool (default pools: v6e:4x4 and tpu7x:2x2x2)")
     up.add_argument("--no-operator", action="store_true", help="leave our operator out (run it from your editor)")
+    up.add_argument("--no-kueue", action="store_true",
+                    help="leave Kueue out (its CRDs and queues stay if an earlier `up` installed them)")
     up.add_argument("--operator-from-source", action="store_true",
                     help="run our operator as a host process from this checkout instead of helm-installing its image")
     down = sub.add_parser("down", help="stop everything and undo the host changes")
@@ -452,7 +500,8 @@ def run_cluster(args: argparse.Namespace) -> int:
     try:
         mode = "none" if getattr(args, "no_operator", False) else (
             "source" if getattr(args, "operator_from_source", False) else "helm")
-        cl = LocalCluster(args.state_dir, tpu_pools=_pools(args), operator=mode)
+        kueue = (not args.no_kueue) if args.action == "up" else None
+        cl = LocalCluster(args.state_dir, tpu_pools=_pools(args), operator=mode, kueue=kueue)
         if args.action == "tools":
             for tool, path in ensure_tools(TOOLS).items():
                 print(f"{tool:<24} {VERSIONS[tool]:<8} {path}")

@@ -41,7 +41,10 @@ COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager")
 # With a node: taints and evictions for NotReady nodes, Service endpoints, finished-pod GC.
 NODE_CONTROLLERS = ("node-lifecycle-controller", "taint-eviction-controller", "endpoints-controller",
                     "endpointslice-controller", "endpointslice-mirroring-controller", "pod-garbage-collector-controller",
-                    "ttl-after-finished-controller")
+                    "ttl-after-finished-controller",
+                    # static PersistentVolumes (the demo's checkpoint claim) bind, and their finalizers clear
+                    "persistentvolume-binder-controller", "persistentvolume-protection-controller",
+                    "persistentvolumeclaim-protection-controller")
 KCM_CONTROLLERS = os.environ.get("TPUFT_KCM_CONTROLLERS") or ",".join([
     "garbage-collector-controller", "namespace-controller", "serviceaccount-controller",
     "serviceaccount-token-controller", "root-ca-certificate-publisher-controller",

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
+import secrets
 import sys
 import time
 from datetime import datetime
@@ -35,6 +37,12 @@ DEFAULT_EXAMPLE = REPO / "examples" / "local-cpu.yaml"
 REHEARSAL_EXAMPLE = REPO / "examples" / "v6e-4x4.yaml"
 REHEARSAL_VERIFY_TIMEOUT = 90  # seconds: a rehearsal ends at this verification deadline
 STEPS = 3
+DEMO_STORAGE_CLASS = "tpuft-demo-hostpath"   # no provisioner: the demo's PersistentVolumes bind by name
+DEMO_CLAIM_SIZE = "20Gi"
+# A namespace the demo creates refuses privileged pods (Pod Security Admission, baseline) and warns
+# about what `restricted` would refuse: the run's pods must not need more (issue 25).
+PSA_LABELS = {"pod-security.kubernetes.io/enforce": "baseline", "pod-security.kubernetes.io/warn": "restricted"}
+DEMO_NAMESPACE = "tpuft-demo"   # `tpuft cluster up` makes it too, with Kueue's LocalQueue `local` in it
 
 
 class DemoError(RuntimeError):
@@ -51,7 +59,7 @@ class Clock:
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--example", type=Path, default=None, help="TPUFinetune manifest (default: the CPU example)")
-    p.add_argument("--namespace", default="tpuft-demo", help="namespace to run it in (created if missing)")
+    p.add_argument("--namespace", default=DEMO_NAMESPACE, help="namespace to run it in (created if missing)")
     p.add_argument("--use-kubeconfig", action="store_true",
                    help="use the cluster in $KUBECONFIG (KubeRay and our operator already installed there)")
     p.add_argument("--down", action="store_true", help="stop the local cluster at the end (keeps its packages)")
@@ -152,10 +160,12 @@ def _apply(api_client, manifest: dict, namespace: str, clock: Clock) -> tuple[st
     from kubernetes.client.rest import ApiException
 
     core, custom = client.CoreV1Api(api_client), client.CustomObjectsApi(api_client)
-    with contextlib.suppress(ApiException):
-        core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
+    with contextlib.suppress(ApiException):   # already there: left as it is, labels included
+        core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace, labels=PSA_LABELS)))
     name = manifest["metadata"]["name"]
     manifest["metadata"]["namespace"] = namespace
+    _ensure_api_key(core, manifest, namespace, clock)
+    _hostpath_as_claim(core, manifest, namespace, clock)
     try:
         custom.delete_namespaced_custom_object(c.GROUP, c.VERSION, namespace, c.PLURAL, name)
         print(f"{clock.stamp()}       deleted the previous {namespace}/{name}; waiting for it to go", flush=True)
@@ -172,6 +182,69 @@ def _apply(api_client, manifest: dict, namespace: str, clock: Clock) -> tuple[st
         body = json.loads(e.body).get("message", e.body) if e.body else e.reason
         raise DemoError(f"the API server rejected {namespace}/{name}: {body}") from None
     return name, parse_time(created["metadata"]["creationTimestamp"])
+
+
+def _ensure_api_key(core, manifest: dict, namespace: str, clock: Clock) -> None:
+    """spec.serve.apiKeySecret names a Secret the user provides; the demo makes one with a random
+    key when it is missing. The key is never printed: `tpuft chat` reads it with kubectl."""
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    ref = ((manifest.get("spec") or {}).get("serve") or {}).get("apiKeySecret")
+    if not ref:
+        return
+    name, key = ref["name"], ref.get("key", c.SERVE_API_KEY_SECRET_KEY)
+    body = client.V1Secret(metadata=client.V1ObjectMeta(name=name), string_data={key: secrets.token_urlsafe(32)})
+    try:
+        core.create_namespaced_secret(namespace, body)
+        print(f"{clock.stamp()}       created Secret {namespace}/{name} with a random API key for the served "
+              f"model (spec.serve.apiKeySecret; `tpuft chat` reads it)", flush=True)
+    except ApiException as e:
+        if e.status != 409:   # 409: the user's own Secret, kept
+            raise DemoError(f"cannot create the API key Secret {namespace}/{name}: {e.reason}") from None
+
+
+def _hostpath_as_claim(core, manifest: dict, namespace: str, clock: Clock) -> None:
+    """Pod Security `baseline` refuses hostPath volumes in pods, so the example's hostPath
+    checkpoint volume becomes a claim on a hostPath PersistentVolume (the same directory on the
+    node, bound to this namespace only): what a cluster admin does for a pod that may not mount
+    the node's disk itself."""
+    from kubernetes.client.rest import ApiException
+
+    ck = (manifest.get("spec") or {}).get("checkpoint") or {}
+    host = (ck.get("volume") or {}).get("hostPath")
+    if not host:
+        return
+    digest = hashlib.sha256(f"{namespace}/{host['path']}".encode()).hexdigest()[:10]
+    pv_name, claim = f"tpuft-demo-checkpoints-{digest}", f"checkpoints-{digest}"
+    pv = {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv_name, "labels": {c.LABEL_MANAGED_BY: c.MANAGED_BY}},
+          "spec": {"capacity": {"storage": DEMO_CLAIM_SIZE}, "accessModes": ["ReadWriteMany"],
+                   "persistentVolumeReclaimPolicy": "Retain", "storageClassName": DEMO_STORAGE_CLASS,
+                   "hostPath": dict(host), "claimRef": {"namespace": namespace, "name": claim}}}
+    pvc = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim},
+           "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": DEMO_STORAGE_CLASS, "volumeName": pv_name,
+                    "resources": {"requests": {"storage": DEMO_CLAIM_SIZE}}}}
+    try:
+        old = core.read_persistent_volume(pv_name)
+        if old.status.phase == "Released":   # its claim went with an earlier namespace: bind it anew
+            core.delete_persistent_volume(pv_name)
+            end = time.monotonic() + 60
+            while time.monotonic() < end:
+                core.read_persistent_volume(pv_name)
+                time.sleep(0.5)
+    except ApiException as e:
+        if e.status != 404:
+            raise DemoError(f"cannot read PersistentVolume {pv_name}: {e.reason}") from None
+    for create, body in ((core.create_persistent_volume, pv),
+                         (lambda b: core.create_namespaced_persistent_volume_claim(namespace, b), pvc)):
+        try:
+            create(body)
+        except ApiException as e:
+            if e.status != 409:
+                raise DemoError(f"cannot create {body['kind']} {body['metadata']['name']}: {e.reason}") from None
+    ck["volume"] = {"persistentVolumeClaim": {"claimName": claim}}
+    print(f"{clock.stamp()}       checkpoints: claim {namespace}/{claim} on hostPath {host['path']} "
+          f"(Pod Security baseline refuses hostPath in pods)", flush=True)
 
 
 def _example(args) -> Path:

@@ -31,6 +31,8 @@ COREDNS_VERSION = "v1.14.7"
 KWOK_VERSION = "v0.7.0"
 KUBERAY_VERSION = "v1.6.2"  # must match hack/kuberay/go.mod; v1.7.0 is 403 at the Go proxy
 KUBERAY_MODULE = "github.com/ray-project/kuberay/ray-operator"
+KUEUE_VERSION = "v0.17.0"  # must match hack/kueue/go.mod
+KUEUE_MODULE = "sigs.k8s.io/kueue"
 # The control plane's commands, then the node's: one `go build` compiles all six.
 K8S_TOOLS = ("kube-apiserver", "kubectl", "kube-controller-manager", "kube-scheduler", "kubelet", "kube-proxy")
 CONTROL_PLANE_TOOLS = ("etcd", "kube-apiserver", "kubectl", "kube-controller-manager", "helm")
@@ -39,12 +41,13 @@ GO_INSTALLS = {
     "coredns": (f"github.com/coredns/coredns@{COREDNS_VERSION}", "0"),
     "kwok": (f"sigs.k8s.io/kwok/cmd/kwok@{KWOK_VERSION}", "0"),
 }
-TOOLS = ("etcd", *K8S_TOOLS, "helm", *GO_INSTALLS, "kuberay-operator")
+TOOLS = ("etcd", *K8S_TOOLS, "helm", *GO_INSTALLS, "kuberay-operator", "kueue")
 VERSIONS = {"etcd": ETCD_VERSION, "helm": HELM_VERSION, "coredns": COREDNS_VERSION, "kwok": KWOK_VERSION,
-            "kuberay-operator": KUBERAY_VERSION, **{t: K8S_VERSION for t in K8S_TOOLS}}
+            "kuberay-operator": KUBERAY_VERSION, "kueue": KUEUE_VERSION, **{t: K8S_VERSION for t in K8S_TOOLS}}
 REPO_ROOT = Path(__file__).resolve().parents[2]
 K8S_MODULE_DIR = REPO_ROOT / "hack" / "k8s"
 KUBERAY_MODULE_DIR = REPO_ROOT / "hack" / "kuberay"
+KUEUE_MODULE_DIR = REPO_ROOT / "hack" / "kueue"
 
 
 class ToolchainError(RuntimeError):
@@ -107,6 +110,8 @@ def ensure_tools(tools=CONTROL_PLANE_TOOLS) -> dict[str, str]:
                 _go_install(tool)
             if "kuberay-operator" in missing:
                 _build_kuberay()
+            if "kueue" in missing:
+                _build_kueue()
     return {t: tool_path(t, build=False) for t in tools}
 
 
@@ -241,26 +246,49 @@ def _build_kuberay() -> None:
     _install(out / "ray-operator", "kuberay-operator", move=True)
 
 
+def _build_kueue() -> None:
+    out = cache_dir() / "build" / f"kueue-{KUEUE_VERSION}"
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [_go(), "build", "-trimpath", "-ldflags=-s -w", "-o", str(out) + "/", f"{KUEUE_MODULE}/cmd/kueue"]
+    _run_logged(cmd, f"Kueue {KUEUE_VERSION}", cache_dir() / "logs" / f"build-kueue-{KUEUE_VERSION}.log",
+                KUEUE_MODULE_DIR, _go_env())
+    _install(out / "kueue", "kueue", move=True)
+
+
+def _module_dir(module: str, version: str, wrapper: Path) -> Path:
+    """Where the Go module cache holds `module` (the one a wrapper module builds), fetched if not."""
+    env = _go_env()
+    res = subprocess.run([_go(), "list", "-m", "-f", "{{.Dir}}", module], cwd=wrapper,
+                         env=env, capture_output=True, text=True)
+    if res.returncode == 0 and res.stdout.strip():
+        return Path(res.stdout.strip())
+    res = subprocess.run([_go(), "mod", "download", "-json", f"{module}@{version}"],
+                         cwd=wrapper, env=env, capture_output=True, text=True)
+    import json
+    try:
+        return Path(json.loads(res.stdout)["Dir"])
+    except (ValueError, KeyError) as exc:
+        raise ToolchainError(f"could not fetch {module}@{version} from the Go module proxy: "
+                             f"{res.stderr.strip() or exc}") from None
+
+
 def kuberay_crd_dir() -> Path:
     """KubeRay's own CRDs (config/crd/bases), from the same module the operator is built from."""
-    env = _go_env()
-    res = subprocess.run([_go(), "list", "-m", "-f", "{{.Dir}}", KUBERAY_MODULE], cwd=KUBERAY_MODULE_DIR,
-                         env=env, capture_output=True, text=True)
-    if res.returncode != 0 or not res.stdout.strip():
-        res = subprocess.run([_go(), "mod", "download", "-json", f"{KUBERAY_MODULE}@{KUBERAY_VERSION}"],
-                             cwd=KUBERAY_MODULE_DIR, env=env, capture_output=True, text=True)
-        import json
-        try:
-            base = Path(json.loads(res.stdout)["Dir"])
-        except (ValueError, KeyError) as exc:
-            raise ToolchainError(f"could not fetch {KUBERAY_MODULE}@{KUBERAY_VERSION} from the Go module proxy: "
-                                 f"{res.stderr.strip() or exc}") from None
-    else:
-        base = Path(res.stdout.strip())
+    base = _module_dir(KUBERAY_MODULE, KUBERAY_VERSION, KUBERAY_MODULE_DIR)
     crds = base / "config" / "crd" / "bases"
     if not crds.is_dir():
         raise ToolchainError(f"{crds} is missing: the KubeRay module at {base} has no CRDs")
     return crds
+
+
+def kueue_config_dir() -> Path:
+    """Kueue's own manifests (config/components: crd/bases, webhook/manifests.yaml, rbac/role.yaml),
+    from the same module the controller is built from."""
+    base = _module_dir(KUEUE_MODULE, KUEUE_VERSION, KUEUE_MODULE_DIR)
+    comp = base / "config" / "components"
+    if not (comp / "crd" / "bases").is_dir():
+        raise ToolchainError(f"{comp}/crd/bases is missing: the Kueue module at {base} has no CRDs")
+    return comp
 
 
 def _fetch_etcd() -> None:

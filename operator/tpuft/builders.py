@@ -1,5 +1,5 @@
-"""Pure translation: a parsed TPUFinetune -> the KubeRay RayCluster, RayJobs and the workload
-identity (ServiceAccount, Role, RoleBinding) it owns.
+"""Pure translation: a parsed TPUFinetune -> the KubeRay RayCluster, RayJobs, RayService, the workload
+identity (ServiceAccount, Role, RoleBinding) and the NetworkPolicy it owns.
 
 No client, clock or randomness: the same spec always gives byte-identical children, so
 reconciles are idempotent and golden files are stable.
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import yaml
 
 from tpuft import constants as c
-from tpuft.spec import DEFAULTS, TPUFinetune
+from tpuft.spec import DEFAULTS, ServeReplicas, TPUFinetune
 
 RAY_VERSION_PIN = "2.60.0"
 HEAD_CONTAINER = "ray-head"
@@ -26,6 +26,22 @@ WORKLOAD_MODULE = "tpuft_workload"
 # KubeRay's deadline for the verification job sits past the workload's own timeout, so the
 # workload's precise message (which rank, which collective) arrives before KubeRay's generic one.
 VERIFY_DEADLINE_GRACE_SECONDS = 60
+# KubeRay's K8sJobMode submitter runs `ray job submit` and then follows the job's log: a tenth of a
+# core while it waits. KubeRay's default asks 500m, so two runs' submitters alone took half of a
+# 2-core node and the third run's spilled onto a node that does not run them (issue 34).
+SUBMITTER_CONTAINER = "ray-job-submitter"   # KubeRay's name: it fills in the command of this one
+SUBMITTER_RESOURCES = {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"cpu": "1", "memory": "1Gi"}}
+
+# Every Ray container we render (training and serving, head and workers) and the RayJobs' submitters.
+# runAsNonRoot stays unset:
+# Dockerfile.workload runs as root (no USER; Ray's /tmp/ray, pip's and Hugging Face's caches under
+# /root), user-chosen serve images (vLLM TPU) may too, and KubeRay's own TPU sample
+# (sample.ray-job.tpu-v6e-16-multihost.yaml) sets runAsUser: 0 on TPU workers although its image's
+# default user is not root: the TPU device files (/dev/accel*, /dev/vfio) are not known to be usable
+# by another user. Root without capabilities and without privilege escalation is what is left.
+CONTAINER_SECURITY_CONTEXT = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+# On the pod, so it covers any container KubeRay adds too.
+POD_SECURITY_CONTEXT = {"seccompProfile": {"type": "RuntimeDefault"}}
 
 
 @dataclass(frozen=True)
@@ -57,6 +73,7 @@ class ChildNames:
     identity: str
     worker_group: str
     service: str        # the RayService (spec.serve)
+    network_policy: str
 
     @property
     def serve_service(self) -> str:
@@ -82,7 +99,8 @@ def names(tft: TPUFinetune) -> ChildNames:
     s = tft.spec.slice
     group = f"{s.generation}-{s.devices}" if s.is_tpu else "cpu-workers"
     return ChildNames(cluster=cluster_name(n), verify_job=f"{n}-verify", train_job=f"{n}-train",
-                      identity=f"{n}-workload", worker_group=group, service=f"{n}-serve")
+                      identity=f"{n}-workload", worker_group=group, service=f"{n}-serve",
+                      network_policy=f"{n}-ray-ingress")
 
 
 def child_labels(tft: TPUFinetune, component: c.Component) -> dict[str, str]:
@@ -142,7 +160,8 @@ def _pod_template(tft: TPUFinetune, component: c.Component, containers: list[dic
     meta: dict = {"labels": child_labels(tft, component)}
     if tft.spec.annotations:
         meta["annotations"] = dict(tft.spec.annotations)
-    spec = {"serviceAccountName": names(tft).identity, "containers": containers}
+    spec = {"serviceAccountName": names(tft).identity, "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
+            "containers": containers}
     spec.update(extra or {})
     if tft.spec.scheduling.priority_class_name:
         spec["priorityClassName"] = tft.spec.scheduling.priority_class_name
@@ -156,7 +175,16 @@ def _container(tft: TPUFinetune, name: str) -> dict:
     env = _env(tft)
     if env:
         out["env"] = env
+    out["securityContext"] = copy.deepcopy(CONTAINER_SECURITY_CONTEXT)
     return out
+
+
+def _stop_at_a_checkpoint(container: dict) -> None:
+    """A training Ray container's preStop hook (tpuft_workload.preemption): SIGTERM to the pod's Ray
+    Train workers, then wait until they saved a checkpoint at the next step boundary and ended (the
+    head: until the train driver ended), before the runtime's SIGTERM to `ray start` ends them all."""
+    container["lifecycle"] = {"preStop": {"exec": {"command": [
+        "python", "-m", f"{WORKLOAD_MODULE}.preemption", "--timeout-seconds", str(c.PRESTOP_WAIT_SECONDS)]}}}
 
 
 def _node_selector(tft: TPUFinetune) -> dict[str, str]:
@@ -183,10 +211,10 @@ def _checkpoint_volume(tft: TPUFinetune) -> tuple[list[dict], list[dict]]:
 
 
 def build_raycluster(tft: TPUFinetune) -> dict:
-    n, extra_labels = names(tft), {}
-    queue = tft.meta.labels.get(c.KUEUE_QUEUE_LABEL)
-    if queue:
-        extra_labels[c.KUEUE_QUEUE_LABEL] = queue
+    n = names(tft)
+    # Kueue's labels pass through to the RayCluster (its webhook suspends a labelled one until admitted)
+    extra_labels = {k: tft.meta.labels[k] for k in (c.KUEUE_QUEUE_LABEL, c.KUEUE_PRIORITY_LABEL)
+                    if tft.meta.labels.get(k)}
     body = {
         "apiVersion": c.RAY_API_VERSION,
         "kind": c.RAYCLUSTER_KIND,
@@ -198,9 +226,10 @@ def build_raycluster(tft: TPUFinetune) -> dict:
     return body
 
 
-def _cluster_spec(tft: TPUFinetune, component: c.Component) -> dict:
+def _cluster_spec(tft: TPUFinetune, component: c.Component, max_slices: int | None = None) -> dict:
     """A RayClusterSpec for tft.spec's slice: the training cluster's, and (through serving_view)
-    the RayService's rayClusterConfig."""
+    the RayService's rayClusterConfig. With max_slices above spec.slices, the worker group may grow
+    to that many slices (whole slices: one group replica each on TPU) and Ray's autoscaler runs."""
     s, spec, n = tft.spec.slice, tft.spec, names(tft)
     head = _container(tft, HEAD_CONTAINER)
     head["ports"] = [{"containerPort": port, "name": pname} for pname, port in c.RAY_PORTS]
@@ -209,6 +238,9 @@ def _cluster_spec(tft: TPUFinetune, component: c.Component) -> dict:
     ck_mounts, ck_volumes = _checkpoint_volume(tft)
     if ck_mounts:
         head["volumeMounts"] = ck_mounts
+    # Training only: serving images are the user's (vLLM) and a replica holds no training state.
+    training = component == c.Component.CLUSTER
+    head_extra: dict = {"volumes": copy.deepcopy(ck_volumes)} if ck_volumes else {}
 
     defaults = WORKER_DEFAULTS[s.generation]
     worker = _container(tft, WORKER_CONTAINER)
@@ -222,32 +254,43 @@ def _cluster_spec(tft: TPUFinetune, component: c.Component) -> dict:
         pod_extra["nodeSelector"] = selector
     if spec.scheduling.tolerations:
         pod_extra["tolerations"] = [dict(t) for t in spec.scheduling.tolerations]
+    if training:
+        for container in (head, worker):
+            _stop_at_a_checkpoint(container)
+        for extra in (head_extra, pod_extra):
+            extra["terminationGracePeriodSeconds"] = c.TRAINING_TERMINATION_GRACE_SECONDS
 
+    most = max(max_slices or spec.slices, spec.slices)
     if s.is_tpu:
         # One group, one replica per slice, numOfHosts VMs per slice: what the TPU webhook checks.
-        replicas, hosts = spec.slices, s.hosts
+        per_slice, hosts = 1, s.hosts
         start_params: dict[str, str] = {}
     else:
-        replicas, hosts = s.hosts * spec.slices, 1
+        per_slice, hosts = s.hosts, 1
         start_params = {"num-cpus": defaults.cpu}
     group = {
         "groupName": n.worker_group,
-        "replicas": replicas,
-        "minReplicas": replicas,
-        "maxReplicas": replicas,
+        "replicas": per_slice * spec.slices,
+        "minReplicas": per_slice * spec.slices,
+        "maxReplicas": per_slice * most,
         "numOfHosts": hosts,
         "rayStartParams": start_params,
         "template": _pod_template(tft, component, [worker], pod_extra),
     }
     if s.tpu_resource_per_chip > 1:
         group["resources"] = {c.RAY_TPU_CUSTOM_RESOURCE: str(s.devices_per_host)}
+    # The training head keeps its ServiceAccount token: the Ray job's driver runs there and patches
+    # status.verification (and status.training.message when a resume is refused); the workers' rank 0
+    # patches status.training. Serving pods turn it off (build_rayservice).
     return {
         "rayVersion": RAY_VERSION_PIN,
-        "enableInTreeAutoscaling": False,
+        # Only an autoscaled RayService grows: the autoscaler adds a group replica (a slice) when
+        # Serve wants a replica that fits nowhere, and removes idle ones.
+        "enableInTreeAutoscaling": most > spec.slices,
+        "authOptions": {"mode": c.RAY_AUTH_MODE_TOKEN},
         "headGroupSpec": {
             "rayStartParams": {"num-cpus": "0"},
-            "template": _pod_template(tft, component, [head],
-                                      {"volumes": copy.deepcopy(ck_volumes)} if ck_volumes else None),
+            "template": _pod_template(tft, component, [head], head_extra or None),
         },
         "workerGroupSpecs": [group],
     }
@@ -260,7 +303,8 @@ def _common_args(tft: TPUFinetune) -> list[str]:
 
 def verify_entrypoint(tft: TPUFinetune) -> str:
     args = ["python", "-m", WORKLOAD_MODULE, "verify", *_common_args(tft),
-            "--timeout-seconds", str(tft.spec.verification.timeout_seconds)]
+            "--timeout-seconds", str(tft.spec.verification.timeout_seconds),
+            "--log-file", log_path(tft, c.Component.VERIFY)]
     return shlex.join(args)
 
 
@@ -285,7 +329,8 @@ def train_entrypoint(tft: TPUFinetune) -> str:
             "--max-seq-length", str(tr.max_seq_length), "--learning-rate", repr(tr.learning_rate),
             "--storage-path", ck.storage_path, "--run-name", run_name(tft),
             "--checkpoint-every-steps", str(ck.every_steps), "--keep-checkpoints", str(ck.keep),
-            "--max-failures", str(tr.max_failures), "--report-every-steps", str(tr.report_every_steps)]
+            "--max-failures", str(tr.max_failures), "--report-every-steps", str(tr.report_every_steps),
+            "--log-file", log_path(tft, c.Component.TRAIN)]
     if sp.dataset.format:
         args += ["--dataset-format", sp.dataset.format]
     if not tr.packing:
@@ -311,8 +356,24 @@ def _rayjob(tft: TPUFinetune, name: str, component: c.Component, entrypoint: str
     }
     if active_deadline is not None:
         spec["activeDeadlineSeconds"] = active_deadline
+    spec["submitterPodTemplate"] = _submitter_template(tft, component)
     return {"apiVersion": c.RAY_API_VERSION, "kind": c.RAYJOB_KIND,
             "metadata": _metadata(tft, name, component), "spec": spec}
+
+
+def _submitter_template(tft: TPUFinetune, component: c.Component) -> dict:
+    """The submitter pod KubeRay runs for a RayJob: the run's labels (so the run's NetworkPolicy
+    lets it reach its head), small requests, no Kubernetes API token (it only talks to the Ray
+    dashboard; KubeRay adds the Ray token's env when the cluster has authOptions)."""
+    container = {"name": SUBMITTER_CONTAINER, "image": tft.spec.image, "resources": copy.deepcopy(SUBMITTER_RESOURCES),
+                 "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT)}
+    if tft.spec.image_pull_policy:
+        container["imagePullPolicy"] = tft.spec.image_pull_policy
+    spec: dict = {"restartPolicy": "Never", "automountServiceAccountToken": False,
+                  "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT), "containers": [container]}
+    if tft.spec.scheduling.priority_class_name:
+        spec["priorityClassName"] = tft.spec.scheduling.priority_class_name
+    return {"metadata": {"labels": child_labels(tft, component)}, "spec": spec}
 
 
 def build_verify_job(tft: TPUFinetune, attempt: int = 0) -> dict:
@@ -345,19 +406,30 @@ def build_workload_identity(tft: TPUFinetune) -> list[dict]:
     return [sa, role, binding]
 
 
+def run_dir(tft: TPUFinetune) -> str:
+    """{storagePath}/{run name}: the run's checkpoints, export, driver logs and TensorBoard files."""
+    return "/".join([tft.spec.checkpoint.storage_path.rstrip("/"), run_name(tft)])
+
+
 def export_path(tft: TPUFinetune) -> str:
     """Where the training job writes the Hugging Face export (tpuft_workload.train: run_dir/export)."""
-    return "/".join([tft.spec.checkpoint.storage_path.rstrip("/"), run_name(tft), c.EXPORT_DIR])
+    return "/".join([run_dir(tft), c.EXPORT_DIR])
+
+
+def log_path(tft: TPUFinetune, job: c.Component) -> str:
+    """Where the verify or train job's driver tees its log (--log-file; `tpuft logs` reads it there
+    once the head is gone)."""
+    return "/".join([run_dir(tft), c.LOGS_DIR, f"{job.value}.log"])
 
 
 def serving_view(tft: TPUFinetune) -> TPUFinetune:
-    """The object as the serving cluster sees it: the serve slice (one per replica), image and
-    resources in place of training's, so the training cluster's builders give the RayService's
-    rayClusterConfig (numOfHosts, google.com/tpu, selectors, TPU7x env and TPU: "8", /dev/shm)."""
+    """The object as the serving cluster sees it: the serve slice (one per replica, min replicas to
+    start with), image and resources in place of training's, so the training cluster's builders give
+    the RayService's rayClusterConfig (numOfHosts, google.com/tpu, selectors, TPU7x env and TPU: "8", /dev/shm)."""
     sv = tft.spec.serve
     assert sv is not None, "serving_view needs spec.serve enabled"
     return dataclasses.replace(tft, spec=dataclasses.replace(
-        tft.spec, slice=sv.slice, slices=sv.replicas, image=sv.image, image_pull_policy=sv.image_pull_policy,
+        tft.spec, slice=sv.slice, slices=sv.replicas.min, image=sv.image, image_pull_policy=sv.image_pull_policy,
         resources=sv.resources))
 
 
@@ -371,7 +443,15 @@ def serve_app(tft: TPUFinetune, model_source: str) -> dict:
     if sv.max_model_length:
         args[c.ServeArg.MAX_MODEL_LEN.value] = sv.max_model_length
     return {"name": c.SERVE_APP_NAME, "route_prefix": c.SERVE_ROUTE_PREFIX, "import_path": c.SERVE_TRANSFORMERS_IMPORT_PATH,
-            "args": args, "deployments": [{"name": c.SERVE_DEPLOYMENT_NAME, "num_replicas": sv.replicas}]}
+            "args": args, "deployments": [{"name": c.SERVE_DEPLOYMENT_NAME, **serve_replicas(sv.replicas)}]}
+
+
+def serve_replicas(r: ServeReplicas) -> dict:
+    """A deployment's replica count for Ray Serve: fixed, or autoscaled between min and max (Serve
+    refuses num_replicas beside an autoscaling_config)."""
+    if r.fixed:
+        return {"num_replicas": r.min}
+    return {"autoscaling_config": {"min_replicas": r.min, "max_replicas": r.max}}
 
 
 def llm_config(tft: TPUFinetune, model_source: str) -> dict:
@@ -384,7 +464,7 @@ def llm_config(tft: TPUFinetune, model_source: str) -> dict:
     if sv.max_model_length:
         engine["max_model_len"] = sv.max_model_length
     out: dict = {"model_loading_config": {"model_id": tft.meta.name, "model_source": model_source},
-                 "engine_kwargs": engine, "deployment_config": {"num_replicas": sv.replicas}}
+                 "engine_kwargs": engine, "deployment_config": serve_replicas(sv.replicas)}
     if s.is_tpu:
         out["accelerator_type"] = s.ray_accelerator_type
         out["accelerator_config"] = {"kind": "tpu", "topology": s.topology}
@@ -396,12 +476,20 @@ def llm_config(tft: TPUFinetune, model_source: str) -> dict:
 def build_rayservice(tft: TPUFinetune, model_source: str | None = None) -> dict:
     """The KubeRay RayService serving the fine-tuned model (spec.serve): model_source is the export
     the training job reported (status.training.exportedModel), else where it writes it."""
-    view, n = serving_view(tft), names(tft)
-    cluster = _cluster_spec(view, c.Component.SERVE)
-    for tmpl in [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]:
-        tmpl["spec"]["automountServiceAccountToken"] = False   # serving never calls the Kubernetes API
+    view, n, replicas = serving_view(tft), names(tft), tft.spec.serve.replicas
+    cluster = _cluster_spec(view, c.Component.SERVE, max_slices=replicas.max)
+    head_tmpl = cluster["headGroupSpec"]["template"]
+    for tmpl in [head_tmpl, *(g["template"] for g in cluster["workerGroupSpecs"])]:
+        # Serving never calls the Kubernetes API, except the autoscaler sidecar KubeRay adds to an
+        # autoscaled head: it scales the worker group through the head's ServiceAccount (KubeRay binds it).
+        tmpl["spec"]["automountServiceAccountToken"] = tmpl is head_tmpl and not replicas.fixed
     cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"].append(
         {"containerPort": c.SERVE_PORT, "name": "serve"})   # the port KubeRay's serve Service targets
+    key = tft.spec.serve.api_key_secret
+    if key is not None:   # by reference only: the key never appears in a rendered manifest
+        for tmpl in [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]:
+            tmpl["spec"]["containers"][0].setdefault("env", []).append(
+                {"name": c.SERVE_API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": key.name, "key": key.key}}})
     app = serve_app(tft, model_source or export_path(tft))
     return {"apiVersion": c.RAY_API_VERSION, "kind": c.RAYSERVICE_KIND,
             "metadata": _metadata(tft, n.service, c.Component.SERVE),
@@ -409,9 +497,46 @@ def build_rayservice(tft: TPUFinetune, model_source: str | None = None) -> dict:
                      "rayClusterConfig": cluster}}
 
 
+def build_network_policy(tft: TPUFinetune) -> dict:
+    """Ingress to the run's pods (every pod with its name label: the training cluster's, the
+    RayService's and the RayJobs' submitters). Enforced only where the cluster's network plugin
+    enforces NetworkPolicy.
+
+    - From the run's own pods, every port: Ray uses many (GCS 6379, dashboard 8265, client 10001, raylet,
+      object manager, worker ports, Train's and Serve's own); the submitters (`ray job submit` to the
+      dashboard) carry the run's labels (_submitter_template).
+    - The dashboard (job submission and status) from KubeRay's operator pod, in any namespace, which
+      polls it for job and Serve status. A KubeRay that does not run as a pod on the
+      pod network (a host process, as on the local cluster, or one that reaches the dashboard through
+      the API server's proxy, --use-kubernetes-proxy) sends no pod traffic: NetworkPolicy always
+      admits traffic from a pod's own node, but from anywhere else such a KubeRay needs an ipBlock
+      rule of its own.
+    - Ray's metrics port (Prometheus text, read-only: the workload's training gauges and Ray's own)
+      from any pod in any namespace: the Prometheus that the chart's PodMonitor configures runs in
+      a monitoring namespace of its own, and NetworkPolicy cannot name it otherwise.
+    - With spec.serve, Ray Serve's HTTP port from any pod in the namespace (only the serving pods listen
+      there; `kubectl port-forward`, as `tpuft chat` uses, does not pass through NetworkPolicy).
+    Labels are not an identity: any pod that may carry these labels is admitted (spec.labels cannot
+    set them, c.RESERVED_LABELS)."""
+    n, own = names(tft), {c.LABEL_NAME: tft.meta.name}
+    kuberay = {"namespaceSelector": {},
+               "podSelector": {"matchLabels": {c.KUBERAY_COMPONENT_LABEL: c.KUBERAY_OPERATOR_COMPONENT}}}
+    ingress: list[dict] = [
+        {"from": [{"podSelector": {"matchLabels": dict(own)}}]},
+        {"from": [kuberay], "ports": [{"protocol": "TCP", "port": c.RAY_DASHBOARD_PORT}]},
+        {"from": [{"namespaceSelector": {}}], "ports": [{"protocol": "TCP", "port": c.RAY_METRICS_PORT}]},
+    ]
+    if tft.spec.serve:
+        ingress.append({"from": [{"podSelector": {}}], "ports": [{"protocol": "TCP", "port": c.SERVE_PORT}]})
+    return {"apiVersion": f"{c.NETWORKING_GROUP}/{c.NETWORKING_VERSION}", "kind": c.NETWORK_POLICY_KIND,
+            "metadata": _metadata(tft, n.network_policy, c.Component.NETWORK),
+            "spec": {"podSelector": {"matchLabels": dict(own)}, "policyTypes": ["Ingress"], "ingress": ingress}}
+
+
 def build_children(tft: TPUFinetune) -> list[dict]:
     """Everything the operator will create, RayCluster first (the order `tpuft render` prints);
     the RayService last, created once training has succeeded."""
     jobs = [build_verify_job(tft)] if tft.spec.verification.enabled else []
     serve = [build_rayservice(tft)] if tft.spec.serve else []
-    return [build_raycluster(tft), *jobs, build_train_job(tft), *build_workload_identity(tft), *serve]
+    return [build_raycluster(tft), *jobs, build_train_job(tft), *build_workload_identity(tft),
+            build_network_policy(tft), *serve]

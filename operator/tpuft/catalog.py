@@ -1,7 +1,8 @@
 """TPU generations and slice shapes: one table, every fact the builders and the workload need.
 
 Facts come from Ray's `ray/_private/accelerators/tpu.py`, XPK's system characteristics and GKE's
-TPU documentation.
+TPU documentation; peak dense bf16 compute per chip ("Peak compute per chip (BF16)") from each
+generation's Cloud TPU page, cited beside each figure.
 Pure: no I/O.
 
 The v6e/v5e 2x4 ambiguity: Ray's `get_chips_per_host` treats 2x4 as one 8-chip VM
@@ -41,6 +42,7 @@ class Generation:
     dims: int                      # 2 or 3 topology dimensions
     chips_per_host: int
     devices_per_chip: int          # TPU7x: 2 chiplets (TensorCores) per chip
+    peak_bf16_tflops: float        # peak dense bf16 compute per chip (MFU's denominator)
     topologies: tuple[str, ...]    # shapes GKE offers
     single_host: dict[str, str]    # topology -> machine type, for shapes on one VM
     aliases: tuple[str, ...]
@@ -54,7 +56,7 @@ GENERATIONS: tuple[Generation, ...] = (
     Generation(
         name="v4", ray_accelerator_type="TPU-V4", ray_version="v4",
         gke_accelerator="tpu-v4-podslice", machine_type="ct4p-hightpu-4t", dims=3,
-        chips_per_host=4, devices_per_chip=1,
+        chips_per_host=4, devices_per_chip=1, peak_bf16_tflops=275,   # docs.cloud.google.com/tpu/docs/v4: 275 TFLOPs bf16 per chip
         topologies=_shapes("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8",
                            "8x8x8", "8x8x12", "8x8x16", "8x16x16", "16x16x16"),
         single_host={"2x2x1": "ct4p-hightpu-4t"},
@@ -63,7 +65,7 @@ GENERATIONS: tuple[Generation, ...] = (
     Generation(
         name="v5e", ray_accelerator_type="TPU-V5LITEPOD", ray_version="v5litepod",
         gke_accelerator="tpu-v5-lite-podslice", machine_type="ct5lp-hightpu-4t", dims=2,
-        chips_per_host=4, devices_per_chip=1,
+        chips_per_host=4, devices_per_chip=1, peak_bf16_tflops=197,   # docs.cloud.google.com/tpu/docs/v5e: 197 TFLOPs bf16 per chip
         topologies=_shapes("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
         single_host={"1x1": "ct5lp-hightpu-1t", "2x2": "ct5lp-hightpu-4t", "2x4": "ct5lp-hightpu-8t"},
         aliases=("v5litepod", "v5lite", "tpu-v5e", "tpu-v5-lite-podslice", "tpu-v5litepod"),
@@ -71,7 +73,7 @@ GENERATIONS: tuple[Generation, ...] = (
     Generation(
         name="v5p", ray_accelerator_type="TPU-V5P", ray_version="v5p",
         gke_accelerator="tpu-v5p-slice", machine_type="ct5p-hightpu-4t", dims=3,
-        chips_per_host=4, devices_per_chip=1,
+        chips_per_host=4, devices_per_chip=1, peak_bf16_tflops=459,   # docs.cloud.google.com/tpu/docs/v5p: 459 TFLOPs bf16 per chip
         topologies=_shapes("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8",
                            "8x8x8", "8x8x16", "8x16x16", "16x16x16", "16x16x24"),
         single_host={"2x2x1": "ct5p-hightpu-4t"},
@@ -80,7 +82,7 @@ GENERATIONS: tuple[Generation, ...] = (
     Generation(
         name="v6e", ray_accelerator_type="TPU-V6E", ray_version="v6e",
         gke_accelerator="tpu-v6e-slice", machine_type="ct6e-standard-4t", dims=2,
-        chips_per_host=4, devices_per_chip=1,
+        chips_per_host=4, devices_per_chip=1, peak_bf16_tflops=918,   # docs.cloud.google.com/tpu/docs/v6e: 918 TFLOPs bf16 per chip
         topologies=_shapes("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
         single_host={"1x1": "ct6e-standard-1t", "2x2": "ct6e-standard-4t", "2x4": "ct6e-standard-8t"},
         aliases=("tpu-v6e", "tpu-v6e-slice", "trillium"),
@@ -88,7 +90,7 @@ GENERATIONS: tuple[Generation, ...] = (
     Generation(
         name="tpu7x", ray_accelerator_type="TPU-V7X", ray_version="v7x",
         gke_accelerator="tpu7x", machine_type="tpu7x-standard-4t", dims=3,
-        chips_per_host=4, devices_per_chip=2,
+        chips_per_host=4, devices_per_chip=2, peak_bf16_tflops=2307,  # docs.cloud.google.com/tpu/docs/tpu7x: 2307 bf16 (4614 fp8) per chip
         topologies=_shapes("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8",
                            "8x8x8", "8x8x16", "8x16x16", "16x16x16"),
         single_host={"2x2x1": "tpu7x-standard-4t"},
@@ -128,6 +130,30 @@ def canonical_accelerator(value: object, field: str = "spec.accelerator") -> str
 
 def generation(name: str) -> Generation:
     return _BY_SPELLING[canonical_accelerator(name).lower()]
+
+
+# GPUs are not catalog generations (their topology is a worker count, one GPU each), so their peak
+# is looked up on the worker from the device's name (torch.cuda.get_device_name, jax device_kind):
+# dense bf16 TFLOP/s from NVIDIA's datasheets, which print twice these "with sparsity". First
+# match wins (H100 PCIe and NVL before plain H100, the SXM part). A GPU not listed has no MFU.
+GPU_PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H200", 989),        # nvidia.com/en-us/data-center/h200: 1,979 with sparsity (SXM)
+    ("H100 PCIe", 756),   # nvidia.com/en-us/data-center/h100: 1,513 with sparsity (PCIe)
+    ("H100 NVL", 835),    # nvidia.com/en-us/data-center/h100: 1,671 with sparsity (NVL)
+    ("H100", 989),        # nvidia.com/en-us/data-center/h100: 1,979 with sparsity (SXM)
+    ("A100", 312),        # nvidia.com/en-us/data-center/a100: 312 dense, 624 with sparsity
+    ("L4", 121),          # nvidia.com/en-us/data-center/l4: 242 with sparsity
+)
+
+
+def gpu_peak_flops(device_name: str) -> float | None:
+    """Peak dense bf16 FLOP/s of one GPU by its device name (e.g. "NVIDIA H100 80GB HBM3"); None
+    for a GPU the table does not list (MFU is then left out, never guessed)."""
+    words = f" {device_name.upper()} "
+    for model, tflops in GPU_PEAK_BF16_TFLOPS:
+        if f" {model.upper()} " in words or f" {model.upper()}-" in words:
+            return tflops * 1e12
+    return None
 
 
 @dataclass(frozen=True)
@@ -176,6 +202,13 @@ class SliceShape:
             parts.append(self.tpu_resource_per_chip)
         return ",".join(str(p) for p in parts)
 
+    @property
+    def peak_flops(self) -> float | None:
+        """Peak dense bf16 FLOP/s of the whole slice; None for CPU (no peak to measure against)."""
+        if not self.is_tpu:
+            return None
+        return self.chips * generation(self.generation).peak_bf16_tflops * 1e12
+
     def as_dict(self) -> dict:
         return {
             "generation": self.generation,
@@ -190,6 +223,7 @@ class SliceShape:
             "rayAcceleratorType": self.ray_accelerator_type,
             "tpuResourcePerChip": self.tpu_resource_per_chip,
             "torchTpuTopology": self.torch_tpu_topology,
+            "peakFlops": self.peak_flops,
         }
 
 

@@ -2,31 +2,33 @@
 
 It reads the object's status.serving (kubectl get), forwards a local port to the Serve Service
 (kubectl port-forward, a process this command starts and stops), sends one request with
-tpuft.chat and prints the answer. Exit 1 when the object is not serving, with its phase and why.
+tpuft.chat and prints the answer (with --stream, its text as it is generated). Exit 1 when the object is not serving, with its phase and why.
+When spec.serve.apiKeySecret is set, the key is read from that Secret with the user's own kubectl
+rights and sent as `Authorization: Bearer <key>`; it is never printed.
 """
 from __future__ import annotations
 
 import argparse
+import base64
+import binascii
 import json
 import os
-import re
-import shutil
 import subprocess
 import sys
-import time
-from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable
 
 from tpuft import chat as chatlib
 from tpuft import constants as c
+from tpuft.kubectl import KubectlError, port_forward
 from tpuft.observed import serving_ready
-
-FORWARD_WAIT_SECONDS = 30
-FORWARDING = re.compile(r"Forwarding from 127\.0\.0\.1:(\d+) ->")
 
 
 class NotServing(RuntimeError):
     """The object is not (yet) serving: the message says its phase and what it is waiting for."""
+
+
+class NoApiKey(RuntimeError):
+    """The served model wants an API key and its Secret cannot be read: the message says why and what to do."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", "-n", default="default")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--stream", action="store_true",
+                   help="print the answer's text as the model generates it (server-sent events)")
     p.add_argument("--kubectl", default=os.environ.get("TPUFT_KUBECTL") or "kubectl",
                    help="kubectl binary (default: kubectl on PATH; KUBECONFIG as set)")
 
@@ -52,53 +56,78 @@ def endpoint(obj: dict) -> dict:
     return serving
 
 
-@contextmanager
-def port_forward(kubectl: str, namespace: str, service: str, port: int) -> Iterator[int]:
-    """A local port forwarded to service:port, for as long as the block runs."""
-    if shutil.which(kubectl) is None:
-        raise NotServing(f"{kubectl} not found: put kubectl on PATH (local cluster: eval \"$(tpuft cluster env)\")")
-    proc = subprocess.Popen([kubectl, "port-forward", "-n", namespace, f"svc/{service}", f":{port}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def api_key(kubectl: str, namespace: str, obj: dict) -> str | None:
+    """The key in the Secret that spec.serve.apiKeySecret names (read with the user's kubectl rights),
+    or None when the object sets none. NoApiKey says which Secret and what to do when it cannot be read."""
+    ref = ((obj.get("spec") or {}).get("serve") or {}).get("apiKeySecret")
+    if not ref:
+        return None
+    secret, key = ref.get("name"), ref.get("key") or c.SERVE_API_KEY_SECRET_KEY
+    if not secret:
+        raise NoApiKey("spec.serve.apiKeySecret has no name: give the Secret that holds the API key")
+    where = f"Secret {namespace}/{secret} (spec.serve.apiKeySecret)"
+    got = subprocess.run([kubectl, "get", "secret", secret, "-n", namespace, "-o", "json"],
+                         capture_output=True, text=True, timeout=60)
+    if got.returncode != 0:
+        err = got.stderr.strip()
+        if "(Forbidden)" in err:
+            raise NoApiKey(f"cannot read the API key: your kubectl user is not allowed to get {where}; ask "
+                           f"for `get` on that secret in namespace {namespace} (check: kubectl auth can-i get "
+                           f"secret/{secret} -n {namespace})")
+        if "(NotFound)" in err:
+            raise NoApiKey(f"cannot read the API key: {where} does not exist; create it (kubectl create secret "
+                           f"generic {secret} -n {namespace} --from-literal={key}=...) or fix the name in "
+                           "spec.serve.apiKeySecret")
+        raise NoApiKey(f"cannot read the API key from {where}: {err}")
+    data = json.loads(got.stdout).get("data") or {}
+    if key not in data:
+        raise NoApiKey(f"{where} has no key {key!r} (spec.serve.apiKeySecret.key); its keys: "
+                       f"{', '.join(sorted(data)) or 'none'}")
     try:
-        yield _forwarded_port(proc, service)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def _forwarded_port(proc: subprocess.Popen, service: str) -> int:
-    deadline = time.monotonic() + FORWARD_WAIT_SECONDS
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if match := FORWARDING.search(line or ""):
-            return int(match.group(1))
-        if not line and proc.poll() is not None:
-            raise NotServing(f"kubectl port-forward to svc/{service} exited: {proc.stderr.read().strip()}")
-    raise NotServing(f"kubectl port-forward to svc/{service} did not start within {FORWARD_WAIT_SECONDS}s")
+        # stripped as the server strips it: HTTP trims header values
+        return base64.b64decode(data[key], validate=True).decode("utf-8").strip()
+    except (binascii.Error, UnicodeDecodeError):
+        raise NoApiKey(f"{where}: the value under {key!r} is not UTF-8 text; store the key as text") from None
 
 
 def ask(kubectl: str, namespace: str, name: str, message: str, max_tokens: int = 64,
-        temperature: float = 0.0) -> tuple[str, str]:
-    """(model id, answer) from the served object."""
+        temperature: float = 0.0, on_text: Callable[[str], None] | None = None) -> tuple[str, str]:
+    """(model id, answer) from the served object; with on_text, the answer is streamed and each
+    piece of its text is passed to on_text as it arrives."""
     got = subprocess.run([kubectl, "get", c.PLURAL, name, "-n", namespace, "-o", "json"],
                          capture_output=True, text=True, timeout=60)
     if got.returncode != 0:
         raise NotServing(f"cannot read {c.KIND} {namespace}/{name}: {got.stderr.strip()}")
-    serving = endpoint(json.loads(got.stdout))
+    obj = json.loads(got.stdout)
+    serving = endpoint(obj)
+    key = api_key(kubectl, namespace, obj)
     with port_forward(kubectl, namespace, serving["service"], int(serving.get("port") or c.SERVE_PORT)) as local:
-        answer = chatlib.chat(f"http://127.0.0.1:{local}", serving["model"], message, max_tokens=max_tokens,
-                              temperature=temperature)
-    return serving["model"], answer
+        url, model = f"http://127.0.0.1:{local}", serving["model"]
+        if on_text is None:
+            return model, chatlib.chat(url, model, message, max_tokens=max_tokens, temperature=temperature,
+                                       api_key=key)
+        parts: list[str] = []
+        for text in chatlib.chat_stream(url, model, message, max_tokens=max_tokens, temperature=temperature,
+                                        api_key=key):
+            on_text(text)
+            parts.append(text)
+        return model, "".join(parts)
 
 
 def run(args: argparse.Namespace) -> int:
+    printed: list[str] = []
+
+    def show(text: str) -> None:
+        printed.append(text)
+        sys.stdout.write(text)
+        sys.stdout.flush()   # each piece as it arrives, not when a buffer fills
     try:
-        _, answer = ask(args.kubectl, args.namespace, args.name, args.message, args.max_tokens, args.temperature)
-    except (NotServing, chatlib.ChatError, subprocess.TimeoutExpired) as e:
+        _, answer = ask(args.kubectl, args.namespace, args.name, args.message, args.max_tokens, args.temperature,
+                        on_text=show if args.stream else None)
+    except (NotServing, NoApiKey, KubectlError, chatlib.ChatError, subprocess.TimeoutExpired) as e:
+        if printed:
+            print()   # end the part of the answer printed before the error
         print(f"tpuft chat: {e}", file=sys.stderr)
         return 1
-    print(answer)
+    print("" if args.stream else answer)   # streamed: the text is out, end its line
     return 0

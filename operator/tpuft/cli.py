@@ -13,6 +13,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("tpuft.cli_core", "validate TPUFinetune manifests; list every problem by field path"),
     "render": ("tpuft.cli_core", "print the RayCluster and RayJobs a TPUFinetune becomes"),
     "chat": ("tpuft.chat_cli", "send one chat message to a served TPUFinetune (spec.serve) and print the answer"),
+    "logs": ("tpuft.logs_cli", "print a TPUFinetune's verification or training driver log (-f: follow it)"),
+    "plot": ("tpuft.plot_cli", "plot a TPUFinetune's loss and throughput per step to a PNG (matplotlib)"),
     "cluster": ("tpuft_local.cluster", "a real local cluster (node, KubeRay, simulated TPU pools): tools|up|down|status"),
     "images": ("tpuft_local.images", "build the operator and workload images from the Dockerfiles; load them into the node"),
     "demo": ("tpuft_local.demo", "run the whole system locally on the CPU example"),

@@ -9,6 +9,7 @@ literally on purpose, so a wrong constant here fails a test.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 # --- Our API -------------------------------------------------------------------------
 GROUP = "tpufinetune.dev"
@@ -32,14 +33,58 @@ RAYSERVICE_PLURAL = "rayservices"
 RAYSERVICE_MAX_NAME_LENGTH = 47   # KubeRay rejects longer RayService names (its Services add suffixes)
 RAYSERVICE_SERVE_SVC_SUFFIX = "-serve-svc"   # KubeRay's Service in front of the Serve proxies
 RAY_CLUSTER_LABEL = "ray.io/cluster"  # KubeRay's clusterSelector key
+RAY_NODE_TYPE_LABEL = "ray.io/node-type"   # KubeRay's label on Ray pods (head, worker): the PodMonitor's
+# spec.authOptions.mode of every RayCluster and RayService cluster we render. With it KubeRay (v1.6.2)
+# creates a Secret named after the RayCluster holding a random token, puts RAY_AUTH_MODE/RAY_AUTH_TOKEN
+# on the Ray containers, and gives a clusterSelector RayJob's submitter the same env (from the selected
+# RayCluster's authOptions), so RayJobs carry none. The operator never reads that Secret.
+RAY_AUTH_MODE_TOKEN = "token"
+# That Secret's key holding the token (`tpuft logs` reads it with the user's kubectl rights).
+RAY_AUTH_TOKEN_SECRET_KEY = "auth_token"
+RAY_HEAD_SERVICE_SUFFIX = "-head-svc"   # KubeRay's head Service, {RayCluster}-head-svc (dashboard port 8265)
+# The env KubeRay sets for it. KubeRay leaves a variable a container already has alone, so one set in
+# spec.env would switch the auth off or replace the token (RESERVED_ENV below; tpuft.spec refuses them).
+RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
+RAY_AUTH_TOKEN_ENV = "RAY_AUTH_TOKEN"
+# Labels KubeRay puts on what it creates: every Ray pod gets app.kubernetes.io/name=kuberay and
+# created-by=kuberay-operator (pod template labels override them, ray.io/* aside); its own operator pod
+# is app.kubernetes.io/component=kuberay-operator in both its Helm chart and its kustomize manifests.
+KUBERAY_NAME_LABEL = "app.kubernetes.io/name"
+KUBERAY_CREATED_BY_LABEL = "app.kubernetes.io/created-by"
+KUBERAY_COMPONENT_LABEL = "app.kubernetes.io/component"
+KUBERAY_OPERATOR_COMPONENT = "kuberay-operator"
+
+# --- Kueue's API (sigs.k8s.io/kueue v0.17.0): read only, for objects with a queue label -------------
+# Kueue's RayCluster webhook suspends a labelled RayCluster at creation and makes a Workload for it
+# (owned by the RayCluster, labelled with its UID); admitting the Workload unsuspends the RayCluster,
+# evicting it suspends it again (KubeRay deletes the pods).
+KUEUE_GROUP = "kueue.x-k8s.io"
+KUEUE_VERSION = "v1beta2"
+WORKLOAD_KIND = "Workload"
+WORKLOAD_PLURAL = "workloads"
+KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+# Workload status.conditions types (pkg/... workload_types.go)
+KUEUE_QUOTA_RESERVED = "QuotaReserved"
+KUEUE_ADMITTED = "Admitted"
+KUEUE_EVICTED = "Evicted"
+KUEUE_PREEMPTED = "Preempted"
+# How often a Queued object looks at its Workload (Kueue's changes to it do not wake the operator;
+# admission does: it unsuspends the RayCluster, which is watched).
+QUEUE_POLL_SECONDS = 5
+
+# The run's ingress policy (builders.build_network_policy), created by the operator like the workload identity.
+NETWORKING_GROUP = "networking.k8s.io"
+NETWORKING_VERSION = "v1"
+NETWORK_POLICY_KIND = "NetworkPolicy"
 
 # --- Labels and annotations we put on children ----------------------------------------
 LABEL_PREFIX = GROUP
 LABEL_NAME = f"{LABEL_PREFIX}/name"            # owning TPUFinetune's name
-LABEL_COMPONENT = f"{LABEL_PREFIX}/component"  # cluster | verify | train | workload-identity
+LABEL_COMPONENT = f"{LABEL_PREFIX}/component"  # cluster | verify | train | workload-identity | network-policy | serve
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "tpufinetune-operator"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"   # a WorkloadPriorityClass's name
 
 
 class Component(str, enum.Enum):
@@ -47,6 +92,7 @@ class Component(str, enum.Enum):
     VERIFY = "verify"
     TRAIN = "train"
     IDENTITY = "workload-identity"
+    NETWORK = "network-policy"
     SERVE = "serve"
 
 
@@ -60,9 +106,15 @@ GKE_RESERVATION_AFFINITY_SELECTOR = "cloud.google.com/reservation-affinity"
 RAY_TPU_RESOURCE_PER_CHIP_ENV = "RAY_TPU_RESOURCE_PER_CHIP"
 RAY_TPU_CUSTOM_RESOURCE = "TPU"  # Ray's logical resource name
 HF_TOKEN_ENV = "HF_TOKEN"
+# The TPU webhook (kuberay-tpu-webhook) mutates pods labelled app.kubernetes.io/name=kuberay, labels
+# them replicaIndex when KubeRay's own index labels are absent, and takes a worker group's topology
+# from this annotation before the topology node selector we set from spec.topology.
+TPU_WEBHOOK_REPLICA_LABEL = "replicaIndex"
+TPU_SLICE_TOPOLOGY_ANNOTATION = "cloud.google.com/gke-tpu-slice-topology"
 
 # Ray head ports (KubeRay defaults; the seed names them the same way).
-RAY_PORTS = (("gcs", 6379), ("dashboard", 8265), ("client", 10001))
+RAY_DASHBOARD_PORT = 8265   # job submission and status: KubeRay's operator and RayJob submitters call it
+RAY_PORTS = (("gcs", 6379), ("dashboard", RAY_DASHBOARD_PORT), ("client", 10001))
 
 # Environment the workload reads to report progress into its own TPUFinetune.
 # How often a new object re-checks that an earlier one of its name has gone (phases._wait_for_previous):
@@ -90,14 +142,72 @@ LOST_SUBMISSION_BACKOFF_SECONDS = 10.0
 # A run's Hugging Face export: {storagePath}/{run name}/export (tpuft_workload.checkpoint writes
 # it; the RayService serves it from there).
 EXPORT_DIR = "export"
+# The drivers' logs, {storagePath}/{run name}/logs/{verify,train}.log (tpuft_workload.driver_log tees
+# them there; `tpuft logs` reads them once the head is gone), and rank 0's TensorBoard event files,
+# {storagePath}/{run name}/tensorboard (tpuft_workload.metrics_log).
+LOGS_DIR = "logs"
+TENSORBOARD_DIR = "tensorboard"
+# Rank 0's Prometheus gauges (tpuft_workload.metrics_log.Prometheus, through ray.util.metrics): Ray
+# exports each as ray_<name> on every Ray pod's metrics port (KubeRay's container port "metrics",
+# 8080), tagged tpufinetune=<the TPUFinetune's name>; the chart's PodMonitor scrapes them and its
+# Grafana dashboard plots them (charts/tpufinetune-operator/dashboards/tpufinetune.json).
+class TrainMetric(str, enum.Enum):
+    TOKENS_PER_SECOND = "tpuft_train_tokens_per_second"
+    STEP_TIME_SECONDS = "tpuft_train_step_time_seconds"
+    LOSS = "tpuft_train_loss"
+    MFU = "tpuft_train_mfu"
+    STEP = "tpuft_train_step"
+
+    @property
+    def exported(self) -> str:
+        """The name Prometheus sees: Ray prefixes application metrics with ray_."""
+        return f"ray_{self.value}"
+
+
+TRAIN_METRIC_TAG = "tpufinetune"
+RAY_METRICS_PORT_NAME = "metrics"   # KubeRay's name for the Ray containers' metrics-export port ...
+RAY_METRICS_PORT = 8080             # ... and its default number (KubeRay adds it to every Ray container)
+
+# status.training.history keeps at most this many (step, loss, tokensPerSecond) points
+# (tpuft_workload.report.add_point halves it when full): 4352 bytes of JSON at most for 64 points with
+# 7-digit steps and 8-digit tokens/s (tests/unit/test_report.py), far below etcd's 1.5 MiB per object.
+HISTORY_MAX_POINTS = 64
 
 ENV_CR_NAMESPACE = "TPUFT_NAMESPACE"
 ENV_CR_NAME = "TPUFT_NAME"
+
+# --- Stopping a training pod (tpuft_workload.preemption) ------------------------------------------
+# The container runtime signals only PID 1 (`ray start --block`), whose SIGTERM ends raylet and with it
+# every Ray worker at once: the training cluster's Ray containers get a preStop hook instead, which runs
+# before that SIGTERM, sends SIGTERM to this pod's Ray Train worker processes (found by their process
+# title) and waits until they have saved a checkpoint at the next step boundary and exited (the head,
+# which hosts the job's driver, waits for the driver to end).
+# Ray 2.60 titles a Ray Train worker actor's process "ray::RayTrainWorker" (".<method>" while it runs one).
+RAY_TRAIN_WORKER_PROCESS_TITLE = "ray::RayTrainWorker"
+# A worker writes <dir>/<pid>.json once its stop checkpoint is committed (the hook logs it).
+STOP_MARKER_DIR = "/tmp/tpuft-stop"
+# The pod's terminationGracePeriodSeconds (Kubernetes' default is 30). Sized for one training step
+# (up to ~60 s for the largest models a slice here trains), one sharded checkpoint save to the run's
+# storage (up to ~180 s for a multi-GB FSDP/Orbax state on GCS or Filestore) and 60 s of margin (Ray
+# Train's controller notices the workers ended within a poll, the driver prints its result). A node's
+# own shutdown budget still caps it: a GKE spot VM gives its pods about 30 s whatever this says.
+TRAINING_TERMINATION_GRACE_SECONDS = 300
+# A preempted run's RayJobs are deleted once KubeRay reports the RayCluster suspended (its pods gone,
+# their preStop hooks done), or at the latest this long after the preemption was seen: past the pods'
+# grace period, so a deletion never cuts a rank's stop checkpoint short.
+PREEMPTION_STOP_SECONDS = TRAINING_TERMINATION_GRACE_SECONDS + 30
+# How long the preStop hook waits: the grace period less what the runtime needs after it (SIGTERM to
+# `ray start`, which stops raylet and GCS in seconds).
+PRESTOP_WAIT_SECONDS = TRAINING_TERMINATION_GRACE_SECONDS - 15
+# The train driver's exit status for a run that stopped on request (SIGTERM) after saving its step:
+# the shell's code for "ended by SIGTERM". Not 0, so KubeRay marks the RayJob Failed, not Succeeded.
+EXIT_STOPPED = 143
 
 
 # --- Phases, conditions, reasons ------------------------------------------------------------
 class Phase(str, enum.Enum):
     PENDING = "Pending"
+    QUEUED = "Queued"     # Kueue has not admitted the RayCluster's Workload (or evicted it): no clock runs
     PROVISIONING = "Provisioning"
     VERIFYING = "VerifyingCollectives"
     TRAINING = "Training"
@@ -112,6 +222,7 @@ class Phase(str, enum.Enum):
 
 
 class Condition(str, enum.Enum):
+    ADMITTED = "Admitted"  # Kueue admitted the RayCluster's Workload (only objects with a queue label)
     SLICE_PROVISIONED = "SliceProvisioned"
     COLLECTIVES_VERIFIED = "CollectivesVerified"
     TRAINING_SUCCEEDED = "TrainingSucceeded"
@@ -151,9 +262,14 @@ class Reason(str, enum.Enum):
     SERVE_STOPPED = "ServeStopped"   # spec.serve.enabled set to false: the RayService is deleted
     FINISHING_RAYJOB = "FinishingRayJob"   # the Ray job ended: waiting for KubeRay to finish its RayJob
     SUBMISSION_LOST = "SubmissionLost"   # KubeRay lost a RayJob's Ray job: resubmitted (c.LOST_SUBMISSION_RETRIES)
+    QUEUED = "Queued"         # waiting for Kueue to admit the Workload (Kueue's words in the message)
+    PREEMPTED = "Preempted"   # Kueue evicted the admitted Workload: the jobs stop, checkpoints stay
+    ADMITTED = "Admitted"     # Kueue admitted it (condition Admitted)
+    KUEUE_NOT_INSTALLED = "KueueNotInstalled"   # a queue label where no Workload API is served
     # failures
     INVALID_SPEC = "InvalidSpec"
     PROVISIONING_TIMEOUT = "ProvisioningTimeout"
+    QUEUE_TIMEOUT = "QueueTimeout"   # not admitted within spec.queueTimeoutSeconds
     ADMISSION_REJECTED = "AdmissionRejected"
     COLLECTIVE_TIMEOUT = "CollectiveTimeout"
     VERIFICATION_FAILED = "VerificationFailed"
@@ -222,7 +338,35 @@ class TrainingStatus(str, enum.Enum):
     RESUMED_FROM_STEP = "resumedFromStep"
     MESSAGE = "message"
     EXPORTED_MODEL = "exportedModel"
+    MFU = "mfu"            # model FLOPs utilisation (tpuft_workload.report.mfu); absent without a catalog peak
+    HISTORY = "history"    # at most HISTORY_MAX_POINTS HistoryPoint objects, oldest first
     UPDATED_AT = "updatedAt"
+
+
+class HistoryPoint(str, enum.Enum):
+    """One point of status.training.history."""
+    STEP = "step"
+    LOSS = "loss"
+    TOKENS_PER_SECOND = "tokensPerSecond"
+
+
+# --- status.goodput, written by the operator (tpuft.goodput) -----------------------------------------
+class GoodputCause(str, enum.Enum):
+    """Where a run's wall-clock seconds went, by the phase (and reason) they were spent in."""
+    PROVISIONING = "provisioning"   # Pending, Provisioning (the first slice, or after a resume)
+    QUEUED = "queued"               # Queued: waiting for Kueue's admission (first, or after a preemption)
+    VERIFICATION = "verification"   # VerifyingCollectives
+    TRAINING = "training"           # Training: the productive seconds
+    RECOVERY = "recovery"           # Provisioning a replacement slice after a lost host (ReplacingSlice)
+    SUSPENDED = "suspended"         # Suspended (spec.suspend)
+
+    @property
+    def key(self) -> str:
+        return f"{self.value}Seconds"
+
+
+GOODPUT_TOTAL = "totalSeconds"
+GOODPUT_RATIO = "ratio"
 
 
 # --- KubeRay status vocabulary (ray-project/kuberay v1.7.0, ray-operator/apis/ray/v1/) ----
@@ -290,7 +434,13 @@ TPU_MULTIHOST_BACKEND_ENV = "TPU_MULTIHOST_BACKEND"   # vLLM TPU: "ray" spreads 
 # The transformers engine's application (tpuft_workload.serve.build_app reads these too):
 SERVE_ROUTE_PREFIX = "/"                    # applications[].route_prefix
 SERVE_CHAT_PATH = "/v1/chat/completions"    # OpenAI-compatible paths under the prefix (tpuft.chat posts here)
+SERVE_COMPLETIONS_PATH = "/v1/completions"
 SERVE_MODELS_PATH = "/v1/models"
+# spec.serve.apiKeySecret: the operator sets this env on the serving pods' Ray containers (head and
+# workers) from that Secret, by secretKeyRef only; the app then answers /v1/* only with
+# `Authorization: Bearer <key>` (tpuft chat reads the Secret and sends it).
+SERVE_API_KEY_ENV = "TPUFT_SERVE_API_KEY"
+SERVE_API_KEY_SECRET_KEY = "api-key"   # spec.serve.apiKeySecret.key when not given
 
 
 class ServeArg(str, enum.Enum):
@@ -299,3 +449,39 @@ class ServeArg(str, enum.Enum):
     MODEL_ID = "model_id"                      # required: the name clients send and /v1/models lists
     MAX_MODEL_LEN = "max_model_len"            # optional int: prompt + completion tokens at most
     MAX_TOKENS_DEFAULT = "max_tokens_default"  # optional int: completion tokens when a request gives none
+    MAX_BATCH_SIZE = "max_batch_size"          # optional int: requests generated together (1: one at a time)
+
+
+# --- spec.labels / spec.annotations keys that are not the user's ---------------------------------------
+@dataclass(frozen=True)
+class Reserved:
+    """Keys of one map (spec.labels or spec.annotations) refused by tpuft.spec and the CRD's CEL rule,
+    each exact key and prefix with who relies on it (the refusal says so)."""
+    prefixes: tuple[tuple[str, str], ...]
+    keys: tuple[tuple[str, str], ...]
+
+    def why(self, key: str) -> str | None:
+        """Who relies on `key`, or None when it is the user's to set."""
+        return dict(self.keys).get(key) or next((w for p, w in self.prefixes if key.startswith(p)), None)
+
+
+_RESERVED_PREFIXES = (
+    (f"{LABEL_PREFIX}/", "the operator's own prefix (its children and pods are found by these labels)"),
+    (f"{RAY_GROUP}/", "KubeRay's prefix (it selects and configures Ray pods by these labels and annotations)"),
+)
+RESERVED_LABELS = Reserved(prefixes=_RESERVED_PREFIXES, keys=(
+    (LABEL_MANAGED_BY, f"the operator marks its children {MANAGED_BY} with it"),
+    (KUBERAY_NAME_LABEL, "KubeRay labels every Ray pod kuberay with it and the TPU webhook selects pods by it"),
+    (KUBERAY_CREATED_BY_LABEL, "KubeRay labels every Ray pod with it"),
+    (KUBERAY_COMPONENT_LABEL, "the run's NetworkPolicy admits the KubeRay operator's pods by it"),
+    (TPU_WEBHOOK_REPLICA_LABEL, "the TPU webhook writes it (a slice replica's index)"),
+))
+RESERVED_ANNOTATIONS = Reserved(prefixes=_RESERVED_PREFIXES, keys=(
+    (TPU_SLICE_TOPOLOGY_ANNOTATION, "the TPU webhook would take the slice shape from it instead of spec.topology"),
+))
+# spec.env names that are not the user's either: (name, who sets it).
+RESERVED_ENV = (
+    (RAY_AUTH_MODE_ENV, "KubeRay sets it for token auth (authOptions); set here it could switch the auth off"),
+    (RAY_AUTH_TOKEN_ENV, "KubeRay sets it from the RayCluster's token Secret"),
+    (SERVE_API_KEY_ENV, "it comes from spec.serve.apiKeySecret; set that instead"),
+)

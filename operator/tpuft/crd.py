@@ -53,14 +53,40 @@ def _qualified_keys() -> dict:
                        "most 63 of [-A-Za-z0-9_.], starting and ending alphanumeric"}
 
 
-def _string_map(description: str, label_values: bool = False) -> dict:
+def _reserved_keys(reserved: c.Reserved) -> dict:
+    """CEL rule: no key the operator, KubeRay or the TPU webhook sets or relies on (tpuft.spec refuses
+    the same ones, naming each)."""
+    keys = [k for k, _ in reserved.keys]
+    prefixes = [p for p, _ in reserved.prefixes]
+    rule = " && ".join([f"!(k in [{', '.join(repr(k) for k in keys)}])", *(f"!k.startsWith({p!r})" for p in prefixes)])
+    return {"rule": f"self.all(k, {rule})",
+            "message": f"keys under {', '.join(p + '*' for p in prefixes)} and {', '.join(keys)} are reserved: the "
+                       "operator, KubeRay or the TPU webhook set or rely on them; remove them"}
+
+
+def _string_map(description: str, label_values: bool = False, reserved: c.Reserved | None = None) -> dict:
     """A map that ends up as labels/annotations/node selector of children and pods: keys are qualified
-    names; with label_values, values are label values."""
+    names (and none of `reserved`); with label_values, values are label values."""
     values = {"type": "string"}
     if label_values:
         values.update(maxLength=63, pattern=LABEL_VALUE.pattern)
+    rules = [_qualified_keys()] + ([_reserved_keys(reserved)] if reserved is not None else [])
     return {"type": "object", "description": description, "additionalProperties": values,
-            "maxProperties": MAX_MAP_ENTRIES, "x-kubernetes-validations": [_qualified_keys()]}
+            "maxProperties": MAX_MAP_ENTRIES, "x-kubernetes-validations": rules}
+
+
+def _secret_ref(description: str, default_key: str | None = None) -> dict:
+    """A {name, key} Secret reference (the parser's spec._secret_ref): passed to pods only by
+    secretKeyRef; the key is required unless it has a default."""
+    # No schema default for the key: the parser applies it (spec._secret_ref), so DEFAULTS stays the
+    # list of what the API server defaults on a bare spec.
+    key = _p("string", "Key within the Secret" + (f" (default {default_key})." if default_key else "."),
+             minLength=1, maxLength=253, pattern=CONFIG_KEY.pattern)
+    return _obj(description, {
+        "name": _p("string", "Secret name in the TPUFinetune's namespace.", minLength=1, maxLength=253,
+                   pattern=DNS_SUBDOMAIN.pattern),
+        "key": key,
+    }, required=["name"] if default_key else ["name", "key"])
 
 
 def _spellings(gen: catalog.Generation) -> list[str]:
@@ -123,7 +149,7 @@ def _serve_schema() -> dict:
         "accelerator": _p("string", "Serving TPU generation (default: spec.accelerator).", enum=accelerator_enum()),
         "topology": _p("string", "Serving slice shape (default: spec.topology); validated like spec.topology.",
                        maxLength=16),
-        "replicas": _int("Serve replicas, one slice each.", "serve.replicas"),
+        "replicas": _serve_replicas_schema(),
         "engine": _p("string", "vllm (Ray Serve LLM on vLLM; the default on TPU) or transformers (the workload's "
                      "own deployment; the default on cpu).", enum=[e.value for e in c.ServeEngine]),
         "image": _p("string", "Serving image; required for vllm (the training image has no vLLM). Default for "
@@ -139,7 +165,29 @@ def _serve_schema() -> dict:
             "shmSize": _p("string", "Size of the in-memory /dev/shm on serving workers.",
                           maxLength=MAX_QUANTITY_LENGTH, pattern=QUANTITY.pattern),
         }),
+        "apiKeySecret": _secret_ref(f"Secret holding the API key the serving app requires of its clients. "
+                                    f"The serving pods get it as {c.SERVE_API_KEY_ENV} by secretKeyRef only; the "
+                                    "operator never reads it.", c.SERVE_API_KEY_SECRET_KEY),
     }, default={})
+
+
+def _serve_replicas_schema() -> dict:
+    """A number or {min, max}. A structural schema cannot type a number-or-object union, so the node
+    keeps what it is sent (x-kubernetes-preserve-unknown-fields, no type) and constrains each form
+    with validations that apply only to their own kind: minimum/maximum to a number, properties,
+    required and maxProperties to an object. CEL cannot read an untyped node, so min <= max (and
+    anything else the schema lets through, such as a string) is refused by tpuft.spec, which names
+    spec.serve.replicas in the status and in `tpuft validate`."""
+    lo, hi = LIMITS["serve.replicas"]
+    bound = {"type": "integer", "minimum": int(lo), "maximum": int(hi)}
+    return {"description": "Serve replicas, one serve slice each: a number (that many, fixed) or {min, max} "
+                           "(Ray Serve autoscales between them, and the RayService's worker group between min "
+                           "and max slices; min <= max).",
+            "x-kubernetes-preserve-unknown-fields": True, "default": DEFAULTS["serve.replicas"],
+            "minimum": int(lo), "maximum": int(hi),
+            "properties": {"min": {**bound, "description": "Replicas (slices) always up."},
+                           "max": {**bound, "description": "Replicas (slices) at most."}},
+            "required": ["min", "max"], "maxProperties": 2}
 
 
 def _resource_override(who: str) -> dict:
@@ -232,12 +280,8 @@ def spec_schema() -> dict:
                                                 "description": f"A Kubernetes {src} volume source (core/v1 Volume)."}
                                           for src in CHECKPOINT_VOLUME_SOURCES}},
             }, required=["storagePath"]),
-            "hfTokenSecret": _obj("Secret holding a Hugging Face token. Passed to pods only by secretKeyRef; the "
-                                  "operator never reads it.", {
-                "name": _p("string", "Secret name in the TPUFinetune's namespace.", minLength=1, maxLength=253,
-                           pattern=DNS_SUBDOMAIN.pattern),
-                "key": _p("string", "Key within the Secret.", minLength=1, maxLength=253, pattern=CONFIG_KEY.pattern),
-            }, required=["name", "key"]),
+            "hfTokenSecret": _secret_ref("Secret holding a Hugging Face token. Passed to pods only by secretKeyRef; "
+                                         "the operator never reads it."),
             "verification": _obj("Collective verification (all-reduce and tensor-parallel parity on every device) "
                                  "before training.", {
                 "enabled": _p("boolean", "Run verification before training.", default=DEFAULTS["verification.enabled"]),
@@ -245,7 +289,11 @@ def spec_schema() -> dict:
                                        "verification.timeoutSeconds"),
             }, default={}),
             "provisioningTimeoutSeconds": _int("Fail with ProvisioningTimeout when the slice is not ready by then, "
-                                               "instead of waiting forever.", "provisioningTimeoutSeconds"),
+                                               "instead of waiting forever. Time Queued (waiting for Kueue's "
+                                               "admission) does not count.", "provisioningTimeoutSeconds"),
+            "queueTimeoutSeconds": _int("Optional: fail with QueueTimeout when Kueue has not admitted the run "
+                                        "(metadata.labels kueue.x-k8s.io/queue-name) by then; unset, a queued "
+                                        "run waits as long as it takes.", "queueTimeoutSeconds"),
             "recovery": _obj("What happens when a host of the slice is lost while verifying or training.", {
                 "maxSliceReplacements": _int("Times the slice is replaced (KubeRay recreates the lost pods), verified "
                                              "again and training resumed from its checkpoint; one more loss fails "
@@ -283,8 +331,12 @@ def spec_schema() -> dict:
                 "rule": "!(has(self.spot) && self.spot && has(self.reservation))",
                 "message": "spot and reservation are mutually exclusive"}]}),
             "serve": _serve_schema(),
-            "labels": _string_map("Labels added to every child object and Ray pod.", label_values=True),
-            "annotations": _string_map("Annotations added to every child object and Ray pod."),
+            "labels": _string_map("Labels added to every child object and Ray pod. Keys the operator, KubeRay or "
+                                  "the TPU webhook set or rely on are refused.", label_values=True,
+                                  reserved=c.RESERVED_LABELS),
+            "annotations": _string_map("Annotations added to every child object and Ray pod. Keys the operator, "
+                                       "KubeRay or the TPU webhook set or rely on are refused.",
+                                       reserved=c.RESERVED_ANNOTATIONS),
             "env": {"type": "array", "description": "Extra environment for the Ray containers (value or valueFrom; "
                     "use secretKeyRef for secrets).", "items": {
                         "type": "object", "required": ["name"], "x-kubernetes-preserve-unknown-fields": True,
@@ -335,8 +387,17 @@ def status_schema() -> dict:
         "trainingAttempts": integer("Training RayJobs submitted so far (1 + retries + resubmissions after a "
                                     "lost submission, status.recovery.lostSubmissions)."),
         "recovery": _obj("Recovery from what is not the workload's failure: slice replacements after a lost host "
-                         "(spec.recovery), RayJobs resubmitted after KubeRay lost their Ray job.", {
+                         "(spec.recovery), RayJobs resubmitted after KubeRay lost their Ray job, Kueue "
+                         "preemptions.", {
             "sliceReplacements": integer("Replacements so far."),
+            "preemptions": integer("Times Kueue evicted the running RayCluster (not counted as slice replacements: "
+                                   "the run waits Queued and resumes from its checkpoint once admitted again)."),
+            "lastPreemption": _obj("The latest Kueue eviction.", {
+                "time": _p("string", "When it was seen.", format="date-time"),
+                "phase": _p("string", "The phase it happened in."),
+                "cause": _p("string", "Kueue's eviction reason and message."),
+                "step": integer("The training step last reported before it."),
+            }),
             "history": {"type": "array", "maxItems": c.RECOVERY_HISTORY_MAX,
                         "description": "The latest losses, oldest first.", "items": _obj("One lost slice.", {
                             "time": _p("string", "When the loss was seen.", format="date-time"),
@@ -401,11 +462,29 @@ def status_schema() -> dict:
             "devices": integer("Logical devices across all slices (training workers)."),
             "rayAcceleratorType": _p("string", "Ray accelerator_type, e.g. TPU-V6E."),
         }),
+        "goodput": goodput_schema(),
         "verification": _obj("Collective verification result (written by the workload).",
                              _workload_keys(c.VerificationStatus, verification_fields())),
         "training": _obj("Fine-tuning progress (written by the workload's rank 0).",
                          _workload_keys(c.TrainingStatus, training_fields())),
     })
+
+
+def goodput_schema() -> dict:
+    """status.goodput (tpuft.goodput): one integer per cause, the total and the ratio."""
+    what = {
+        c.GoodputCause.PROVISIONING: "Pending and Provisioning (the first slice, or the slice after a resume).",
+        c.GoodputCause.VERIFICATION: "VerifyingCollectives.",
+        c.GoodputCause.TRAINING: "Training: the productive seconds.",
+        c.GoodputCause.RECOVERY: "Provisioning a replacement slice after a lost host (reason ReplacingSlice).",
+        c.GoodputCause.SUSPENDED: "Suspended (spec.suspend).",
+        c.GoodputCause.QUEUED: "Queued: waiting for Kueue's admission, first or after a preemption.",
+    }
+    props = {k.key: _p("integer", f"Seconds in {what[k]}") for k in c.GoodputCause}
+    props[c.GOODPUT_TOTAL] = _p("integer", "Seconds counted (every cause above).")
+    props[c.GOODPUT_RATIO] = _p("number", "trainingSeconds / totalSeconds; absent while nothing is counted.")
+    return _obj("Where the run's wall-clock seconds went, by phase, added each time the phase changes (the "
+                "phase in progress counts once it ends; Serving is not counted).", props)
 
 
 def _number(description: str) -> dict:
@@ -458,6 +537,19 @@ def training_fields() -> dict:
         t.MESSAGE: _p("string", "Workload detail, e.g. nothing left to do after resuming at the last step, "
                       "or why spec.checkpoint.resumeFrom was refused."),
         t.EXPORTED_MODEL: _p("string", "Hugging Face format export of the final model."),
+        t.MFU: num("Model FLOPs utilisation, 0 to 1: (6N + 12·L·H·Q·T) FLOPs per token (PaLM's: N parameters, L "
+                   "layers, H·Q heads x head dim, T maxSeqLength) x tokensPerSecond / the slice's peak bf16 FLOP/s "
+                   "(the catalog's: per TPU chip x chips, per listed GPU x GPUs); absent on CPU and on a GPU the "
+                   "catalog does not list: no peak to measure against."),
+        t.HISTORY: {"type": "array", "maxItems": c.HISTORY_MAX_POINTS,
+                    "description": f"The loss curve, downsampled: at most {c.HISTORY_MAX_POINTS} reports, oldest "
+                                   "first, evenly spaced in steps plus the latest (when full, every other point "
+                                   "is dropped, the first and the latest kept).",
+                    "items": _obj("One report.", {
+                        c.HistoryPoint.STEP.value: integer("Optimizer steps done."),
+                        c.HistoryPoint.LOSS.value: num("The loss reported at that step."),
+                        c.HistoryPoint.TOKENS_PER_SECOND.value: num("The tokensPerSecond reported at that step."),
+                    })},
         t.UPDATED_AT: _p("string", "When the workload last reported.", format="date-time"),
     }
 
@@ -475,6 +567,8 @@ def crd() -> dict:
         ("Devices", "integer", ".status.slice.devices", 1),
         ("Reason", "string", ".status.reason", 1),
         ("Endpoint", "string", ".status.serving.url", 1),
+        ("MFU", "number", ".status.training.mfu", 1),
+        ("Goodput", "number", ".status.goodput.ratio", 1),
         ("Age", "date", ".metadata.creationTimestamp", 0),
     ]
     return {

@@ -258,6 +258,8 @@ class Controller:
         service = self._service(obj, services, removed)
         deleting = self._deleting_jobs(ns, jobs, removed, uid) if cluster is not None else ()
         observed = Observed(cluster=cluster, jobs=found, jobs_deleting=deleting, service=service)
+        if phases.wants_queue(obj, cluster) and cluster.uid:
+            observed = dataclasses.replace(observed, queue=self.kube.queue(ns, cluster.uid))
         if phases.wants_serve_pods(obj):
             return self._with_serve_pods(observed, obj)
         return self._with_pods(observed, obj, clusters) if phases.wants_pods(obj) else observed

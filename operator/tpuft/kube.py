@@ -3,9 +3,9 @@ a worker thread). Every error names the verb, kind and namespace/name it was abo
 
 Verbs used (and nothing else; see charts/.../_rbac-rules.tpl): tpufinetunes status patch (kopf lists/watches);
 rayclusters/rayjobs get, create, patch, delete; rayservices get, create, delete (spec.serve); serviceaccounts, roles, rolebindings get,
-create; events create; pods list (a RayCluster's, while its slice comes up); nodes list
-(optional, cluster-wide installs: node pool hints for an unschedulable slice). The operator
-never reads Secrets.
+create; networkpolicies get, create (the run's ingress policy; get only to adopt ours on a 409); events create; pods list (a RayCluster's, while its slice comes up); nodes list
+(optional, cluster-wide installs: node pool hints for an unschedulable slice); Kueue workloads list (by
+job-uid label, a queued RayCluster's). The operator never reads Secrets.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from kubernetes.client.exceptions import ApiException
 
 from tpuft import constants as c
 from tpuft.diagnosis import PodObs
-from tpuft.observed import Action, Event, Op
+from tpuft.observed import Action, Event, Op, QueueObs
 
 log = logging.getLogger("tpuft.kube")
 MERGE_PATCH = "application/merge-patch+json"
@@ -38,6 +38,7 @@ CUSTOM = {
     c.RAYSERVICE_KIND: (c.RAY_GROUP, c.RAY_VERSION, c.RAYSERVICE_PLURAL),
     "Role": (RBAC_GROUP, RBAC_VERSION, "roles"),
     "RoleBinding": (RBAC_GROUP, RBAC_VERSION, "rolebindings"),
+    c.NETWORK_POLICY_KIND: (c.NETWORKING_GROUP, c.NETWORKING_VERSION, "networkpolicies"),
 }
 
 
@@ -146,6 +147,25 @@ class Kube:
             key = (labels.get(c.GKE_TPU_ACCELERATOR_SELECTOR, ""), labels.get(c.GKE_TPU_TOPOLOGY_SELECTOR, "?"))
             counts[key] = counts.get(key, 0) + 1
         return tuple((a, t, n) for (a, t), n in sorted(counts.items()))
+
+    def queue(self, ns: str, cluster_uid: str) -> QueueObs | None:
+        """Kueue's Workload of the RayCluster with this UID (Kueue labels it with the job's UID):
+        QueueObs(installed=False) when no Workload API is served (404), None on any other error
+        (the reconcile goes on without Kueue's words; a warning says why)."""
+        try:
+            resp = self.custom.list_namespaced_custom_object(
+                c.KUEUE_GROUP, c.KUEUE_VERSION, ns, c.WORKLOAD_PLURAL,
+                label_selector=f"{c.KUEUE_JOB_UID_LABEL}={cluster_uid}", _request_timeout=REQUEST_TIMEOUT)
+        except ApiException as e:
+            if e.status == 404:
+                return QueueObs(installed=False)
+            log.warning("list %s in %s failed: HTTP %s: %s", c.WORKLOAD_PLURAL, ns, e.status, api_message(e))
+            return None
+        except Exception as e:  # noqa: BLE001 - Kueue's words are extra: the reconcile goes on without them
+            log.warning("list %s in %s failed: %s", c.WORKLOAD_PLURAL, ns, e)
+            return None
+        items = sorted(resp.get("items") or [], key=lambda w: (w.get("metadata") or {}).get("creationTimestamp") or "")
+        return QueueObs.of(items[-1] if items else None)
 
     # --- writes ----------------------------------------------------------------------------------
     def create(self, kind: str, ns: str, body: Mapping[str, Any], owner_uid: str) -> str:

@@ -18,10 +18,10 @@ from tpuft.spec import TPUFinetune
 # Status keys the operator owns. status.verification and status.training belong to the workload.
 OWNED_KEYS = ("phase", "reason", "message", "observedGeneration", "appliedGeneration", "appliedSpec",
               "phaseTransitionTime", "startTime", "completionTime", "trainingAttempts", "conditions",
-              "children", "slice", "ignoredSpecChange", "recovery", "serving")
+              "children", "slice", "ignoredSpecChange", "recovery", "serving", "goodput")
 LIVE_SPEC_FIELDS = ("suspend", "ttlSecondsAfterFinished")
 SERVE_ENABLED_FIELD = "spec.serve.enabled"   # acts live when set to false: serving stops
-CONDITION_ORDER = (Condition.SLICE_PROVISIONED, Condition.COLLECTIVES_VERIFIED, Condition.TRAINING_SUCCEEDED,
+CONDITION_ORDER = (Condition.ADMITTED, Condition.SLICE_PROVISIONED, Condition.COLLECTIVES_VERIFIED, Condition.TRAINING_SUCCEEDED,
                    Condition.SERVING, Condition.READY, Condition.FAILED)
 FAILED_JOB_STATES = {c.JobDeploymentStatus.FAILED.value, c.JobDeploymentStatus.VALIDATION_FAILED.value}
 FAILED_JOB_STATUSES = {c.JobStatus.FAILED.value, c.JobStatus.STOPPED.value}
@@ -78,6 +78,32 @@ class ServiceObs:
 
 
 @dataclass(frozen=True)
+class QueueObs:
+    """Kueue's view of the RayCluster (its Workload), read only for objects with a queue label
+    while Kueue's answer matters (phases.wants_queue). `installed` False: no Workload API served."""
+    installed: bool = True
+    workload: str | None = None     # None: Kueue has not made one (yet)
+    admitted: bool = False
+    waiting: str = ""               # QuotaReserved=False: why not admitted, in Kueue's words
+    evicted: str = ""               # Evicted=True: "<reason>: <message>" (Preempted, InactiveWorkload, ...)
+
+    @classmethod
+    def of(cls, workload: Mapping[str, Any] | None) -> QueueObs:
+        if workload is None:
+            return cls()
+        conds = {x.get("type"): x for x in (workload.get("status") or {}).get("conditions") or []}
+
+        def true(t: str) -> dict | None:
+            x = conds.get(t) or {}
+            return x if x.get("status") == "True" else None
+        quota = conds.get(c.KUEUE_QUOTA_RESERVED) or {}
+        evicted = true(c.KUEUE_EVICTED)
+        return cls(workload=(workload.get("metadata") or {}).get("name"), admitted=true(c.KUEUE_ADMITTED) is not None,
+                   waiting=quota.get("message", "") if quota.get("status") != "True" else "",
+                   evicted=f"{evicted.get('reason', '')}: {evicted.get('message', '')}" if evicted else "")
+
+
+@dataclass(frozen=True)
 class AdmissionError:
     kind: str
     name: str
@@ -104,6 +130,8 @@ class Observed:
     # TPU node pools seen on nodes, (accelerator, topology, nodes), read only for a slice the
     # scheduler cannot place and only where the operator may list nodes; None: not known.
     pools: tuple[tuple[str, str, int], ...] | None = None
+    # Kueue's Workload for the RayCluster (objects with a queue label, phases.wants_queue); None: not read.
+    queue: QueueObs | None = None
 
 
 class Op(str, enum.Enum):
@@ -182,6 +210,13 @@ def cluster_provisioned(status: Mapping, generation: int | None = None) -> bool:
             return True
     ready, desired = status.get("readyWorkerReplicas") or 0, status.get("desiredWorkerReplicas") or 0
     return status.get("state") == c.RAYCLUSTER_STATE_READY and ready >= desired
+
+
+def cluster_suspended(status: Mapping) -> bool:
+    """KubeRay has finished suspending the RayCluster (condition RayClusterSuspended=True): its
+    pods are gone."""
+    return any(x.get("type") == c.RAYCLUSTER_SUSPENDED and x.get("status") == ConditionStatus.TRUE.value
+               for x in status.get("conditions") or [])
 
 
 def slice_loss(status: Mapping) -> str | None:

@@ -37,6 +37,9 @@ Rules worth knowing (see also the README):
     SliceProvisioned condition, and a SliceBlocked event is posted once per new cause; the
     ProvisioningTimeout message carries it. A re-created object waits (Pending,
     WaitingForPrevious) until the deleted one's RayCluster and pods are gone.
+  * status.goodput (tpuft.goodput): each time phaseTransitionTime moves, the seconds since the
+    previous one go to the cause they were spent on (provisioning, verification, training,
+    recovery, suspended); ratio = training / total.
 """
 from __future__ import annotations
 
@@ -44,15 +47,15 @@ import copy
 from datetime import datetime, timedelta
 from typing import Any, Mapping
 
-from tpuft import builders
+from tpuft import builders, goodput
 from tpuft import constants as c
 from tpuft.constants import Condition, ConditionStatus, EventType, Phase, Reason
 from tpuft.diagnosis import Blocker, blocking, pool_hint
 from tpuft.spec import DEFAULTS, SpecError, TPUFinetune, parse
 from tpuft.observed import (  # noqa: F401  (re-exported)
     OWNED_KEYS, LIVE_SPEC_FIELDS, CONDITION_ORDER, DEFAULT_VERIFY_GRACE_SECONDS, ClusterObs, IndexedChild,
-    JobObs, AdmissionError, Observed, Op, Action, Event, Decision, Tunables, fmt_time, parse_time, owned,
-    cluster_provisioned, cluster_progress, slice_loss, job_state, job_succeeded, job_failed, job_failure_detail,
+    JobObs, AdmissionError, Observed, QueueObs, Op, Action, Event, Decision, Tunables, fmt_time, parse_time, owned,
+    cluster_provisioned, cluster_progress, cluster_suspended, slice_loss, job_state, job_succeeded, job_failed, job_failure_detail,
     job_finishing, job_settled, job_lost, spec_diff, ServiceObs, SERVE_ENABLED_FIELD, serve_app_state, service_ready,
     service_progress, serving_ready)
 
@@ -112,6 +115,11 @@ class _Draft:
         st, prev = self.st, self.prev
         st["observedGeneration"] = self.generation
         st.setdefault("startTime", fmt_time(self.now))
+        since, until = parse_time(prev.get("phaseTransitionTime")), parse_time(st.get("phaseTransitionTime"))
+        if since != until:   # an interval closed: its seconds go to the cause it was spent on
+            spent = goodput.account(st.get("goodput"), prev.get("phase"), prev.get("reason"), since, until)
+            if spent is not None:
+                st["goodput"] = spent
         if self.ignored is not None:
             st["ignoredSpecChange"] = self.ignored
         else:
@@ -125,8 +133,8 @@ class _Draft:
         old = {x.get("type"): x for x in prev.get("conditions") or []}
         conds = []
         for ctype in CONDITION_ORDER:
-            if ctype == Condition.SERVING and ctype not in self.conds and ctype.value not in old:
-                continue   # only objects that serve carry it
+            if ctype in (Condition.SERVING, Condition.ADMITTED) and ctype not in self.conds and ctype.value not in old:
+                continue   # only objects that serve carry Serving; only queued ones (Kueue) Admitted
             if ctype in self.conds:
                 cstatus, creason, cmsg = self.conds[ctype]
                 status = cstatus.value
@@ -143,7 +151,8 @@ class _Draft:
         st["conditions"] = conds
         if prev.get("phase") != phase:
             # a lost host sends the run back to Provisioning: news, not progress
-            etype = (EventType.WARNING if phase == Phase.FAILED.value or self.reason == Reason.REPLACING_SLICE
+            etype = (EventType.WARNING if phase == Phase.FAILED.value or self.reason in (Reason.REPLACING_SLICE,
+                                                                                         Reason.PREEMPTED)
                      else EventType.NORMAL)
             self.events.insert(0, Event(etype, self.reason or Reason(reason), f"{phase}: {st.get('message') or ''}"))
         patch = _merge_patch(prev, st)
@@ -192,7 +201,7 @@ def decide(obj: Mapping[str, Any], observed: Observed, now: datetime, tun: Tunab
             return d.finish()
         if restart:
             for k in ("phase", "reason", "message", "completionTime", "phaseTransitionTime", "conditions",
-                      "startTime"):
+                      "startTime", "goodput"):
                 d.st.pop(k, None)
             d.phase = None
         return _pending(d, obj, current, observed)
@@ -226,8 +235,10 @@ def decide(obj: Mapping[str, Any], observed: Observed, now: datetime, tun: Tunab
         return _suspended(d, tft, observed, live_suspend, tun)
     if d.phase in (None, Phase.PENDING):  # created but status lost: the creates are idempotent
         return _pending(d, obj, tft, observed)
+    if d.phase == Phase.QUEUED:
+        return _queued(d, tft, observed)
     if d.phase == Phase.PROVISIONING:
-        return _provisioning(d, tft, observed)
+        return _provisioning(d, obj, tft, observed)
     if d.phase == Phase.VERIFYING:
         return _verifying(d, obj, tft, observed, tun)
     return _training(d, obj, tft, observed, tun, live_serve)
@@ -262,7 +273,8 @@ def _pending(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed) -> Decisi
     n, s = builders.names(tft), tft.spec.slice
     if obs.leftovers:
         return _wait_for_previous(d, tft, obs)
-    for body in builders.build_workload_identity(tft):
+    # The NetworkPolicy before the RayCluster, so that no Ray pod starts unprotected where it is enforced.
+    for body in [*builders.build_workload_identity(tft), builders.build_network_policy(tft)]:
         d.act(Op.CREATE, body["kind"], body["metadata"]["name"], body)
     d.act(Op.CREATE, c.RAYCLUSTER_KIND, n.cluster, builders.build_raycluster(tft))
     d.st.update({
@@ -277,6 +289,11 @@ def _pending(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed) -> Decisi
     if tft.spec.suspend:
         d.cond(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, Reason.SUSPENDED, "created suspended")
         d.go(Phase.SUSPENDED, Reason.SUSPENDED, f"RayCluster {n.cluster} created suspended (spec.suspend)")
+    elif queue_name(tft):
+        msg = f"waiting for Kueue to admit RayCluster {n.cluster} (LocalQueue {queue_name(tft)})"
+        d.cond(Condition.ADMITTED, ConditionStatus.FALSE, Reason.QUEUED, msg)
+        d.go(Phase.QUEUED, Reason.QUEUED, msg)
+        d.wake(c.QUEUE_POLL_SECONDS)
     else:
         d.go(Phase.PROVISIONING, Reason.WAITING_FOR_SLICE, f"waiting for slice {s.generation} {s.topology}: {progress}")
         d.wake(tft.spec.provisioning_timeout_seconds)
@@ -306,7 +323,7 @@ def _initial_conditions(d: _Draft, tft: TPUFinetune, progress: str) -> None:
         d.cond(Condition.SERVING, ConditionStatus.UNKNOWN, Reason.WAITING_FOR_SLICE, "serves once training succeeds")
 
 
-def _provisioning(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
+def _provisioning(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed) -> Decision:
     n, s, timeout = builders.names(tft), tft.spec.slice, tft.spec.provisioning_timeout_seconds
     if obs.cluster is None and not obs.leftovers:
         body = builders.build_raycluster(tft)
@@ -314,6 +331,8 @@ def _provisioning(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
         d.act(Op.CREATE, c.RAYCLUSTER_KIND, n.cluster, body)
         d.event(EventType.WARNING, Reason.CHILD_DELETED, f"RayCluster {n.cluster} not found while provisioning; "
                 "recreating it (the provisioning deadline is unchanged)")
+    if _evicted(tft, obs):
+        return _requeue(d, obj, tft, obs)
     ready = (obs.cluster is not None and cluster_provisioned(obs.cluster.status, obs.cluster.generation)
              and not slice_loss(obs.cluster.status))   # RayClusterProvisioned stays True after a loss
     if ready and not obs.jobs_deleting:
@@ -323,8 +342,8 @@ def _provisioning(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
     if ready:   # after a replacement or a resume: KubeRay would take the old submitter Job (same name) for the new one's
         progress += (f"; waiting for RayJob {', '.join(obs.jobs_deleting)} (deleted before) to be gone before "
                      "submitting again")
-    if obs.cluster is not None and obs.cluster.suspended:  # not by us (we resume on leaving Suspended): Kueue?
-        progress += "; the RayCluster is suspended (waiting for admission, e.g. by Kueue)"
+    if obs.cluster is not None and obs.cluster.suspended:  # not by us, not Kueue's (no queue label): who?
+        progress += "; the RayCluster is suspended, not by this operator (spec.suspend is false, no queue label)"
     found = blocking(obs.pods)
     cause = found[1] if found else None
     if found and found[0] == Blocker.UNSCHEDULABLE and obs.pools is not None and s.is_tpu:
@@ -443,6 +462,8 @@ def _verifying(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, tun: Tu
     n, timeout, name = builders.names(tft), tft.spec.verification.timeout_seconds, _verify_job(d, tft)
     if _lost_cluster(d, tft, obs):
         return d.finish()
+    if _evicted(tft, obs):   # KubeRay deletes the pods of a suspended cluster: not a lost host
+        return _requeue(d, obj, tft, obs)
     if lost := slice_loss(obs.cluster.status):
         return _replace_slice(d, obj, tft, obs, lost)
     job = obs.jobs.get(name)
@@ -495,6 +516,8 @@ def _training(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, tun: Tun
     if _lost_cluster(d, tft, obs):
         return d.finish()
     job = obs.jobs.get(name)
+    if _evicted(tft, obs) and not (job is not None and job_succeeded(job)):
+        return _requeue(d, obj, tft, obs)
     lost = slice_loss(obs.cluster.status)
     if lost and not (job is not None and job_succeeded(job)):   # a finished run needs no slice any more
         return _replace_slice(d, obj, tft, obs, lost)
@@ -665,6 +688,133 @@ def wants_serve_pods(obj: Mapping[str, Any]) -> bool:
     """Serving and not (yet) ready: the serving cluster's pods say why (image pull, scheduling)."""
     st = owned(obj.get("status"))
     return st.get("phase") == Phase.SERVING.value and not serving_ready(st)
+
+
+# --- Kueue: Queued, admitted, preempted ----------------------------------------------------------------
+def queue_name(tft: TPUFinetune) -> str | None:
+    """The LocalQueue the object asks Kueue for (its kueue.x-k8s.io/queue-name label), or None."""
+    return tft.meta.labels.get(c.KUEUE_QUEUE_LABEL) or None
+
+
+def wants_queue(obj: Mapping[str, Any], cluster: ClusterObs | None) -> bool:
+    """Whether the handler should read Kueue's Workload for this reconcile: an object with a queue
+    label whose RayCluster exists, while Queued, or when that RayCluster is suspended outside
+    Suspended (an eviction: the message says Kueue's reason)."""
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    if not labels.get(c.KUEUE_QUEUE_LABEL) or cluster is None:
+        return False
+    phase = owned(obj.get("status")).get("phase")
+    return phase == Phase.QUEUED.value or (cluster.suspended and phase != Phase.SUSPENDED.value)
+
+
+def _evicted(tft: TPUFinetune, obs: Observed) -> bool:
+    """A labelled object's RayCluster suspended while we did not ask (we do only in Suspended): Kueue
+    has not admitted it, or has taken the admission back."""
+    return bool(queue_name(tft)) and obs.cluster is not None and obs.cluster.suspended
+
+
+def _kueue_words(q: QueueObs | None) -> str:
+    if q is None or not q.workload:
+        return "Kueue has not made a Workload for it yet"
+    return q.waiting or (q.evicted and f"evicted ({q.evicted})") or f"Workload {q.workload} is waiting for quota"
+
+
+def _requeue(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed) -> Decision:
+    """Kueue suspended the RayCluster under a provisioning, verifying or training run. While a job
+    runs that is a preemption: the jobs are stopped (checkpoints stay), status.recovery.preemptions
+    counts it (never sliceReplacements), and the run waits Queued; re-admitted, it provisions,
+    verifies again and resumes from its checkpoint (the same attempt, as after a suspend)."""
+    n, was, q = builders.names(tft), d.phase, obs.queue
+    running = was in (Phase.VERIFYING, Phase.TRAINING)
+    if running:
+        # The jobs are stopped once KubeRay has deleted the pods (_queued), not now: deleting a
+        # RayJob stops its Ray job at once, before the pods' preStop hook has let every rank save
+        # a checkpoint at its next step (tpuft_workload.preemption).
+        active = {Phase.VERIFYING: _verify_job(d, tft), Phase.TRAINING: d.st.get("children", {}).get("trainJob")}[was]
+        _drop_resubmission(d)
+        rec = copy.deepcopy(d.st.get("recovery") or {})
+        rec["preemptions"] = int(rec.get("preemptions") or 0) + 1
+        rec["lastPreemption"] = {"time": fmt_time(d.now), "phase": was.value, "cause": (q.evicted if q else "") or
+                                 f"RayCluster {n.cluster} suspended by Kueue"}
+        step = ((obj.get("status") or {}).get("training") or {}).get(c.TrainingStatus.STEP.value)
+        if isinstance(step, int):
+            rec["lastPreemption"]["step"] = step
+        d.st["recovery"] = rec
+        if tft.spec.verification.enabled:
+            d.cond(Condition.COLLECTIVES_VERIFIED, ConditionStatus.UNKNOWN, Reason.PREEMPTED, "verified again once re-admitted")
+    preempted = running or bool(q and q.evicted) or d.prev.get("reason") == Reason.PREEMPTED.value
+    reason = Reason.PREEMPTED if preempted else Reason.QUEUED
+    words = _kueue_words(q)
+    if running:
+        jobs = f"RayJob {active} stopped once its pods are gone; " if active else ""
+        msg = (f"preempted by Kueue during {was.value} ({(q.evicted if q else '') or 'RayCluster suspended'}); "
+               f"{jobs}checkpoints kept; it resumes from the last one once admitted again")
+    else:
+        msg = f"waiting for Kueue to admit RayCluster {n.cluster} again: {words}"
+    d.cond(Condition.ADMITTED, ConditionStatus.FALSE, reason, words)
+    d.cond(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, reason, "RayCluster suspended by Kueue")
+    d.go(Phase.QUEUED, reason, msg)
+    d.wake(c.QUEUE_POLL_SECONDS)
+    return d.finish()
+
+
+def _queued(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
+    """Waiting for Kueue. Admitted (the RayCluster unsuspended): Provisioning, under a fresh
+    deadline: time queued never counts against provisioningTimeoutSeconds."""
+    n, q, queue = builders.names(tft), obs.queue, queue_name(tft)
+    if obs.cluster is None and not obs.leftovers:   # deleted while queued: made again, queued again
+        d.act(Op.CREATE, c.RAYCLUSTER_KIND, n.cluster, builders.build_raycluster(tft))
+        d.event(EventType.WARNING, Reason.CHILD_DELETED, f"RayCluster {n.cluster} not found while queued; recreating it")
+    if q is not None and not q.installed:
+        msg = (f"label {c.KUEUE_QUEUE_LABEL}={queue} but Kueue is not installed (no {c.KUEUE_GROUP}/"
+               f"{c.KUEUE_VERSION} Workload API): nothing queues this run, it provisions right away; install "
+               "Kueue, or remove the label")
+        d.cond(Condition.ADMITTED, ConditionStatus.FALSE, Reason.KUEUE_NOT_INSTALLED, msg)
+        d.event(EventType.WARNING, Reason.KUEUE_NOT_INSTALLED, msg)
+        return _admitted(d, tft, obs, f"not queued ({c.KUEUE_QUEUE_LABEL}={queue}, Kueue not installed)")
+    admitted = obs.cluster is not None and not obs.cluster.suspended
+    if obs.jobs:   # a preempted run's RayJobs: stopped once KubeRay has deleted its pods, gone before it runs again
+        gone = obs.cluster is None or cluster_suspended(obs.cluster.status)
+        if gone or admitted or d.elapsed() >= c.PREEMPTION_STOP_SECONDS:
+            for name in sorted(obs.jobs):
+                d.act(Op.DELETE, c.RAYJOB_KIND, name)
+        d.wake(c.LEFTOVER_POLL_SECONDS)
+        if admitted:
+            d.go(Phase.QUEUED, Reason.PREEMPTED, f"admitted again; waiting for RayJob {', '.join(sorted(obs.jobs))} "
+                 "(stopped after the preemption) to be gone")
+            return d.finish()
+    if admitted:
+        d.cond(Condition.ADMITTED, ConditionStatus.TRUE, Reason.ADMITTED,
+               f"admitted by Kueue (Workload {q.workload}, LocalQueue {queue})" if q and q.workload
+               else f"admitted (LocalQueue {queue})")
+        again = d.prev.get("reason") == Reason.PREEMPTED.value
+        return _admitted(d, tft, obs, "admitted again after a preemption" if again else "admitted")
+    timeout = tft.spec.queue_timeout_seconds
+    words = _kueue_words(q)
+    if timeout is not None and d.elapsed() >= timeout:
+        msg = (f"not admitted by Kueue within spec.queueTimeoutSeconds ({timeout}s) in LocalQueue {queue}: {words}; "
+               f"`kubectl describe localqueue {queue}` and its ClusterQueue show the quota")
+        d.cond(Condition.ADMITTED, ConditionStatus.FALSE, Reason.QUEUE_TIMEOUT, msg)
+        d.fail(Reason.QUEUE_TIMEOUT, msg)
+        return d.finish()
+    reason = Reason.PREEMPTED if d.prev.get("reason") == Reason.PREEMPTED.value else Reason.QUEUED
+    if words not in (d.prev.get("message") or ""):   # one event per new reason Kueue gives
+        d.event(EventType.NORMAL, Reason.QUEUED, f"LocalQueue {queue}: {words}")
+    lead = ("preempted by Kueue; waiting to be admitted again (checkpoints kept)" if reason == Reason.PREEMPTED
+            else f"waiting for Kueue to admit RayCluster {n.cluster}")
+    d.cond(Condition.ADMITTED, ConditionStatus.FALSE, reason, words)
+    d.go(Phase.QUEUED, reason, f"{lead} (LocalQueue {queue}): {words}")
+    d.wake(c.QUEUE_POLL_SECONDS if timeout is None else min(c.QUEUE_POLL_SECONDS, timeout - d.elapsed()))
+    return d.finish()
+
+
+def _admitted(d: _Draft, tft: TPUFinetune, obs: Observed, how: str) -> Decision:
+    s = tft.spec.slice
+    progress = cluster_progress(tft, obs.cluster)
+    d.cond(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, Reason.WAITING_FOR_SLICE, progress)
+    d.go(Phase.PROVISIONING, Reason.WAITING_FOR_SLICE, f"{how}; waiting for slice {s.generation} {s.topology}: {progress}")
+    d.wake(tft.spec.provisioning_timeout_seconds)
+    return d.finish()
 
 
 def _suspend(d: _Draft, tft: TPUFinetune, obs: Observed, tun: Tunables) -> Decision:

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from tpuft import catalog
-from tpuft.constants import API_VERSION, KIND, TPU_RESOURCE, DatasetFormat, ServeEngine, TrainingFramework
+from tpuft.constants import (API_VERSION, KIND, RESERVED_ANNOTATIONS, RESERVED_ENV, RESERVED_LABELS,
+                             SERVE_API_KEY_SECRET_KEY, TPU_RESOURCE, DatasetFormat, Reserved, ServeEngine,
+                             TrainingFramework)
 
 # Children are named "{name}-{suffix}" (longest suffix "-workload", plus "-train-r99" for
 # retries and resubmissions, "-verify-r3"); KubeRay derives pod and service names from those and
@@ -77,6 +79,7 @@ LIMITS: dict[str, tuple[float, float]] = {
     "checkpoint.keep": (1, 100),
     "verification.timeoutSeconds": (10, 86400),
     "provisioningTimeoutSeconds": (5, 604800),
+    "queueTimeoutSeconds": (5, 2_592_000),   # optional, no default: a queued run waits as long as it takes
     "recovery.maxSliceReplacements": (0, 20),
     "ttlSecondsAfterFinished": (0, 2_592_000),
     "serve.replicas": (1, 64),
@@ -192,17 +195,35 @@ class Scheduling:
 
 
 @dataclass(frozen=True)
+class ServeReplicas:
+    """spec.serve.replicas: a number (that many, fixed) or {min, max} (Ray Serve autoscales between
+    them). One replica is one serve slice, so max is also how many slices the RayService may hold."""
+    min: int
+    max: int
+
+    @property
+    def fixed(self) -> bool:
+        return self.min == self.max
+
+    def __str__(self) -> str:
+        return str(self.min) if self.fixed else f"{self.min}-{self.max}"
+
+
+@dataclass(frozen=True)
 class Serve:
     """spec.serve, when enabled: the model training exported, behind an OpenAI-compatible API on
     its own slice (a KubeRay RayService built by the same builders as the training cluster)."""
     slice: catalog.SliceShape
-    replicas: int             # Serve replicas, one slice each
+    replicas: ServeReplicas   # Serve replicas, one slice each
     engine: ServeEngine
     image: str                # serve.image, else (transformers only) the training image
     image_pull_policy: str | None
     max_model_length: int | None
     timeout_seconds: int      # for the app to become RUNNING
     resources: Resources
+    # The API key the serving app requires of clients: the serving pods get it by secretKeyRef only
+    # (constants.SERVE_API_KEY_ENV); a client such as `tpuft chat` reads the Secret with its user's credentials.
+    api_key_secret: SecretKeyRef | None = None
 
 
 @dataclass(frozen=True)
@@ -227,6 +248,7 @@ class Spec:
     annotations: Mapping[str, str]
     env: tuple[Mapping[str, Any], ...]
     serve: Serve | None = None   # None: spec.serve absent or not enabled
+    queue_timeout_seconds: int | None = None   # None: wait for Kueue's admission as long as it takes
 
     @property
     def accelerator(self) -> str:
@@ -283,7 +305,7 @@ class _Reader:
         return value
 
     def integer(self, obj: Mapping, key: str, path: str, dkey: str) -> int:
-        value = obj.get(key, DEFAULTS[dkey])
+        value = obj[key] if key in obj else DEFAULTS[dkey]
         lo, hi = LIMITS[dkey]
         if isinstance(value, bool) or not isinstance(value, int):
             self.fail(path, f"must be an integer (got {value!r})")
@@ -300,7 +322,7 @@ class _Reader:
         return value
 
     def str_map(self, obj: Mapping, key: str, path: str, keys: re.Pattern | None = None,
-                values: re.Pattern | None = None) -> dict[str, str]:
+                values: re.Pattern | None = None, reserved: Reserved | None = None) -> dict[str, str]:
         value = obj.get(key) or {}
         if not isinstance(value, Mapping) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
@@ -319,6 +341,10 @@ class _Reader:
                 if values is not None and not values.fullmatch(v):
                     self.fail(f"{path}.{k}", f"{v!r} is not a valid label value (at most 63 of [-A-Za-z0-9_.], "
                               "starting and ending alphanumeric)")
+        for k in value:
+            why = reserved.why(k) if reserved is not None else None
+            if why:
+                self.fail(f"{path}.{k}", f"is reserved: {why}; remove it")
         return dict(value)
 
 
@@ -375,7 +401,7 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
     dataset = _dataset(r, spec)
     training = _training(r, spec)
     checkpoint = _checkpoint(r, spec)
-    hf = _hf_token_secret(r, spec)
+    hf = _secret_ref(r, spec, "hfTokenSecret", "spec.hfTokenSecret")
     verification = _verification(r, spec)
     recovery = _recovery(r, spec)
     resources = _resources(r, spec)
@@ -384,10 +410,13 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
     serve = _serve(r, spec, slice_shape, image, pull, model)
     provisioning_timeout = r.integer(spec, "provisioningTimeoutSeconds", "spec.provisioningTimeoutSeconds",
                                      "provisioningTimeoutSeconds")
+    queue_timeout = None
+    if spec.get("queueTimeoutSeconds") is not None:
+        queue_timeout = r.integer(spec, "queueTimeoutSeconds", "spec.queueTimeoutSeconds", "queueTimeoutSeconds")
     suspend = r.boolean(spec, "suspend", "spec.suspend", "suspend")
     ttl = r.integer(spec, "ttlSecondsAfterFinished", "spec.ttlSecondsAfterFinished", "ttlSecondsAfterFinished")
-    labels = r.str_map(spec, "labels", "spec.labels", QUALIFIED_NAME, LABEL_VALUE)
-    annotations = r.str_map(spec, "annotations", "spec.annotations", QUALIFIED_NAME)
+    labels = r.str_map(spec, "labels", "spec.labels", QUALIFIED_NAME, LABEL_VALUE, RESERVED_LABELS)
+    annotations = r.str_map(spec, "annotations", "spec.annotations", QUALIFIED_NAME, reserved=RESERVED_ANNOTATIONS)
     if r.problems or slice_shape is None:
         raise SpecError(r.problems or [Problem("spec", "is invalid")], where)
     return TPUFinetune(meta=meta, spec=Spec(
@@ -395,7 +424,8 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
         dataset=dataset, training=training, checkpoint=checkpoint, hf_token_secret=hf, verification=verification,
         recovery=recovery,
         provisioning_timeout_seconds=provisioning_timeout, suspend=suspend, ttl_seconds_after_finished=ttl,
-        resources=resources, scheduling=scheduling, labels=labels, annotations=annotations, env=env, serve=serve))
+        resources=resources, scheduling=scheduling, labels=labels, annotations=annotations, env=env, serve=serve,
+        queue_timeout_seconds=queue_timeout))
 
 
 def _metadata(r: _Reader, obj: Mapping) -> tuple[ObjectMeta, str]:
@@ -517,17 +547,23 @@ def _checkpoint(r: _Reader, spec: Mapping) -> Checkpoint:
     )
 
 
-def _hf_token_secret(r: _Reader, spec: Mapping) -> SecretKeyRef | None:
-    if spec.get("hfTokenSecret") is None:
+def _secret_ref(r: _Reader, obj: Mapping, field_name: str, path: str,
+                default_key: str | None = None) -> SecretKeyRef | None:
+    """A {name, key} Secret reference (spec.hfTokenSecret, spec.serve.apiKeySecret); the key is
+    required unless it has a default. A default is the parser's, not the CRD's: the API server
+    defaults nothing inside an optional object, and DEFAULTS lists only what it does default."""
+    if obj.get(field_name) is None:
         return None
-    hs = r.section(spec, "hfTokenSecret", "spec.hfTokenSecret")
-    name = r.string(hs, "name", "spec.hfTokenSecret.name", required=True, max_len=253)
-    key = r.string(hs, "key", "spec.hfTokenSecret.key", required=True, max_len=253)
+    hs = r.section(obj, field_name, path)
+    name = r.string(hs, "name", f"{path}.name", required=True, max_len=253)
+    key = r.string(hs, "key", f"{path}.key", required=default_key is None, max_len=253)
+    if key is None:   # left out or null: the default (a wrong type is already a problem)
+        key = default_key
     if name and not DNS_SUBDOMAIN.fullmatch(name):
-        r.fail("spec.hfTokenSecret.name", f"{name!r} is not a Secret name (lowercase DNS subdomain)")
+        r.fail(f"{path}.name", f"{name!r} is not a Secret name (lowercase DNS subdomain)")
         name = None
-    if key and not CONFIG_KEY.fullmatch(key):
-        r.fail("spec.hfTokenSecret.key", f"{key!r} is not a Secret key (letters, digits, '-', '_', '.')")
+    if key is not None and not CONFIG_KEY.fullmatch(key):
+        r.fail(f"{path}.key", f"{key!r} is not a Secret key (letters, digits, '-', '_', '.')")
         key = None
     return SecretKeyRef(name, key) if name and key else None
 
@@ -590,14 +626,36 @@ def _serve(r: _Reader, spec: Mapping, training: catalog.SliceShape | None, image
         r.fail("spec.serve.image", "is required with engine vllm: the training image has no vLLM (use a vLLM TPU "
                "image, or engine transformers to serve with the training image)")
     max_len = _serve_max_length(r, sv, model)
-    replicas = r.integer(sv, "replicas", "spec.serve.replicas", "serve.replicas")
+    replicas = _serve_replicas(r, sv)
     timeout = r.integer(sv, "timeoutSeconds", "spec.serve.timeoutSeconds", "serve.timeoutSeconds")
     resources = _resources(r, sv, "spec.serve.resources")
+    api_key = _secret_ref(r, sv, "apiKeySecret", "spec.serve.apiKeySecret", SERVE_API_KEY_SECRET_KEY)
     if not enabled or shape is None:
         return None
     return Serve(slice=shape, replicas=replicas, engine=engine, image=serve_image or image or "",
                  image_pull_policy=pull if not serve_image else None, max_model_length=max_len,
-                 timeout_seconds=timeout, resources=resources)
+                 timeout_seconds=timeout, resources=resources, api_key_secret=api_key)
+
+
+def _serve_replicas(r: _Reader, sv: Mapping) -> ServeReplicas:
+    """A number n is {min: n, max: n}; the object form needs both bounds, min <= max."""
+    path, value = "spec.serve.replicas", sv.get("replicas", DEFAULTS["serve.replicas"])
+    if not isinstance(value, Mapping):
+        n = r.integer(sv, "replicas", path, "serve.replicas")
+        return ServeReplicas(n, n)
+    unknown = sorted(set(value) - {"min", "max"})
+    if unknown:
+        r.fail(path, f"unknown key(s) {', '.join(map(str, unknown))}: give a number, or {{min, max}}")
+    missing = [k for k in ("min", "max") if k not in value]
+    if missing:
+        r.fail(path, f"{' and '.join(missing)} missing: give both bounds (e.g. {{min: 1, max: 4}}), or a number "
+               "for a fixed count")
+        return ServeReplicas(1, 1)
+    lo = r.integer(value, "min", f"{path}.min", "serve.replicas")
+    hi = r.integer(value, "max", f"{path}.max", "serve.replicas")
+    if lo > hi:
+        r.fail(path, f"min ({lo}) is above max ({hi}): give min <= max")
+    return ServeReplicas(lo, max(lo, hi))
 
 
 def _serve_max_length(r: _Reader, sv: Mapping, model: str | None) -> int | None:
@@ -649,6 +707,8 @@ def _env(r: _Reader, spec: Mapping) -> tuple[Mapping[str, Any], ...]:
     for i, item in enumerate(env):
         if not isinstance(item, Mapping) or not isinstance(item.get("name"), str) or not ENV_NAME.fullmatch(item["name"]):
             r.fail(f"spec.env[{i}].name", "must be a valid environment variable name")
+        elif item["name"] in dict(RESERVED_ENV):
+            r.fail(f"spec.env[{i}].name", f"{item['name']} is reserved: {dict(RESERVED_ENV)[item['name']]}; remove it")
         elif "value" in item and "valueFrom" in item:
             r.fail(f"spec.env[{i}]", "set value or valueFrom, not both")
         elif "value" in item and not isinstance(item["value"], str):

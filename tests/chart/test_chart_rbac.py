@@ -30,6 +30,10 @@ APPLICATION = {
     ("", "serviceaccounts"): {"get", "list", "watch", "create", "patch"},
     ("rbac.authorization.k8s.io", "roles"): {"get", "list", "watch", "create", "patch"},
     ("rbac.authorization.k8s.io", "rolebindings"): {"get", "list", "watch", "create", "patch"},
+    # per-CR NetworkPolicy: created once, adopted (get) on a conflict, never patched or listed
+    ("networking.k8s.io", "networkpolicies"): {"get", "create"},
+    # Kueue's Workload of a queued RayCluster (its words in status): listed by job-uid label only
+    ("kueue.x-k8s.io", "workloads"): {"list"},
 }
 # kopf's own cluster-scoped needs (--standalone: no kopfpeerings).
 FRAMEWORK = {

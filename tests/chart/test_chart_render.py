@@ -235,6 +235,27 @@ def test_servicemonitor_alone_brings_its_service(render):
     assert objs.one("Service") and objs.one("ServiceMonitor")
 
 
+def test_workload_pod_monitor_and_dashboard(render):
+    """The training runs' gauges: a PodMonitor on the Ray pods of TPUFinetunes in the watched
+    namespaces (every namespace cluster-wide), and the dashboard JSON verbatim in a ConfigMap."""
+    on = {"workloadMetrics": {"podMonitor": {"enabled": True, "labels": {"release": "prom"}},
+                              "grafanaDashboard": {"enabled": True}}}
+    objs = render(on)
+    pm = objs.one("PodMonitor")
+    assert pm["apiVersion"] == "monitoring.coreos.com/v1" and pm["metadata"]["labels"]["release"] == "prom"
+    assert pm["spec"]["namespaceSelector"] == {"any": True}
+    assert pm["spec"]["selector"] == {"matchExpressions": [
+        {"key": "tpufinetune.dev/name", "operator": "Exists"}, {"key": "ray.io/node-type", "operator": "Exists"}]}
+    assert pm["spec"]["podMetricsEndpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "30s",
+                                                  "scrapeTimeout": "10s"}]
+    cm = objs.one("ConfigMap", f"{FULLNAME}-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["tpufinetune.json"]) == json.loads((CHART / "dashboards" / "tpufinetune.json").read_text())
+    namespaced = render({**on, "watchNamespaces": ["team-a", "team-b"]}).one("PodMonitor")
+    assert namespaced["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
+    assert not render().kinds("PodMonitor") and not render().kinds("ConfigMap")   # off by default
+
+
 BAD_VALUES = [
     # (values, message from values.schema.json, message from the templates' own checks or None)
     ({"watchNamespaces": ["Team_A"]}, "does not match pattern", "not a valid namespace name"),

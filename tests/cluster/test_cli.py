@@ -19,7 +19,7 @@ def test_status_lists_every_component_and_pool(local_cluster):
     res = tpuft("status")
     assert res.returncode == 0, res.stdout + res.stderr
     for comp in ("etcd", "kube-apiserver", "kube-scheduler", "kubelet", "containerd", "kube-proxy", "coredns",
-                 "kwok", "kuberay-operator", "tpu-webhook"):
+                 "kwok", "kuberay-operator", "tpu-webhook", "kueue"):
         assert any(line.startswith(comp) and "pid " in line for line in res.stdout.splitlines()), (comp, res.stdout)
     assert "v6e-4x4-0" in res.stdout and "4/4 Ready" in res.stdout and "[simulated (KWOK)]" in res.stdout
     assert "local-pool" in res.stdout and "[real (kubelet + containerd)]" in res.stdout
@@ -32,7 +32,7 @@ def test_up_again_keeps_what_runs_and_repairs_what_died(local_cluster):
     assert res.returncode == 0, res.stderr[-3000:]
     after = local_cluster.component_pids()
     assert after["kwok"] and after["kwok"] != before["kwok"]  # started again
-    for name in ("kube-apiserver", "kubelet", "containerd", "kuberay-operator"):
+    for name in ("kube-apiserver", "kubelet", "containerd", "kuberay-operator", "kueue"):
         assert after[name] == before[name], name  # left alone
 
 

@@ -12,6 +12,9 @@ model, /v1/models lists it, and Argo CD's health check calls the object Healthy 
 import json
 import os
 import subprocess
+import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -20,9 +23,12 @@ import yaml
 from tests.chart.helmlib import run_health
 from tests.cluster_fixtures import assert_nothing_left_failed, clear_namespace, demo_command
 from tests.paths import EXAMPLES, REPO
+from tests.waiting import wait_until
+from tpuft.observed import serving_ready
+from tpuft_local import node
 
 PHASES_IN_ORDER = ["phase Provisioning", "phase VerifyingCollectives", "verification: passed",
-                   "phase Training", "Epoch 1/3", "Epoch 3/3", "phase Serving", "tpuft chat", "  user:"]
+                   "phase Training", "Epoch 1/3", "Epoch 3/3", "phase Serving", "tpuft chat -n", "  user:"]
 
 
 # The demo's namespace, cleared after the test (the rehearsal, `tpuft demo --rehearse-tpu`, runs in
@@ -34,6 +40,8 @@ DEMO_NS = "e2e"
 def demo_namespace(cluster_kubectl, request):
     """The demo leaves its object for the user to inspect; the next test needs the hosts free."""
     ns = request.param
+    # The demo labels a namespace it creates (Pod Security); one left by an earlier run has no labels.
+    cluster_kubectl("delete", "namespace", ns, "--ignore-not-found", "--wait=true", timeout=300)
     yield ns
     clear_namespace(cluster_kubectl, ns)
 
@@ -41,8 +49,7 @@ def demo_namespace(cluster_kubectl, request):
 def _demo(tmp_path: Path, ns: str, tag: str, *extra: str,
           timeout: float = 1800) -> tuple[subprocess.CompletedProcess, dict]:
     result = tmp_path / f"result-{tag}.json"
-    argv, env = demo_command(ns, result, *extra)
-    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(demo_command(ns, result, *extra), cwd=REPO, capture_output=True, text=True, timeout=timeout)
     return proc, (json.loads(result.read_text()) if result.exists() else {})
 
 
@@ -105,6 +112,9 @@ def test_demo_runs_twice_and_each_run_trains(local_cluster, cluster_kubectl, dem
     storage = tmp_path / "checkpoints"
     first, final1 = _demo(tmp_path, DEMO_NS, "1", "--storage-path", str(storage))
     _check_succeeded(first, final1, storage, cluster_kubectl)
+    # the demo's namespace admits no privileged pod, and the run's pods needed none
+    labels = json.loads(cluster_kubectl("get", "ns", DEMO_NS, "-o", "json", check=True).stdout)["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "baseline", labels
     run1 = Path(final1["object"]["status"]["training"]["lastCheckpoint"]).parent
     before = {p: p.stat().st_mtime_ns for p in run1.rglob("*") if p.is_file()}
 
@@ -120,20 +130,193 @@ def test_demo_runs_twice_and_each_run_trains(local_cluster, cluster_kubectl, dem
     _check_jax(final2)
     monkeypatch.setenv("KUBECONFIG", str(local_cluster.kubeconfig))
     _check_chat_and_models()
+    _check_the_ray_head_wants_its_token(cluster_kubectl, "local-cpu-serve")
+    _check_logs_and_exec(cluster_kubectl)
+    _check_a_third_run_beside_two_served_models(cluster_kubectl)
 
 
 def _check_chat_and_models():
-    """`tpuft chat` against the object the demo left serving (greedy: the same answer twice), and
-    /v1/models through the same port-forward."""
+    """`tpuft chat` and `tpuft chat --stream` against the object the demo left serving (greedy: the
+    same answer), then the official `openai` SDK and the 401s through one port-forward."""
+    import openai
+
     from tpuft import chat, chat_cli
     from tpuft_local.toolchain import tool_path
 
     kubectl = tool_path("kubectl")
-    model, first = chat_cli.ask(kubectl, DEMO_NS, "local-cpu", "What is Ray Serve?", max_tokens=16)
-    _, second = chat_cli.ask(kubectl, DEMO_NS, "local-cpu", "What is Ray Serve?", max_tokens=16)
-    assert model == "local-cpu" and first.strip() and first == second
+    question = "What is Ray Serve?"
+    model, first = chat_cli.ask(kubectl, DEMO_NS, "local-cpu", question, max_tokens=16)
+    streamed = subprocess.run([sys.executable, "-m", "tpuft.cli", "chat", "-n", DEMO_NS, "local-cpu", question,
+                               "--max-tokens", "16", "--stream", "--kubectl", kubectl],
+                              capture_output=True, text=True, timeout=180)
+    assert streamed.returncode == 0, streamed.stderr
+    assert model == "local-cpu" and first.strip() and streamed.stdout.rstrip("\n") == first
     got = subprocess.run([kubectl, "get", "tft", "local-cpu", "-n", DEMO_NS, "-o", "json"], capture_output=True,
                          text=True, check=True, timeout=60)
     serving = chat_cli.endpoint(json.loads(got.stdout))
+    obj = json.loads(got.stdout)
+    assert obj["spec"]["serve"]["apiKeySecret"]["name"], obj["spec"]["serve"]   # the examples ask for a key
+    key = chat_cli.api_key(kubectl, DEMO_NS, obj)
     with chat_cli.port_forward(kubectl, DEMO_NS, serving["service"], serving["port"]) as port:
-        assert [m["id"] for m in chat.models(f"http://127.0.0.1:{port}")] == ["local-cpu"]
+        url = f"http://127.0.0.1:{port}"
+        assert [m["id"] for m in chat.models(url, api_key=key)] == ["local-cpu"]
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list()] == ["local-cpu"]
+        ask = {"model": "local-cpu", "messages": [{"role": "user", "content": question}], "max_tokens": 16,
+               "temperature": 0}
+        assert client.chat.completions.create(**ask).choices[0].message.content == first
+        chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == first
+        assert chunks[-1].usage.completion_tokens > 0
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(**{**ask, "model": "not-served"})
+        # without the key, or with another: OpenAI's 401, never the model
+        for headers in ({}, {"Authorization": "Bearer not-the-key"}):
+            req = urllib.request.Request(f"{url}/v1/models", headers=headers)
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=60)
+            assert e.value.code == 401, e.value
+            assert json.loads(e.value.read())["error"]["type"] == "invalid_request_error"
+
+
+def _check_logs_and_exec(kubectl) -> None:
+    """The first things a user types at a running pod: `kubectl logs` and `kubectl exec` (both go
+    from the API server to the kubelet; `kubectl port-forward` is what `tpuft chat` used above)."""
+    (head,) = json.loads(kubectl("get", "pods", "-n", DEMO_NS, "-l", "ray.io/node-type=head", "-o", "json",
+                                 check=True).stdout)["items"]
+    name = head["metadata"]["name"]
+    logs = kubectl("logs", name, "-n", DEMO_NS, "-c", "ray-head", "--tail=50")
+    assert logs.returncode == 0 and logs.stdout.strip(), logs.stderr
+    out = kubectl("exec", name, "-n", DEMO_NS, "-c", "ray-head", "--", "python", "-c", "print('exec-ok')")
+    assert out.returncode == 0 and out.stdout.strip() == "exec-ok", (out.stdout, out.stderr)
+
+
+def _short_run(name: str, checkpoint: dict, serve: bool) -> dict:
+    """examples/local-cpu.yaml, one epoch, no verification, the demo's checkpoint claim (its
+    namespace refuses hostPath): a run to have on the node, not to check."""
+    doc = yaml.safe_load((EXAMPLES / "local-cpu.yaml").read_text())
+    doc["metadata"] = {"name": name, "namespace": DEMO_NS}
+    doc["spec"]["training"]["epochs"] = 1
+    doc["spec"]["verification"] = {"enabled": False}
+    doc["spec"]["checkpoint"] = checkpoint
+    if not serve:
+        doc["spec"].pop("serve")
+    else:
+        doc["spec"]["serve"].pop("apiKeySecret")
+    return doc
+
+
+def _check_a_third_run_beside_two_served_models(kubectl) -> None:
+    """Issue 34: with two models served on the node (the demo's and a second), a third run trains
+    to Succeeded on the real node (it fits: README "How many runs the local node holds"), never
+    failing inside Ray because the node was overcommitted."""
+    def phase(name: str) -> dict:
+        st = json.loads(kubectl("get", "tft", name, "-n", DEMO_NS, "-o", "json", check=True).stdout).get("status") or {}
+        assert st.get("phase") != "Failed", (name, st)
+        return st
+
+    checkpoint = json.loads(kubectl("get", "tft", "local-cpu", "-n", DEMO_NS, "-o", "json",
+                                    check=True).stdout)["spec"]["checkpoint"]
+    kubectl("apply", "-f", "-", input=json.dumps(_short_run("second", checkpoint, serve=True)), check=True)
+    wait_until(lambda: serving_ready(phase("second")), timeout=900, interval=3, what="a second served model")
+    assert phase("local-cpu")["phase"] == "Serving"
+    kubectl("apply", "-f", "-", input=json.dumps(_short_run("third", checkpoint, serve=False)), check=True)
+    # Once it reported a step its Ray job exists on the head (before that, the submitter may not have
+    # submitted it yet: the head answers 404) and the driver has begun its log file.
+    wait_until(lambda: (st := phase("third")).get("phase") == "Succeeded" or (st.get("training") or {}).get("step"),
+               timeout=900, interval=2, what="the third run to report a training step")
+    # Issue 27: the training driver's log, from the head while it runs (or from the run's log file,
+    # if it ended first), then from the file once its RayCluster is gone.
+    while_training = _tpuft_logs("third")
+    end = wait_until(lambda: (st := phase("third")).get("phase") == "Succeeded" and st, timeout=900, interval=3,
+                     what="the third run beside two served models")
+    assert end["training"]["step"] == end["training"]["totalSteps"], end
+    afterwards = _tpuft_logs("third")
+    assert "Starting fine-tuning" in while_training.stdout, while_training
+    assert "Starting fine-tuning" in afterwards.stdout and "TPUFT_TRAIN_RESULT" in afterwards.stdout, afterwards
+    assert "driver's log from" in afterwards.stderr, afterwards.stderr   # the head is gone: the file
+    pods = json.loads(kubectl("get", "pods", "-n", DEMO_NS, "-l", "ray.io/node-type", "-o", "json",
+                              check=True).stdout)["items"]
+    assert {p["spec"].get("nodeName") for p in pods} == {node.NODE_NAME}, \
+        [(p["metadata"]["name"], p["spec"].get("nodeName")) for p in pods]   # never the simulated node
+    assert phase("local-cpu")["phase"] == phase("second")["phase"] == "Serving"
+
+
+def _tpuft_logs(name: str) -> subprocess.CompletedProcess:
+    from tpuft_local.toolchain import tool_path
+
+    got = subprocess.run([sys.executable, "-m", "tpuft.cli", "logs", name, "-n", DEMO_NS, "--job", "train",
+                          "--kubectl", tool_path("kubectl")], capture_output=True, text=True, timeout=180)
+    assert got.returncode == 0, got.stderr
+    return got
+
+
+# Run in a pod of another namespace: the dashboard's Jobs API, the GCS and the Ray client port of a
+# head, without its token (refused), with a wrong one (refused) and with it (answered: the refusal is
+# auth, not a closed port). No NetworkPolicy is enforced on the local cluster (README "Security"),
+# so the connections themselves are made.
+PROBE = r"""
+import json, os, urllib.error, urllib.request
+import grpc
+from ray.core.generated import gcs_service_pb2 as g, gcs_service_pb2_grpc as gg, ray_client_pb2 as c, ray_client_pb2_grpc as cg
+head, token, out = os.environ["HEAD"], os.environ["RAY_TOKEN"], {}
+def post(headers):
+    req = urllib.request.Request(f"http://{head}:8265/api/jobs/", method="POST", data=b'{"entrypoint": "echo probe"}',
+                                 headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+def rpc(port, call, md):
+    try:
+        with grpc.insecure_channel(f"{head}:{port}") as ch:
+            call(ch, md)
+        return "OK"
+    except grpc.RpcError as e:
+        return e.code().name
+gcs = lambda ch, md: gg.NodeInfoGcsServiceStub(ch).GetClusterId(g.GetClusterIdRequest(), metadata=md, timeout=60)
+client = lambda ch, md: cg.RayletDriverStub(ch).ClusterInfo(c.ClusterInfoRequest(type=c.ClusterInfoType.PING), metadata=md, timeout=60)
+bearer, wrong = (("authorization", "Bearer " + token),), (("authorization", "Bearer " + "0" * 64),)
+out["jobs"] = [post({}), post({"Authorization": "Bearer " + "0" * 64}), post({"Authorization": "Bearer " + token})]
+out["gcs"] = [rpc(6379, gcs, ()), rpc(6379, gcs, wrong), rpc(6379, gcs, bearer)]
+out["client"] = [rpc(10001, client, ()), rpc(10001, client, wrong), rpc(10001, client, bearer)]
+open("/dev/termination-log", "w").write(json.dumps(out))
+"""
+PROBE_NS = "e2e-probe"
+
+
+def _check_the_ray_head_wants_its_token(kubectl, rayservice: str) -> None:
+    svc = json.loads(kubectl("get", "rayservice", rayservice, "-n", DEMO_NS, "-o", "json", check=True).stdout)
+    cluster = svc["status"]["activeServiceStatus"]["rayClusterName"]
+    assert svc["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token"}
+    secret = json.loads(kubectl("get", "secret", cluster, "-n", DEMO_NS, "-o", "json", check=True).stdout)  # KubeRay's
+    head = f"{rayservice}-head-svc.{DEMO_NS}.svc.cluster.local"
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "probe", "namespace": PROBE_NS},
+           "spec": {"restartPolicy": "Never", "automountServiceAccountToken": False, "containers": [{
+               "name": "probe", "image": svc["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+               ["containers"][0]["image"], "command": ["python", "-c", PROBE],
+               "terminationMessagePolicy": "FallbackToLogsOnError",   # a traceback, if the probe breaks
+               "env": [{"name": "HEAD", "value": head},
+                       {"name": "RAY_TOKEN", "valueFrom": {"secretKeyRef": {"name": "ray-token", "key": "auth_token"}}}],
+               "resources": {"requests": {"cpu": "50m", "memory": "256Mi"}, "limits": {"cpu": "1", "memory": "1Gi"}}}]}}
+    copy = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "ray-token", "namespace": PROBE_NS},
+            "data": {"auth_token": secret["data"]["auth_token"]}}
+    try:
+        kubectl("create", "namespace", PROBE_NS, check=True)
+        kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [copy, pod]}),
+                check=True)
+
+        def ended():
+            got = json.loads(kubectl("get", "pod", "probe", "-n", PROBE_NS, "-o", "json", check=True).stdout)
+            done = [s["state"]["terminated"] for s in got["status"].get("containerStatuses") or []
+                    if "terminated" in s["state"]]
+            return done[0] if done else None
+        end = wait_until(ended, timeout=300, interval=2, what="the probe pod to finish")
+        assert end["exitCode"] == 0, end.get("message")
+        got = json.loads(end["message"])
+        assert got["jobs"] == [401, 403, 200], got
+        assert got["gcs"] == ["UNAUTHENTICATED", "UNAUTHENTICATED", "OK"], got
+        assert got["client"] == ["UNAUTHENTICATED", "UNAUTHENTICATED", "OK"], got
+    finally:
+        kubectl("delete", "namespace", PROBE_NS, "--wait=false", "--ignore-not-found")

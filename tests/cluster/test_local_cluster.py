@@ -98,8 +98,8 @@ def test_rehearse_tpu_lands_the_slice_on_the_simulated_pool_with_the_webhooks_en
     operator, verification started; then, since nothing executes on simulated hosts, the run ends
     at the verification deadline and the demo says SIMULATED."""
     result = tmp_path / "result.json"
-    argv, env = demo_command(REHEARSAL_NS, result, "--rehearse-tpu")
-    demo = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    demo = subprocess.Popen(demo_command(REHEARSAL_NS, result, "--rehearse-tpu"), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     try:
         _watch_the_rehearsal(cluster_kubectl, REHEARSAL_NS, "gemma4-dolly")
         out, _ = demo.communicate(timeout=900)

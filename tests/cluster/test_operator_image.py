@@ -6,16 +6,23 @@ import json
 
 import pytest
 
+from tests.waiting import wait_until
 from tpuft_local import chart, node
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def operator_pod(cluster_kubectl):
-    pods = json.loads(cluster_kubectl("get", "pods", "-n", chart.NAMESPACE, "-l",
-                                      f"app.kubernetes.io/instance={chart.RELEASE}", "-o", "json", check=True).stdout)
-    running = [p for p in pods["items"] if p["status"].get("phase") == "Running"]
-    assert len(running) == 1, [p["metadata"]["name"] for p in pods["items"]]
-    return running[0]
+    """The one Ready operator pod. Read afresh by each test and waited for: the lifecycle test, in
+    another lane at the same time, deletes the operator's pod once and the Deployment makes another."""
+    def ready_one():
+        pods = json.loads(cluster_kubectl("get", "pods", "-n", chart.NAMESPACE, "-l",
+                                          f"app.kubernetes.io/instance={chart.RELEASE}", "-o", "json",
+                                          check=True).stdout)["items"]
+        live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+        ready = [p for p in live if p["status"].get("phase") == "Running" and any(
+            c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions") or [])]
+        return ready[0] if len(live) == len(ready) == 1 else None
+    return wait_until(ready_one, timeout=240, interval=2, what="one Ready operator pod")
 
 
 def test_operator_pod_runs_from_the_image_entrypoint_on_the_real_node(operator_pod):

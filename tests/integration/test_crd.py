@@ -4,8 +4,8 @@
   generation x every offered topology, every accelerator spelling, int quantities, env valueFrom, ...)
   are accepted by a server-side create, and tpuft.spec.parse accepts what the server stored and
   derives the same Spec as from the local document (the server applies tpuft.spec.DEFAULTS exactly).
-- INVALID: 205 invalid TPUFinetunes (test_table_counts checks these numbers and prints them).
-  203 are rejected at admission (HTTP 422) with an error naming the field, and tpuft.spec.parse
+- INVALID: 214 invalid TPUFinetunes (test_table_counts checks these numbers and prints them).
+  212 are rejected at admission (HTTP 422) with an error naming the field, and tpuft.spec.parse
   rejects each of them with the same field too (server and parser agree row by row).
   2 rows are PARSER-ONLY, marked PARSER_ONLY in the table: the CRD cannot express them because the
   API server refuses the request before schema validation (HTTP 400: a wrong apiVersion; metadata
@@ -14,7 +14,7 @@
   the marking stays honest.
 - `kubectl get tft` printer columns (and -o wide), `kubectl explain`, the short name.
 - Every `tpuft render` output of every example (RayCluster, RayJobs, ServiceAccount, Role,
-  RoleBinding) passes a server-side dry run against the installed KubeRay v1.7.0 CRDs, strictly
+  RoleBinding, NetworkPolicy) passes a server-side dry run against the installed KubeRay v1.7.0 CRDs, strictly
   (no field pruned or unknown).
 
 Fast: one namespace for the module, table rows use dry_run=All through the Python client
@@ -224,6 +224,15 @@ INVALID = [
     row("annotations-string", ("spec.annotations", "x"), "spec.annotations"),
     row("annotations-key-two-slashes", ("spec.annotations", {"a/b/c": "x"}), "spec.annotations"),
     row("annotations-key-injection", ("spec.annotations", {"$(curl x)": "x"}), "spec.annotations"),
+    # reserved keys (tpuft.constants.RESERVED_LABELS / RESERVED_ANNOTATIONS: the CEL rule and the parser)
+    row("labels-reserved-ours", ("spec.labels", {"tpufinetune.dev/name": "spoof"}), "spec.labels"),
+    row("labels-reserved-ray-prefix", ("spec.labels", {"ray.io/node-type": "head"}), "spec.labels"),
+    row("labels-reserved-kuberay-name", ("spec.labels", {"team": "ml", "app.kubernetes.io/name": "x"}), "spec.labels"),
+    row("labels-reserved-tpu-webhook", ("spec.labels", {"replicaIndex": "g-0"}), "spec.labels"),
+    row("annotations-reserved-ray-prefix", ("spec.annotations", {"ray.io/overwrite-container-cmd": "true"}),
+        "spec.annotations"),
+    row("annotations-reserved-slice-topology", ("spec.annotations", {"cloud.google.com/gke-tpu-slice-topology": "2x2"}),
+        "spec.annotations"),
     row("env-string", ("spec.env", "A=1"), "spec.env"),
     row("env-bad-name", ("spec.env", [{"name": "1BAD"}]), "spec.env[0].name"),
     row("env-injection-name", ("spec.env", [{"name": "A;rm", "value": "1"}]), "spec.env[0].name"),
@@ -244,9 +253,16 @@ INVALID = [
     row("serve-accelerator-3d-on-2d-topology", ("spec.serve", {"enabled": True, "image": "v:1", "accelerator": "tpu7x"}),
         "spec.serve.topology"),
     row("serve-replicas-zero", ("spec.serve", {"enabled": True, "image": "v:1", "replicas": 0}), "spec.serve.replicas"),
+    row("serve-replicas-min-zero", ("spec.serve", {"enabled": True, "image": "v:1", "replicas": {"min": 0, "max": 2}}),
+        "spec.serve.replicas"),
     row("serve-timeout-short", ("spec.serve", {"timeoutSeconds": 5}), "spec.serve.timeoutSeconds"),
     row("serve-max-len-short", ("spec.serve", {"enabled": True, "image": "v:1", "maxModelLength": 8}),
         "spec.serve.maxModelLength"),
+    row("serve-api-key-secret-no-name", ("spec.serve", {"enabled": True, "image": "v:1", "apiKeySecret": {"key": "k"}}),
+        "spec.serve.apiKeySecret.name"),
+    row("serve-api-key-secret-bad-key", ("spec.serve", {"enabled": True, "image": "v:1",
+                                                        "apiKeySecret": {"name": "s", "key": "a/b"}}),
+        "spec.serve.apiKeySecret.key"),
     row("serve-tpu-override", ("spec.serve", {"enabled": True, "image": "v:1",
                                               "resources": {"worker": {"limits": {"google.com/tpu": "4"}}}}),
         "spec.serve.resources.worker.limits"),
@@ -274,7 +290,7 @@ COUNTS = {
     "admission": sum(1 for p in INVALID if p.values[2] == ADMISSION),
     "parser_only": sum(1 for p in INVALID if p.values[2] == PARSER_ONLY),
 }
-DOCUMENTED_COUNTS = {"total": 205, "admission": 203, "parser_only": 2}  # as the module docstring says
+DOCUMENTED_COUNTS = {"total": 214, "admission": 212, "parser_only": 2}  # as the module docstring says
 
 
 # --- helpers ------------------------------------------------------------------------------------
@@ -407,7 +423,7 @@ EDGE_VALID = [
         ("no-verification-suspended", [("spec.verification", {"enabled": False}), ("spec.suspend", True)]),
         ("labels-annotations", [("spec.labels", {"team": "ml"}), ("spec.annotations", {"note": "hi there"})]),
         ("qualified-keys-and-label-values", [
-            ("spec.labels", {"app.kubernetes.io/part-of": "fine-tuning", "tpufinetune.dev/team": "", "k": "V_1.a-b"}),
+            ("spec.labels", {"app.kubernetes.io/part-of": "fine-tuning", "example.com/team": "", "k": "V_1.a-b"}),
             ("spec.annotations", {"example.com/" + "n" * 63: "any text; even $(this)", "a": ""}),
             ("spec.scheduling", {"nodeSelector": {"cloud.google.com/gke-nodepool": "pool-1"},
                                  "reservation": "r" * 63,
@@ -426,6 +442,7 @@ EDGE_VALID = [
         ("serve-tpu7x-from-v6e", [("spec.serve", {"enabled": True, "image": "v:1", "accelerator": "tpu7x",
                                                   "topology": "2x2x2"})]),
         ("serve-transformers-training-image", [("spec.serve", {"enabled": True, "engine": "transformers"})]),
+        ("serve-replicas-autoscaled", [("spec.serve", {"enabled": True, "image": "v:1", "replicas": {"min": 1, "max": 3}})]),
         ("serve-disabled-no-image", [("spec.serve", {"enabled": False})]),
     ]
 ]
@@ -486,7 +503,8 @@ def test_kubectl_get_printer_columns_and_short_name(objects, ns, kubectl):
     name = f"cols-{uuid.uuid4().hex[:5]}"
     create(objects, ns, with_("metadata.name", name))
     status = {"status": {"phase": "Serving", "reason": "Serving", "slice": {"hosts": 4, "devices": 16},
-                         "training": {"epoch": 2, "loss": 1.25, "tokensPerSecond": 1234.5},
+                         "training": {"epoch": 2, "loss": 1.25, "tokensPerSecond": 1234.5, "mfu": 0.5},
+                         "goodput": {"ratio": 0.75},
                          "serving": {"url": "http://x-serve-serve-svc.ns.svc:8000"}}}
     kubectl("patch", "tft", name, "-n", ns, "--subresource=status", "--type=merge", "-p", json.dumps(status),
             check=True)
@@ -495,9 +513,9 @@ def test_kubectl_get_printer_columns_and_short_name(objects, ns, kubectl):
     assert out[1].split()[:5] == [name, "Serving", "v6e", "4x4", "1.25"], out
     wide = kubectl("get", "tft", name, "-n", ns, "-o", "wide", check=True).stdout.splitlines()
     assert wide[0].split() == ["NAME", "PHASE", "ACCELERATOR", "TOPOLOGY", "LOSS", "EPOCH", "TOKENS/S", "FRAMEWORK",
-                               "HOSTS", "DEVICES", "REASON", "ENDPOINT", "AGE"], wide
-    assert wide[1].split()[:12] == [name, "Serving", "v6e", "4x4", "1.25", "2", "1234.5", "torch", "4", "16",
-                                    "Serving", "http://x-serve-serve-svc.ns.svc:8000"]
+                               "HOSTS", "DEVICES", "REASON", "ENDPOINT", "MFU", "GOODPUT", "AGE"], wide
+    assert wide[1].split()[:14] == [name, "Serving", "v6e", "4x4", "1.25", "2", "1234.5", "torch", "4", "16",
+                                    "Serving", "http://x-serve-serve-svc.ns.svc:8000", "0.5", "0.75"]
     # Plural, singular, short name and kind all resolve to the same object.
     for resource in ("tpufinetunes", "tpufinetune", "tft", "TPUFinetune", f"tpufinetunes.{GROUP}"):
         res = kubectl("get", resource, name, "-n", ns, "-o", "name", check=True)
@@ -526,7 +544,7 @@ def test_rendered_children_pass_a_server_side_dry_run(kubectl, ns, path):
                               capture_output=True, text=True, timeout=60)
     assert rendered.returncode == 0, rendered.stderr
     docs = [d for d in yaml.safe_load_all(rendered.stdout) if d]
-    assert {d["kind"] for d in docs} >= {"RayCluster", "RayJob", "ServiceAccount", "Role", "RoleBinding"}
+    assert {d["kind"] for d in docs} >= {"RayCluster", "RayJob", "ServiceAccount", "Role", "RoleBinding", "NetworkPolicy"}
     assert all(d["metadata"]["namespace"] == ns for d in docs)
     res = kubectl("apply", "--dry-run=server", "--validate=strict", "-o", "json", "-f", "-", input=rendered.stdout)
     assert res.returncode == 0, res.stderr

@@ -116,10 +116,18 @@ def check_end_state(kube_api, namespace: str, scripts: dict[str, str], recorder:
         "rayjobs": sorted(f"{n}-{suffix}" for n, s in scripts.items() for suffix in SCRIPTS[s][2]),
         **{k: sorted(f"{n}-workload" for n in scripts) for k in IDENTITY_KINDS},
     }
+    # A "timeout" run may time out before its RayCluster, or even its identity, could be created
+    # at all (the fault proxy can hold a key back for 60 s, past its provisioningTimeoutSeconds;
+    # a starved CPU does the rest): both are right.
+    timeouts = [n for n, s in scripts.items() if s == "timeout"]
+    optional = {"rayclusters": {f"{n}-ray" for n in timeouts},
+                **{k: {f"{n}-workload" for n in timeouts} for k in IDENTITY_KINDS}}
     total = 0
     for plural, want in expected.items():
         got = sorted(x["metadata"]["name"] for x in children[plural])
-        assert got == want, f"{plural}: extra {sorted(set(got) - set(want))}, missing {sorted(set(want) - set(got))}"
+        maybe = optional.get(plural, set())
+        assert sorted(set(got) - maybe) == sorted(set(want) - maybe) and set(got) <= set(want), \
+            f"{plural}: extra {sorted(set(got) - set(want))}, missing {sorted(set(want) - set(got) - maybe)}"
         for x in children[plural]:
             meta = x["metadata"]
             owner = meta.get("labels", {}).get(LABEL)

@@ -2,16 +2,18 @@
 and one focused test per option."""
 
 import functools
+import json
 import shlex
 
 import jsonschema
 import pytest
 import yaml
 
-from tests.paths import EXAMPLES, GOLDEN, kuberay_crd
+from tests.paths import EXAMPLES, GOLDEN, NETWORK_POLICY_OPENAPI, kuberay_crd
 from tests.seed import missing_from, seed_rayclusters
 from tests.factories import MINIMUM, with_
 from tpuft import builders
+from tpuft.constants import SERVE_API_KEY_ENV, SERVE_DEPLOYMENT_NAME
 from tpuft.spec import parse
 
 EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml"))
@@ -200,8 +202,10 @@ def test_jobs_select_the_cluster_and_carry_deadlines():
         env = yaml.safe_load(j["spec"]["runtimeEnvYAML"])["env_vars"]
         assert env == {"TPUFT_NAMESPACE": "default", "TPUFT_NAME": "gemma4-dolly"}
     assert verify["spec"]["activeDeadlineSeconds"] == 600 + builders.VERIFY_DEADLINE_GRACE_SECONDS
+    run_dir = "gs://my-bucket/ray_train_torchtpu/default-gemma4-dolly"   # no UID: a rendered file has none
     assert verify["spec"]["entrypoint"] == ("python -m tpuft_workload verify --accelerator v6e --topology 4x4 "
-                                            "--slices 1 --timeout-seconds 600")
+                                            f"--slices 1 --timeout-seconds 600 --log-file {run_dir}/logs/verify.log")
+    assert f" --log-file {run_dir}/logs/train.log" in train["spec"]["entrypoint"]   # tpuft logs reads them there
     assert "--model google/gemma-4-E2B-it" in train["spec"]["entrypoint"]
     assert "'train[:1024]'" in train["spec"]["entrypoint"]  # shell-quoted
     assert "--no-packing" in by_kind(render(with_("spec.training.packing", False)), "RayJob")[1]["spec"]["entrypoint"]
@@ -209,6 +213,21 @@ def test_jobs_select_the_cluster_and_carry_deadlines():
     parquet = by_kind(render(with_("spec.dataset", {"name": "gs://b/dolly", "format": "parquet"})), "RayJob")[1]
     assert "--dataset gs://b/dolly --dataset-split train " in parquet["spec"]["entrypoint"]
     assert parquet["spec"]["entrypoint"].endswith(" --dataset-format parquet")
+
+
+def test_submitters_are_small_tokenless_and_labelled_as_the_run():
+    """KubeRay's default submitter asks 500m; ours 100m (two runs' submitters no longer push a third
+    run's pods off a 2-core node), mounts no API token and carries the run's labels."""
+    ch = render(MINIMUM)
+    image = by_kind(ch, "RayCluster")[0]["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["image"]
+    for job in by_kind(ch, "RayJob"):
+        tmpl = job["spec"]["submitterPodTemplate"]
+        (container,) = tmpl["spec"]["containers"]
+        assert container["name"] == "ray-job-submitter" and container["image"] == image
+        assert "command" not in container   # KubeRay fills in `ray job submit ...`
+        assert container["resources"]["requests"]["cpu"] == "100m"
+        assert tmpl["spec"]["restartPolicy"] == "Never" and tmpl["spec"]["automountServiceAccountToken"] is False
+        assert tmpl["metadata"]["labels"] == job["metadata"]["labels"]
 
 
 def test_verification_disabled_renders_no_verify_job():
@@ -264,13 +283,17 @@ def test_workload_identity_may_only_patch_its_own_status():
 
 
 def test_labels_annotations_and_kueue_queue_pass_through():
-    doc = with_("spec.labels", {"team": "ml", "tpufinetune.dev/name": "spoof"},
+    doc = with_("spec.labels", {"team": "ml"},
                 with_("spec.annotations", {"note": "x"},
-                      with_("metadata.labels", {"kueue.x-k8s.io/queue-name": "tpu-queue"})))
+                      with_("metadata.labels", {"kueue.x-k8s.io/queue-name": "tpu-queue",
+                                                "kueue.x-k8s.io/priority-class": "high"})))
     cluster = by_kind(render(doc), "RayCluster")[0]
     assert cluster["metadata"]["labels"]["team"] == "ml"
-    assert cluster["metadata"]["labels"]["tpufinetune.dev/name"] == "gemma4-dolly"  # ours win
+    assert cluster["metadata"]["labels"]["tpufinetune.dev/name"] == "gemma4-dolly"  # ours (spec.labels may not set it)
     assert cluster["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "tpu-queue"
+    assert cluster["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == "high"   # Kueue's priority
+    assert all("kueue.x-k8s.io/queue-name" not in j["metadata"].get("labels", {})   # only the RayCluster is queued
+               for j in by_kind(render(doc), "RayJob"))
     assert cluster["metadata"]["annotations"] == {"note": "x"}
     assert cluster["spec"]["workerGroupSpecs"][0]["template"]["metadata"]["annotations"] == {"note": "x"}
 
@@ -391,6 +414,49 @@ def test_replicas_are_slices_of_the_serve_shape():
     assert serve_config(svc)["args"]["llm_configs"][0]["deployment_config"] == {"num_replicas": 3}
 
 
+# (example, serve, Serve's replica config, worker group (replicas, minReplicas, maxReplicas, numOfHosts), autoscaled)
+SERVE_SCALING = [
+    ("v6e-4x4.yaml", {"replicas": 2}, {"num_replicas": 2}, (2, 2, 2, 4), False),
+    ("v6e-4x4.yaml", {"replicas": {"min": 2, "max": 2}}, {"num_replicas": 2}, (2, 2, 2, 4), False),
+    # one group replica is one whole 4-host slice: Serve's max replicas is the group's max slices
+    ("v6e-4x4.yaml", {"replicas": {"min": 1, "max": 3}}, {"autoscaling_config": {"min_replicas": 1, "max_replicas": 3}},
+     (1, 1, 3, 4), True),
+    ("tpu7x-2x2x2.yaml", {"replicas": {"min": 2, "max": 5}},
+     {"autoscaling_config": {"min_replicas": 2, "max_replicas": 5}}, (2, 2, 5, 2), True),
+    ("v6e-4x4.yaml", {"topology": "2x4", "replicas": {"min": 1, "max": 2}},
+     {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2}}, (1, 1, 2, 1), True),
+]
+
+
+@pytest.mark.parametrize("example,serve,deployment,group_sizes,autoscaled", SERVE_SCALING,
+                         ids=[f"{s[0]}-{s[1]['replicas']}" for s in SERVE_SCALING])
+def test_autoscaled_replicas_become_serves_autoscaling_config_and_whole_slices(example, serve, deployment,
+                                                                              group_sizes, autoscaled):
+    svc = rayservice(serving(example, **serve))
+    assert [e.message for e in _crd_validator("ray.io_rayservices.yaml").iter_errors(svc)] == []
+    assert serve_config(svc)["args"]["llm_configs"][0]["deployment_config"] == deployment
+    cluster = svc["spec"]["rayClusterConfig"]
+    (group,) = cluster["workerGroupSpecs"]
+    assert (group["replicas"], group["minReplicas"], group["maxReplicas"], group["numOfHosts"]) == group_sizes
+    assert cluster["enableInTreeAutoscaling"] is autoscaled
+    # the autoscaler sidecar KubeRay adds to the head needs its ServiceAccount token; workers never do
+    assert cluster["headGroupSpec"]["template"]["spec"]["automountServiceAccountToken"] is autoscaled
+    assert group["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+def test_the_transformers_engine_scales_its_deployment_and_cpu_workers_per_slice():
+    doc = yaml.safe_load((EXAMPLES / "local-cpu.yaml").read_text())
+    doc["spec"]["serve"] = {"enabled": True, "topology": "2", "replicas": {"min": 1, "max": 3}}
+    svc = rayservice(doc)
+    assert serve_config(svc)["deployments"] == [{"name": SERVE_DEPLOYMENT_NAME, "autoscaling_config": {"min_replicas": 1,
+                                                                                        "max_replicas": 3}}]
+    (group,) = svc["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    # a cpu "slice" of 2 is 2 one-host workers
+    assert (group["replicas"], group["minReplicas"], group["maxReplicas"], group["numOfHosts"]) == (2, 2, 6, 1)
+    fixed = rayservice({**doc, "spec": {**doc["spec"], "serve": {**doc["spec"]["serve"], "replicas": 2}}})
+    assert serve_config(fixed)["deployments"] == [{"name": SERVE_DEPLOYMENT_NAME, "num_replicas": 2}]
+
+
 def test_the_transformers_engine_serves_the_export_with_the_training_image_on_cpu():
     doc = yaml.safe_load((EXAMPLES / "local-cpu.yaml").read_text())
     doc["spec"]["serve"] = {"enabled": True, "topology": "1", "maxModelLength": 256}
@@ -408,3 +474,169 @@ def test_the_transformers_engine_serves_the_export_with_the_training_image_on_cp
 
 def test_no_rayservice_without_serve():
     assert by_kind(render(MINIMUM), "RayService") == []
+
+
+# --- security: token auth, hardening, the serve API key, the NetworkPolicy --------------------------------
+def _with_serving(path) -> dict:
+    """The example as written, serving enabled when it does not already (so every example renders a
+    RayService too)."""
+    doc = yaml.safe_load(path.read_text())
+    if not (doc["spec"].get("serve") or {}).get("enabled"):
+        doc["spec"]["serve"] = {"enabled": True, "image": "REGISTRY/vllm-tpu:latest"}
+    return doc
+
+
+def _ray_clusters(children) -> list[tuple[str, dict]]:
+    """(kind, RayClusterSpec) of every Ray cluster rendered: the RayCluster's and the RayService's."""
+    return [(x["kind"], x["spec"]) for x in by_kind(children, "RayCluster")] + \
+           [(x["kind"], x["spec"]["rayClusterConfig"]) for x in by_kind(children, "RayService")]
+
+
+def _pod_templates(cluster_spec) -> list[dict]:
+    return [cluster_spec["headGroupSpec"]["template"], *(g["template"] for g in cluster_spec["workerGroupSpecs"])]
+
+
+@pytest.mark.parametrize("path", EXAMPLE_FILES, ids=lambda p: p.name)
+def test_every_ray_cluster_has_token_auth_and_rayjobs_none(path):
+    """KubeRay v1.6.2 then makes the token Secret and sets the Ray containers' (and, from the selected
+    RayCluster, the submitters') RAY_AUTH_* env; a clusterSelector RayJob needs nothing itself."""
+    children = render(_with_serving(path))
+    clusters = _ray_clusters(children)
+    assert {k for k, _ in clusters} == {"RayCluster", "RayService"}
+    for kind, spec in clusters:
+        assert spec["authOptions"] == {"mode": "token"}, kind
+    for job in by_kind(children, "RayJob"):
+        assert "authOptions" not in yaml.safe_dump(job["spec"])
+
+
+@pytest.mark.parametrize("path", EXAMPLE_FILES, ids=lambda p: p.name)
+def test_every_ray_pod_is_hardened_and_only_training_pods_keep_the_token(path):
+    children = render(_with_serving(path))
+    for kind, spec in _ray_clusters(children):
+        for tmpl in _pod_templates(spec):
+            pod = tmpl["spec"]
+            assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+            for container in pod["containers"]:
+                assert container["securityContext"] == {"allowPrivilegeEscalation": False,
+                                                        "capabilities": {"drop": ["ALL"]}}
+            assert "runAsNonRoot" not in yaml.safe_dump(pod)   # the workload image runs as root
+            # training: the driver (head) and rank 0 (a worker) patch the status; serving calls no API
+            assert pod.get("automountServiceAccountToken", True) is (kind == "RayCluster")
+
+
+PRESTOP = ["python", "-m", "tpuft_workload.preemption", "--timeout-seconds", "285"]
+
+
+@pytest.mark.parametrize("path", EXAMPLE_FILES, ids=lambda p: p.name)
+@pytest.mark.parametrize("kind,hook,grace", [("RayCluster", PRESTOP, 300), ("RayService", None, None)])
+def test_training_pods_stop_at_a_checkpoint_within_their_grace_period(path, kind, hook, grace):
+    """Training head and workers: a preStop hook that SIGTERMs the pod's Ray Train workers and waits,
+    15 s inside the pod's grace period (then the runtime signals `ray start`). Serving: neither."""
+    from tpuft import constants as c
+
+    assert c.PRESTOP_WAIT_SECONDS + 15 == c.TRAINING_TERMINATION_GRACE_SECONDS
+    spec = dict(_ray_clusters(render(_with_serving(path))))[kind]
+    for tmpl in _pod_templates(spec):
+        pod = tmpl["spec"]
+        assert pod.get("terminationGracePeriodSeconds") == grace
+        for container in pod["containers"]:
+            got = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command")
+            assert got == hook, container["name"]
+
+
+def test_the_prestop_hook_is_a_module_the_workload_image_runs():
+    import importlib.util
+
+    assert PRESTOP[2] == f"{builders.WORKLOAD_MODULE}.preemption"
+    assert importlib.util.find_spec(PRESTOP[2]) is not None or importlib.util.find_spec("ray") is None
+
+
+def test_serve_api_key_reaches_the_serving_containers_only_by_reference():
+    doc = serving("v6e-4x4.yaml", apiKeySecret={"name": "chat-key"})
+    ref = {"name": SERVE_API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": "chat-key", "key": "api-key"}}}
+    children = render(doc)
+    for kind, spec in _ray_clusters(children):
+        for tmpl in _pod_templates(spec):
+            env = tmpl["spec"]["containers"][0].get("env", [])
+            assert (ref in env) is (kind == "RayService")
+            assert [e for e in env if e["name"] == SERVE_API_KEY_ENV] in ([ref], [])
+    other = rayservice(serving("v6e-4x4.yaml", apiKeySecret={"name": "chat-key", "key": "token"}))
+    env = other["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": SERVE_API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": "chat-key", "key": "token"}}} in env
+    assert SERVE_API_KEY_ENV not in yaml.safe_dump(rayservice(serving("v6e-4x4.yaml")))
+
+
+@functools.cache
+def _network_policy_validator():
+    """Kubernetes v1.35.3's own NetworkPolicy schema (tests/data), made strict the way the API server's
+    strict field validation is: an object with properties admits no other field."""
+    doc = json.loads(NETWORK_POLICY_OPENAPI.read_text())
+
+    def strict(node):
+        if isinstance(node, dict):
+            if "properties" in node and "additionalProperties" not in node:
+                node["additionalProperties"] = False
+            for v in node.values():
+                strict(v)
+        elif isinstance(node, list):
+            for v in node:
+                strict(v)
+    strict(doc)
+    schema = {**doc, "$ref": "#/components/schemas/io.k8s.api.networking.v1.NetworkPolicy"}
+    return jsonschema.Draft7Validator(schema)
+
+
+def _policy_errors(policy) -> list[str]:
+    return [f"{'.'.join(map(str, e.path))}: {e.message}" for e in _network_policy_validator().iter_errors(policy)]
+
+
+@pytest.mark.parametrize("path", EXAMPLE_FILES, ids=lambda p: p.name)
+def test_network_policy_validates_against_the_kubernetes_schema(path):
+    policy = by_kind(render(yaml.safe_load(path.read_text())), "NetworkPolicy")
+    assert len(policy) == 1 and _policy_errors(policy[0]) == []
+
+
+def test_network_policy_validator_catches_a_misspelt_field():
+    policy = builders.build_network_policy(parse(MINIMUM))
+    policy["spec"]["ingress"][0]["form"] = policy["spec"]["ingress"][0].pop("from")
+    policy["spec"]["ingress"][1]["ports"][0]["port"] = [8265]
+    assert len(_policy_errors(policy)) == 2
+
+
+def test_network_policy_admits_the_run_kuberay_prometheus_and_serve_clients_only():
+    tft = parse(MINIMUM)
+    policy = builders.build_network_policy(tft)
+    assert policy["metadata"]["name"] == "gemma4-dolly-ray-ingress"
+    own = {"matchLabels": {"tpufinetune.dev/name": "gemma4-dolly"}}
+    spec = policy["spec"]
+    assert spec["podSelector"] == own and spec["policyTypes"] == ["Ingress"]
+    same_run, dashboard, metrics = spec["ingress"]
+    assert same_run == {"from": [{"podSelector": own}]}   # every port: Ray uses many
+    assert dashboard == {"from": [{"namespaceSelector": {}, "podSelector": {
+        "matchLabels": {"app.kubernetes.io/component": "kuberay-operator"}}}],
+        "ports": [{"protocol": "TCP", "port": 8265}]}
+    # the PodMonitor's Prometheus, in a namespace of its own: Ray's metrics port only
+    assert metrics == {"from": [{"namespaceSelector": {}}], "ports": [{"protocol": "TCP", "port": 8080}]}
+    served = builders.build_network_policy(parse(serving("v6e-4x4.yaml")))["spec"]["ingress"][-1]
+    assert served == {"from": [{"podSelector": {}}], "ports": [{"protocol": "TCP", "port": 8000}]}
+
+
+def test_every_pod_the_policy_must_admit_carries_the_runs_label():
+    """Ray pods (training and serving) and the RayJobs' submitters: the same-run rule is what lets a
+    submitter reach its head's dashboard."""
+    children = render(_with_serving(EXAMPLES / "v6e-4x4.yaml"))
+    (policy,) = by_kind(children, "NetworkPolicy")
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    templates = [t for _, spec in _ray_clusters(children) for t in _pod_templates(spec)]
+    templates += [j["spec"]["submitterPodTemplate"] for j in by_kind(children, "RayJob")]
+    assert len(templates) == 6
+    for tmpl in templates:
+        assert selector.items() <= tmpl["metadata"]["labels"].items()
+
+
+def test_submitter_pods_are_hardened_like_the_ray_pods():
+    for job in by_kind(render(MINIMUM), "RayJob"):
+        pod = job["spec"]["submitterPodTemplate"]["spec"]
+        assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+        assert pod["containers"][0]["securityContext"] == {"allowPrivilegeEscalation": False,
+                                                           "capabilities": {"drop": ["ALL"]}}

@@ -100,3 +100,21 @@ def test_host_count_rule_matches_ray():
             s = catalog.resolve_slice(gen.name, topo)
             expected = 1 if topo in gen.single_host else max(1, s.chips // 4)
             assert s.hosts == expected, (gen.name, topo)
+
+
+@pytest.mark.parametrize("acc,topo,tflops", [("v4", "2x2x2", 8 * 275), ("v5e", "4x4", 16 * 197),
+                                             ("v5p", "2x2x1", 4 * 459), ("v6e", "2x4", 8 * 918),
+                                             ("tpu7x", "2x2x2", 8 * 2307)])
+def test_a_slices_peak_is_its_chips_times_the_generations_peak(acc, topo, tflops):
+    """MFU's denominator: bf16 peak per chip (Cloud TPU's pages), chips not devices (TPU7x: 2 per chip)."""
+    assert catalog.resolve_slice(acc, topo).peak_flops == tflops * 1e12
+    assert catalog.resolve_slice("cpu", "4").peak_flops is None
+
+
+@pytest.mark.parametrize("name,tflops", [
+    ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835), ("NVIDIA H200", 989),
+    ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A100 80GB PCIe", 312), ("NVIDIA L4", 121),
+    ("NVIDIA L40S", None), ("Tesla T4", None), ("cpu", None),   # not listed: no peak, so no MFU
+])
+def test_a_gpus_peak_is_found_by_its_device_name(name, tflops):
+    assert catalog.gpu_peak_flops(name) == (tflops * 1e12 if tflops else None)

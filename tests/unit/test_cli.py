@@ -11,7 +11,8 @@ from tpuft import cli
 def test_without_tpuft_local_only_in_cluster_commands_exist(monkeypatch, capsys):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tpuft_local" else real(name, *a))
-    assert sorted(cli.available()) == ["chat", "render", "topology", "validate"]   # chat needs only kubectl
+    # chat, logs and plot need only kubectl (plot: and matplotlib, the local extra)
+    assert sorted(cli.available()) == ["chat", "logs", "plot", "render", "topology", "validate"]
     with pytest.raises(SystemExit) as e:
         cli.main(["cluster", "up"])
     assert e.value.code == 2

@@ -68,7 +68,7 @@ def test_render_prints_raycluster_first_then_jobs():
     assert r.returncode == 0, r.stderr
     kinds = [d["kind"] for d in yaml.safe_load_all(r.stdout)]
     assert kinds[:3] == ["RayCluster", "RayJob", "RayJob"]
-    assert set(kinds[3:]) == {"ServiceAccount", "Role", "RoleBinding"}
+    assert set(kinds[3:]) == {"ServiceAccount", "Role", "RoleBinding", "NetworkPolicy"}
 
 
 def test_render_from_stdin_with_namespace():

@@ -2,7 +2,10 @@
 import yaml
 
 from tests.paths import REPO
-from tpuft import catalog, crd
+import pytest
+
+from tpuft import catalog, crd, phases
+from tpuft import constants as c
 from tpuft.constants import Phase
 from tpuft.spec import DEFAULTS, STORAGE_PATH
 from tpuft_workload.report import TRAINING_KEYS, VERIFICATION_KEYS
@@ -65,3 +68,37 @@ def test_resume_from_admission_rule_is_the_parsers_pattern():
     assert rf["x-kubernetes-validations"][0]["rule"] == f"self.matches(r'{STORAGE_PATH.pattern}')"
     assert (rf["minLength"], rf["maxLength"]) == (1, 1024) and "resumeFrom" not in ck["required"]
 
+
+
+def _spec_properties() -> dict:
+    return crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+
+
+@pytest.mark.parametrize("field,reserved", [("labels", c.RESERVED_LABELS), ("annotations", c.RESERVED_ANNOTATIONS)])
+def test_reserved_keys_admission_rule_is_the_parsers_list(field, reserved):
+    """The CEL rule refuses exactly the keys and prefixes tpuft.spec refuses (one list, tpuft.constants)."""
+    rules = _spec_properties()[field]["x-kubernetes-validations"]
+    (rule,) = [r["rule"] for r in rules if "startsWith" in r["rule"]]
+    keys = ", ".join(repr(k) for k, _ in reserved.keys)
+    prefixes = " && ".join(f"!k.startsWith({p!r})" for p, _ in reserved.prefixes)
+    assert rule == f"self.all(k, !(k in [{keys}]) && {prefixes})"
+
+
+def test_serve_api_key_secret_mirrors_hf_token_secret_with_an_optional_key():
+    props = _spec_properties()
+    hf, api = props["hfTokenSecret"], props["serve"]["properties"]["apiKeySecret"]
+    assert hf["properties"]["name"] == api["properties"]["name"]
+    assert {k: v for k, v in hf["properties"]["key"].items() if k != "description"} == \
+           {k: v for k, v in api["properties"]["key"].items() if k != "description"}
+    assert (hf["required"], api["required"]) == (["name", "key"], ["name"])
+    assert "default" not in api["properties"]["key"]   # the parser's: the server defaults nothing in an optional object
+
+
+def test_goodput_and_history_are_declared_from_the_constants():
+    """The API server would prune them silently otherwise; the history's bound is the workload's."""
+    status = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    assert set(status["goodput"]["properties"]) == {k.key for k in c.GoodputCause} | {c.GOODPUT_TOTAL, c.GOODPUT_RATIO}
+    history = status["training"]["properties"][c.TrainingStatus.HISTORY.value]
+    assert history["maxItems"] == c.HISTORY_MAX_POINTS
+    assert set(history["items"]["properties"]) == {p.value for p in c.HistoryPoint}
+    assert "goodput" in phases.OWNED_KEYS   # the operator's to write (and to keep across reconciles)

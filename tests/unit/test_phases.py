@@ -111,11 +111,14 @@ def test_corrected_spec_after_invalid_starts_the_run():
 
 
 # --- Pending -> Provisioning ----------------------------------------------------------------------
-def test_first_reconcile_creates_identity_and_cluster():
+def test_first_reconcile_creates_identity_network_policy_and_cluster():
     o = make()
     d = phases.decide(o, Observed(), at(0), TUN)
     assert kinds(d) == [("create", "ServiceAccount", f"{NAME}-workload"), ("create", "Role", f"{NAME}-workload"),
-                        ("create", "RoleBinding", f"{NAME}-workload"), ("create", "RayCluster", f"{NAME}-ray")]
+                        ("create", "RoleBinding", f"{NAME}-workload"),
+                        ("create", "NetworkPolicy", f"{NAME}-ray-ingress"),   # before any Ray pod exists
+                        ("create", "RayCluster", f"{NAME}-ray")]
+    assert d.actions[-2].body == builders.build_network_policy(parse(o))
     assert d.actions[-1].body == builders.build_raycluster(parse(o))
     st = d.status
     assert st["phase"] == "Provisioning" and st["reason"] == "WaitingForSlice"
@@ -247,10 +250,11 @@ def test_leftovers_past_the_provisioning_timeout_fail_with_the_reason():
 
 
 def test_cluster_suspended_by_someone_else_is_left_alone():
-    """Kueue suspends RayClusters carrying its queue label until admitted: never fight it."""
+    """Without a queue label a suspended RayCluster is not Kueue's: said, never fought."""
     o = run_to(make(), Phase.PROVISIONING)
     d = phases.decide(o, Observed(cluster(0, suspended=True)), at(5), TUN)
-    assert d.actions == () and "suspended (waiting for admission" in d.status["message"]
+    assert d.actions == () and d.phase == "Provisioning"
+    assert "suspended, not by this operator" in d.status["message"]
 
 
 def test_admission_rejected():
@@ -562,7 +566,7 @@ def test_note_error_keeps_phase_and_pending_times_out():
     assert d.status["reason"] == "ProvisioningTimeout" and "etcd timeout" in d.status["message"]
     assert d.status["trainingAttempts"] == 0  # the same shape as a timeout after the creates
     d = phases.decide(o, Observed(), at(100), TUN)
-    assert d.phase == "Provisioning" and len(d.actions) == 4
+    assert d.phase == "Provisioning" and len(d.actions) == 5
 
 
 def test_applied_spec_that_no_longer_parses_fails_instead_of_crashing():
@@ -1196,3 +1200,157 @@ def test_a_lost_rayjob_is_kept_as_the_record_at_the_ttl():
     assert o["status"]["phase"] == "Succeeded"
     d = phases.decide(o, Observed(cluster(4, provisioned=True), jobs), at(500), TUN)
     assert kinds(d) == [("delete", "RayCluster", n.cluster)]
+
+
+# --- Kueue: Queued, admitted, preempted ----------------------------------------------------------------
+QUOTA = ("couldn't assign flavors to pod set workers: insufficient unused quota for google.com/tpu in flavor "
+         "v6e-4x4, 16 more needed")
+
+
+def queued(**spec) -> dict:
+    o = make(**spec)
+    o["metadata"]["labels"] = {c.KUEUE_QUEUE_LABEL: "local"}
+    return o
+
+
+def waiting(words: str = QUOTA, evicted: str = "") -> phases.QueueObs:
+    return phases.QueueObs(workload="raycluster-ft-ray-1a2b3", waiting=words, evicted=evicted)
+
+
+def test_a_labelled_object_waits_queued_with_kueues_words_and_no_provisioning_clock():
+    o = queued(provisioningTimeoutSeconds=60)
+    d = phases.decide(o, Observed(), at(0), TUN)
+    assert d.phase == "Queued" and d.status["reason"] == "Queued" and "LocalQueue local" in d.status["message"]
+    assert cond(d, c.Condition.ADMITTED)["status"] == "False"
+    body = next(a.body for a in d.actions if a.kind == "RayCluster")
+    assert body["metadata"]["labels"][c.KUEUE_QUEUE_LABEL] == "local"
+    o = apply(o, d)
+    d = phases.decide(o, Observed(cluster(0, suspended=True), queue=waiting()), at(3), TUN)
+    assert d.phase == "Queued" and QUOTA in d.status["message"] and cond(d, c.Condition.ADMITTED)["message"] == QUOTA
+    assert [(e.type, e.reason) for e in d.events] == [("Normal", "Queued")]
+    o = apply(o, d)
+    again = phases.decide(o, Observed(cluster(0, suspended=True), queue=waiting()), at(5000), TUN)
+    assert again.patch is None and again.events == () and again.actions == ()   # queued long past 60 s: not failed
+    assert again.requeue_after == c.QUEUE_POLL_SECONDS
+    missing = phases.decide(o, Observed(cluster(0, suspended=True), queue=waiting("LocalQueue local doesn't exist")),
+                            at(5001), TUN)
+    assert "LocalQueue local doesn't exist" in missing.status["message"] and len(missing.events) == 1
+
+
+def test_admission_starts_the_provisioning_deadline():
+    o = queued(provisioningTimeoutSeconds=60)
+    o = apply(o, phases.decide(o, Observed(), at(0), TUN))
+    o = apply(o, phases.decide(o, Observed(cluster(0, suspended=True), queue=waiting()), at(1000), TUN))
+    admitted = phases.QueueObs(workload="raycluster-ft-ray-1a2b3", admitted=True)
+    d = phases.decide(o, Observed(cluster(0), queue=admitted), at(2000), TUN)
+    assert d.phase == "Provisioning" and d.status["phaseTransitionTime"] == phases.fmt_time(at(2000))
+    assert cond(d, c.Condition.ADMITTED)["status"] == "True" and "raycluster-ft-ray-1a2b3" in cond(d, c.Condition.ADMITTED)["message"]
+    o = apply(o, d)
+    assert phases.decide(o, Observed(cluster(0)), at(2059), TUN).phase == "Provisioning"
+    late = phases.decide(o, Observed(cluster(0)), at(2060), TUN)
+    assert late.phase == "Failed" and late.status["reason"] == "ProvisioningTimeout"
+    assert late.status["goodput"]["queuedSeconds"] == 2000 and late.status["goodput"]["provisioningSeconds"] == 60
+
+
+def test_queue_timeout_fails_at_the_bound_only():
+    o = queued(queueTimeoutSeconds=300)
+    o = apply(o, phases.decide(o, Observed(), at(0), TUN))
+    assert phases.decide(o, Observed(cluster(0, suspended=True), queue=waiting()), at(299), TUN).phase == "Queued"
+    d = phases.decide(o, Observed(cluster(0, suspended=True), queue=waiting()), at(300), TUN)
+    assert d.phase == "Failed" and d.status["reason"] == "QueueTimeout" and QUOTA in d.status["message"]
+    assert "kubectl describe localqueue local" in d.status["message"]
+
+
+def _labelled_training() -> tuple[dict, builders.ChildNames]:
+    o = queued()
+    n = names(o)
+    o = apply(o, phases.decide(o, Observed(), at(0), TUN))
+    o = apply(o, phases.decide(o, Observed(cluster(0)), at(1), TUN))            # admitted
+    o = apply(o, phases.decide(o, Observed(cluster(4, provisioned=True)), at(2), TUN))
+    o = apply(o, phases.decide(o, Observed(cluster(4, provisioned=True),
+                                           {n.verify_job: job(n.verify_job, "SUCCEEDED", "Complete")}), at(3), TUN))
+    assert o["status"]["phase"] == "Training"
+    return o, n
+
+
+EVICTED = "Preempted: Preempted to accommodate a workload (UID: u-9) due to prioritization in the ClusterQueue"
+
+
+@pytest.mark.parametrize("preemptions", [1, 3])
+def test_a_preempted_run_waits_queued_and_resumes_the_same_attempt_never_slice_lost(preemptions):
+    o, n = _labelled_training()
+    o["spec"]["recovery"] = {"maxSliceReplacements": 0}   # a preemption read as a loss would fail it at once
+    o["status"]["appliedSpec"]["recovery"] = {"maxSliceReplacements": 0}
+    train = n.train_attempt(0)
+    t = 10
+    for i in range(1, preemptions + 1):
+        o["status"]["training"] = {"step": 40 * i}
+        # KubeRay deletes the pods of the suspended RayCluster: 0 hosts ready, which alone would read as a loss
+        d = phases.decide(o, Observed(cluster(0, suspended=True), {train: job(train)}, queue=waiting(evicted=EVICTED)),
+                          at(t), TUN)
+        assert d.phase == "Queued" and d.status["reason"] == "Preempted" and EVICTED in d.status["message"]
+        assert kinds(d) == []   # not yet: deleting the RayJob would stop its Ray job before the ranks save
+        rec = d.status["recovery"]
+        assert rec["preemptions"] == i and not rec.get("sliceReplacements") and not rec.get("history")
+        assert rec["lastPreemption"] == {"time": phases.fmt_time(at(t)), "phase": "Training", "cause": EVICTED,
+                                         "step": 40 * i}
+        assert ("Warning", "Preempted") in [(e.type, e.reason) for e in d.events]
+        o = apply(o, d)
+        going = phases.decide(o, Observed(cluster(0, suspended=True), {train: job(train)}, queue=waiting()),
+                              at(t + 2), TUN)
+        assert kinds(going) == [] and going.status["reason"] == "Preempted"   # the pods still go (their preStop)
+        assert QUOTA in going.status["message"]   # Kueue's words for why it waits now
+        gone = ClusterObs(f"{NAME}-ray", {"conditions": [{"type": "RayClusterSuspended", "status": "True"}]}, True)
+        still = phases.decide(o, Observed(gone, {train: job(train, "FAILED", "Failed")}, queue=waiting()),
+                              at(t + 5), TUN)
+        assert still.phase == "Queued" and still.status["reason"] == "Preempted"
+        assert kinds(still) == [("delete", "RayJob", train)]   # KubeRay has deleted the pods: now it goes
+        o = apply(o, still)
+        o = apply(o, phases.decide(o, Observed(cluster(0)), at(t + 20), TUN))   # admitted again
+        assert o["status"]["phase"] == "Provisioning" and "admitted again" in o["status"]["message"]
+        o = apply(o, phases.decide(o, Observed(cluster(4, provisioned=True)), at(t + 30), TUN))
+        assert o["status"]["phase"] == "VerifyingCollectives"   # the new slice is verified again
+        d = phases.decide(o, Observed(cluster(4, provisioned=True),
+                                      {n.verify_job: job(n.verify_job, "SUCCEEDED", "Complete")}), at(t + 40), TUN)
+        assert d.phase == "Training" and kinds(d) == [("create", "RayJob", train)]   # same attempt: it resumes
+        assert d.status["trainingAttempts"] == 1
+        o = apply(o, d)
+        t += 100
+    assert o["status"]["goodput"]["queuedSeconds"] == 1 + 20 * preemptions   # first admission, then each wait
+
+
+def test_a_preempted_runs_job_still_there_at_readmission_is_deleted_first():
+    o, n = _labelled_training()
+    train = n.train_attempt(0)
+    o = apply(o, phases.decide(o, Observed(cluster(0, suspended=True), {train: job(train)},
+                                           queue=waiting(evicted=EVICTED)), at(10), TUN))
+    d = phases.decide(o, Observed(cluster(0), {train: job(train)}), at(12), TUN)   # admitted before it went
+    assert d.phase == "Queued" and kinds(d) == [("delete", "RayJob", train)] and "admitted again" in d.status["message"]
+    late = phases.decide(o, Observed(cluster(0, suspended=True), {train: job(train)}), at(10 + c.PREEMPTION_STOP_SECONDS),
+                         TUN)
+    assert kinds(late) == [("delete", "RayJob", train)]   # pods that never go: stopped anyway, bounded
+
+
+def test_kueue_not_installed_says_so_and_provisions():
+    o = queued()
+    o = apply(o, phases.decide(o, Observed(), at(0), TUN))
+    d = phases.decide(o, Observed(cluster(0), queue=phases.QueueObs(installed=False)), at(2), TUN)
+    assert d.phase == "Provisioning" and "Kueue not installed" in d.status["message"]
+    assert cond(d, c.Condition.ADMITTED)["reason"] == "KueueNotInstalled"
+    assert ("Warning", "KueueNotInstalled") in [(e.type, e.reason) for e in d.events]
+
+
+def test_unlabelled_objects_carry_no_admitted_condition():
+    d = phases.decide(make(), Observed(), at(0), TUN)
+    assert c.Condition.ADMITTED.value not in [x["type"] for x in d.status["conditions"]]
+
+
+@pytest.mark.parametrize("phase,suspended,expected", [
+    ("Queued", True, True), ("Queued", False, True), ("Training", True, True), ("Training", False, False),
+    ("Suspended", True, False), ("Provisioning", True, True)])
+def test_wants_queue(phase, suspended, expected):
+    o = queued()
+    o["status"] = {"phase": phase}
+    assert phases.wants_queue(o, cluster(0, suspended=suspended)) is expected
+    assert phases.wants_queue(o, None) is False
+    assert phases.wants_queue(make() | {"status": {"phase": phase}}, cluster(0, suspended=suspended)) is False

@@ -16,7 +16,7 @@ def test_first_reconcile_acts_then_writes_status_once():
     writes = kube.ops("patch_status")
     assert len(writes) == 1
     creates = kube.ops("create")
-    assert [c[1] for c in creates] == ["ServiceAccount", "Role", "RoleBinding", "RayCluster"]
+    assert [c[1] for c in creates] == ["ServiceAccount", "Role", "RoleBinding", "NetworkPolicy", "RayCluster"]
     assert kube.log.index(creates[-1]) < kube.log.index(writes[0])  # act first, then record
     assert kube.objects[("TPUFinetune", NAME)]["status"]["phase"] == "Provisioning"
     assert ("event", "Normal", "WaitingForSlice") in kube.log

@@ -3,8 +3,9 @@ import pytest
 import yaml
 
 from tests.factories import DELETE, MINIMUM, with_
+from tpuft import constants as c
 from tpuft import spec as spec_mod
-from tpuft.spec import MAX_NAME_LENGTH, SpecError, parse
+from tpuft.spec import MAX_NAME_LENGTH, ServeReplicas, SpecError, parse
 
 
 def test_minimum_spec_is_accepted_exactly_as_written():
@@ -84,6 +85,14 @@ BAD = [
     ("spec.checkpoint.resumeFrom", "", "spec.checkpoint.resumeFrom", "gs://BUCKET/PATH"),
     ("spec.checkpoint.resumeFrom", 7, "spec.checkpoint.resumeFrom", "must be a string"),
     ("spec.hfTokenSecret", {"name": "hf"}, "spec.hfTokenSecret.key", "is required"),
+    ("spec.hfTokenSecret", {"name": "Bad_Name", "key": "k"}, "spec.hfTokenSecret.name", "not a Secret name"),
+    ("spec.serve", {"enabled": True, "image": "v:1", "apiKeySecret": {"key": "k"}}, "spec.serve.apiKeySecret.name",
+     "is required"),
+    ("spec.serve", {"enabled": True, "image": "v:1", "apiKeySecret": {"name": "key", "key": "a/b"}},
+     "spec.serve.apiKeySecret.key", "not a Secret key"),
+    ("spec.serve", {"enabled": True, "image": "v:1", "apiKeySecret": {"name": "key", "key": ""}},
+     "spec.serve.apiKeySecret.key", "not a Secret key"),
+    ("spec.serve", {"enabled": False, "apiKeySecret": "key"}, "spec.serve.apiKeySecret", "must be an object"),
     ("spec.verification.timeoutSeconds", 1, "spec.verification.timeoutSeconds", "between 10"),
     ("spec.verification.enabled", "true", "spec.verification.enabled", "true or false"),
     ("spec.provisioningTimeoutSeconds", -5, "spec.provisioningTimeoutSeconds", "between 5"),
@@ -100,6 +109,10 @@ BAD = [
     ("spec.labels", ["a"], "spec.labels", "map of strings"),
     ("spec.env", [{"name": "1BAD"}], "spec.env[0].name", "valid environment variable"),
     ("spec.env", [{"name": "A", "value": "1", "valueFrom": {}}], "spec.env[0]", "not both"),
+    ("spec.env", [{"name": "RAY_AUTH_MODE", "value": "disabled"}], "spec.env[0].name", "reserved"),
+    ("spec.env", [{"name": "A", "value": "1"}, {"name": "RAY_AUTH_TOKEN", "value": "t"}], "spec.env[1].name",
+     "reserved"),
+    ("spec.env", [{"name": "TPUFT_SERVE_API_KEY", "value": "k"}], "spec.env[0].name", "spec.serve.apiKeySecret"),
     ("spec.serve", {"enabled": True}, "spec.serve.image", "required with engine vllm"),
     ("spec.serve", {"enabled": True, "engine": "vllm"}, "spec.serve.image", "training image has no vLLM"),
     ("spec.serve", {"enabled": True, "engine": "tgi"}, "spec.serve.engine", "vllm, transformers"),
@@ -108,6 +121,17 @@ BAD = [
      "unknown accelerator"),
     ("spec.serve", {"enabled": True, "engine": "transformers", "accelerator": "tpu7x"}, "spec.serve.topology", "3D"),
     ("spec.serve", {"enabled": True, "engine": "transformers", "replicas": 0}, "spec.serve.replicas", "between 1"),
+    ("spec.serve", {"enabled": True, "engine": "transformers", "replicas": "2"}, "spec.serve.replicas", "integer"),
+    ("spec.serve", {"enabled": True, "engine": "transformers", "replicas": {"min": 3, "max": 2}}, "spec.serve.replicas",
+     "min (3) is above max (2)"),
+    ("spec.serve", {"enabled": True, "engine": "transformers", "replicas": {"min": 0, "max": 2}},
+     "spec.serve.replicas.min", "between 1"),
+    ("spec.serve", {"enabled": True, "engine": "transformers", "replicas": {"min": 1, "max": 65}},
+     "spec.serve.replicas.max", "between 1 and 64"),
+    ("spec.serve", {"enabled": True, "engine": "transformers", "replicas": {"min": 2}}, "spec.serve.replicas",
+     "max missing"),
+    ("spec.serve", {"enabled": True, "engine": "transformers", "replicas": {"min": 1, "max": 2, "target": 1}},
+     "spec.serve.replicas", "unknown key(s) target"),
     ("spec.serve", {"enabled": "yes"}, "spec.serve.enabled", "true or false"),
     ("spec.serve", {"enabled": False, "timeoutSeconds": 5}, "spec.serve.timeoutSeconds", "between 10"),
     ("spec.serve", {"enabled": True, "image": "vllm:1", "maxModelLength": 8}, "spec.serve.maxModelLength",
@@ -177,10 +201,22 @@ def test_checkpoint_volume_needs_a_path_storage():
         parse(doc)
 
 
+@pytest.mark.parametrize("replicas, want, fixed", [
+    (None, ServeReplicas(1, 1), True),
+    (3, ServeReplicas(3, 3), True),
+    ({"min": 2, "max": 2}, ServeReplicas(2, 2), True),
+    ({"min": 1, "max": 4}, ServeReplicas(1, 4), False),
+])
+def test_serve_replicas_are_a_number_or_min_and_max(replicas, want, fixed):
+    serve = {"enabled": True, "image": "vllm-tpu:1", **({} if replicas is None else {"replicas": replicas})}
+    got = parse(with_("spec.serve", serve)).spec.serve.replicas
+    assert (got, got.fixed) == (want, fixed)
+
+
 def test_serve_defaults_to_the_training_slice_and_the_engine_to_the_accelerator():
     tpu = parse(with_("spec.serve", {"enabled": True, "image": "vllm-tpu:1"})).spec.serve
     assert (tpu.slice.generation, tpu.slice.topology, tpu.engine.value, tpu.image) == ("v6e", "4x4", "vllm", "vllm-tpu:1")
-    assert (tpu.replicas, tpu.timeout_seconds, tpu.max_model_length) == (1, 1800, None)
+    assert (tpu.replicas, tpu.timeout_seconds, tpu.max_model_length) == (ServeReplicas(1, 1), 1800, None)
     cpu_doc = with_("spec.topology", "2", with_("spec.accelerator", "cpu", with_("spec.serve", {"enabled": True})))
     cpu = parse(cpu_doc).spec.serve
     assert cpu.engine.value == "transformers" and cpu.image == MINIMUM["spec"]["image"]   # the training image
@@ -205,3 +241,38 @@ def test_every_rayservice_name_fits_kuberays_limit():
     from tpuft import builders, constants
     longest = parse(with_("metadata.name", "x" * MAX_NAME_LENGTH, with_("spec.serve", {"enabled": True, "image": "v:1"})))
     assert len(builders.names(longest).service) <= constants.RAYSERVICE_MAX_NAME_LENGTH
+
+
+def test_serve_api_key_secret_is_parsed_with_its_default_key():
+    serve = {"enabled": True, "image": "v:1"}
+    assert parse(with_("spec.serve", serve)).spec.serve.api_key_secret is None
+    got = parse(with_("spec.serve", {**serve, "apiKeySecret": {"name": "chat-key"}})).spec.serve.api_key_secret
+    assert got == spec_mod.SecretKeyRef("chat-key", c.SERVE_API_KEY_SECRET_KEY) == spec_mod.SecretKeyRef("chat-key", "api-key")
+    null_key = {**serve, "apiKeySecret": {"name": "chat-key", "key": None}}
+    assert parse(with_("spec.serve", null_key)).spec.serve.api_key_secret.key == "api-key"
+    other = parse(with_("spec.serve", {**serve, "apiKeySecret": {"name": "chat-key", "key": "token"}}))
+    assert other.spec.serve.api_key_secret == spec_mod.SecretKeyRef("chat-key", "token")
+
+
+# Every reserved key and prefix (tpuft.constants, also the CRD's CEL rule: tests/unit/test_crd.py), with
+# the map it is refused in. A prefix is tried with a name under it.
+RESERVED = ([("labels", k) for k, _ in c.RESERVED_LABELS.keys]
+            + [("labels", p + "x") for p, _ in c.RESERVED_LABELS.prefixes]
+            + [("annotations", k) for k, _ in c.RESERVED_ANNOTATIONS.keys]
+            + [("annotations", p + "x") for p, _ in c.RESERVED_ANNOTATIONS.prefixes])
+
+
+@pytest.mark.parametrize("field,key", RESERVED, ids=[f"{f}:{k}" for f, k in RESERVED])
+def test_reserved_label_and_annotation_keys_are_refused_by_path(field, key):
+    with pytest.raises(SpecError) as err:
+        parse(with_(f"spec.{field}", {"team": "ml", key: "v"}))
+    (problem,) = err.value.problems
+    assert problem.field == f"spec.{field}.{key}"
+    assert problem.message.startswith("is reserved: ") and problem.message.endswith("; remove it")
+
+
+@pytest.mark.parametrize("field,key", [("labels", "app.kubernetes.io/part-of"), ("labels", "kueue.x-k8s.io/queue-name"),
+                                       ("annotations", "app.kubernetes.io/name"), ("labels", "ray.iox/a"),
+                                       ("annotations", "example.com/ray.io"), ("labels", "tpufinetune.dev")])
+def test_keys_near_the_reserved_ones_are_the_users(field, key):
+    assert dict(getattr(parse(with_(f"spec.{field}", {key: "v"})).spec, field)) == {key: "v"}

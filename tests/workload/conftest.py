@@ -4,16 +4,46 @@ Only one local Ray may run on a machine at a time (other engineers' tests start 
 so `ray_cluster` takes an exclusive flock on /tmp/tpuft-ray.lock for the module's lifetime
 and always shuts Ray down. Do not also wrap pytest in `flock` on that file: the fixture would
 wait on its own lock (it gives up with a clear error after TPUFT_RAY_LOCK_WAIT_S seconds).
+
+Ray runs with token authentication, as Ray 2.60 defaults to for a local cluster, but with a random
+token for this session in RAY_AUTH_TOKEN (which Ray's token loader reads before RAY_AUTH_TOKEN_PATH
+and ~/.ray/auth_token): nothing is written to the user's ~/.ray, and every process a test starts
+(a driver connecting through RAY_ADDRESS, the workload's CLI) inherits the token. Set here, at import,
+because Ray reads RAY_AUTH_MODE once, when it is first imported. The `ray_auth_env` fixture gives
+the same variables to a test that starts a process with an environment of its own.
 """
 from __future__ import annotations
 
 import fcntl
 import os
+import secrets
 import time
 
 import pytest
 
 RAY_LOCK = "/tmp/tpuft-ray.lock"
+RAY_AUTH_ENV = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+os.environ.update(RAY_AUTH_ENV)
+os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+
+
+@pytest.fixture(scope="session")
+def ray_auth_env() -> dict[str, str]:
+    """RAY_AUTH_MODE and RAY_AUTH_TOKEN as this session's Ray has them."""
+    return dict(RAY_AUTH_ENV)
+
+
+def _init(ray):
+    """ray.init, once more if the raylet missed Ray's fixed 30 s registration window (seen on
+    2 cores running the cluster lanes beside this tier)."""
+    try:
+        return ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True)
+    except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
+        if "timed out during startup" not in str(e):
+            raise
+        print(f"ray.init: {e}; starting Ray again", flush=True)
+        ray.shutdown()
+        return ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True)
 
 
 @pytest.fixture(scope="module")
@@ -33,15 +63,19 @@ def ray_cluster():
                             "(is pytest itself wrapped in `flock` on that file?)")
             time.sleep(1)
     import ray
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
 
+    if not is_token_auth_enabled():
+        lock.close()
+        pytest.fail("something imported ray before tests/workload/conftest.py set RAY_AUTH_MODE=token (Ray "
+                    "reads it once, at import), so it runs without token auth: import ray after this conftest "
+                    "(in test modules or fixtures), not from a root conftest or plugin")
     env = pytest.MonkeyPatch()
-    env.setenv("RAY_AUTH_MODE", "disabled")  # Ray 2.60 turns on token auth for local clusters
     # Ray Train's controller polls workers every 2 s and a report() waits for that poll; a
     # shorter interval keeps the many small reports of these tests from dominating their time.
     env.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5"))
     try:
-        ctx = ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True)
-        yield ctx.address_info["gcs_address"]
+        yield _init(ray).address_info["gcs_address"]
     finally:
         ray.shutdown()
         env.undo()

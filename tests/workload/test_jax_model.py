@@ -5,6 +5,7 @@ Tolerance: the first-step loss (before any update) and the loss after one AdamW 
 """
 from __future__ import annotations
 
+import asyncio
 import os
 
 import numpy as np
@@ -156,5 +157,5 @@ def test_the_serve_app_answers_with_a_jax_written_export(tokenizer, tmp_path):
     engine = serveapp.Engine(serveapp.parse_args({"model_source": str(tmp_path), "model_id": "jax-tiny"}))
     request = chat_api.parse_request({"model": "jax-tiny", "messages": [{"role": "user", "content": "What is a dog?"}],
                                       "max_tokens": 8, "temperature": 0})
-    reply = engine.chat(request, "jax-tiny", 64)
-    assert 0 < reply.usage.completion_tokens <= 8 and reply.choices[0].message.content.strip()
+    reply = asyncio.run(engine.answer(request))
+    assert 0 < reply.completion_tokens <= 8 and reply.text.strip()

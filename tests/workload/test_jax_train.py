@@ -4,8 +4,9 @@ built-in tiny model and data.
 One run covers: loss goes down over 3 epochs, a worker killed mid-epoch is restarted
 (FailureConfig) and resumes from the last Orbax checkpoint with at most one interval lost,
 rank 0 reports status.training with the torch path's keys (to a loopback recorder: no API
-server), and the export loads with AutoModelForCausalLM.from_pretrained and generates. The
-RayJob's CLI path (`--framework jax`) then finds the finished run and retrains nothing.
+server) and writes the torch path's TensorBoard scalars, and the export loads with
+AutoModelForCausalLM.from_pretrained and generates. The RayJob's CLI path (`--framework jax`) then
+finds the finished run, retrains nothing and tees its driver log to --log-file.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.factories import tensorboard_scalars
 from tpuft_workload import __main__ as cli
 from tpuft_workload import checkpoint, jax_checkpoint, jax_train, train
 from tpuft_workload.platform import resolve_target
@@ -134,6 +136,15 @@ def test_status_has_the_torch_paths_keys_written_by_rank_0(killed_run, status_re
     assert final["exportedModel"] == cfg["export_uri"] and final["lastCheckpoint"].startswith(cfg["run_dir"])
     assert final["loss"] > 0 and final["tokensPerSecond"] > 0 and 0 <= final["padFraction"] < 0.1
     assert any(p.get("resumedFromStep") == _summary(cfg)["resumedFromStep"] for p in patches)
+    assert final["history"][-1]["step"] == final["step"] and "mfu" not in final   # CPU: no peak, no MFU
+
+
+def test_tensorboard_has_the_torch_paths_scalars_and_one_curve(killed_run):
+    _, _, cfg, result = killed_run
+    files, scalars = tensorboard_scalars(Path(cfg["run_dir"], "tensorboard"))
+    assert files == 2 and {"train/loss", "train/grad_norm", "train/tokens_per_second"} <= set(scalars)
+    steps = [s for s, _ in scalars["train/loss"]]
+    assert steps == sorted(set(steps)) and steps[-1] == result.metrics["total_steps"]
 
 
 def test_export_loads_and_generates(killed_run):
@@ -156,11 +167,14 @@ def test_resubmitted_job_resumes_through_the_cli(killed_run):
     storage, args, cfg, first = killed_run
     total = first.metrics["total_steps"]
     out = io.StringIO()
+    log_file = Path(cfg["run_dir"], "logs", "train.log")
     with contextlib.redirect_stdout(out):
-        assert cli.main(_argv(storage, args.run_name)) == 0
+        assert cli.main(_argv(storage, args.run_name, log_file=log_file)) == 0
     text = out.getvalue()
+    logged = log_file.read_text()   # the driver's log, kept for `tpuft logs` once the head is gone
     assert "(JaxTrainer)" in text
     line = next(ln for ln in text.splitlines() if ln.startswith(train.RESULT_PREFIX))
+    assert logged.startswith("[tpuft] train driver started ") and line in logged.splitlines()
     body = json.loads(line[len(train.RESULT_PREFIX):])
     assert body["succeeded"] and body["resumedFromStep"] == body["step"] == total
     assert body["exportedModel"] == cfg["export_uri"]

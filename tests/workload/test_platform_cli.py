@@ -77,8 +77,8 @@ def test_cli_rejects_bad_arguments_with_exit_2(argv, needle, capsys):
 
 
 def test_fault_specs():
-    assert faults.parse_faults("hang-rank:1, kill-rank:0:step:7") == [
-        faults.Fault("hang", 1), faults.Fault("kill", 0, 7)]
+    assert faults.parse_faults("hang-rank:1, kill-rank:0:step:7, sigterm-rank:1:step:3") == [
+        faults.Fault("hang", 1), faults.Fault("kill", 0, 7), faults.Fault("sigterm", 1, 3)]
     assert faults.parse_faults("") == []
     with pytest.raises(ValueError, match="hang-rank:R"):
         faults.parse_faults("hang:1")

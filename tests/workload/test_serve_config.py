@@ -39,3 +39,32 @@ def test_ray_serve_llm_refuses_a_topology_without_an_accelerator_type():
     bad.pop("accelerator_type")
     with pytest.raises(Exception, match="accelerator_type"):
         LLMConfig.model_validate(bad)
+
+
+@pytest.mark.parametrize("serve", [
+    {"replicas": 2},
+    {"replicas": {"min": 1, "max": 3}},
+    {"engine": "transformers", "replicas": 2},
+    {"engine": "transformers", "replicas": {"min": 2, "max": 4}},
+], ids=["vllm-fixed", "vllm-autoscaled", "transformers-fixed", "transformers-autoscaled"])
+def test_ray_serve_accepts_the_replica_counts_as_rendered(serve):
+    """The whole serveConfigV2 through Serve's own deploy schema, and the autoscaled LLMConfig's
+    deployment_config through Serve LLM's model: an autoscaling_config, never beside num_replicas."""
+    from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
+    from ray.serve.schema import ServeDeploySchema
+
+    doc = with_("spec.serve", {"enabled": True, "image": "vllm-tpu:1", **serve}, MINIMUM)
+    config = yaml.safe_load(builders.build_rayservice(parse(doc))["spec"]["serveConfigV2"])
+    (app,) = ServeDeploySchema.model_validate(config).applications
+    if serve.get("engine") == "transformers":
+        (deployment,) = app.deployments
+        given = deployment.model_dump(exclude_unset=True)   # unset fields hold Serve's DEFAULT sentinel
+    else:
+        given = LLMConfig.model_validate(app.args["llm_configs"][0]).deployment_config
+    replicas = serve["replicas"]
+    if isinstance(replicas, int):
+        assert given["num_replicas"] == replicas and "autoscaling_config" not in given
+    else:
+        scaling = given["autoscaling_config"]
+        assert (scaling["min_replicas"], scaling["max_replicas"]) == (replicas["min"], replicas["max"])
+        assert "num_replicas" not in given

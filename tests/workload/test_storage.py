@@ -23,14 +23,15 @@ def test_a_path_under_a_file_is_reported_with_its_name(tmp_path):
     assert "spec.checkpoint.storagePath" in str(err.value)
 
 
-def test_train_cli_fails_fast_on_an_unwritable_storage_path(tmp_path):
+def test_train_cli_fails_fast_on_an_unwritable_storage_path(tmp_path, ray_auth_env):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     proc = subprocess.run(
         [sys.executable, "-m", "tpuft_workload", "train", "--accelerator", "cpu", "--topology", "2",
          "--model", "builtin:tiny-llama", "--dataset", "builtin:dolly-mini", "--storage-path", str(blocker),
          "--run-name", "r"],
-        capture_output=True, text=True, timeout=120, env={"RAY_AUTH_MODE": "disabled", "PATH": "/usr/bin:/bin"})
+        # the session's token: a regression that reaches ray.init must not write ~/.ray/auth_token
+        capture_output=True, text=True, timeout=120, env={**ray_auth_env, "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 1, proc.stderr[-2000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("TPUFT_TRAIN_RESULT "))
     result = json.loads(line.split(" ", 1)[1])

@@ -2,8 +2,10 @@
 
 One run covers: loss goes down over 3 epochs, a worker killed mid-epoch is restarted
 (FailureConfig) and resumes from the last checkpoint with at most one interval lost, the
-status subresource of a real TPUFinetune is written by rank 0, and the exported folder loads
-with AutoModelForCausalLM.from_pretrained and generates.
+status subresource of a real TPUFinetune is written by rank 0 (with the loss history; no MFU on
+CPU), rank 0's TensorBoard files hold one curve across both attempts (and `tpuft plot` reads
+them as tensorboardX does), rank 0's Prometheus gauges reach Ray's metrics endpoint, and the
+exported folder loads with AutoModelForCausalLM.from_pretrained and generates.
 """
 from __future__ import annotations
 
@@ -14,6 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.factories import tensorboard_scalars
+from tpuft import plot_cli
+from tpuft.constants import HISTORY_MAX_POINTS
 from tpuft_workload import __main__ as cli
 from tpuft_workload import train
 
@@ -107,6 +112,52 @@ def test_status_written_by_rank_0(killed_run, cr):
     assert t["lastCheckpoint"].startswith(cfg["run_dir"])
     assert t["loss"] > 0 and t["tokensPerSecond"] > 0 and 0 <= t["padFraction"] < 0.1
     assert "verification" not in status and "phase" not in status  # nothing else touched
+    steps = [p["step"] for p in t["history"]]
+    assert 3 <= len(steps) <= HISTORY_MAX_POINTS and steps == sorted(set(steps)) and steps[-1] == t["step"]
+    assert t["history"][-1] == {"step": t["step"], "loss": t["loss"], "tokensPerSecond": t["tokensPerSecond"]}
+    assert "mfu" not in t   # CPU: no peak FLOP/s in the catalog
+
+
+def test_tensorboard_holds_one_curve_across_both_attempts(killed_run):
+    _, _, cfg, result = killed_run
+    files, scalars = tensorboard_scalars(Path(cfg["run_dir"], "tensorboard"))
+    assert files == 2   # rank 0 of the killed attempt and of the restarted one
+    assert {"train/loss", "train/grad_norm", "train/tokens_per_second", "train/step_time_seconds",
+            "train/learning_rate"} <= set(scalars) and "train/mfu" not in scalars
+    steps = [s for s, _ in scalars["train/loss"]]
+    assert steps == sorted(set(steps)) and steps[-1] == result.metrics["total_steps"]   # no step twice
+    assert all(v > 0 for _, v in scalars["train/grad_norm"])
+    assert scalars["train/learning_rate"][0][1] == pytest.approx(3e-3)   # float32 in the event file
+    # `tpuft plot` reads them without tensorboard or protobuf, as tensorboardX's own protos do
+    assert plot_cli.read_events(Path(cfg["run_dir"], "tensorboard")) == (files, scalars)
+
+
+def test_rank_0s_gauges_reach_rays_metrics_endpoint(killed_run):
+    """What the chart's PodMonitor scrapes: ray.util.metrics gauges set in a Ray worker, as Ray's
+    metrics agent exports them (ray_<name>{tpufinetune=...}) on the node's metrics port."""
+    import time
+    import urllib.request
+
+    import ray
+
+    from tpuft.constants import TrainMetric
+    from tpuft_workload.metrics_log import Prometheus
+
+    @ray.remote(num_cpus=0)
+    def set_gauges():
+        Prometheus(True, "gauge-probe").add(7, {"loss": 1.5, "tokens_per_s": 1234.0, "step_time_s": 0.25, "mfu": None})
+
+    ray.get(set_gauges.remote())   # the worker stays (Ray keeps idle workers) and pushes them
+    port = ray._private.worker.global_worker.node.metrics_export_port
+    want = {m.exported: v for m, v in ((TrainMetric.LOSS, 1.5), (TrainMetric.TOKENS_PER_SECOND, 1234.0),
+                                       (TrainMetric.STEP_TIME_SECONDS, 0.25), (TrainMetric.STEP, 7.0))}
+    deadline, got = time.monotonic() + 45, {}
+    while time.monotonic() < deadline and got.keys() != want.keys():
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        got = {ln.split("{", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+               if ln.startswith("ray_tpuft_train_") and 'tpufinetune="gauge-probe"' in ln}
+        time.sleep(1)
+    assert got == want   # and no MFU series: None is not exported
 
 
 def test_export_loads_and_generates(killed_run):

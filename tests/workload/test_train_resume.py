@@ -1,8 +1,11 @@
 """Whose checkpoints a run resumes: its own object's only, unless spec.checkpoint.resumeFrom says otherwise.
 
 Real CPU training on 2 workers (gloo, FSDP2, built-in tiny model and data). The run names are
-the operator's, `<namespace>-<name>-<uid>`: one object killed mid-run and resubmitted (a
-training RayJob retry: same UID) resumes step-exact from its own newest checkpoint; a
+the operator's, `<namespace>-<name>-<uid>`: one object told to stop mid-run (a SIGTERM to one rank's
+worker process, as the pod's preStop hook sends it on a Kueue eviction or a drain) saves a checkpoint
+at the next step on every rank and ends as stopped, and its resubmission (a training RayJob retry:
+same UID) resumes step-exact from that, its own newest checkpoint (a hard kill's in-job restart from
+the periodic checkpoint is tests/workload/test_train.py's); a
 re-created object (same name and storagePath, another UID) trains from step 0 and leaves the
 first one's files untouched; resumeFrom continues an earlier run on purpose, or is refused
 with a message naming the field. Status patches go to a loopback recorder (no API server):
@@ -26,7 +29,7 @@ from tpuft_workload import checkpoint, train
 NS, NAME = "ns", "demo"
 EPOCHS, STEPS_PER_EPOCH, CKPT_EVERY = 2, 7, 3   # train[:80] packs into 62 rows: 7 steps of 2x4 rows
 TOTAL = EPOCHS * STEPS_PER_EPOCH
-KILL_STEP = 9                                   # steps 1..8 run; committed: 3, 6, 7 (epoch end)
+SIGTERM_STEP = 9   # rank 1's SIGTERM comes after step 8, before step 9; committed by then: 3, 6, 7 (epoch end)
 
 
 PATCHES: list = []  # (path, status) of every status patch the recorder received
@@ -109,32 +112,53 @@ def _committed(run_dir: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def first_object(ray_env, tmp_path_factory):
-    """Object uid-a: killed mid-run (no in-job restarts), then its training RayJob is resubmitted."""
+    """Object uid-a: stopped mid-run (SIGTERM to rank 1; no in-job restarts), then its training
+    RayJob is resubmitted."""
     storage = tmp_path_factory.mktemp("storage")
     run_dir = storage / f"{NS}-{NAME}-uid-a"
-    failed = _run(storage, "uid-a", fault=f"kill-rank:1:step:{KILL_STEP}")
-    committed_before_retry = _committed(run_dir)
+    stopped = _run(storage, "uid-a", fault=f"sigterm-rank:1:step:{SIGTERM_STEP}")
+    stopped_patches, committed_after_stop = _training_patches(ray_env), _committed(run_dir)
+    summary_after_stop = (run_dir / train.SUMMARY).exists()
     ray_env.clear()
     retry = _run(storage, "uid-a")
-    return {"storage": storage, "run_dir": run_dir, "failed": failed, "retry": retry,
-            "committed_before_retry": committed_before_retry, "patches": _training_patches(ray_env),
-            "files": _files(run_dir)}
+    return {"storage": storage, "run_dir": run_dir, "stopped": stopped, "retry": retry,
+            "stopped_patches": stopped_patches, "committed_after_stop": committed_after_stop,
+            "summary_after_stop": summary_after_stop, "patches": _training_patches(ray_env), "files": _files(run_dir)}
 
 
-def test_a_retry_of_the_same_object_resumes_step_exact_from_its_own_checkpoint(first_object):
-    rc, body = first_object["failed"]
-    assert rc == 1 and body["succeeded"] is False
-    assert first_object["committed_before_retry"] == [3, 6, 7]
-    rc, body = first_object["retry"]
-    assert rc == 0 and body["succeeded"], body
-    assert body["resumedFromStep"] == 7 and body["step"] == body["totalSteps"] == TOTAL
-    assert body["resumedFrom"] == str(first_object["run_dir"] / "checkpoint_step_0000007")
-    assert body["loss"] > 0 and body["tokensPerSecond"] > 0
-    first = first_object["patches"][0]
-    assert (first["resumedFromStep"], first["step"]) == (7, 7) and first["message"].startswith("resumed at step 7")
+def test_a_sigterm_to_one_rank_saves_the_next_step_on_every_rank(first_object):
+    from tpuft.constants import EXIT_STOPPED
+
+    signalled_after = SIGTERM_STEP - 1   # the last step rank 1 had finished when it got the SIGTERM
+    rc, body = first_object["stopped"]
+    assert rc == EXIT_STOPPED and body["succeeded"] is False and body["stopped"] == "SIGTERM", body
+    saved = body["step"]
+    assert saved - signalled_after in (1, 2), body   # at the next step boundary (at most one more)
+    assert body["lastCheckpoint"] == str(first_object["run_dir"] / f"checkpoint_step_{saved:07d}")
+    assert body["message"] == f"stop requested (SIGTERM): checkpoint at step {saved} saved; " \
+                              "resume repeats at most one step"
+    assert first_object["committed_after_stop"] == sorted({3, 6, 7, 9, saved})   # both ranks' shards, committed
+    assert not first_object["summary_after_stop"]   # not finished: no summary, no export
+    last = first_object["stopped_patches"][-1]
+    assert (last["step"], last["message"], last["lastCheckpoint"]) == (saved, body["message"], body["lastCheckpoint"])
+    assert "exportedModel" not in last
     manifest = json.loads((first_object["run_dir"] / checkpoint.RUN_MANIFEST).read_text())
     assert manifest["format"] == checkpoint.RUN_FORMAT and manifest["model"] == "builtin:tiny-llama"
     assert (manifest["namespace"], manifest["name"]) == (NS, NAME)
+
+
+def test_a_retry_of_the_same_object_resumes_step_exact_from_its_own_newest_checkpoint(first_object):
+    saved = first_object["stopped"][1]["step"]
+    rc, body = first_object["retry"]
+    assert rc == 0 and body["succeeded"], body
+    assert body["resumedFromStep"] == saved and body["step"] == body["totalSteps"] == TOTAL   # nothing repeated
+    assert body["resumedFrom"] == first_object["stopped"][1]["lastCheckpoint"]
+    assert body["loss"] > 0 and body["tokensPerSecond"] > 0
+    first = first_object["patches"][0]
+    assert (first["resumedFromStep"], first["step"]) == (saved, saved)
+    assert first["message"].startswith(f"resumed at step {saved}")
+    print(f"SIGTERM after step {SIGTERM_STEP - 1}: checkpoint at step {saved}, resumed at step "
+          f"{body['resumedFromStep']}: {saved - body['resumedFromStep']} steps repeated")
 
 
 def test_a_recreated_object_trains_from_step_0_and_leaves_the_first_alone(first_object, ray_env):

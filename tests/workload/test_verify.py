@@ -1,4 +1,5 @@
-"""Collective verification on 2 real CPU workers (gloo): pass, injected hang, injected failure."""
+"""Collective verification on 2 real CPU workers (gloo): pass, injected hang, injected failure; and the
+local Ray they run on refuses a client without its token."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tpuft_workload import verify
@@ -38,7 +40,8 @@ def test_a_hung_rank_ends_in_a_timeout_failure_within_its_bound(ray_cluster, kub
     body["metadata"] = {"name": "hang"}
     api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
     timeout_s = 20
-    env = {**os.environ, "RAY_ADDRESS": ray_cluster, "TPUFT_FAULT": "hang-rank:1", "RAY_AUTH_MODE": "disabled",
+    # os.environ carries this session's RAY_AUTH_MODE/RAY_AUTH_TOKEN (conftest): the driver authenticates
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster, "TPUFT_FAULT": "hang-rank:1",
            "TPUFT_NAMESPACE": namespace, "TPUFT_NAME": "hang", "KUBECONFIG": kubeconfig}
     env.pop("KUBERNETES_SERVICE_HOST", None)
     cmd = [sys.executable, "-m", "tpuft_workload", "verify", "--accelerator", "cpu", "--topology", "2",
@@ -59,6 +62,23 @@ def test_a_hung_rank_ends_in_a_timeout_failure_within_its_bound(ray_cluster, kub
     assert v["passed"] is False and v["message"] == body["message"] and v["ranks"] == 2
     assert v["expectedSum"] == 3.0 and "allReduceSum" not in v   # null in a merge patch: absent
     assert set(status) == {"verification"}               # nothing else written
+
+
+def test_the_local_ray_refuses_a_client_without_its_token(ray_cluster, ray_auth_env):
+    """The conftest's Ray really has token auth on: its GCS answers a bare gRPC call UNAUTHENTICATED,
+    a wrong token too, and the session's token (Ray's own header, `authorization: Bearer <token>`) OK.
+    A raw channel, not a second driver: a refused ray.init retries for ~25 s before it gives up."""
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    with grpc.insecure_channel(ray_cluster) as channel:
+        cluster_id = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId
+        for metadata in ((), (("authorization", "Bearer " + "0" * 64),)):
+            with pytest.raises(grpc.RpcError) as e:
+                cluster_id(gcs_service_pb2.GetClusterIdRequest(), metadata=metadata, timeout=30)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, e.value
+        token = (("authorization", f"Bearer {ray_auth_env['RAY_AUTH_TOKEN']}"),)
+        assert cluster_id(gcs_service_pb2.GetClusterIdRequest(), metadata=token, timeout=30).cluster_id
 
 
 def test_a_failing_rank_fails_fast_without_waiting_for_the_timeout(ray_cluster):

@@ -48,6 +48,9 @@ def _add_slice_args(p: argparse.ArgumentParser) -> None:
                    help="slice shape such as 4x4 or 2x2x2; with cpu/gpu, the worker count")
     p.add_argument("--slices", type=_positive_int, default=D["slices"],
                    help=f"number of slices (default {D['slices']})")
+    p.add_argument("--log-file", default=None,
+                   help="also write the driver's log (stdout and stderr) to this local path or gs:// URI "
+                        "(the operator passes {storagePath}/{run}/logs/<job>.log)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,9 +123,17 @@ def main(argv: list[str] | None = None) -> int:
     # The driver never needs torch_tpu (workers import it explicitly on the TPU path); keep
     # `import torch` on a TPU image's CPU-only head pod from auto-loading it.
     os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
-    logging.basicConfig(level=os.environ.get("TPUFT_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args, target = parse_args(argv)
+    from tpuft_workload import driver_log
+
+    with driver_log.tee(args.log_file, args.command):
+        # inside the tee: the handler writes to the stderr that also goes to the log file
+        logging.basicConfig(level=os.environ.get("TPUFT_LOG_LEVEL", "INFO"),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return _run(args, target)
+
+
+def _run(args: argparse.Namespace, target: Target) -> int:
     from tpuft_workload import faults
     from tpuft_workload.report import StatusReporter
 

@@ -95,6 +95,20 @@ def write_json(uri: str, obj) -> None:
         f.write(json.dumps(obj, sort_keys=True).encode())
 
 
+def write_bytes(uri: str, data: bytes) -> None:
+    """`data` as the file `uri`, its folder created first."""
+    fs, path = _fs(uri)
+    fs.create_dir(path.rpartition("/")[0], recursive=True)
+    with fs.open_output_stream(path) as f:
+        f.write(data)
+
+
+def read_bytes(uri: str) -> bytes:
+    fs, path = _fs(uri)
+    with fs.open_input_stream(path) as f:
+        return f.read()
+
+
 def read_json(uri: str):
     fs, path = _fs(uri)
     with fs.open_input_stream(path) as f:

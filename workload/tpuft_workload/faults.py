@@ -8,6 +8,8 @@ workers of an already-running cluster do not inherit the driver's environment):
   kill-rank:R:step:S       train: rank R exits the process hard at global step S, once
                            (a marker file under the run directory stops a second kill after
                            the restart, so resume-from-checkpoint can be tested)
+  sigterm-rank:R:step:S    train: rank R's process gets a SIGTERM at global step S (before the
+                           step runs), once, as a pod's preStop hook sends it
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ ENV_FAULT = "TPUFT_FAULT"
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str      # hang | fail | kill
+    kind: str      # hang | fail | kill | sigterm
     rank: int
     step: int = -1
 
@@ -34,14 +36,14 @@ def parse_faults(spec: str | None) -> list[Fault]:
         try:
             if bits[0] in ("hang-rank", "fail-rank") and len(bits) == 2:
                 faults.append(Fault(bits[0].split("-")[0], int(bits[1])))
-            elif bits[0] == "kill-rank" and len(bits) == 4 and bits[2] == "step":
-                faults.append(Fault("kill", int(bits[1]), int(bits[3])))
+            elif bits[0] in ("kill-rank", "sigterm-rank") and len(bits) == 4 and bits[2] == "step":
+                faults.append(Fault(bits[0].split("-")[0], int(bits[1]), int(bits[3])))
             else:
                 raise ValueError
         except ValueError:
             raise ValueError(
                 f"{ENV_FAULT}={spec!r}: cannot parse {part!r}; use hang-rank:R, fail-rank:R "
-                "or kill-rank:R:step:S"
+                "kill-rank:R:step:S or sigterm-rank:R:step:S"
             ) from None
     return faults
 

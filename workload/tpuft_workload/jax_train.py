@@ -14,7 +14,9 @@ divisible dimension (FSDP: XLA all-gathers weights for the step and reduce-scatt
 gradients); each step's global batch sharded over the whole mesh from the worker's Ray Data
 shard (`jax.make_array_from_process_local_data`). bf16 compute with float32 master weights on
 accelerators, float32 on CPU. Orbax checkpoints (tpuft_workload.jax_checkpoint), status keys,
-log lines, export layout and the run summary are the torch path's.
+log lines, TensorBoard files, export layout and the run summary are the torch path's
+(tpuft_workload.train.record, finish_run), and so is a stop on SIGTERM (tpuft_workload.preemption,
+train.stop_run): the processes agree on the step through JAX's own preemption sync point.
 """
 from __future__ import annotations
 
@@ -30,12 +32,13 @@ import ray.train
 from tpuft_workload import checkpoint as ckptlib
 from tpuft_workload import data as datalib
 from tpuft_workload import faults as faultlib
-from tpuft_workload import jax_checkpoint, pipeline
+from tpuft_workload import jax_checkpoint, pipeline, preemption
 from tpuft_workload import jax_model as jm
+from tpuft_workload.metrics_log import Prometheus, TensorBoard
 from tpuft_workload.platform import PLATFORMS, Target
-from tpuft_workload.report import BackgroundReporter, StatusReporter, Throttle
-from tpuft_workload.train import (TrainConfig, _ckpt_name, _maybe_kill, _resume_message, _say, _status_metrics,
-                                  epoch_line, finish_run, interval_line, prepare, run_config)
+from tpuft_workload.report import BackgroundReporter, StatusReporter, Throttle, flops_per_token, gpu_slice_peak
+from tpuft_workload.train import (TrainConfig, _ckpt_name, _maybe_kill, _resume_message, _say, _stopped, epoch_line,
+                                  finish_run, interval_line, prepare, record, run_config, stop_run)
 from tpuft_workload.train import scaling_config as _scaling_config
 from tpuft_workload.train import run_training as _run_training
 
@@ -141,7 +144,8 @@ def _train_step(tx, cfg: jm.ModelConfig, dtype, params, opt_state, batch):
 
     loss, grads = jax.value_and_grad(mean_loss)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss, batch["n_real"].sum()
+    # the norm before clip_by_global_norm, as torch's clip_grad_norm_ returns it
+    return optax.apply_updates(params, updates), opt_state, loss, batch["n_real"].sum(), optax.global_norm(grads)
 
 
 def _model_dir(ref: str) -> str:
@@ -175,12 +179,13 @@ class _Window:
     mesh), so reducing needs no collective; the loss stays on device until then."""
 
     def __init__(self):
-        self.loss, self.steps, self.real, self.padded = 0.0, 0, 0, 0
+        self.loss, self.grad_norm, self.steps, self.real, self.padded = 0.0, 0.0, 0, 0, 0
         self.t0 = time.perf_counter()
         self.excluded = 0.0
 
-    def add(self, loss, real, padded: int) -> None:
+    def add(self, loss, real, padded: int, grad_norm) -> None:
         self.loss = self.loss + loss
+        self.grad_norm = self.grad_norm + grad_norm
         self.steps += 1
         self.real = self.real + real
         self.padded += padded
@@ -189,17 +194,40 @@ class _Window:
         loss, real = float(self.loss), int(self.real)
         wall = time.perf_counter() - self.t0
         secs = max(wall - self.excluded, 1e-9)
-        return {"loss": loss / max(self.steps, 1), "seconds": wall, "tokens_per_s": real / secs,
+        return {"loss": loss / max(self.steps, 1), "grad_norm": float(self.grad_norm) / max(self.steps, 1),
+                "seconds": wall, "tokens_per_s": real / secs,
                 "padded_tokens_per_s": self.padded / secs, "step_time_s": secs / max(self.steps, 1),
                 "pad_fraction": 1.0 - real / self.padded if self.padded else 0.0}
 
 
 def train_loop(config: dict) -> None:
-    """One JAX worker (one host): setup, restore, train, finish (export)."""
+    """One JAX worker (one host): setup, restore, train, finish (export) or stop (told to)."""
+    preemption.install()
     run = _Run(TrainConfig.from_dict(config))
     run.restore()
-    run.train()
-    run.finish()
+    if run.train():
+        stop_run(run)
+    else:
+        run.finish()
+
+
+class _StopVote:
+    """The processes' agreement to stop at this step: any told to (SIGTERM) -> all, at the same step.
+    Several processes: JAX's preemption sync point (`multihost_utils.reached_preemption_sync_point`).
+    jax.distributed.initialize starts JAX's preemption service, whose own SIGTERM handler (it replaces
+    preemption.install's) tells the coordination service; the processes agree on the next step after
+    the furthest any has reached, and every call in between only reads a local value (no collective,
+    no device sync: well under a microsecond per step). One process: its own flag."""
+
+    def __init__(self, jax):
+        self.sync = jax.process_count() > 1
+
+    def agreed(self, step: int) -> bool:
+        if self.sync:
+            from jax.experimental import multihost_utils
+
+            return multihost_utils.reached_preemption_sync_point(step)
+        return preemption.requested()
 
 
 class _Run:
@@ -208,15 +236,22 @@ class _Run:
         self.cfg, self.rank, self.world = cfg, ctx.get_world_rank(), ctx.get_world_size()
         self.plat = PLATFORMS[cfg.platform]
         self.jax = init_jax(cfg.platform, self.rank, self.world)
+        # MFU's denominator: the TPU slice's from the catalog (the driver's), the GPUs' found here
+        self.peak_flops = cfg.peak_flops
+        if self.plat.kind == "gpu":
+            self.peak_flops = gpu_slice_peak(self.jax.devices()[0].device_kind, self.jax.device_count())
         self.faults = faultlib.parse_faults(cfg.fault)
         self.reporter = BackgroundReporter(StatusReporter(cfg.cr_namespace, cfg.cr_name) if self.rank == 0
                                            else StatusReporter("", ""))
         self.throttle = Throttle(cfg.status_every_s)
         self._data()
         self._model()
+        self.vote = _StopVote(self.jax)
         self.step, self.resumed_from = 0, -1
         self.last_ckpt, self.message, self.source = "", None, ""
         self.last_metrics: dict = {}
+        self.tensorboard = TensorBoard(cfg.run_dir, enabled=False)   # rank 0's opens once restored (train)
+        self.prometheus = Prometheus(enabled=False)
 
     def _data(self) -> None:
         from tpuft_workload import model as modellib
@@ -253,6 +288,7 @@ class _Run:
         jax, cfg = self.jax, self.cfg
         self.hf_config, self.mcfg, host = load_weights(cfg.model, self.tokenizer, cfg.seed)
         arch = jax_checkpoint.architecture(jm.hf_class(self.hf_config), host)
+        self.flops_per_token = flops_per_token(arch["parameters"], self.hf_config, cfg.max_seq_length)   # MFU's
         if cfg.resume_from:
             self._check_resume(arch)
         if self.rank == 0:
@@ -310,12 +346,13 @@ class _Run:
         from ray.train import Checkpoint
         from ray.train.v2.api.report_config import CheckpointUploadMode
 
-        self.last_metrics = _status_metrics(metrics)
+        record(self, metrics)
         metrics = {**metrics, "step": self.step, "total_steps": self.total_steps,
                    "resumed_from_step": self.resumed_from}
         if not save:
             ray.train.report(metrics)
             return
+        self.tensorboard.sync()
         name = _ckpt_name(self.step)
         path = ckptlib.join(self.cfg.run_dir, name)
         jax_checkpoint.save(self._state(), {"step": self.step, "epoch": metrics.get("epoch"), "path": path,
@@ -329,48 +366,63 @@ class _Run:
         self.last_ckpt = path
 
     # --- train ----------------------------------------------------------------------------------------
-    def train(self) -> None:
+    def train(self) -> bool:
+        """Every epoch left; True when the processes stopped on request (after that step's checkpoint)."""
+        self.tensorboard = TensorBoard(self.cfg.run_dir, self.rank == 0, resumed_at=self.step)
+        # tagged with the TPUFinetune's name (the run's directory name off the cluster)
+        tag = self.cfg.cr_name or self.cfg.run_dir.rstrip("/").rsplit("/", 1)[-1]
+        self.prometheus = Prometheus(self.rank == 0, tag)
         for epoch in range(self.step // self.spe if self.spe else 0, self.cfg.epochs):
-            self._epoch(epoch)
+            if self._epoch(epoch):
+                return True
+        return False
 
     def _step(self, rows: dict) -> tuple:
-        """One optimizer step on this worker's rows of the global batch: (loss, real tokens), global."""
+        """One optimizer step on this worker's rows of the global batch: (loss, real tokens, gradient
+        norm), global."""
         _maybe_kill(self.faults, self.rank, self.step + 1, self.cfg.run_dir_local)
         local = {**jm.inputs_from_rows(rows, self.cfg.packing), "n_real": rows["n_real"].astype("int32")}
         batch = {k: self.jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in local.items()}
-        self.params, self.opt_state, loss, real = self.step_fn(self.params, self.opt_state, batch)
+        self.params, self.opt_state, loss, real, grad_norm = self.step_fn(self.params, self.opt_state, batch)
         self.step += 1
-        return loss, real
+        return loss, real, grad_norm
 
-    def _epoch(self, epoch: int) -> None:
+    def _epoch(self, epoch: int) -> bool:
+        """One epoch's steps; True when the processes agreed to stop (that step's checkpoint is saved)."""
         cfg, spe = self.cfg, self.spe
         every_ckpt, every_rep = cfg.checkpoint_every_steps, cfg.report_every_steps
         padded = self.local_batch * self.world * cfg.max_seq_length
         done = self.step - epoch * spe   # a resumed epoch passes over the batches it already trained on
         batches = pipeline.numpy_batches(self.shard, self.local_batch, cfg.seed, epoch, skip=done)
         epoch_win, win = _Window(), _Window()
+        stop = False
         for i, rows in zip(range(done, spe), batches):
-            loss, real = self._step(rows)
+            loss, real, grad_norm = self._step(rows)
             for w in (win, epoch_win):
-                w.add(loss, real, padded)
-            if i == spe - 1:
+                w.add(loss, real, padded, grad_norm)
+            stop = self.vote.agreed(self.step)
+            if i == spe - 1:   # the end of the epoch reports (and saves) below
                 break
-            save = bool(every_ckpt) and self.step % every_ckpt == 0
+            save = stop or (bool(every_ckpt) and self.step % every_ckpt == 0)
             if self.step % every_rep == 0 or save:
                 paused = time.perf_counter()
-                self._interval(epoch, win.reduce(), save)
+                self._interval(epoch, win.reduce(), save, stop)
                 epoch_win.excluded += time.perf_counter() - paused  # reports are not training time
                 win = _Window()
+            if stop:
+                return True
         m = epoch_win.reduce()
         if self.rank == 0:
             _say(epoch_line(epoch + 1, cfg.epochs, m))
-        self.report({"epoch": epoch + 1, "epoch_loss": m["loss"], "epoch_time_s": m["seconds"], **m}, True)
+        self.report({"epoch": epoch + 1, "epoch_loss": m["loss"], "epoch_time_s": m["seconds"], **m,
+                     **_stopped(stop)}, True)
         self.status(True, epoch=epoch + 1, step=self.step, lastCheckpoint=self.last_ckpt, **self.last_metrics)
+        return stop
 
-    def _interval(self, epoch: int, m: dict, save: bool) -> None:
+    def _interval(self, epoch: int, m: dict, save: bool, stop: bool = False) -> None:
         if self.rank == 0:
             _say(interval_line(epoch + 1, self.cfg.epochs, self.step, self.total_steps, m))
-        self.report({"epoch": epoch + 1, **m}, save)
+        self.report({"epoch": epoch + 1, **m, **_stopped(stop)}, save)
         self.status(save, epoch=epoch + 1, step=self.step, lastCheckpoint=self.last_ckpt or None,
                     **self.last_metrics)
 

@@ -4,6 +4,8 @@ The operator owns every other status key, so the patch body is always
 {"status": {"verification": {...}}} or {"status": {"training": {...}}}, sent as a JSON
 merge patch to the status subresource. Enabled only when TPUFT_NAMESPACE and TPUFT_NAME
 are set. A failed report is logged and swallowed: progress reporting never kills a run.
+A merge patch (RFC 7386) replaces a list wholly, so each status.training.history sent is the
+whole curve (`add_point`), never appended to what the object holds.
 """
 from __future__ import annotations
 
@@ -11,15 +13,63 @@ import datetime as _dt
 import logging
 import os
 import time
+from typing import Mapping
 
-from tpuft.constants import (ENV_CR_NAME, ENV_CR_NAMESPACE, GROUP, PLURAL, VERSION, TrainingStatus,
-                             VerificationStatus)
+from tpuft.catalog import gpu_peak_flops
+from tpuft.constants import (ENV_CR_NAME, ENV_CR_NAMESPACE, GROUP, HISTORY_MAX_POINTS, PLURAL, VERSION, HistoryPoint,
+                             TrainingStatus, VerificationStatus)
 
 log = logging.getLogger(__name__)
 
 # The one list of keys (tpuft.constants, which the CRD's status schema is built from too).
 TRAINING_KEYS = tuple(k.value for k in TrainingStatus)
 VERIFICATION_KEYS = tuple(k.value for k in VerificationStatus)
+
+
+def add_point(history: list[dict], point: dict, max_points: int = HISTORY_MAX_POINTS) -> list[dict]:
+    """status.training.history with `point` added: at most `max_points`, evenly spaced in steps (the
+    gap of the first two) plus the latest. The latest stands in for its successor until the gap
+    from the point before it reaches that spacing; when full, every other point is dropped (the
+    first and the latest stay) and the spacing doubles. Points at or past `point`'s step are
+    dropped first: an attempt restarted from a checkpoint reports those steps again."""
+    step = HistoryPoint.STEP.value
+    out = [p for p in history if p[step] < point[step]]
+    if len(out) >= 3 and out[-1][step] - out[-2][step] < out[1][step] - out[0][step]:
+        out.pop()
+    out.append(point)
+    if len(out) > max_points:
+        out = out[:-1:2] + [out[-1]]
+    return out
+
+
+def flops_per_token(parameters: int, config: Mapping, seq_len: int) -> float:
+    """Training FLOPs per token, PaLM's formula (Chowdhery et al. 2022, appendix B): 6N + 12·L·H·Q·T.
+    6N: forward (2N) and backward (4N) of every weight matmul, N every parameter the model holds
+    (tied embeddings: the output projection's matmul; the input lookup is not one, an untied
+    input table is counted anyway). 12·L·H·Q·T: attention's scores and weighted values, L layers,
+    H·Q heads x head dim, T the sequence length (--max-seq-length: packed rows are full), over
+    the whole row (no discount for the causal mask or a sliding window: PaLM's convention).
+    `config` is the Hugging Face config as a dict; a multimodal one's text_config is the decoder."""
+    text = config.get("text_config") or config
+    layers, heads = int(text.get("num_hidden_layers") or 0), int(text.get("num_attention_heads") or 0)
+    head_dim = int(text.get("head_dim") or (text.get("hidden_size") or 0) // max(heads, 1))
+    return 6.0 * parameters + 12.0 * layers * heads * head_dim * seq_len
+
+
+def gpu_slice_peak(device_name: str, devices: int) -> float | None:
+    """Peak bf16 FLOP/s of `devices` GPUs named `device_name` (tpuft.catalog's table; one model
+    across the run); None for a GPU it does not list, so no MFU is reported."""
+    per_device = gpu_peak_flops(device_name)
+    return per_device * devices if per_device else None
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float | None) -> float | None:
+    """Model FLOPs utilisation: the model FLOP/s achieved (flops_per_token x real tokens/s; padding
+    does not count) over the slice's peak bf16 FLOP/s (tpuft.catalog), to 4 significant digits.
+    None without a peak (CPU, a GPU the catalog does not list): never an invented figure."""
+    if not peak_flops or peak_flops <= 0:
+        return None
+    return float(f"{flops_per_token * tokens_per_s / peak_flops:.4g}")
 
 
 def now_rfc3339() -> str:

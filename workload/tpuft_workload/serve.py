@@ -1,5 +1,6 @@
 """The Ray Serve application of the `transformers` engine: the fine-tuned model's Hugging Face export
-behind an OpenAI-compatible `/v1/models` and `/v1/chat/completions` (tpuft_workload.chat_api).
+behind an OpenAI-compatible `/v1/models`, `/v1/chat/completions` and `/v1/completions`, streamed as
+server-sent events on `"stream": true` (tpuft_workload.chat_api).
 
 The RayService's serveConfigV2 names it by import path and passes `args` (tpuft.constants.ServeArg):
 
@@ -7,35 +8,45 @@ The RayService's serveConfigV2 names it by import path and passes `args` (tpuft.
     - name: llm                                   # SERVE_APP_NAME
       import_path: tpuft_workload.serve:build_app # SERVE_TRANSFORMERS_IMPORT_PATH
       route_prefix: /                             # SERVE_ROUTE_PREFIX
-      args: {model_source: /path/to/export, model_id: my-model, max_model_len: 2048, max_tokens_default: 64}
+      args: {model_source: /path/to/export, model_id: my-model, max_model_len: 2048, max_tokens_default: 64,
+             max_batch_size: 16}
 
 build_app validates the args where the application is built (the head) and fails naming the arg; the
 replica (ChatDeployment, SERVE_DEPLOYMENT_NAME) loads tokenizer and model once, in eval mode: CPU fp32
 without a GPU, bf16 on CUDA. No TPU path: vLLM's TPU engine (Ray Serve LLM) is the way to serve
-on a slice; this engine is for CPU pods and local runs. One replica
-generates one request at a time (a lock): concurrent requests queue rather than share the cores.
+on a slice; this engine is for CPU pods and local runs. A replica generates up to max_batch_size
+concurrent requests together, one generate() over the batch (tpuft_workload.batching); 1 generates
+them one at a time.
+
+With TPUFT_SERVE_API_KEY (SERVE_API_KEY_ENV, from spec.serve.apiKeySecret) set in the replica's
+environment, every /v1/* request needs `Authorization: Bearer <key>` (chat_api.check_api_key); /healthz
+stays open. KubeRay's probes do not reach this app: they ask the Serve proxy's own /-/healthz and the
+dashboard's health routes.
 """
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations (Request)
-# at runtime, and through serve.ingress's class wrapping string annotations are not resolved, so
-# the body would be taken for a query parameter (422).
-import asyncio
+# at runtime, so they must be real classes, not strings.
 import json
-import threading
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
-from tpuft.constants import (SERVE_CHAT_PATH, SERVE_DEPLOYMENT_NAME, SERVE_MODELS_PATH, SERVE_ROUTE_PREFIX,
-                             SERVE_TRANSFORMERS_IMPORT_PATH, ServeArg)
-from tpuft_workload import chat_api
+from tpuft.constants import (SERVE_API_KEY_ENV, SERVE_CHAT_PATH, SERVE_COMPLETIONS_PATH, SERVE_DEPLOYMENT_NAME,
+                             SERVE_MODELS_PATH, SERVE_ROUTE_PREFIX, SERVE_TRANSFORMERS_IMPORT_PATH, ServeArg)
+from tpuft_workload import batching, chat_api
 
 DEPLOYMENT_NAME = SERVE_DEPLOYMENT_NAME
 ROUTE_PREFIX = SERVE_ROUTE_PREFIX
 IMPORT_PATH = SERVE_TRANSFORMERS_IMPORT_PATH
 MAX_TOKENS_DEFAULT = 64
+MAX_BATCH_SIZE_DEFAULT = 16   # bench/serve_latency.py measures it beside max_batch_size 1 (README, Performance)
+# Requests a replica accepts at once (Ray Serve's default is 5): above max_batch_size, so the next
+# batch is already queued in the replica when one ends.
+MAX_ONGOING_REQUESTS = 64
+KEYED_PREFIX = "/v1/"   # the OpenAI routes, behind the API key when one is set
 EXPORT_HINT = ("it must be the Hugging Face export a TPUFinetune's training wrote (status.training.exportedModel): "
                "check that training succeeded and exported there")
 
@@ -50,14 +61,17 @@ class ServeArgs:
     model_id: str
     max_model_len: int | None   # None: the model config's max_position_embeddings
     max_tokens_default: int
+    max_batch_size: int = MAX_BATCH_SIZE_DEFAULT
 
 
-def _positive_int(args: dict, key: ServeArg, default: int | None) -> int | None:
+def _positive_int(args: dict, key: ServeArg, default: int | None, most: int | None = None) -> int | None:
     value = args.get(key.value, default)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ServeArgsError(f"serve arg {key.value}={value!r}: must be a positive integer")
+    if most is not None and value > most:
+        raise ServeArgsError(f"serve arg {key.value}={value}: give at most {most}")
     return value
 
 
@@ -92,7 +106,9 @@ def parse_args(args: dict) -> ServeArgs:
     _check_export(args[ServeArg.MODEL_SOURCE.value])
     return ServeArgs(model_source=args[ServeArg.MODEL_SOURCE.value], model_id=args[ServeArg.MODEL_ID.value],
                      max_model_len=_positive_int(args, ServeArg.MAX_MODEL_LEN, None),
-                     max_tokens_default=_positive_int(args, ServeArg.MAX_TOKENS_DEFAULT, MAX_TOKENS_DEFAULT))
+                     max_tokens_default=_positive_int(args, ServeArg.MAX_TOKENS_DEFAULT, MAX_TOKENS_DEFAULT),
+                     max_batch_size=_positive_int(args, ServeArg.MAX_BATCH_SIZE, MAX_BATCH_SIZE_DEFAULT,
+                                                  most=MAX_ONGOING_REQUESTS))
 
 
 def model_len(requested: int | None, config) -> int:
@@ -110,7 +126,7 @@ def model_len(requested: int | None, config) -> int:
 
 
 class Engine:
-    """Tokenizer + model from the export, and one generate() call per request (serialized)."""
+    """Tokenizer + model from the export; requests are generated in batches by a batching.Batcher."""
 
     def __init__(self, args: ServeArgs):
         import torch
@@ -125,74 +141,114 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device).eval()
         self.max_model_len = model_len(args.max_model_len, self.model.config)
+        self.max_tokens_default = args.max_tokens_default
         eos = self.model.generation_config.eos_token_id
         eos = self.tokenizer.eos_token_id if eos is None else eos
         self.stop_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.stop_ids)
-        self._lock = threading.Lock()
+        self.batcher = batching.Batcher(self.model, self.tokenizer, self.stop_ids, self.pad_id, args.max_batch_size)
 
-    def generate(self, ids: list[int], budget: int, temperature: float, top_p: float, seed: int | None) -> list[int]:
-        """Generated token ids (a final stop token included). temperature 0 is greedy; a seed makes a
-        sampled completion reproducible without touching the process's global random state."""
-        import torch
-        from transformers import GenerationConfig
+    def submit(self, req: chat_api.GenerationRequest) -> batching.Generation:
+        """Queue one request (call it on the event loop that reads the answer); ApiError 400 when its
+        prompt leaves no room for a completion."""
+        ids = chat_api.request_ids(self.tokenizer, req)
+        budget = chat_api.completion_budget(len(ids), req.requested_tokens(self.max_tokens_default),
+                                            self.max_model_len,
+                                            "messages" if isinstance(req, chat_api.ChatRequest) else "prompt")
+        return self.batcher.submit(ids, budget, batching.Sampling(req.temperature, req.top_p, req.seed), req.stop,
+                                   req.stream)
 
-        sample = temperature > 0
-        config = GenerationConfig(max_new_tokens=budget, do_sample=sample, use_cache=True,
-                                  eos_token_id=sorted(self.stop_ids), pad_token_id=self.pad_id,
-                                  **({"temperature": temperature, "top_p": top_p, "top_k": 0} if sample else {}))
-        inputs = torch.tensor([ids], device=self.device)
-        with self._lock, torch.no_grad(), torch.random.fork_rng(devices=[]):
-            if seed is not None:
-                torch.manual_seed(seed)
-            out = self.model.generate(inputs, attention_mask=torch.ones_like(inputs), generation_config=config)
-        return out[0, len(ids):].tolist()
-
-    def chat(self, req: chat_api.ChatRequest, model_id: str, default_max_tokens: int) -> chat_api.ChatCompletion:
-        ids = chat_api.prompt_ids(self.tokenizer, req.messages)
-        requested = req.max_tokens or req.max_completion_tokens or default_max_tokens
-        budget = chat_api.completion_budget(len(ids), requested, self.max_model_len)
-        generated = self.generate(ids, budget, req.temperature, req.top_p, req.seed)
-        text = self.tokenizer.decode(generated, skip_special_tokens=True).strip()
-        return chat_api.completion(model_id, text, len(ids), generated, self.stop_ids)
+    async def answer(self, req: chat_api.GenerationRequest) -> chat_api.Answer:
+        """The whole answer to one request."""
+        return await self.submit(req).answer()
 
 
 def _error(e: chat_api.ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    # RFC 6750: a 401 names the scheme the client should use
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
-api = FastAPI(title="tpufinetune", docs_url=None, redoc_url=None)
+async def _events(generation: batching.Generation, chunks: chat_api.Chunks):
+    """The server-sent events of a streamed answer; an engine failure after the 200 is an error event."""
+    yield chunks.start()
+    try:
+        async for event in generation:
+            yield chunks.end(event) if isinstance(event, chat_api.Answer) else chunks.text(event)
+    except Exception as e:  # noqa: BLE001 - the status line is gone: the client reads the error as an event
+        yield chunks.error(chat_api.ApiError(500, f"generation failed: {e}", None))
 
 
-@serve.deployment(name=DEPLOYMENT_NAME, ray_actor_options={"num_cpus": 1})
-@serve.ingress(api)
-class ChatDeployment:
-    def __init__(self, args: ServeArgs):
-        self.args = args
-        self.engine = Engine(args)
+def replica_api_key() -> str:
+    """The API key as the replica's pod has it; "" leaves /v1/* open. Surrounding whitespace is
+    dropped: HTTP trims a header value, so a key file's trailing newline could never be matched."""
+    return os.environ.get(SERVE_API_KEY_ENV, "").strip()
+
+
+def make_api(engine: Engine, args: ServeArgs, api_key: str) -> FastAPI:
+    """The replica's HTTP app over a loaded engine; /v1/* answer only with `api_key` when it is set."""
+    api = FastAPI(title="tpufinetune", docs_url=None, redoc_url=None)
+
+    if api_key:
+        @api.middleware("http")
+        async def authorize(request: Request, call_next):
+            if request.url.path.startswith(KEYED_PREFIX):
+                try:
+                    chat_api.check_api_key(request.headers.get("authorization"), api_key)
+                except chat_api.ApiError as e:
+                    return _error(e)
+            return await call_next(request)
 
     @api.get(SERVE_MODELS_PATH)
-    def models(self) -> dict:
-        return chat_api.models_list(self.args.model_id)
+    def models() -> dict:
+        return chat_api.models_list(args.model_id)
 
     @api.get("/healthz")
-    def healthz(self) -> dict:
-        return {"status": "ok", "model": self.args.model_id}
+    def healthz() -> dict:
+        return {"status": "ok", "model": args.model_id}
 
-    @api.post(SERVE_CHAT_PATH)
-    async def chat_completions(self, request: Request) -> JSONResponse:
+    async def generate(request: Request, endpoint: chat_api.Endpoint,
+                       model: type[chat_api.GenerationRequest]):
         try:
             body = json.loads(await request.body() or b"null")
         except ValueError as e:
             return _error(chat_api.ApiError(400, f"the request body is not JSON ({e})", "invalid_json"))
         try:
-            req = chat_api.parse_request(body)
-            chat_api.check_model(req.model, self.args.model_id)
-            # generate() blocks on the CPU: off the event loop, so /v1/models still answers meanwhile
-            result = await asyncio.to_thread(self.engine.chat, req, self.args.model_id, self.args.max_tokens_default)
+            req = chat_api.parse_request(body, model)
+            chat_api.check_model(req.model, args.model_id)
+            generation = engine.submit(req)   # the prompt is checked here, before any answer starts
+            if req.stream:
+                return StreamingResponse(_events(generation, chat_api.Chunks(endpoint, args.model_id,
+                                                                            req.include_usage)),
+                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            answer = await generation.answer()
         except chat_api.ApiError as e:
             return _error(e)
-        return JSONResponse(result.model_dump())
+        except Exception as e:  # noqa: BLE001 - the engine failed: OpenAI's 500 body, not a bare one
+            return _error(chat_api.ApiError(500, f"generation failed: {e}", None))
+        return JSONResponse(chat_api.response(endpoint, args.model_id, answer))
+
+    @api.post(SERVE_CHAT_PATH)
+    async def chat_completions(request: Request):
+        return await generate(request, chat_api.Endpoint.CHAT, chat_api.ChatRequest)
+
+    @api.post(SERVE_COMPLETIONS_PATH)
+    async def completions(request: Request):
+        return await generate(request, chat_api.Endpoint.TEXT, chat_api.CompletionRequest)
+
+    return api
+
+
+@serve.deployment(name=DEPLOYMENT_NAME, ray_actor_options={"num_cpus": 1}, max_ongoing_requests=MAX_ONGOING_REQUESTS)
+@serve.ingress()   # no app yet: Serve calls __serve_build_asgi_app__ in the replica, after __init__
+class ChatDeployment:
+    def __init__(self, args: ServeArgs):
+        self.args = args
+        self.engine = Engine(args)
+        self.api_key = replica_api_key()   # read here, in the replica: the env is the serving pod's
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return make_api(self.engine, self.args, self.api_key)
 
 
 def build_app(args: dict) -> serve.Application:

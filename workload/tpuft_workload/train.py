@@ -13,7 +13,9 @@ DataConfig streams disjoint, equal shards to the workers.
 Workers (`train_loop`, on a typed `TrainConfig`): setup (their dataset shard; shard the model),
 restore (the run's own latest checkpoint, else --resume-from's, if any), train (steps over
 `iter_torch_batches`; metrics reported every K steps and at epoch ends; DCP checkpoints),
-finish (export an HF folder, the run's summary).
+finish (export an HF folder, the run's summary) or, told to stop (SIGTERM: tpuft_workload.preemption),
+a checkpoint at the next step boundary and no export: the driver reports the run stopped. Each report (`record`, shared with the JAX path)
+updates status.training (with its downsampled history and MFU) and rank 0's TensorBoard files.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -32,9 +35,11 @@ import ray.train
 from tpuft_workload import checkpoint as ckptlib
 from tpuft_workload import data as datalib
 from tpuft_workload import faults as faultlib
-from tpuft_workload import pipeline
+from tpuft_workload import pipeline, preemption
+from tpuft_workload.metrics_log import Prometheus, TensorBoard
 from tpuft_workload.platform import PLATFORMS, Target, load_backend
-from tpuft_workload.report import BackgroundReporter, StatusReporter, Throttle
+from tpuft_workload.report import (BackgroundReporter, StatusReporter, Throttle, add_point, flops_per_token,
+                                   gpu_slice_peak, mfu)
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +65,22 @@ def _status_metrics(m: dict) -> dict:
             "stepTimeSeconds": round(m["step_time_s"], 4), "padFraction": round(m["pad_fraction"], 4)}
 
 
+def record(run, m: dict) -> None:
+    """What both trainers do with one report's metrics (a _Window.reduce() result): status.training's
+    keys, with MFU (when the slice has a catalog peak) and the history point, become
+    run.last_metrics (kept in each checkpoint, so a restarted attempt continues the same curve), and
+    rank 0 adds the report to TensorBoard and its Prometheus gauges."""
+    metrics = _status_metrics(m)
+    utilisation = mfu(run.flops_per_token, m["tokens_per_s"], run.peak_flops)
+    if utilisation is not None:
+        metrics["mfu"] = utilisation
+    point = {"step": run.step, "loss": metrics["loss"], "tokensPerSecond": metrics["tokensPerSecond"]}
+    metrics["history"] = add_point(run.last_metrics.get("history") or [], point)
+    run.last_metrics = metrics
+    run.tensorboard.add(run.step, {**m, "mfu": utilisation}, run.cfg.learning_rate)
+    run.prometheus.add(run.step, {**m, "mfu": utilisation})
+
+
 def _resume_message(step: int, total_steps: int, source: str) -> str:
     if step >= total_steps:
         return (f"nothing left to do: resumed at step {step} of {total_steps} from {source}; loss and tokens/s "
@@ -68,16 +89,21 @@ def _resume_message(step: int, total_steps: int, source: str) -> str:
 
 
 def _maybe_kill(faults: list, rank: int, step: int, run_dir: str) -> None:
-    f = faultlib.find(faults, "kill", rank)
-    if f is None or f.step != step:
-        return
-    marker = os.path.join(run_dir, f".tpuft-fault-kill-r{rank}-s{step}")
-    if "://" in marker or os.path.exists(marker):
-        return  # already fired once (or remote storage: test hook is local-only)
-    os.makedirs(run_dir, exist_ok=True)
-    open(marker, "w").close()
-    _say(f"[tpuft] injected fault: killing rank {rank} at step {step}")
-    os._exit(17)
+    """The train faults (tests): kill-rank exits the process hard, sigterm-rank sends it a SIGTERM."""
+    for kind in ("kill", "sigterm"):
+        f = faultlib.find(faults, kind, rank)
+        if f is None or f.step != step:
+            continue
+        marker = os.path.join(run_dir, f".tpuft-fault-{kind}-r{rank}-s{step}")
+        if "://" in marker or os.path.exists(marker):
+            continue  # already fired once (or remote storage: test hook is local-only)
+        os.makedirs(run_dir, exist_ok=True)
+        open(marker, "w").close()
+        if kind == "kill":
+            _say(f"[tpuft] injected fault: killing rank {rank} at step {step}")
+            os._exit(17)
+        _say(f"[tpuft] injected fault: SIGTERM to rank {rank} before step {step}")
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class _Window:
@@ -88,14 +114,16 @@ class _Window:
 
         self.device = device
         self.loss = torch.zeros((), device=device, dtype=torch.float32)
+        self.grad_norm = torch.zeros((), device=device, dtype=torch.float32)
         self.steps = 0
         self.real = 0
         self.padded = 0
         self.t0 = time.perf_counter()
         self.excluded = 0.0  # time spent in reports/checkpoints, kept out of the rates
 
-    def add(self, loss, real: int, padded: int) -> None:
+    def add(self, loss, real: int, padded: int, grad_norm) -> None:
         self.loss += loss.detach().float()
+        self.grad_norm += grad_norm.detach().float()
         self.steps += 1
         self.real += real
         self.padded += padded
@@ -107,12 +135,13 @@ class _Window:
 
         t = torch.stack([self.loss, torch.tensor(float(self.steps), device=self.device),
                          torch.tensor(float(self.real), device=self.device),
-                         torch.tensor(float(self.padded), device=self.device)])
+                         torch.tensor(float(self.padded), device=self.device), self.grad_norm])
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        loss_sum, steps, real, padded = t.cpu().tolist()
+        loss_sum, steps, real, padded, grad_norm_sum = t.cpu().tolist()
         wall = time.perf_counter() - self.t0
         secs = max(wall - self.excluded, 1e-9)
-        return {"loss": loss_sum / max(steps, 1), "seconds": wall,
+        # every rank holds the same (global) gradient norm: summed over ranks like the steps
+        return {"loss": loss_sum / max(steps, 1), "grad_norm": grad_norm_sum / max(steps, 1), "seconds": wall,
                 "tokens_per_s": real / secs, "padded_tokens_per_s": padded / secs,
                 "step_time_s": secs / max(self.steps, 1),
                 "pad_fraction": 1.0 - real / padded if padded else 0.0}
@@ -145,6 +174,7 @@ class TrainConfig:
     cr_namespace: str
     cr_name: str
     status_every_s: float
+    peak_flops: float | None      # the TPU slice's peak FLOP/s (tpuft.catalog; MFU's denominator), None off TPU
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -155,11 +185,36 @@ class TrainConfig:
 
 
 def train_loop(config: dict) -> None:
-    """One training worker: setup, restore, train (steps, reports, checkpoints), finish (export)."""
+    """One training worker: setup, restore, train (steps, reports, checkpoints), finish (export), or
+    stop (told to: a checkpoint at the next step boundary, no export)."""
+    preemption.install()
     run = _Run(TrainConfig.from_dict(config))
     run.restore()
-    run.train()
-    run.finish()
+    if run.train():
+        stop_run(run)
+    else:
+        run.finish()
+
+
+class _StopVote:
+    """The ranks' agreement to stop at this step boundary: any rank told to (SIGTERM) -> all. One
+    all-reduce MAX of a 0/1 int32 per step, on the host over gloo (the default group on CPU, a gloo
+    group of its own beside NCCL or the TPU backend): it never waits on the device; about 0.1 ms on
+    loopback, a few network round trips across hosts."""
+
+    def __init__(self, backend: str):
+        import torch
+        import torch.distributed as dist
+
+        self.group = None if backend == "gloo" else dist.new_group(backend="gloo")
+        self.flag = torch.zeros(1, dtype=torch.int32)
+
+    def agreed(self) -> bool:
+        import torch.distributed as dist
+
+        self.flag.fill_(int(preemption.requested()))
+        dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(self.flag.item())
 
 
 class _Run:
@@ -174,6 +229,10 @@ class _Run:
         self.plat = PLATFORMS[cfg.platform]
         load_backend(self.plat)
         self.device = ray.train.torch.get_device()
+        # MFU's denominator: the TPU slice's from the catalog (the driver's), a GPU's found here
+        self.peak_flops = cfg.peak_flops
+        if self.plat.kind == "gpu":
+            self.peak_flops = gpu_slice_peak(torch.cuda.get_device_name(self.device), self.world)
         self.faults = faultlib.parse_faults(cfg.fault)
         self.reporter = BackgroundReporter(StatusReporter(cfg.cr_namespace, cfg.cr_name) if self.rank == 0
                                            else StatusReporter("", ""))
@@ -181,10 +240,13 @@ class _Run:
         torch.manual_seed(cfg.seed)
         self._data()
         self._model()
+        self.vote = _StopVote(self.plat.backend)
         # progress: restored from a checkpoint, moved by the loop
         self.step, self.resumed_from = 0, -1
         self.last_ckpt, self.message, self.source = "", None, ""
         self.last_metrics: dict = {}  # status.training metrics of the latest report, restored with a checkpoint
+        self.tensorboard = TensorBoard(cfg.run_dir, enabled=False)   # rank 0's opens once restored (train)
+        self.prometheus = Prometheus(enabled=False)
 
     def _data(self) -> None:
         from tpuft_workload import model as modellib
@@ -208,6 +270,8 @@ class _Run:
         cfg = self.cfg
         self.model = modellib.load_model(cfg.model, self.tokenizer, self.plat, cfg.seed)
         arch = ckptlib.architecture(self.model)
+        # counted before sharding: MFU's numerator
+        self.flops_per_token = flops_per_token(arch["parameters"], self.model.config.to_dict(), cfg.max_seq_length)
         if cfg.resume_from:
             try:
                 ckptlib.check_architecture(cfg.resume_from, cfg.resume_manifest, arch, cfg.model)
@@ -263,16 +327,18 @@ class _Run:
 
     def report(self, metrics: dict, save: bool) -> None:
         """ray.train.report, with a sharded checkpoint when `save` (committed once every rank's
-        shards are uploaded)."""
+        shards are uploaded). A stop's checkpoint carries metrics["stopped"]: Result.metrics, which
+        the driver reads, are the newest checkpoint's."""
         import torch
         from ray.train import Checkpoint
 
-        self.last_metrics = _status_metrics(metrics)
+        record(self, metrics)
         metrics = {**metrics, "step": self.step, "total_steps": self.total_steps,
                    "resumed_from_step": self.resumed_from}
         if not save:
             ray.train.report(metrics)
             return
+        self.tensorboard.sync()
         name = _ckpt_name(self.step)
         path = ckptlib.join(self.cfg.run_dir, name)
         with tempfile.TemporaryDirectory() as tmp:
@@ -285,13 +351,21 @@ class _Run:
         self.last_ckpt = path
 
     # --- train ----------------------------------------------------------------------------------------
-    def train(self) -> None:
+    def train(self) -> bool:
+        """Every epoch left; True when the ranks stopped on request (after that step's checkpoint)."""
+        self.tensorboard = TensorBoard(self.cfg.run_dir, self.rank == 0, resumed_at=self.step)
+        # tagged with the TPUFinetune's name (the run's directory name off the cluster)
+        tag = self.cfg.cr_name or self.cfg.run_dir.rstrip("/").rsplit("/", 1)[-1]
+        self.prometheus = Prometheus(self.rank == 0, tag)
         self.model.train()
         for epoch in range(self.step // self.spe if self.spe else 0, self.cfg.epochs):
-            self._epoch(epoch)
+            if self._epoch(epoch):
+                return True
+        return False
 
     def _step(self, batch: dict) -> tuple:
-        """One optimizer step on `batch` (a [batch, max_len] slice of the shard); (loss, real tokens)."""
+        """One optimizer step on `batch` (a [batch, max_len] slice of the shard); (loss, real tokens,
+        gradient norm)."""
         import torch
 
         _maybe_kill(self.faults, self.rank, self.step + 1, self.cfg.run_dir_local)
@@ -300,31 +374,36 @@ class _Run:
         inputs = {k: batch[k].to(self.device) for k in keys}
         out = self.model(**inputs)
         out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, 1.0)   # the norm before clipping
+        if hasattr(grad_norm, "full_tensor"):   # FSDP2: a DTensor
+            grad_norm = grad_norm.full_tensor()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
-        return out.loss, int(batch["n_real"].sum())
+        return out.loss, int(batch["n_real"].sum()), grad_norm
 
-    def _epoch(self, epoch: int) -> None:
+    def _epoch(self, epoch: int) -> bool:
+        """One epoch's steps; True when the ranks agreed to stop (that step's checkpoint is saved)."""
         cfg, spe, bsz = self.cfg, self.spe, self.cfg.batch_size_per_device
         every_ckpt, every_rep = cfg.checkpoint_every_steps, cfg.report_every_steps
         done = self.step - epoch * spe   # a resumed epoch passes over the batches it already trained on
         batches = pipeline.torch_batches(self.shard, bsz, cfg.seed, epoch, skip=done)
         epoch_win, win = _Window(self.device), _Window(self.device)
+        stop = False
         for i, batch in zip(range(done, spe), batches):
-            loss, real = self._step(batch)
+            loss, real, grad_norm = self._step(batch)
             for w in (win, epoch_win):
-                w.add(loss, real, bsz * cfg.max_seq_length)
-            if i == spe - 1:  # the end of the epoch reports below
+                w.add(loss, real, bsz * cfg.max_seq_length, grad_norm)
+            stop = self.vote.agreed()
+            if i == spe - 1:  # the end of the epoch reports (and saves) below
                 break
-            save = bool(every_ckpt) and self.step % every_ckpt == 0
+            save = stop or (bool(every_ckpt) and self.step % every_ckpt == 0)
             if self.step % every_rep == 0 or save:
                 paused = time.perf_counter()
                 m = win.reduce()
                 if self.rank == 0:
                     _say(interval_line(epoch + 1, cfg.epochs, self.step, self.total_steps, m))
-                self.report({"epoch": epoch + 1, **m}, save)
+                self.report({"epoch": epoch + 1, **m, **_stopped(stop)}, save)
                 self.status(save, epoch=epoch + 1, step=self.step, lastCheckpoint=self.last_ckpt or None,
                             **self.last_metrics)
                 # Reports and checkpoints are not training time: a report waits for the controller
@@ -333,11 +412,15 @@ class _Run:
                 # is the wall clock.
                 epoch_win.excluded += time.perf_counter() - paused
                 win = _Window(self.device)
+            if stop:
+                return True
         m = epoch_win.reduce()
         if self.rank == 0:
             _say(epoch_line(epoch + 1, cfg.epochs, m))
-        self.report({"epoch": epoch + 1, "epoch_loss": m["loss"], "epoch_time_s": m["seconds"], **m}, True)
+        self.report({"epoch": epoch + 1, "epoch_loss": m["loss"], "epoch_time_s": m["seconds"], **m,
+                     **_stopped(stop)}, True)
         self.status(True, epoch=epoch + 1, step=self.step, lastCheckpoint=self.last_ckpt, **self.last_metrics)
+        return stop
 
     # --- finish ---------------------------------------------------------------------------------------
     def finish(self) -> None:
@@ -383,12 +466,31 @@ def epoch_line(epoch: int, epochs: int, m: dict) -> str:
             f"pad={m['pad_fraction']:.1%}")
 
 
+def _stopped(stop: bool) -> dict:
+    """The report metric that marks a stop's checkpoint (what the driver looks for)."""
+    return {"stopped": preemption.REASON} if stop else {}
+
+
+def stop_run(run) -> None:
+    """The end of a stopped run, both trainers: no export, no summary (the run did not finish). Rank
+    0 puts the message into status; every rank tells its pod's preStop hook the checkpoint is saved."""
+    msg = preemption.message(run.step)
+    if run.rank == 0:
+        _say(f"[tpuft] {msg}")
+        run.status(True, step=run.step, lastCheckpoint=run.last_ckpt, message=msg, **run.last_metrics)
+    run.reporter.close()
+    run.tensorboard.close()
+    preemption.write_marker(run.step, run.last_ckpt)
+
+
 def finish_run(run, exported: str | None) -> None:
     """The end both trainers share: rank 0 reports the export into status and writes the run's
     summary (Result.metrics is the latest *checkpoint's*, maybe an earlier attempt's: this file is
-    what the final attempt did); every rank closes its reporter."""
+    what the final attempt did; the history is in status and TensorBoard); every rank closes its
+    reporter and TensorBoard writer."""
+    metrics = {k: v for k, v in run.last_metrics.items() if k != "history"}
     summary = {"step": run.step, "totalSteps": run.total_steps, "resumedFromStep": run.resumed_from,
-               "lastCheckpoint": run.last_ckpt, "exportedModel": exported, **run.last_metrics,
+               "lastCheckpoint": run.last_ckpt, "exportedModel": exported, **metrics,
                **({"resumedFrom": run.source, "message": run.message} if run.source else {})}
     if run.rank == 0:
         _say(f"[tpuft] exported Hugging Face model to {exported}")
@@ -396,6 +498,7 @@ def finish_run(run, exported: str | None) -> None:
                    exportedModel=exported, **run.last_metrics)
         ckptlib.write_json(ckptlib.join(run.cfg.run_dir, SUMMARY), summary)
     run.reporter.close()
+    run.tensorboard.close()
 
 
 def prepare(args, target: Target, fault_spec: str = "") -> tuple[str, pipeline.Packed, dict]:
@@ -426,6 +529,7 @@ def prepare(args, target: Target, fault_spec: str = "") -> tuple[str, pipeline.P
         resume_from=resume_from, resume_manifest=resume_manifest,
         cr_namespace=os.environ.get(ENV_CR_NAMESPACE, ""), cr_name=os.environ.get(ENV_CR_NAME, ""),
         status_every_s=float(os.environ.get("TPUFT_STATUS_EVERY_S", "10")),
+        peak_flops=target.shape.peak_flops * target.slices if target.platform.is_tpu else None,
     ).as_dict()
     return storage, packed, cfg
 
@@ -476,15 +580,32 @@ def run_training(args, target: Target, fault_spec: str = "", build=None) -> int:
           flush=True)
     t0 = time.monotonic()
     try:
-        trainer.fit()
+        result = trainer.fit()
     except Exception as e:  # noqa: BLE001 - one clear line for the RayJob log and the operator
         msg = str(e).strip().splitlines()
         log.error("training failed: %s", e)
         return _failed(f"{type(e).__name__}: {msg[-1] if msg else ''}"[:500])
-    body = {"succeeded": True, "seconds": round(time.monotonic() - t0, 1),
-            **ckptlib.read_json(ckptlib.join(cfg["run_dir"], SUMMARY))}
+    seconds = round(time.monotonic() - t0, 1)
+    metrics = result.metrics or {}
+    if metrics.get("stopped"):
+        return _stopped_result(cfg, metrics, seconds)
+    body = {"succeeded": True, "seconds": seconds, **ckptlib.read_json(ckptlib.join(cfg["run_dir"], SUMMARY))}
     print(f"{RESULT_PREFIX} {json.dumps(body)}", flush=True)
     return 0
+
+
+def _stopped_result(cfg: dict, metrics: dict, seconds: float) -> int:
+    """A run that stopped on request: not succeeded (no export, no summary), a checkpoint of its
+    last step, EXIT_STOPPED. A resubmitted RayJob resumes from that checkpoint."""
+    from tpuft.constants import EXIT_STOPPED
+
+    step = int(metrics["step"])
+    body = {"succeeded": False, "stopped": metrics["stopped"], "seconds": seconds, "step": step,
+            "totalSteps": metrics.get("total_steps"), "resumedFromStep": metrics.get("resumed_from_step"),
+            "lastCheckpoint": ckptlib.join(cfg["run_dir"], _ckpt_name(step)), "message": preemption.message(step)}
+    print(f"[tpuft] {body['message']}", flush=True)
+    print(f"{RESULT_PREFIX} {json.dumps(body)}", flush=True)
+    return EXIT_STOPPED
 
 
 if __name__ == "__main__":  # pragma: no cover - use `python -m tpuft_workload train`

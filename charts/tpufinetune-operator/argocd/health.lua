@@ -4,8 +4,9 @@
 --
 --   status.phase            health       message
 --   Succeeded               Healthy      status.message (else Ready/TrainingSucceeded condition's)
---   Pending, Provisioning,  Progressing  "<phase>: " .. status.message (else the message of
---   VerifyingCollectives,                that phase's condition, else Ready's)
+--   Pending, Queued,        Progressing  "<phase>: " .. status.message (else the message of
+--   Provisioning,                        that phase's condition, else Ready's); Queued: waiting
+--   VerifyingCollectives,                for Kueue's admission (or preempted), in Kueue's words
 --   Training
 --   Failed                  Degraded     Failed condition message (else Ready's, else status.message)
 --   Suspended               Suspended    status.message (else Ready condition's)
@@ -81,6 +82,7 @@ local phase = status.phase
 -- The condition that describes progress in each in-flight phase.
 local progress_condition = {
   Pending = "SliceProvisioned",
+  Queued = "Admitted",
   Provisioning = "SliceProvisioned",
   VerifyingCollectives = "CollectivesVerified",
   Training = "TrainingSucceeded",

@@ -47,6 +47,17 @@ exact set).
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["get", "list", "watch", "create", "patch"]
+# Per-CR NetworkPolicy (ingress to that run's Ray pods), created with the workload identity; get
+# only to adopt our own on a conflict. Deletion is left to the garbage collector as above.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "create"]
+# Kueue's Workload of a RayCluster with a queue label (kueue.x-k8s.io/queue-name), listed by
+# its job-uid label while the run is queued or was just evicted: Kueue's own words go into
+# status (why it is not admitted, why it was preempted). Read only.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["list"]
 {{- end -}}
 
 {{/*

@@ -1,0 +1,159 @@
+"""Kueue on the local cluster, as data: its Configuration, its webhooks pointed at the host
+process, its RBAC, and the queue objects `tpuft cluster up` makes (one ResourceFlavor per pool,
+the ClusterQueue `local`, a LocalQueue `local` in the demo namespace).
+
+Kueue (sigs.k8s.io/kueue, built from hack/kueue by tpuft_local.toolchain) runs as a host process
+like KubeRay's operator: no registry serves its image. Its webhook server listens on the bridge
+address with a serving cert from the cluster CA (the way the TPU webhook stand-in does), so its
+internal cert management is off and the webhook configurations carry a URL and the CA bundle
+instead of a Service. Only the RayCluster and RayJob integrations are on: the webhooks of the
+others (batch/Job, Pod, ...) are left out, or every Job KubeRay creates would be sent to a
+handler that is not served.
+"""
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import yaml
+
+from tpuft import constants as c
+from tpuft_local import pools as poolslib
+
+USER = "tpuft:kueue"
+NAMESPACE = "kueue-system"          # Kueue's own namespace (events, its config's `namespace`)
+FRAMEWORKS = ("ray.io/raycluster", "ray.io/rayjob")
+# Webhook paths kept from Kueue's config/components/webhook/manifests.yaml: its own kinds and Ray's.
+KEPT_PATHS = ("-kueue-x-k8s-io-", "-ray-io-v1-raycluster", "-ray-io-v1-rayjob")
+CLUSTER_QUEUE = "local"
+LOCAL_QUEUE = "local"
+CPU_FLAVOR = "cpu"
+# The CPU flavor's quota: the simulated CPU pool's node (TPU slices' Ray heads) plus room for the
+# CPU examples on the real node. Every pod Kueue admits asks for cpu and memory; the TPU flavors'
+# own cpu and memory are their pools' allocatable, so a slice is held back by google.com/tpu alone.
+CPU_QUOTA = ("32", "128Gi")
+MANAGED = {"app.kubernetes.io/managed-by": "tpuft-local"}
+
+
+def configuration(webhook_host: str, webhook_port: int, cert_dir: Path, health_port: int) -> dict:
+    """Kueue's Configuration (config.kueue.x-k8s.io/v1beta2) for a host process: no leader
+    election, no metrics listener, the webhook on the bridge address with our cert."""
+    return {
+        "apiVersion": "config.kueue.x-k8s.io/v1beta2", "kind": "Configuration",
+        "namespace": NAMESPACE,
+        "manageJobsWithoutQueueName": False,   # only what carries kueue.x-k8s.io/queue-name
+        "health": {"healthProbeBindAddress": f"127.0.0.1:{health_port}"},
+        "metrics": {"bindAddress": "0"},
+        "webhook": {"host": webhook_host, "port": webhook_port, "certDir": str(cert_dir)},
+        "leaderElection": {"leaderElect": False},
+        "internalCertManagement": {"enable": False},
+        "integrations": {"frameworks": list(FRAMEWORKS)},
+    }
+
+
+# Without its internal cert management Kueue v0.17.0 reads the metrics server's cert from this fixed
+# path (cmd/kueue/main.go), even with metrics off, and exits when it is missing.
+METRICS_CERT_DIR = "/etc/kueue/metrics/certs"
+
+
+def private_etc(state: Path, certs: Path) -> list[str]:
+    """The argv prefix that runs Kueue in a mount namespace of its own whose /etc is an overlay
+    (upper layer under `state`) holding METRICS_CERT_DIR -> `certs`: the host's /etc is not touched,
+    and the mount goes with the process."""
+    upper, work = state / "upper", state / "work"
+    for d in (upper, work):
+        d.mkdir(parents=True, exist_ok=True)
+    script = (f"mount -t overlay tpuft-kueue-etc -o lowerdir=/etc,upperdir={upper},workdir={work} /etc && "
+              f"mkdir -p {Path(METRICS_CERT_DIR).parent} && ln -sfn {certs} {METRICS_CERT_DIR} && exec \"$0\" \"$@\"")
+    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script]
+
+
+def webhook_configurations(manifests: Path, url: str, ca_pem: bytes) -> list[dict]:
+    """Kueue's Mutating/ValidatingWebhookConfigurations with only the kept webhooks, each sent to
+    `url` + its path (the host process) under our CA instead of Kueue's in-cluster Service."""
+    out = []
+    for doc in yaml.safe_load_all(manifests.read_text()):
+        if not doc:
+            continue
+        hooks = []
+        for hook in doc.get("webhooks") or []:
+            path = hook["clientConfig"]["service"]["path"]
+            if any(k in path for k in KEPT_PATHS):
+                hooks.append({**hook, "clientConfig": {"url": url + path,
+                                                       "caBundle": base64.b64encode(ca_pem).decode()}})
+        name = "tpuft-kueue-" + doc["metadata"]["name"]
+        out.append({**doc, "metadata": {"name": name, "labels": MANAGED}, "webhooks": hooks})
+    return out
+
+
+def rbac(rbac_dir: Path) -> list[dict]:
+    """Kueue's own manager roles (config/components/rbac): the ClusterRole (role.yaml) and the Role
+    on Secrets in its namespace (manager_secrets_role.yaml: its cache watches them there), bound to
+    its user."""
+    role = yaml.safe_load((rbac_dir / "role.yaml").read_text())
+    secrets = yaml.safe_load((rbac_dir / "manager_secrets_role.yaml").read_text())
+    name = "tpuft:kueue-manager"
+    subjects = [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": USER}]
+    ref = {"apiGroup": "rbac.authorization.k8s.io"}
+    return [{**role, "metadata": {"name": name, "labels": MANAGED}},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+             "metadata": {"name": name, "labels": MANAGED},
+             "roleRef": {**ref, "kind": "ClusterRole", "name": name}, "subjects": subjects},
+            {**secrets, "metadata": {"name": name, "namespace": NAMESPACE, "labels": MANAGED}},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+             "metadata": {"name": name, "namespace": NAMESPACE, "labels": MANAGED},
+             "roleRef": {**ref, "kind": "Role", "name": name}, "subjects": subjects}]
+
+
+def _flavor(name: str, node_labels: dict, tpu: bool) -> dict:
+    spec: dict = {"nodeLabels": dict(node_labels)} if node_labels else {}
+    if tpu:   # the pools' taint; Kueue adds the toleration to what it admits on this flavor
+        spec["tolerations"] = [{"key": c.TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+    return {"apiVersion": f"{c.KUEUE_GROUP}/{c.KUEUE_VERSION}", "kind": "ResourceFlavor",
+            "metadata": {"name": name, "labels": MANAGED}, "spec": spec}
+
+
+def queue_objects(tpu_pools, local_queue_namespace: str | None = None,
+                  cluster_queue: str = CLUSTER_QUEUE) -> list[dict]:
+    """One ResourceFlavor per TPU pool (GKE's accelerator and topology labels, the google.com/tpu
+    toleration) and one for CPU (no node labels: the scheduler places CPU pods as without Kueue);
+    the ClusterQueue whose google.com/tpu quota is exactly one slice of each pool (preemption of
+    lower priority within it); a LocalQueue pointing at it."""
+    flavors = [_flavor(CPU_FLAVOR, {}, tpu=False)]
+    quotas = [{"name": CPU_FLAVOR, "resources": [
+        {"name": "cpu", "nominalQuota": CPU_QUOTA[0]}, {"name": "memory", "nominalQuota": CPU_QUOTA[1]},
+        {"name": c.TPU_RESOURCE, "nominalQuota": 0}]}]
+    for pool in tpu_pools:
+        s = pool.slice
+        node = poolslib.tpu_nodes(pool)[0]["status"]["allocatable"]
+        flavors.append(_flavor(pool.name, dict(s.node_selector), tpu=True))
+        quotas.append({"name": pool.name, "resources": [
+            {"name": "cpu", "nominalQuota": _times(node["cpu"], s.hosts)},
+            {"name": "memory", "nominalQuota": _times(node["memory"], s.hosts)},
+            {"name": c.TPU_RESOURCE, "nominalQuota": s.chips_per_host * s.hosts}]})   # one slice
+    cq = {"apiVersion": f"{c.KUEUE_GROUP}/{c.KUEUE_VERSION}", "kind": "ClusterQueue",
+          "metadata": {"name": cluster_queue, "labels": MANAGED},
+          "spec": {"namespaceSelector": {},
+                   "preemption": {"withinClusterQueue": "LowerPriority"},
+                   # CPU first: a head (no google.com/tpu) takes the CPU flavor, a TPU worker the
+                   # first flavor whose node labels match its node selector and whose chips fit.
+                   "resourceGroups": [{"coveredResources": ["cpu", "memory", c.TPU_RESOURCE],
+                                       "flavors": quotas}]}}
+    out = [*flavors, cq]
+    if local_queue_namespace:
+        out.append(local_queue(local_queue_namespace, cluster_queue))
+    return out
+
+
+def local_queue(namespace: str, cluster_queue: str = CLUSTER_QUEUE, name: str = LOCAL_QUEUE) -> dict:
+    return {"apiVersion": f"{c.KUEUE_GROUP}/{c.KUEUE_VERSION}", "kind": "LocalQueue",
+            "metadata": {"name": name, "namespace": namespace, "labels": MANAGED},
+            "spec": {"clusterQueue": cluster_queue}}
+
+
+def _times(quantity: str, n: int) -> str:
+    """n x a Kubernetes quantity in the forms pools.gke_allocatable writes ("179555m", "711603Mi")."""
+    for suffix in ("m", "Mi", "Gi"):
+        if quantity.endswith(suffix):
+            return f"{int(quantity[:-len(suffix)]) * n}{suffix}"
+    return str(int(quantity) * n)

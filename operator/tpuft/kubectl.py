@@ -1,0 +1,78 @@
+"""The user's own kubectl, as the laptop commands (`tpuft chat`, `tpuft logs`) use it: a GET that
+tells not-found from forbidden, and a local port forwarded to a Service for as long as a block
+runs. Their rights are the user's: nothing here reads a kubeconfig or a token itself."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+FORWARD_WAIT_SECONDS = 30
+FORWARDING = re.compile(r"Forwarding from 127\.0\.0\.1:(\d+) ->")
+
+
+class KubectlError(RuntimeError):
+    """kubectl could not do it: the message says what, why and what to do."""
+
+
+class Forbidden(KubectlError):
+    """The user's kubectl identity may not read the object."""
+
+
+def missing(kubectl: str) -> str | None:
+    """What to do when `kubectl` is not there; None when it is."""
+    if shutil.which(kubectl) is None:
+        return f"{kubectl} not found: put kubectl on PATH (local cluster: eval \"$(tpuft cluster env)\")"
+    return None
+
+
+def get(kubectl: str, resource: str, name: str, namespace: str, what: str | None = None) -> dict | None:
+    """`kubectl get RESOURCE NAME -n NAMESPACE -o json`: the object, or None when it does not exist.
+    Forbidden (naming the check to run) or KubectlError for anything else. `what` names the object
+    in messages (default: RESOURCE NAMESPACE/NAME)."""
+    if (why := missing(kubectl)) is not None:
+        raise KubectlError(why)
+    what = what or f"{resource} {namespace}/{name}"
+    got = subprocess.run([kubectl, "get", resource, name, "-n", namespace, "-o", "json"],
+                         capture_output=True, text=True, timeout=60)
+    if got.returncode == 0:
+        return json.loads(got.stdout)
+    err = got.stderr.strip()
+    if "(NotFound)" in err:
+        return None
+    if "(Forbidden)" in err:
+        raise Forbidden(f"your kubectl user is not allowed to get {what}; ask for `get` on {resource} in namespace "
+                        f"{namespace} (check: kubectl auth can-i get {resource}/{name} -n {namespace})")
+    raise KubectlError(f"cannot read {what}: {err or f'kubectl exited {got.returncode}'}")
+
+
+@contextmanager
+def port_forward(kubectl: str, namespace: str, service: str, port: int) -> Iterator[int]:
+    """A local port forwarded to service:port, for as long as the block runs."""
+    if (why := missing(kubectl)) is not None:
+        raise KubectlError(why)
+    proc = subprocess.Popen([kubectl, "port-forward", "-n", namespace, f"svc/{service}", f":{port}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        yield _forwarded_port(proc, service)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _forwarded_port(proc: subprocess.Popen, service: str) -> int:
+    deadline = time.monotonic() + FORWARD_WAIT_SECONDS
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if match := FORWARDING.search(line or ""):
+            return int(match.group(1))
+        if not line and proc.poll() is not None:
+            raise KubectlError(f"kubectl port-forward to svc/{service} exited: {proc.stderr.read().strip()}")
+    raise KubectlError(f"kubectl port-forward to svc/{service} did not start within {FORWARD_WAIT_SECONDS}s")

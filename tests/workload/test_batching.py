@@ -1,0 +1,188 @@
+"""tpuft_workload.batching with a stand-in model whose generate() drives the batcher's hooks as
+transformers' does (a logits processor, then a stopping criterion, once per step): which requests
+share a batch, what each row's client receives, and what a failure or a client that leaves does.
+The real model behind the same batcher is tests/workload/test_serve.py's."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from tpuft_workload import batching, chat_api
+
+torch = pytest.importorskip("torch")
+
+EOS, VOCAB = 3, 16
+GREEDY = batching.Sampling(0.0, 1.0, None)
+
+
+class Tokenizer:
+    def decode(self, tokens, skip_special_tokens=True):
+        return " ".join(f"w{t}" for t in tokens if not (skip_special_tokens and t == EOS))
+
+
+class Model:
+    """generate() over the padded batch: greedy rows get token 4 + step (EOS from step `eos_at`); each
+    call records its batch and can be held at its start until `gate` opens."""
+    device = torch.device("cpu")
+
+    def __init__(self, eos_at: int = 99, fail: bool = False):
+        self.eos_at, self.fail = eos_at, fail
+        self.batches: list[list[list[int]]] = []   # each call's prompts, unpadded
+        self.ended: list[list[list[int]]] = []     # each call's rows as generate() returned them
+        self.entered, self.gate = threading.Event(), threading.Event()
+        self.gate.set()
+
+    def scores(self, step: int, rows: int):
+        scores = torch.zeros(rows, VOCAB)
+        scores[:, EOS if step >= self.eos_at else 4 + step % 10] = 1.0
+        return scores
+
+    def generate(self, ids, attention_mask, generation_config, logits_processor, stopping_criteria):
+        self.batches.append([row[mask.bool()].tolist() for row, mask in zip(ids, attention_mask)])
+        self.entered.set()
+        assert self.gate.wait(30)
+        if self.fail:
+            raise RuntimeError("out of memory")
+        for step in range(generation_config.max_new_tokens):
+            scores = logits_processor(ids, self.scores(step, ids.shape[0]))
+            ids = torch.cat([ids, scores.argmax(-1, keepdim=True)], dim=-1)
+            if stopping_criteria(ids, scores).all():
+                break
+        self.ended.append(ids.tolist())
+        return ids
+
+
+def _batcher(model: Model, max_batch_size: int = 8, wait_s: float = 0.0) -> batching.Batcher:
+    return batching.Batcher(model, Tokenizer(), {EOS}, 0, max_batch_size, wait_s)
+
+
+async def _behind_one(batcher: batching.Batcher, model: Model, first: tuple, rest: list[tuple]) -> list:
+    """The answers to `first` and then `rest` (submit() arguments), the model held at the start of
+    first's batch until all of rest is queued: rest then shares the next batch(es)."""
+    model.entered.clear()
+    model.gate.clear()
+    gens = [batcher.submit(*first)]
+    await asyncio.to_thread(model.entered.wait, 30)
+    gens += [batcher.submit(*r) for r in rest]
+    model.gate.set()
+    return await asyncio.gather(*(g.answer() for g in gens))
+
+
+def test_queued_requests_share_a_batch_of_at_most_max_batch_size_and_each_gets_its_own_answer():
+    model = Model()
+    batcher = _batcher(model, max_batch_size=2)
+    answers = asyncio.run(_behind_one(batcher, model, ([1, 2], 3, GREEDY, (), False),
+                                      [([1] * n, n, GREEDY, (), False) for n in (1, 2, 3, 4)]))
+    assert batcher.batch_sizes == [1, 2, 2]
+    assert model.batches == [[[1, 2]], [[1], [1, 1]], [[1, 1, 1], [1, 1, 1, 1]]]   # unpadded prompts, in order
+    assert [(a.text, a.finish_reason, a.prompt_tokens, a.completion_tokens) for a in answers] == [
+        ("w4 w5 w6", "length", 2, 3), ("w4", "length", 1, 1), ("w4 w5", "length", 2, 2),
+        ("w4 w5 w6", "length", 3, 3), ("w4 w5 w6 w7", "length", 4, 4)]   # each row's own budget
+
+
+def test_after_a_batch_of_k_the_next_waits_for_k_requests_and_a_lone_client_never_waits():
+    model = Model()
+    batcher = _batcher(model, wait_s=5.0)
+    one = ([1], 1, GREEDY, (), False)
+
+    async def go():
+        await _behind_one(batcher, model, one, [one, one])
+        late = batcher.submit(*one)
+        await asyncio.sleep(0.2)                  # the second client of the pair comes back later
+        await asyncio.gather(late.answer(), batcher.submit(*one).answer())
+    asyncio.run(go())
+    assert batcher.batch_sizes == [1, 2, 2]
+
+    lone = _batcher(Model(), wait_s=5.0)
+
+    async def alone():
+        for _ in range(3):
+            await asyncio.wait_for(lone.submit([1], 1, GREEDY, (), False).answer(), 2.0)   # never 5 s
+    asyncio.run(alone())
+    assert lone.batch_sizes == [1, 1, 1]
+
+
+def test_a_stream_sends_each_final_delta_and_stops_at_eos_or_a_stop_sequence():
+    batcher = _batcher(Model(eos_at=3))
+
+    async def events(stops: tuple[str, ...]):
+        return [e async for e in batcher.submit([1], 10, GREEDY, stops, True)]
+    *deltas, answer = asyncio.run(events(()))
+    assert deltas == ["w4", " w5", " w6"] and (answer.text, answer.finish_reason) == ("w4 w5 w6", "stop")
+    assert answer.completion_tokens == 4   # the EOS counts, and is not text
+    *deltas, answer = asyncio.run(events(("w5 w", "w9")))   # "w5" may begin the stop: held, then cut
+    assert deltas == ["w4"] and (answer.text, answer.finish_reason, answer.completion_tokens) == ("w4", "stop", 3)
+
+
+def test_a_client_that_leaves_ends_its_row_and_the_batch_goes_on_for_the_others():
+    model = Model()
+    batcher = _batcher(model)
+
+    async def go():
+        model.gate.clear()
+        plug = batcher.submit([1], 1, GREEDY, (), False)
+        await asyncio.to_thread(model.entered.wait, 30)
+        leaving = batcher.submit([1], 50, GREEDY, (), True)
+        staying = batcher.submit([1], 5, GREEDY, (), True)
+        model.gate.set()
+        await plug.answer()
+        events = aiter(leaving)
+        await anext(events)
+        await events.aclose()   # what Starlette does to a stream whose client disconnected
+        answer = await staying.answer()
+        async with asyncio.timeout(30):
+            while len(model.ended) < 2:
+                await asyncio.sleep(0.01)
+        return answer
+    assert asyncio.run(go()).completion_tokens == 5
+    assert batcher.batch_sizes == [1, 2]
+    assert len(model.ended[1][0]) < 1 + 50   # the leaving row stopped long before its budget
+
+
+def test_a_failed_generate_reaches_every_client_in_the_batch_and_the_next_request_is_served():
+    model = Model(fail=True)
+    batcher = _batcher(model)
+
+    async def go():
+        model.gate.clear()
+        gens = [batcher.submit([1], 3, GREEDY, (), s) for s in (False, True)]
+        model.gate.set()
+        return await asyncio.gather(*(g.answer() for g in gens), return_exceptions=True)
+    assert [str(e) for e in asyncio.run(go())] == ["out of memory"] * 2
+    model.fail = False
+
+    async def again():
+        return await batcher.submit([1], 2, GREEDY, (), False).answer()
+    assert asyncio.run(again()).text == "w4 w5"
+
+
+def test_a_seeded_row_samples_the_same_tokens_whatever_shares_its_batch():
+    class Flat(Model):   # every token about as likely: sampling shows
+        def scores(self, step: int, rows: int):
+            return (torch.arange(VOCAB, dtype=torch.float32) / 100).repeat(rows, 1)
+
+    model = Flat()
+    batcher = _batcher(model)
+    seeded, sampled = ([1], 8, batching.Sampling(1.0, 1.0, 11), (), False), ([1], 8, batching.Sampling(1.0, 1.0, None), (), False)
+    greedy = ([1], 8, GREEDY, (), False)
+    alone = asyncio.run(_behind_one(batcher, model, greedy, [seeded]))[1]
+    crowded = asyncio.run(_behind_one(batcher, model, greedy, [seeded, greedy, sampled, greedy, sampled]))[1:]
+    assert batcher.batch_sizes == [1, 1, 1, 5]
+    assert crowded[0] == alone and len(set(alone.text.split())) > 1
+    assert crowded[1].text == crowded[3].text == " ".join(["w15"] * 8)   # greedy rows: the argmax
+
+
+def test_top_p_samples_only_from_the_nucleus():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.tensor([3.0, 2.9, 0.0, 0.0, 0.0])   # p ~ 0.45, 0.41, then 0.05 each
+    assert {batching.sample(logits, 1.0, 0.5, gen) for _ in range(200)} == {0, 1}
+    assert {batching.sample(logits, 1.0, 0.4, gen) for _ in range(50)} == {0}
+    assert {batching.sample(logits, 1.0, 1.0, gen) for _ in range(400)} == {0, 1, 2, 3, 4}
+
+
+def test_an_answer_carries_its_prompts_length():
+    async def go():
+        return await _batcher(Model()).submit([1, 2, 3], 2, GREEDY, (), False).answer()
+    assert asyncio.run(go()) == chat_api.Answer("w4 w5", "length", 3, 2)
