@@ -4,11 +4,11 @@
 
 1. `fast` (unit, local, packaging, the Dockerfile checks): seconds; a failure here stops the run,
    so a broken unit test fails CI in a minute, not an hour.
-2. Five lanes at once, each a list of tiers run one after another:
-     cluster      `tpuft cluster up`, then the demo test (marker `real_node`: it trains on the
-                  real node);
-     disruptions  once the cluster is up: the other real-node tests (heal, lifecycle), beside
-                  the demo: the node holds two CPU runs;
+2. Four lanes at once, each a list of tiers run one after another:
+     cluster      `tpuft cluster up`, then the tests marked `real_node` (they train on the real
+                  node): the demo, then the one run through every disruption, one after the
+                  other (beside each other, up to five RayClusters shared the node's 2 cores and
+                  their deadlines passed);
      simulated    once the cluster is up: the cluster tests that do not train (KWOK slices,
                   which mostly wait; the CLI; the operator's image), then the image tests;
      integration  integration and chart (their own control planes; not niced: they bound the
@@ -64,11 +64,10 @@ CLUSTER_UP = Tier("cluster up", (PY, "-m", "tpuft.cli", "cluster", "up"), pytest
 # one: a second when they are cached.
 TOOLS = Tier("tools", (PY, "-m", "tpuft.cli", "cluster", "tools"), pytest=False)
 REAL_NODE = ("-m", "cluster and real_node")
-# The real-node tests in two lanes: the demo (two runs to a served model) beside the heal and
-# lifecycle runs. The node holds two CPU runs at once (issue 34: README "How many runs the local
-# node holds"), and most of a run is waiting on Ray, KubeRay and the kubelet, not computing.
-DEMO_FILES = ("tests/cluster/test_demo.py",)
-DISRUPTION_FILES = ("tests/cluster/test_recovery.py", "tests/cluster/test_lifecycle.py")
+# The real-node tests one after another: the demo holds up to three RayClusters (two served models
+# and a third run); with the disruption runs beside it the node's 2 cores ran five, and a run's
+# provisioning deadline passed (a clean-clone run of 2026-12-02).
+REAL_NODE_FILES = ("tests/cluster/test_demo.py", "tests/cluster/test_lifecycle.py")
 # tests/workload modules that start no local Ray (torch, transformers, jax, a control plane):
 # tests/unit/test_lanes.py checks that none of them uses the Ray fixture.
 WORKLOAD_WITHOUT_RAY = ("tests/workload/test_jax_model.py", "tests/workload/test_platform_cli.py",
@@ -76,8 +75,7 @@ WORKLOAD_WITHOUT_RAY = ("tests/workload/test_jax_model.py", "tests/workload/test
                         "tests/workload/test_model.py", "tests/workload/test_metrics_log.py",
                         "tests/workload/test_preemption.py")
 LANES: dict[str, list[Tier]] = {
-    "cluster": [CLUSTER_UP, _pytest("real node: demo", *REAL_NODE, *DEMO_FILES)],
-    "disruptions": [_pytest("real node: disruptions", *REAL_NODE, *DISRUPTION_FILES, needs_cluster=True)],
+    "cluster": [CLUSTER_UP, _pytest("real node", *REAL_NODE, *REAL_NODE_FILES)],
     "simulated": [_pytest("cluster (simulated)", "-m", "cluster and not real_node", "tests/cluster", *WITHOUT_DOWN,
                           needs_cluster=True),
                   _pytest("images", "tests/images/test_images.py", needs_cluster=True)],

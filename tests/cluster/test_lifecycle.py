@@ -1,12 +1,23 @@
-"""One CPU run through the disruptions a real cluster has, against the real KubeRay and the real
-Kueue: the run, queued under a ClusterQueue with room for one such run, is preempted mid-training
-by a higher-priority one (Kueue suspends its RayCluster, KubeRay's pods go away, each rank saves a
-checkpoint at its next step on the way out), waits Queued, is admitted again once the other is
-gone and resumes from that checkpoint; then our operator's pod is deleted while the resumed
-training runs (the Deployment starts another, which picks the run up), and it still ends
-Succeeded, with no slice replacement counted. The preemption goes first: the operator acts on it
-within seconds, so it always lands while training (after a restart of unknown length the run
-might already have finished). A user's spec.suspend is tests/integration/test_handlers.py's."""
+"""One CPU run through every disruption a real cluster has, against the real KubeRay and the real
+Kueue, so that the node trains it once instead of once per disruption:
+
+1. queued under a ClusterQueue with room for one such run, it is preempted mid-training by a
+   higher-priority one (Kueue suspends its RayCluster, KubeRay's pods go away, each rank saves a
+   checkpoint at its next step on the way out), waits Queued, is admitted again once the other is
+   gone and resumes from that checkpoint, losing at most one step (preemption is not loss);
+2. a KubeRay worker pod is then deleted mid-training (a host lost): KubeRay recreates it, our
+   operator stops the jobs, waits for the whole slice and resumes the same training attempt from
+   its last checkpoint, counting one slice replacement;
+3. our operator's pod is deleted while the resumed training runs (the Deployment starts another,
+   which picks the run up), and training still ends;
+4. it then serves with an image that does not exist: the kubelet's pull error is in status while
+   Serving, and the run fails ServeFailed at spec.serve.timeoutSeconds naming it (the seed-004
+   hang, caught and named; the happy path is tests/cluster/test_demo.py).
+
+Verification is off: it would run after each of the three starts and prove nothing asserted here
+(re-verification after a resume or replacement is tests/unit/test_phases.py's and
+tests/integration/test_handlers.py's; the demo verifies on the real cluster). A user's spec.suspend
+is tests/integration/test_handlers.py's."""
 from __future__ import annotations
 
 import json
@@ -21,15 +32,30 @@ from tpuft import constants as c
 from tpuft_local import chart, node
 
 ONE_RUN_CPU = "1"   # local-cpu.yaml's pods ask 0.6 CPU (head 100m, two workers 250m): one run fits, two do not
+EVERY = 5           # checkpoint.everySteps: the most a host loss may cost
+SERVE_TIMEOUT = 60
+BAD_IMAGE = "docker.io/tpufinetune/serving:does-not-exist"
 
 
 def _tft(kubectl, ns: str, name: str) -> dict:
     return json.loads(kubectl("get", "tft", name, "-n", ns, "-o", "json", check=True).stdout)
 
 
+def _status(kubectl, ns: str, name: str) -> dict:
+    return _tft(kubectl, ns, name).get("status") or {}
+
+
 def _operator_pods(kubectl) -> list[dict]:
     res = kubectl("get", "pods", "-n", chart.NAMESPACE, "-l", f"app.kubernetes.io/instance={chart.RELEASE}", "-o", "json")
     return json.loads(res.stdout)["items"] if res.returncode == 0 else []
+
+
+def _kill_a_worker(kubectl, ns: str, name: str) -> str:
+    pods = json.loads(kubectl("get", "pods", "-n", ns, "-l", f"ray.io/cluster={name}-ray,ray.io/node-type=worker",
+                              "-o", "json", check=True).stdout)["items"]
+    victim = sorted(p["metadata"]["name"] for p in pods)[0]
+    kubectl("delete", "pod", victim, "-n", ns, "--wait=false", check=True)
+    return victim
 
 
 def _queue(kubectl, ns: str) -> tuple[str, list[str]]:
@@ -61,81 +87,113 @@ def cpu_queue(cluster_kubectl, cluster_ns):
     cluster_kubectl("delete", "workloadpriorityclass", f"low-{cluster_ns}", f"high-{cluster_ns}", "--ignore-not-found")
 
 
-def _run(name: str, storage: str, queue: str, priority: str, epochs: int) -> dict:
+def _run(name: str, storage: str, queue: str, priority: str, epochs: int, serve: bool) -> dict:
     doc = yaml.safe_load((EXAMPLES / "local-cpu.yaml").read_text())
-    doc["spec"].pop("serve")   # training only: this test ends at Succeeded
     doc["metadata"] = {"name": name, "labels": {c.KUEUE_QUEUE_LABEL: queue, c.KUEUE_PRIORITY_LABEL: priority}}
-    doc["spec"]["checkpoint"].update(storagePath=storage, everySteps=5)
+    doc["spec"]["checkpoint"].update(storagePath=storage, everySteps=EVERY)
     doc["spec"]["checkpoint"]["volume"]["hostPath"]["path"] = storage
     doc["spec"]["training"]["epochs"] = epochs
-    # Verification off: it would run twice (before training and again after the resume) and prove
-    # nothing this test asserts; re-verification after a resume is tests/unit/test_phases.py's and
-    # tests/integration/test_handlers.py's, and on the real cluster the heal run re-verifies.
     doc["spec"]["verification"] = {"enabled": False}
+    doc["spec"]["recovery"] = {"maxSliceReplacements": 1}
+    if serve:
+        doc["spec"]["serve"].update(image=BAD_IMAGE, timeoutSeconds=SERVE_TIMEOUT)
+        doc["spec"]["serve"].pop("apiKeySecret")
+    else:
+        doc["spec"].pop("serve")
     return doc
 
 
 @pytest.mark.real_node
-def test_preemption_resume_and_operator_restart_mid_training(cluster_kubectl, cluster_ns, cpu_queue, tmp_path):
+@pytest.mark.timeout(2700)
+def test_preemption_host_loss_operator_restart_then_a_missing_serving_image(cluster_kubectl, cluster_ns, cpu_queue,
+                                                                            tmp_path):
     queue, (low, high) = cpu_queue
-    doc = _run("life", str(tmp_path / "checkpoints"), queue, low, epochs=4)
-    cluster_kubectl("apply", "-n", cluster_ns, "-f", "-", input=json.dumps(doc), check=True)
+    kubectl, ns = cluster_kubectl, cluster_ns
+    doc = _run("life", str(tmp_path / "checkpoints"), queue, low, epochs=4, serve=True)
+    kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(doc), check=True)
 
-    def training_step(at_least: int):
-        st = _tft(cluster_kubectl, cluster_ns, "life").get("status") or {}
-        assert st.get("phase") != "Failed", st
-        return st.get("phase") == "Training" and (st.get("training") or {}).get("step", 0) >= at_least
+    def training(at_least: int, resumed_past: int = -1):
+        st = _status(kubectl, ns, "life")
+        assert st.get("phase") not in ("Failed", "Succeeded", "Serving"), st
+        t = st.get("training") or {}
+        return (st.get("phase") == "Training" and t.get("step", 0) >= at_least
+                and t.get("resumedFromStep", 0) > resumed_past and st)
 
-    wait_until(lambda: training_step(6), timeout=900, interval=2, what="training past its first checkpoint")
-    st = _tft(cluster_kubectl, cluster_ns, "life")["status"]
+    # 1. Preempted by a higher priority, queued, admitted again: resumed from its own stop checkpoint.
+    st = wait_until(lambda: training(EVERY + 1), timeout=900, interval=2, what="training past its first checkpoint")
     assert next(x for x in st["conditions"] if x["type"] == "Admitted")["status"] == "True", st["conditions"]
     # Every pod of the run on the real node: a simulated node would only pretend to run it.
-    ray_pods = json.loads(cluster_kubectl("get", "pods", "-n", cluster_ns, "-l", "ray.io/node-type", "-o", "json",
-                                          check=True).stdout)["items"]
+    ray_pods = json.loads(kubectl("get", "pods", "-n", ns, "-l", "ray.io/node-type", "-o", "json",
+                                  check=True).stdout)["items"]
     assert ray_pods and {p["spec"]["nodeName"] for p in ray_pods} == {node.NODE_NAME}, \
         [(p["metadata"]["name"], p["spec"]["nodeName"]) for p in ray_pods]
-    bump = _run("bump", str(tmp_path / "bump"), queue, high, epochs=1)
-    cluster_kubectl("apply", "-n", cluster_ns, "-f", "-", input=json.dumps(bump), check=True)
-    st = wait_until(lambda: (s := _tft(cluster_kubectl, cluster_ns, "life")["status"]).get("phase") in
-                    ("Queued", "Succeeded", "Failed") and s, timeout=300, interval=1, what="life preempted")
+    kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(_run("bump", str(tmp_path / "bump"), queue, high, 1, False)),
+            check=True)
+    st = wait_until(lambda: (s := _status(kubectl, ns, "life")).get("phase") in ("Queued", "Succeeded", "Failed")
+                    and s, timeout=300, interval=1, what="life preempted")
     assert (st["phase"], st["reason"]) == ("Queued", "Preempted"), st
     preempted = st["recovery"]["lastPreemption"]
     assert preempted["phase"] == "Training" and "Preempted" in preempted["cause"], preempted
     # The other one runs; once it is gone, Kueue admits life again.
-    wait_until(lambda: (_tft(cluster_kubectl, cluster_ns, "bump").get("status") or {}).get("phase")
-               not in (None, "Pending", "Queued"), timeout=300, interval=2, what="bump admitted")
-    cluster_kubectl("delete", "tft", "bump", "-n", cluster_ns, "--wait=false", check=True)
+    wait_until(lambda: _status(kubectl, ns, "bump").get("phase") not in (None, "Pending", "Queued"),
+               timeout=300, interval=2, what="bump admitted")
+    kubectl("delete", "tft", "bump", "-n", ns, "--wait=false", check=True)
+    # the resumed workload writes resumedFromStep as it loads the checkpoint, then trains on
+    st = wait_until(lambda: training(0, resumed_past=EVERY - 1), timeout=900, interval=2,
+                    what="the preempted run training again")
+    first_resume = st["training"]["resumedFromStep"]
+    lost = preempted.get("step", 0) - first_resume
+    print(f"steps lost to the preemption: {lost} (last reported step {preempted.get('step')}, "
+          f"resumed from {first_resume})")
+    assert lost <= 1, (preempted, st["training"])   # the ranks saved at their next step on the way out
 
-    def resumed_training():
-        st = _tft(cluster_kubectl, cluster_ns, "life").get("status") or {}
-        assert st.get("phase") not in ("Failed", "Succeeded"), st
-        # the resumed workload writes resumedFromStep as it loads the checkpoint, then trains on
-        return st.get("phase") == "Training" and (st.get("training") or {}).get("resumedFromStep", 0) >= 5
+    # 2. A host lost mid-training: the slice replaced, the same attempt resumed from its checkpoint.
+    wait_until(lambda: training(first_resume + EVERY + 1), timeout=600, interval=2,
+               what=f"training past step {first_resume + EVERY + 1}")
+    victim = _kill_a_worker(kubectl, ns, "life")
+    seen = wait_until(lambda: (s := _status(kubectl, ns, "life")).get("recovery", {}).get("history") and s,
+                      timeout=180, interval=1, what="the host loss to be seen")
+    assert seen["phase"] in ("Provisioning", "Training"), seen
+    wait_until(lambda: training(0, resumed_past=first_resume), timeout=900, interval=2,
+               what="training resumed on the replaced slice")
 
-    wait_until(resumed_training, timeout=900, interval=2, what="the resumed run training again")
-    (old,) = [p["metadata"]["name"] for p in _operator_pods(cluster_kubectl)]
-    cluster_kubectl("delete", "pod", old, "-n", chart.NAMESPACE, "--wait=false", check=True)
+    # 3. The operator's pod deleted mid-training: its Deployment's next pod carries on.
+    (old,) = [p["metadata"]["name"] for p in _operator_pods(kubectl)]
+    kubectl("delete", "pod", old, "-n", chart.NAMESPACE, "--wait=false", check=True)
     wait_until(lambda: any(p["metadata"]["name"] != old and any(
         c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions") or [])
-        for p in _operator_pods(cluster_kubectl)), timeout=180, interval=2, what="a new operator pod Ready")
+        for p in _operator_pods(kubectl)), timeout=180, interval=2, what="a new operator pod Ready")
 
-    def finished():
-        st = _tft(cluster_kubectl, cluster_ns, "life").get("status") or {}
-        return st.get("phase") in ("Succeeded", "Failed") and st
-
-    st = wait_until(finished, timeout=1200, interval=3, what="the resumed run to finish")
-    assert st["phase"] == "Succeeded", st
-    training = st["training"]
-    assert training.get("resumedFromStep", 0) >= 5, training  # its own checkpoint, not step 0
-    # preemption is not loss: counted as one, never as a slice replacement
-    assert st["recovery"]["preemptions"] == 1 and not st["recovery"].get("sliceReplacements"), st["recovery"]
-    # the ranks saved at their next step on the way out: the resumed run lost at most one step of
-    # what was last reported before the preemption
-    lost = preempted.get("step", 0) - training["resumedFromStep"]
-    print(f"steps lost to the preemption: {lost} (last reported step {preempted.get('step')}, resumed from "
-          f"{training['resumedFromStep']})")
-    assert lost <= 1, (preempted, training)
+    # Training ends; serving starts (its image does not exist).
+    st = wait_until(lambda: (s := _status(kubectl, ns, "life")).get("phase") in ("Serving", "Failed", "Succeeded")
+                    and s, timeout=1200, interval=2, what="training to end and serving to start")
+    assert st["phase"] == "Serving", st
+    recovery, t = st["recovery"], st["training"]
+    # preemption is not loss: counted as one, never as a slice replacement; the host loss is one
+    assert recovery["preemptions"] == 1 and recovery["sliceReplacements"] == 1, recovery
+    (loss,) = recovery["history"]
+    assert loss["phase"] == "Training" and loss["hostsReady"] < loss["hosts"] == 2, (victim, loss)
+    # resumed from its own checkpoint, losing at most one checkpoint interval of reported progress
+    assert t["resumedFromStep"] >= max(loss.get("step", 0) - EVERY, first_resume), (t, loss)
+    assert t["step"] == t["totalSteps"] and t.get("loss") is not None, t
     assert st["goodput"]["queuedSeconds"] > 0, st["goodput"]
-    assert training["step"] == training["totalSteps"] and training.get("loss") is not None
-    # the suspended attempt's RayJob went before its pods; the finished one is Complete (issue 24)
-    assert_nothing_left_failed(cluster_kubectl, cluster_ns)
+    events = json.loads(kubectl("get", "events", "-n", ns, "-o", "json", "--field-selector",
+                                "involvedObject.name=life,reason=ReplacingSlice", check=True).stdout)["items"]
+    assert len(events) == 1 and "a host was lost during Training" in events[0]["message"], events
+    # the training slice was released before serving started
+    assert kubectl("get", "raycluster", "life-ray", "-n", ns).returncode != 0
+    # the suspended and the stopped attempts' RayJobs went before their pods; the last is Complete (issue 24)
+    assert_nothing_left_failed(kubectl, ns)
+
+    # 4. The kubelet's pull error, in status while still Serving; then ServeFailed naming it. (The
+    # bound itself is the operator's, counted from status.serving.notReadySince: tests/unit/test_phases.py.)
+    blocked = wait_until(lambda: "cannot be pulled" in ((s := _status(kubectl, ns, "life")).get("message") or "")
+                         and s, timeout=3 * SERVE_TIMEOUT, interval=2, what="the pull error in status")
+    assert blocked["phase"] == "Serving" and "serving:does-not-exist" in blocked["message"], blocked
+    failed = wait_until(lambda: (s := _status(kubectl, ns, "life")).get("phase") == "Failed" and s,
+                        timeout=3 * SERVE_TIMEOUT, interval=2, what="ServeFailed at spec.serve.timeoutSeconds")
+    assert failed["reason"] == "ServeFailed", failed
+    assert f"spec.serve.timeoutSeconds ({SERVE_TIMEOUT}s)" in failed["message"]
+    assert "serving:does-not-exist cannot be pulled" in failed["message"], failed["message"]
+    conditions = {x["type"]: x["status"] for x in failed["conditions"]}
+    assert conditions["TrainingSucceeded"] == "True" and conditions["Serving"] == "False", conditions

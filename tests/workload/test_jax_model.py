@@ -86,7 +86,8 @@ def test_one_adamw_step_matches_torch(tokenizer):
         want = float(_torch_loss(model, rows, True))
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, weight_decay=0.01))
     batch = jax_model.inputs_from_rows(rows, True)
-    grads = jax.grad(lambda p: jax_model.loss(p, cfg, batch))(params)
+    # jitted: one XLA compile instead of an eager dispatch (and compile) per op of the backward pass
+    grads = jax.jit(jax.grad(lambda p: jax_model.loss(p, cfg, batch)))(params)
     updates, _ = tx.update(grads, tx.init(params), params)
     got = _jax_loss(optax.apply_updates(params, updates), cfg, rows, True)
     assert abs(got - want) <= REL_TOL * want, (got, want)

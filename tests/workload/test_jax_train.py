@@ -5,13 +5,12 @@ One run covers: loss goes down over 3 epochs, a worker killed mid-epoch is resta
 (FailureConfig) and resumes from the last Orbax checkpoint with at most one interval lost,
 rank 0 reports status.training with the torch path's keys (to a loopback recorder: no API
 server) and writes the torch path's TensorBoard scalars, and the export loads with
-AutoModelForCausalLM.from_pretrained and generates. The RayJob's CLI path (`--framework jax`) then
-finds the finished run, retrains nothing and tees its driver log to --log-file.
+AutoModelForCausalLM.from_pretrained and generates. The RayJob's CLI path (`--framework jax`, its
+driver log teed to --log-file) runs in the demo's JAX run on the real cluster (tests/cluster/
+test_demo.py); resuming a finished run retrains nothing in tests/workload/test_train_resume.py.
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import threading
@@ -160,24 +159,6 @@ def test_export_loads_and_generates(killed_run):
     out = model.generate(input_ids=ids["input_ids"], max_new_tokens=12, do_sample=False)
     new = out[0, ids["input_ids"].shape[1]:]
     assert len(new) > 0 and tok.decode(new, skip_special_tokens=True).strip()
-
-
-def test_resubmitted_job_resumes_through_the_cli(killed_run):
-    """`python -m tpuft_workload train --framework jax` (the RayJob's entrypoint) on the finished run."""
-    storage, args, cfg, first = killed_run
-    total = first.metrics["total_steps"]
-    out = io.StringIO()
-    log_file = Path(cfg["run_dir"], "logs", "train.log")
-    with contextlib.redirect_stdout(out):
-        assert cli.main(_argv(storage, args.run_name, log_file=log_file)) == 0
-    text = out.getvalue()
-    logged = log_file.read_text()   # the driver's log, kept for `tpuft logs` once the head is gone
-    assert "(JaxTrainer)" in text
-    line = next(ln for ln in text.splitlines() if ln.startswith(train.RESULT_PREFIX))
-    assert logged.startswith("[tpuft] train driver started ") and line in logged.splitlines()
-    body = json.loads(line[len(train.RESULT_PREFIX):])
-    assert body["succeeded"] and body["resumedFromStep"] == body["step"] == total
-    assert body["exportedModel"] == cfg["export_uri"]
 
 
 # ---- no Ray cluster needed ----------------------------------------------------------------------
