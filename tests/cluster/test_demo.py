@@ -231,6 +231,10 @@ def _check_a_third_run_beside_two_served_models(kubectl) -> None:
     end = wait_until(lambda: (st := phase("third")).get("phase") == "Succeeded" and st, timeout=900, interval=3,
                      what="the third run beside two served models")
     assert end["training"]["step"] == end["training"]["totalSteps"], end
+    # Succeeded first, then its RayJobs and its RayCluster go (FinishingRayJob): until the head is
+    # gone, `tpuft logs` still reads it from there.
+    wait_until(lambda: kubectl("get", "raycluster", "third-ray", "-n", DEMO_NS).returncode != 0, timeout=300,
+               interval=2, what="the third run's RayCluster to go")
     afterwards = _tpuft_logs("third")
     assert "Starting fine-tuning" in while_training.stdout, while_training
     assert "Starting fine-tuning" in afterwards.stdout and "TPUFT_TRAIN_RESULT" in afterwards.stdout, afterwards

@@ -109,7 +109,7 @@ def test_preemption_host_loss_operator_restart_then_a_missing_serving_image(clus
                                                                             tmp_path):
     queue, (low, high) = cpu_queue
     kubectl, ns = cluster_kubectl, cluster_ns
-    doc = _run("life", str(tmp_path / "checkpoints"), queue, low, epochs=4, serve=True)
+    doc = _run("life", str(tmp_path / "checkpoints"), queue, low, epochs=2, serve=True)   # 66 steps
     kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(doc), check=True)
 
     def training(at_least: int, resumed_past: int = -1):
