@@ -18,8 +18,8 @@ $(STAMP): pyproject.toml hack/venv.sh
 demo: venv
 	$(VENV)/bin/tpuft demo
 
-# Fast tiers first (a broken unit test fails in a minute), then three lanes at once (the cluster's
-# real node, its simulated TPU hosts, and integration/chart/workload), then `tpuft cluster down`;
+# Fast tiers first (a broken unit test fails in a minute), then four lanes at once (the cluster's
+# real node, its simulated TPU hosts, integration/chart, and the Ray workload), then `tpuft cluster down`;
 # prints each tier's time and the 30 slowest tests. See tests/lanes.py; logs in .test-logs/.
 # The Go tools are built by the cluster lane's `tpuft cluster up`, beside the images, on a cold
 # machine; the other lanes' control planes wait for them (a build lock).

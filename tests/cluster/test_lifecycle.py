@@ -146,6 +146,8 @@ def test_preemption_host_loss_operator_restart_then_a_missing_serving_image(clus
     print(f"steps lost to the preemption: {lost} (last reported step {preempted.get('step')}, "
           f"resumed from {first_resume})")
     assert lost <= 1, (preempted, st["training"])   # the ranks saved at their next step on the way out
+    # preemption is not loss: counted as one, never as a slice replacement
+    assert st["recovery"]["preemptions"] == 1 and not st["recovery"].get("sliceReplacements"), st["recovery"]
 
     # 2. A host lost mid-training: the slice replaced, the same attempt resumed from its checkpoint.
     wait_until(lambda: training(first_resume + EVERY + 1), timeout=600, interval=2,
@@ -169,7 +171,7 @@ def test_preemption_host_loss_operator_restart_then_a_missing_serving_image(clus
                     and s, timeout=1200, interval=2, what="training to end and serving to start")
     assert st["phase"] == "Serving", st
     recovery, t = st["recovery"], st["training"]
-    # preemption is not loss: counted as one, never as a slice replacement; the host loss is one
+    # the preemption still one, the host loss one slice replacement
     assert recovery["preemptions"] == 1 and recovery["sliceReplacements"] == 1, recovery
     (loss,) = recovery["history"]
     assert loss["phase"] == "Training" and loss["hostsReady"] < loss["hosts"] == 2, (victim, loss)
