@@ -135,7 +135,10 @@ def check_end_state(kube_api, namespace: str, scripts: dict[str, str], recorder:
             assert refs == [("TPUFinetune", owner, uids.get(owner), True)], f"{plural}/{meta['name']}: {refs}"
             total += 1
     regressions = recorder.regressions()
-    assert not regressions, "\n".join(regressions)
+    # what the operator saw, in its own log, for whoever reads a failure (seen once under a
+    # clean-clone run's full load: a slice loss during verification that no script plays)
+    why = [ln for ln in op.text().splitlines() if "lost" in ln or "ReplacingSlice" in ln][-20:]
+    assert not regressions, "\n".join(regressions + why)
     text = op.text()
     assert " crashed attempt=" not in text, op.tail(120)  # a reconcile raised something not an API error
     transitions = sum(len(seq) - 1 for seq in recorder.seen.values())
