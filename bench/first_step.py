@@ -35,12 +35,13 @@ RUN_BOUND_S = 600  # one run never waits longer than this, whatever happens
 
 # What the user types for the manual flow: the seed's two `ray job submit` commands with this
 # example's settings (checked against our renderer at start, so both flows run the same job).
-MANUAL_VERIFY = "python -m tpuft_workload verify --accelerator cpu --topology 2 --slices 1 --timeout-seconds 120"
+MANUAL_VERIFY = ("python -m tpuft_workload verify --accelerator cpu --topology 2 --slices 1 --timeout-seconds 120 "
+                 "--log-file /tmp/tpuft-checkpoints/{run}/logs/verify.log")
 MANUAL_TRAIN = ("python -m tpuft_workload train --accelerator cpu --topology 2 --slices 1 --model builtin:tiny-llama "
                 "--dataset builtin:dolly-mini --dataset-split train --epochs 3 --batch-size-per-device 4 "
                 "--max-seq-length 128 --learning-rate 0.003 --storage-path /tmp/tpuft-checkpoints "
                 "--run-name {run} --checkpoint-every-steps 10 --keep-checkpoints 2 --max-failures 1 "
-                "--report-every-steps 5")
+                "--report-every-steps 5 --log-file /tmp/tpuft-checkpoints/{run}/logs/train.log")
 
 
 def say(msg: str) -> None:
@@ -138,13 +139,16 @@ def manual(cl: Cluster, i: int) -> float:
     try:
         cl.kubectl("wait", f"raycluster/{name}", "--for=jsonpath={.status.state}=ready", "--timeout=300s")
         address = f"http://{cl.head_ip(name)}:8265"
-        ray = str(Path(sys.executable).with_name("ray"))
+        # Ray's own CLI (`ray job submit`), through this interpreter: the venv's packages may live
+        # in the shared dependency venv (hack/venv.sh), whose bin/ holds the `ray` script
+        ray = [sys.executable, "-c", "from ray.scripts.scripts import main; main()"]
         # the token as a user of a token-auth cluster passes it to `ray job submit`
         env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": cl.ray_token(name) or ""}
-        subprocess.run([ray, "job", "submit", "--address", address, "--", *MANUAL_VERIFY.split()],
+        run = f"manual-{i}-{int(time.time())}"
+        subprocess.run([*ray, "job", "submit", "--address", address, "--", *MANUAL_VERIFY.format(run=run).split()],
                        check=True, capture_output=True, text=True, timeout=300, env=env)
-        subprocess.run([ray, "job", "submit", "--address", address, "--no-wait", "--",
-                        *MANUAL_TRAIN.format(run=f"manual-{i}-{int(time.time())}").split()],
+        subprocess.run([*ray, "job", "submit", "--address", address, "--no-wait", "--",
+                        *MANUAL_TRAIN.format(run=run).split()],
                        check=True, capture_output=True, text=True, timeout=120, env=env)
         return wait_first_step(cl, name, t0)
     finally:
@@ -157,8 +161,10 @@ def check_same_commands() -> None:
     from tpuft import builders, spec
     tft = spec.parse({**yaml.safe_load((REPO / "examples" / "local-cpu.yaml").read_text()),
                       "metadata": {"name": "local-cpu", "namespace": NAMESPACE, "uid": "u"}})
-    rendered = re.sub(r"--run-name \S+", "--run-name {run}", builders.train_entrypoint(tft))
-    for mine, theirs in ((MANUAL_VERIFY, builders.verify_entrypoint(tft)), (MANUAL_TRAIN, rendered)):
+    train = builders.train_entrypoint(tft)
+    run = re.search(r"--run-name (\S+)", train).group(1)   # also in the drivers' --log-file paths
+    for mine, theirs in ((MANUAL_VERIFY, builders.verify_entrypoint(tft).replace(run, "{run}")),
+                         (MANUAL_TRAIN, train.replace(run, "{run}"))):
         if mine != theirs:
             raise SystemExit(f"bench/first_step.py: the manual command drifted from the example:\n  {mine}\n  {theirs}")
 
