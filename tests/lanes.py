@@ -5,16 +5,17 @@
 1. `fast` (unit, local, packaging, the Dockerfile checks): seconds; a failure here stops the run,
    so a broken unit test fails CI in a minute, not an hour.
 2. Four lanes at once, each a list of tiers run one after another:
-     cluster      `tpuft cluster up`, then the tests marked `real_node` (they train on the real
-                  node): the demo, then the one run through every disruption, one after the
-                  other (beside each other, up to five RayClusters shared the node's 2 cores and
-                  their deadlines passed);
-     simulated    once the cluster is up: the cluster tests that do not train (KWOK slices,
-                  which mostly wait; the CLI; the operator's image), then the image tests;
+     cluster      `tpuft cluster up`, then tests/leftovers.py (deletes the runs an earlier session
+                  left on the cluster: its state outlives `down`), then the tests marked
+                  `real_node` (they train on the real node): the demo, then the one run through
+                  every disruption, one after the other (beside each other, up to five RayClusters
+                  shared the node's 2 cores and their deadlines passed);
+     simulated    once the cluster is up and cleared: the cluster tests that do not train (KWOK
+                  slices, which mostly wait; the CLI; the operator's image), then the image tests;
      integration  integration and chart (their own control planes; not niced: they bound the
                   operator's reaction times), then the workload modules that start no Ray, niced;
-     workload     the rest of the workload tier (real Ray and torch), niced 5 (the longest
-                  lane, and the heaviest).
+     workload     the rest of the workload tier (real Ray and torch): the longest lane, not niced
+                  (its Ray workers run at Ray's own worker niceness, as the real node's do).
 3. `down`: tests/cluster/test_zz_down.py, after every lane, whenever the cluster came up (after
    an `up` that failed, `tpuft cluster down --keep-packages`, so the host is left as it was).
 
@@ -58,6 +59,9 @@ def _pytest(name: str, *args: str, nice: int = 0, needs_cluster: bool = False) -
 FAST = _pytest("fast", "tests/unit", "tests/local", "tests/packaging", "tests/images/test_dockerfiles.py",
                "tests/images/test_operator_wheel.py")
 CLUSTER_UP = Tier("cluster up", (PY, "-m", "tpuft.cli", "cluster", "up"), pytest=False)
+# What an earlier session left running on the cluster (its state outlives `down`), deleted before
+# any cluster test starts: see tests/leftovers.py.
+LEFTOVERS = Tier("leftovers", (PY, "-m", "tests.leftovers"), pytest=False)
 # The Go tools the integration and chart tiers' own control planes run (kube-apiserver, helm, ...):
 # on a cold machine `cluster up` is building them (minutes), and a test fixture waiting on the
 # build lock would hit pytest's per-test timeout first. This waits for (or builds) them without
@@ -75,7 +79,7 @@ WORKLOAD_WITHOUT_RAY = ("tests/workload/test_jax_model.py", "tests/workload/test
                         "tests/workload/test_model.py", "tests/workload/test_metrics_log.py",
                         "tests/workload/test_preemption.py")
 LANES: dict[str, list[Tier]] = {
-    "cluster": [CLUSTER_UP, _pytest("real node", *REAL_NODE, *REAL_NODE_FILES)],
+    "cluster": [CLUSTER_UP, LEFTOVERS, _pytest("real node", *REAL_NODE, *REAL_NODE_FILES)],
     "simulated": [_pytest("cluster (simulated)", "-m", "cluster and not real_node", "tests/cluster", *WITHOUT_DOWN,
                           needs_cluster=True),
                   _pytest("images", "tests/images/test_images.py", needs_cluster=True)],
@@ -85,12 +89,15 @@ LANES: dict[str, list[Tier]] = {
     # off the longest lane.
     "integration": [TOOLS, _pytest("integration+chart", "tests/integration", "tests/chart"),
                     _pytest("workload (no Ray)", *WORKLOAD_WITHOUT_RAY, nice=5)],
-    # The longest lane, and the heaviest on the CPU beside the real node's pods (nice 15): niced 5.
-    # Clean-clone runs of 2026-12-03: at nice 3, 22.7 min but one status regression in the
-    # integration tier; at nice 10, 27.7 and 29.7 min, and in the second ray.init missed Ray's 30 s
-    # startup window twice in a row (conftest now tries three times).
-    "workload": [_pytest("workload", "tests/workload", *(f"--ignore={f}" for f in WORKLOAD_WITHOUT_RAY), nice=5)],
+    # The longest lane. Not niced: Ray starts its workers at niceness 15 (RAY_worker_niceness), the
+    # level the real node's Ray workers run at; with the lane niced 5 they ran at 19 (CPU weight 15
+    # against those pods' 36): a JAX compile took 59 s that takes 4 s alone, and one run passed
+    # pytest's 900 s timeout (the CI run of 2026-12-03, 34.6 min). Its Ray driver, raylet and GCS
+    # at 0 also keep ray.init inside Ray's 30 s startup window (missed twice at nice 10).
+    "workload": [_pytest("workload", "tests/workload", *(f"--ignore={f}" for f in WORKLOAD_WITHOUT_RAY))],
 }
+# The cluster is ready for the tiers marked needs_cluster once these have passed, in this order.
+UP_TIERS = (CLUSTER_UP, LEFTOVERS)
 DOWN = _pytest("down", DOWN_TEST)
 # After an `up` that failed part way: undo what it did to the host without the test's checks.
 DOWN_AFTER_FAILED_UP = Tier("down (up failed)", (PY, "-m", "tpuft.cli", "cluster", "down", "--keep-packages"),
@@ -151,12 +158,13 @@ def _lane(tiers: list[Tier], logs: Path, results: list[Result], up_done: threadi
                 break
         res = _run(tier, logs)
         mine.append(res)
-        if tier is CLUSTER_UP:
-            if res.rc == 0:
-                up_ok.set()
-            up_done.set()
+        if tier in UP_TIERS:
             if res.rc != 0:
+                up_done.set()
                 break
+            if tier is UP_TIERS[-1]:
+                up_ok.set()
+                up_done.set()
     results.extend(mine)
     _show(mine)
 
