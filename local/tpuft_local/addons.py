@@ -17,6 +17,19 @@ WEBHOOK_USER = "tpuft:tpu-webhook"
 KUBERAY_CLUSTER_ROLE = "kuberay-operator"  # KubeRay's own config/rbac/role.yaml, applied from the module
 
 
+# What `kubectl logs` shows for a container on a simulated host (KWOK runs no container): one
+# line in the CRI log format the kubelet's log reader (and KWOK's) parses.
+SIMULATED_HOST_LOG = ("2026-01-01T00:00:00.000000000Z stdout F [tpuft cluster] this pod is on a simulated GKE "
+                      "host (KWOK): no container runs here, so there is no log. Pods on the real node "
+                      "(tpuft-node) have theirs; a run's driver log: tpuft logs NAME.\n")
+
+
+def kwok_config(logs_file: str) -> str:
+    """KWOK's --config: every pod on a KWOK node answers `kubectl logs` with `logs_file`."""
+    return ("apiVersion: kwok.x-k8s.io/v1alpha1\nkind: ClusterLogs\nmetadata:\n  name: simulated-tpu-hosts\n"
+            f"spec:\n  selector: {{}}\n  logs:\n  - logsFile: {logs_file}\n    follow: false\n")
+
+
 def corefile(net: Network, kubeconfig: str, health_port: int, ready_port: int) -> str:
     """Cluster names from the API server; every other name NXDOMAIN (no `forward` anywhere)."""
     return f"""cluster.local:53 in-addr.arpa:53 ip6.arpa:53 {{

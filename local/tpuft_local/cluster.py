@@ -273,14 +273,32 @@ class LocalCluster:
                     lambda: procs.http_ok(f"http://127.0.0.1:{ready}/ready"), timeout=60)
 
     def _kwok(self) -> None:
+        from tpuft_local.kubepki import issue
         kubeconfig = self._client_kubeconfig("kwok", addons.KWOK_USER)
+        # The simulated hosts' kubelet API is KWOK's own server, on the bridge address their Nodes
+        # name, at the port they name. Without a port they named the real node's address and the
+        # API server asked the real kubelet about pods it never ran: `kubectl logs` on a slice's
+        # pod answered 404 (NotFound). The API server checks kubelets' serving certs against the
+        # cluster CA, so KWOK's is signed by it.
+        crt, key = issue(self.cp.pki, "kwok-serving", "kwok", server_ips=(self.net.gateway,), client=False)
+        logs_file = self.state / "simulated-host.log"
+        logs_file.write_text(addons.SIMULATED_HOST_LOG)
+        config = self.state / "kwok.yaml"
+        config.write_text(addons.kwok_config(str(logs_file)))
+        port_file = self.state / "kwok.port"
+        if not port_file.exists():
+            self._stop("kwok")   # started by an `up` that recorded no port: start it again on one
+        if self.pid(_comp("kwok")) is None:
+            port_file.write_text(str(free_port()))
+        port = int(port_file.read_text())
         self._start("kwok", [
-            tool_path("kwok"), f"--kubeconfig={kubeconfig}", "--manage-all-nodes=false",
+            tool_path("kwok"), f"--kubeconfig={kubeconfig}", f"--config={config}", "--manage-all-nodes=false",
             f"--manage-nodes-with-annotation-selector={pools.KWOK_ANNOTATION}=fake",
-            f"--cidr={self.net.fake_pod_cidr}", f"--node-ip={self.net.gateway}",
+            f"--cidr={self.net.fake_pod_cidr}", f"--node-ip={self.net.gateway}", f"--node-port={port}",
             # KWOK's default heartbeat (20 s + up to 25 s jitter) can exceed the node-lifecycle
             # controller's 50 s grace: pods would flip to Ready=False.
-            "--node-lease-duration-seconds=40", f"--server-address=127.0.0.1:{free_port()}"],
+            "--node-lease-duration-seconds=40", f"--server-address={self.net.gateway}:{port}",
+            f"--tls-cert-file={crt}", f"--tls-private-key-file={key}"],
             lambda: True, timeout=10)
         nodes = pools.all_nodes(self.tpu_pools)
         self.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": nodes}))
@@ -289,6 +307,11 @@ class LocalCluster:
             procs.wait_for(lambda: all(self._node_ready(n) for n in names), "KWOK nodes", 90, self.logs / "kwok.log")
         except RuntimeError as e:
             raise ClusterError(str(e)) from None
+        # KWOK writes the port into a Node's status only when it first initializes it; Nodes an
+        # earlier `up` made (the state outlives `down`) still name none, or another port.
+        endpoint = json.dumps({"status": {"daemonEndpoints": {"kubeletEndpoint": {"Port": port}}}})
+        for name in names:
+            self.kubectl("patch", "node", name, "--subresource=status", "--type=merge", "-p", endpoint, check=True)
 
     def _kuberay(self) -> None:
         crds = kuberay_crd_dir()

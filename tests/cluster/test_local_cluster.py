@@ -132,6 +132,12 @@ def _watch_the_rehearsal(kubectl, ns: str, name: str) -> None:
     assert all(e["TORCH_TPU_TOPOLOGY"] == "4,4,1" and len(e["TPU_WORKER_HOSTNAMES"].split(",")) == 4 for e in envs)
     assert len({e["TPU_NAME"] for e in envs}) == 1
     assert all(p["spec"].get("hostname") and p["spec"].get("subdomain") for p in pods)
+    # `kubectl logs` on a simulated host's pod is answered by that host (KWOK, saying no container
+    # runs there), never by the real kubelet, which answered 404 for a pod it never ran.
+    pod, container = pods[0]["metadata"]["name"], pods[0]["spec"]["containers"][0]["name"]
+    logs = wait_until(lambda: (r := kubectl("logs", pod, "-n", ns, "-c", container)).returncode == 0 and r,
+                      timeout=60, what=f"kubectl logs {pod} to answer")
+    assert "simulated GKE host (KWOK): no container runs here" in logs.stdout, logs.stdout
 
     # KubeRay's own status, read by our operator: the slice is provisioned and verification starts.
     rc_name = pods[0]["metadata"]["labels"]["ray.io/cluster"]

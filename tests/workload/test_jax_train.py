@@ -1,7 +1,7 @@
 """JAX fine-tuning on 2 real CPU workers (JaxTrainer, one 2-process JAX program over gloo) with the
 built-in tiny model and data.
 
-One run covers: loss goes down over 3 epochs, a worker killed mid-epoch is restarted
+One run covers: loss goes down over 2 epochs, a worker killed mid-epoch is restarted
 (FailureConfig) and resumes from the last Orbax checkpoint with at most one interval lost,
 rank 0 reports status.training with the torch path's keys (to a loopback recorder: no API
 server) and writes the torch path's TensorBoard scalars, and the export loads with
@@ -26,6 +26,8 @@ from tpuft_workload import checkpoint, jax_checkpoint, jax_train, train
 from tpuft_workload.platform import resolve_target
 from tpuft_workload.report import TRAINING_KEYS
 
+# 2 epochs of 7 steps (train[:80] packs into 62 rows): the kill lands in the second
+EPOCHS = 2
 CKPT_EVERY = 3
 KILL_STEP = 8
 NS, NAME = "ns", "tiny-jax"
@@ -67,7 +69,7 @@ def status_recorder(tmp_path_factory):
 def _argv(storage: Path | str, run: str, **extra) -> list[str]:
     argv = ["train", "--framework", "jax", "--accelerator", "cpu", "--topology", "2",
             "--model", "builtin:tiny-llama", "--dataset", "builtin:dolly-mini", "--dataset-split", "train[:80]",
-            "--epochs", "3", "--batch-size-per-device", "4", "--max-seq-length", "128", "--learning-rate", "3e-3",
+            "--epochs", str(EPOCHS), "--batch-size-per-device", "4", "--max-seq-length", "128", "--learning-rate", "3e-3",
             "--storage-path", str(storage), "--run-name", run, "--report-every-steps", "100",
             "--checkpoint-every-steps", str(CKPT_EVERY), "--keep-checkpoints", "20"]
     for k, v in extra.items():
@@ -99,7 +101,7 @@ def test_killed_worker_resumes_from_last_orbax_checkpoint(killed_run):
     assert Path(cfg["run_dir"], f".tpuft-fault-kill-r1-s{KILL_STEP}").exists()  # the fault did fire
     s = _summary(cfg)
     assert s["step"] == s["totalSteps"] == result.metrics["total_steps"]
-    per_epoch = s["totalSteps"] // 3
+    per_epoch = s["totalSteps"] // EPOCHS
     done_before_kill = KILL_STEP - 1
     saved = [k for k in range(1, done_before_kill + 1) if k % CKPT_EVERY == 0 or k % per_epoch == 0]
     assert s["resumedFromStep"] == max(saved)                    # the newest checkpoint
@@ -131,7 +133,7 @@ def test_status_has_the_torch_paths_keys_written_by_rank_0(killed_run, status_re
     patches = [p["training"] for p in status_recorder if "training" in p]
     assert patches and all(set(p) <= set(TRAINING_KEYS) for p in patches)
     final = patches[-1]
-    assert final["step"] == final["totalSteps"] == result.metrics["total_steps"] and final["epoch"] == 3
+    assert final["step"] == final["totalSteps"] == result.metrics["total_steps"] and final["epoch"] == EPOCHS
     assert final["exportedModel"] == cfg["export_uri"] and final["lastCheckpoint"].startswith(cfg["run_dir"])
     assert final["loss"] > 0 and final["tokensPerSecond"] > 0 and 0 <= final["padFraction"] < 0.1
     assert any(p.get("resumedFromStep") == _summary(cfg)["resumedFromStep"] for p in patches)

@@ -1,6 +1,6 @@
 """Fine-tuning on 2 real CPU workers (gloo, FSDP2) with the built-in tiny model and data.
 
-One run covers: loss goes down over 3 epochs, a worker killed mid-epoch is restarted
+One run covers: loss goes down over 2 epochs, a worker killed mid-epoch is restarted
 (FailureConfig) and resumes from the last checkpoint with at most one interval lost, the
 status subresource of a real TPUFinetune is written by rank 0 (with the loss history; no MFU on
 CPU), rank 0's TensorBoard files hold one curve across both attempts (and `tpuft plot` reads
@@ -22,6 +22,8 @@ from tpuft.constants import HISTORY_MAX_POINTS
 from tpuft_workload import __main__ as cli
 from tpuft_workload import train
 
+# 2 epochs of 7 steps (train[:80] packs into 62 rows): the kill lands in the second
+EPOCHS = 2
 CKPT_EVERY = 3
 KILL_STEP = 8
 
@@ -54,7 +56,7 @@ def cr(cluster_with_kubeconfig, kube_api, kubectl):
 
 def _args(storage: Path, run: str, **extra):
     argv = ["train", "--accelerator", "cpu", "--topology", "2", "--model", "builtin:tiny-llama",
-            "--dataset", "builtin:dolly-mini", "--dataset-split", "train[:80]", "--epochs", "3",
+            "--dataset", "builtin:dolly-mini", "--dataset-split", "train[:80]", "--epochs", str(EPOCHS),
             "--batch-size-per-device", "4", "--max-seq-length", "128", "--learning-rate", "3e-3",
             "--storage-path", str(storage), "--run-name", run, "--report-every-steps", "100"]
     for k, v in extra.items():
@@ -87,7 +89,7 @@ def test_killed_worker_resumes_from_last_checkpoint(killed_run):
     assert Path(cfg["run_dir"], f".tpuft-fault-kill-r1-s{KILL_STEP}").exists()  # the fault did fire
     s = _summary(cfg)
     assert s["step"] == s["totalSteps"] == result.metrics["total_steps"]
-    per_epoch = s["totalSteps"] // 3
+    per_epoch = s["totalSteps"] // EPOCHS
     done_before_kill = KILL_STEP - 1            # the kill comes before step KILL_STEP runs
     saved = [k for k in range(1, done_before_kill + 1) if k % CKPT_EVERY == 0 or k % per_epoch == 0]
     resumed = s["resumedFromStep"]
@@ -107,7 +109,7 @@ def test_status_written_by_rank_0(killed_run, cr):
     _, _, cfg, result = killed_run
     status = cr()
     t = status["training"]
-    assert t["epoch"] == t["epochs"] == 3 and t["step"] == t["totalSteps"] == result.metrics["total_steps"]
+    assert t["epoch"] == t["epochs"] == EPOCHS and t["step"] == t["totalSteps"] == result.metrics["total_steps"]
     assert t["exportedModel"] == cfg["export_uri"]
     assert t["lastCheckpoint"].startswith(cfg["run_dir"])
     assert t["loss"] > 0 and t["tokensPerSecond"] > 0 and 0 <= t["padFraction"] < 0.1

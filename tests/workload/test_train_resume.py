@@ -5,10 +5,10 @@ the operator's, `<namespace>-<name>-<uid>`: one object told to stop mid-run (a S
 worker process, as the pod's preStop hook sends it on a Kueue eviction or a drain) saves a checkpoint
 at the next step on every rank and ends as stopped, and its resubmission (a training RayJob retry:
 same UID) resumes step-exact from that, its own newest checkpoint (a hard kill's in-job restart from
-the periodic checkpoint is tests/workload/test_train.py's); a
-re-created object (same name and storagePath, another UID) trains from step 0 and leaves the
-first one's files untouched; resumeFrom continues an earlier run on purpose, or is refused
-with a message naming the field. Status patches go to a loopback recorder (no API server):
+the periodic checkpoint is tests/workload/test_train.py's); resumeFrom continues an earlier run
+on purpose, or is refused with a message naming the field. A re-created object (same name and
+storagePath, another UID) training from step 0 and leaving the first one's files untouched is
+the demo's second run, through the operator's own run names (tests/cluster/test_demo.py). Status patches go to a loopback recorder (no API server):
 this module has its own Ray so its workers inherit the recorder's kubeconfig.
 """
 from __future__ import annotations
@@ -159,20 +159,6 @@ def test_a_retry_of_the_same_object_resumes_step_exact_from_its_own_newest_check
     assert first["message"].startswith(f"resumed at step {saved}")
     print(f"SIGTERM after step {SIGTERM_STEP - 1}: checkpoint at step {saved}, resumed at step "
           f"{body['resumedFromStep']}: {saved - body['resumedFromStep']} steps repeated")
-
-
-def test_a_recreated_object_trains_from_step_0_and_leaves_the_first_alone(first_object, ray_env):
-    """Delete and re-create: same name and storagePath, another UID."""
-    storage = first_object["storage"]
-    rc, body = _run(storage, "uid-b")
-    assert rc == 0 and body["succeeded"], body
-    assert body["resumedFromStep"] == -1 and body["step"] == TOTAL and "resumedFrom" not in body
-    epoch_ends = {p["epoch"]: p["loss"] for p in _training_patches(ray_env) if "loss" in p and p["step"] % 7 == 0}
-    assert sorted(epoch_ends) == [1, 2] and epoch_ends[2] < epoch_ends[1], epoch_ends  # a loss for every epoch
-    second = storage / f"{NS}-{NAME}-uid-b"
-    assert _committed(second) == [3, 6, 7, 9, 12, 14]
-    assert _files(first_object["run_dir"]) == first_object["files"]  # not one byte of the first run changed
-    assert sorted(p.name for p in storage.iterdir()) == [f"{NS}-{NAME}-uid-a", f"{NS}-{NAME}-uid-b"]
 
 
 def test_resume_from_an_earlier_run_continues_it_into_this_objects_directory(first_object, ray_env):
