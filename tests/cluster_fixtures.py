@@ -80,13 +80,19 @@ def cluster_ns(request, cluster_kubectl):
     cluster_kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found")
 
 
-def clear_namespace(kubectl, ns: str, timeout: float = 420) -> None:
-    # past the training pods' terminationGracePeriodSeconds (300 s: their preStop hook may wait for a
-    # stop checkpoint) plus the kubelet's own pace under load
-    kubectl("delete", "tft,rayjobs,rayclusters,rayservices", "--all", "-n", ns, "--wait=false", "--ignore-not-found")
+# Everything a run makes hangs off these (owner references): deleting them deletes the rest.
+RUN_KINDS = "tpufinetunes.tpufinetune.dev,rayjobs.ray.io,rayclusters.ray.io,rayservices.ray.io"
+RAY_POD_LABEL = "ray.io/node-type"   # on every pod KubeRay makes
+# past the training pods' terminationGracePeriodSeconds (300 s: their preStop hook may wait for a
+# stop checkpoint) plus the kubelet's own pace under load
+PODS_GONE_S = 420
+
+
+def clear_namespace(kubectl, ns: str, timeout: float = PODS_GONE_S) -> None:
+    kubectl("delete", RUN_KINDS, "--all", "-n", ns, "--wait=false", "--ignore-not-found")
 
     def gone() -> bool:
-        res = kubectl("get", "pods", "-n", ns, "-l", "ray.io/node-type", "-o", "name")
+        res = kubectl("get", "pods", "-n", ns, "-l", RAY_POD_LABEL, "-o", "name")
         return res.returncode != 0 or not res.stdout.strip()
     wait_until(gone, timeout=timeout, interval=2, what=f"KubeRay's pods in {ns} to go")
 

@@ -12,48 +12,45 @@ from __future__ import annotations
 import sys
 import time
 
-# Everything a run makes hangs off these (owner references): deleting them deletes the rest.
-KINDS = "tpufinetunes.tpufinetune.dev,rayservices.ray.io,rayjobs.ray.io,rayclusters.ray.io"
-RAY_PODS = "ray.io/node-type"
-# past the training pods' terminationGracePeriodSeconds (300 s: their preStop hook may wait for a
-# stop checkpoint), as tests/cluster_fixtures.clear_namespace waits
-WAIT_S = 420
+from tests.cluster_fixtures import PODS_GONE_S, RAY_POD_LABEL, RUN_KINDS
+from tests.waiting import wait_until
 
 
 def leftovers(kubectl) -> list[str]:
     """`namespace/kind/name` of every run object on the cluster."""
-    res = kubectl("get", KINDS, "-A", "--ignore-not-found", "-o",
+    res = kubectl("get", RUN_KINDS, "-A", "--ignore-not-found", "-o",
                   "jsonpath={range .items[*]}{.metadata.namespace}/{.kind}/{.metadata.name}{'\\n'}{end}", check=True)
     return [line for line in res.stdout.splitlines() if line.strip()]
 
 
 def ray_pods(kubectl) -> list[str]:
-    res = kubectl("get", "pods", "-A", "-l", RAY_PODS, "-o", "name", check=True)
+    res = kubectl("get", "pods", "-A", "-l", RAY_POD_LABEL, "-o", "name", check=True)
     return [line for line in res.stdout.splitlines() if line.strip()]
 
 
-def clear(kubectl, say=print, wait_s: float = WAIT_S) -> bool:
-    """Delete every run object and wait (bounded) for KubeRay's pods to go. True once none are left."""
+def clear(kubectl, say=print, wait_s: float = PODS_GONE_S) -> None:
+    """Delete every run object and wait (bounded: AssertionError past `wait_s`) for KubeRay's pods to go."""
     found = leftovers(kubectl)
     for item in found:
         say(f"deleting {item} (left by an earlier session)")
     if found:
-        kubectl("delete", KINDS, "--all", "-A", "--wait=false", "--ignore-not-found", check=True)
+        kubectl("delete", RUN_KINDS, "--all", "-A", "--wait=false", "--ignore-not-found", check=True)
     start = time.monotonic()
-    while pods := ray_pods(kubectl):
-        if time.monotonic() - start > wait_s:
-            say(f"still there after {wait_s:.0f} s: {', '.join(pods)}")
-            return False
-        time.sleep(2)
+    wait_until(lambda: not ray_pods(kubectl), timeout=wait_s, interval=2, what="KubeRay's pods to go")
     say(f"no runs left on the local cluster ({len(found)} deleted, {time.monotonic() - start:.0f} s)")
-    return True
 
 
 def main() -> int:
     from tpuft_local.cluster import LocalCluster
 
     cluster = LocalCluster()
-    return 0 if clear(lambda *a, **kw: cluster.cp.kubectl(*a, **kw)) else 1
+    kubectl = cluster.cp.kubectl
+    try:
+        clear(kubectl)
+    except AssertionError as e:
+        print(f"{e}; still there: {', '.join(ray_pods(kubectl))}")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

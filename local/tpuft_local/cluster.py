@@ -288,7 +288,7 @@ class LocalCluster:
         port_file = self.state / "kwok.port"
         if not port_file.exists():
             self._stop("kwok")   # started by an `up` that recorded no port: start it again on one
-        if self.pid(_comp("kwok")) is None:
+        if self.pid_of("kwok") is None:
             port_file.write_text(str(free_port()))
         port = int(port_file.read_text())
         self._start("kwok", [

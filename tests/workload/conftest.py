@@ -33,9 +33,9 @@ os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
 # (they inherit the environment): a JaxTrainer worker group restarted after a killed rank loads
 # the step it compiled before instead of compiling it again (4 s alone; a minute on the 2 cores
 # beside the cluster lanes). JAX reads the variable when it is imported.
-JAX_CACHE = tempfile.mkdtemp(prefix="tpuft-jax-cache-")
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", JAX_CACHE)
-atexit.register(shutil.rmtree, JAX_CACHE, ignore_errors=True)
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="tpuft-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,9 @@ same UID) resumes step-exact from that, its own newest checkpoint (a hard kill's
 the periodic checkpoint is tests/workload/test_train.py's); resumeFrom continues an earlier run
 on purpose, or is refused with a message naming the field. A re-created object (same name and
 storagePath, another UID) training from step 0 and leaving the first one's files untouched is
-the demo's second run, through the operator's own run names (tests/cluster/test_demo.py). Status patches go to a loopback recorder (no API server):
-this module has its own Ray so its workers inherit the recorder's kubeconfig.
+the demo's second run, through the operator's own run names (tests/cluster/test_demo.py).
+Status patches go to a loopback recorder (no API server): this module has its own Ray so its
+workers inherit the recorder's kubeconfig.
 """
 from __future__ import annotations
 
