@@ -15,7 +15,7 @@
      integration  integration and chart (their own control planes; not niced: they bound the
                   operator's reaction times), then the workload modules that start no Ray, niced;
      workload     the rest of the workload tier (real Ray and torch): the longest lane, not niced
-                  (its Ray workers run at Ray's own worker niceness, as the real node's do).
+                  (and its Ray workers at niceness 0: tests/workload/conftest.py says why).
 3. `down`: tests/cluster/test_zz_down.py, after every lane, whenever the cluster came up (after
    an `up` that failed, `tpuft cluster down --keep-packages`, so the host is left as it was).
 
@@ -89,11 +89,11 @@ LANES: dict[str, list[Tier]] = {
     # off the longest lane.
     "integration": [TOOLS, _pytest("integration+chart", "tests/integration", "tests/chart"),
                     _pytest("workload (no Ray)", *WORKLOAD_WITHOUT_RAY, nice=5)],
-    # The longest lane. Not niced: Ray starts its workers at niceness 15 (RAY_worker_niceness), the
-    # level the real node's Ray workers run at; with the lane niced 5 they ran at 19 (CPU weight 15
-    # against those pods' 36): a JAX compile took 59 s that takes 4 s alone, and one run passed
-    # pytest's 900 s timeout (the CI run of 2026-12-03, 34.6 min). Its Ray driver, raylet and GCS
-    # at 0 also keep ray.init inside Ray's 30 s startup window (missed twice at nice 10).
+    # The longest lane. Not niced, and its Ray workers at niceness 0, not Ray's 15
+    # (tests/workload/conftest.py): the real node's pods share one cgroup weighing two busy
+    # processes, and at 15 (CPU weight 36) these workers got a fifth of the CPU they need (a killed
+    # run 544 s that takes 101 s alone; one passed pytest's 900 s timeout at 19). Its Ray driver,
+    # raylet and GCS at 0 also keep ray.init inside Ray's 30 s startup window (missed twice at nice 10).
     "workload": [_pytest("workload", "tests/workload", *(f"--ignore={f}" for f in WORKLOAD_WITHOUT_RAY))],
 }
 # The cluster is ready for the tiers marked needs_cluster once these have passed, in this order.

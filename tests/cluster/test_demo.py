@@ -27,8 +27,16 @@ from tests.waiting import wait_until
 from tpuft.observed import serving_ready
 from tpuft_local import node
 
-PHASES_IN_ORDER = ["phase Provisioning", "phase VerifyingCollectives", "verification: passed",
-                   "phase Training", "Epoch 1/3", "Epoch 3/3", "phase Serving", "tpuft chat -n", "  user:"]
+def phases_in_order(epochs: int, verified: bool) -> list[str]:
+    return ["phase Provisioning", *(["phase VerifyingCollectives", "verification: passed"] if verified else []),
+            "phase Training", f"Epoch 1/{epochs}", f"Epoch {epochs}/{epochs}", "phase Serving", "tpuft chat -n",
+            "  user:"]
+
+
+# The second run, JAX, trains less than the demo does: 2 epochs of train[:80] (7 steps each), no
+# verification (the first run verified the same slice shape; JAX changes the training only). What
+# it shows is a re-created object training from step 0 and JAX end to end, not the demo's curve.
+JAX_EPOCHS, JAX_SPLIT = 2, "train[:80]"
 
 
 # The demo's namespace, cleared after the test (the rehearsal, `tpuft demo --rehearse-tpu`, runs in
@@ -53,25 +61,26 @@ def _demo(tmp_path: Path, ns: str, tag: str, *extra: str,
     return proc, (json.loads(result.read_text()) if result.exists() else {})
 
 
-def _check_succeeded(proc, final, storage: Path, kubectl) -> list[float]:
+def _check_succeeded(proc, final, storage: Path, kubectl, epochs: int = 3, verified: bool = True) -> list[float]:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
-    positions = [out.find(marker) for marker in PHASES_IN_ORDER]
+    positions = [out.find(marker) for marker in phases_in_order(epochs, verified)]
     assert -1 not in positions and positions == sorted(positions), out[-6000:]
     status = final["object"]["status"]
     conditions = {c["type"]: c["status"] for c in status["conditions"]}
-    assert conditions == {"SliceProvisioned": "True", "CollectivesVerified": "True",
+    assert conditions == {"SliceProvisioned": "True", "CollectivesVerified": "True" if verified else "False",
                           "TrainingSucceeded": "True", "Serving": "True", "Ready": "True", "Failed": "False"}
     assert status["phase"] == "Serving" and status["serving"]["modelSource"] == status["training"]["exportedModel"]
     assert run_health(final["object"])["status"] == "Healthy"
     chat = final["chat"]
     assert chat["model"] == final["object"]["metadata"]["name"] and chat["answer"].strip(), chat
-    assert status["verification"]["passed"] is True
-    assert status["verification"]["allReduceSum"] == status["verification"]["expectedSum"] == 3
+    if verified:
+        assert status["verification"]["passed"] is True
+        assert status["verification"]["allReduceSum"] == status["verification"]["expectedSum"] == 3
     # KubeRay's pods ran on the real node (not a simulated host).
     assert final["placement"] and all(not p["simulated"] for p in final["placement"].values()), final["placement"]
     losses = final["epochLosses"]
-    assert len(losses) == 3 and losses[-1] < losses[0], losses
+    assert len(losses) == epochs and losses[-1] < losses[0], losses
     training = status["training"]
     # The pods wrote through the hostPath volume: the host sees the run's files.
     checkpoint, export = training["lastCheckpoint"], training["exportedModel"]
@@ -86,6 +95,9 @@ def _check_succeeded(proc, final, storage: Path, kubectl) -> list[float]:
 def _jax_example_as(name: str, tmp_path: Path) -> Path:
     doc = yaml.safe_load((EXAMPLES / "local-cpu-jax.yaml").read_text())
     doc["metadata"]["name"] = name
+    doc["spec"]["training"]["epochs"] = JAX_EPOCHS
+    doc["spec"]["dataset"]["split"] = JAX_SPLIT
+    doc["spec"]["verification"] = {"enabled": False}
     path = tmp_path / f"{name}-jax.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
@@ -121,10 +133,10 @@ def test_demo_runs_twice_and_each_run_trains(local_cluster, cluster_kubectl, dem
     # The same name again at once (the demo deletes the first object and applies), now with JAX.
     second, final2 = _demo(tmp_path, DEMO_NS, "2", "--storage-path", str(storage),
                            "--example", str(_jax_example_as("local-cpu", tmp_path)))
-    _check_succeeded(second, final2, storage, cluster_kubectl)
+    _check_succeeded(second, final2, storage, cluster_kubectl, epochs=JAX_EPOCHS, verified=False)
     run2 = Path(final2["object"]["status"]["training"]["lastCheckpoint"]).parent
     assert run2 != run1 and final2["object"]["metadata"]["uid"] != final1["object"]["metadata"]["uid"]
-    assert "Epoch 1/3" in second.stdout  # trained from step 0, not "resumed" at the end
+    assert f"Epoch 1/{JAX_EPOCHS}" in second.stdout  # trained from step 0, not "resumed" at the end
     assert {p: p.stat().st_mtime_ns for p in run1.rglob("*") if p.is_file()} == before  # first run untouched
     assert final2["object"]["status"]["serving"]["modelSource"].startswith(str(run2))   # serves its own export
     _check_jax(final2)
@@ -191,12 +203,13 @@ def _check_logs_and_exec(kubectl) -> None:
     assert out.returncode == 0 and out.stdout.strip() == "exec-ok", (out.stdout, out.stderr)
 
 
-def _short_run(name: str, checkpoint: dict, serve: bool) -> dict:
-    """examples/local-cpu.yaml, one epoch, no verification, the demo's checkpoint claim (its
-    namespace refuses hostPath): a run to have on the node, not to check."""
+def _short_run(name: str, checkpoint: dict, serve: bool, split: str) -> dict:
+    """examples/local-cpu.yaml, one epoch of `split`, no verification, the demo's checkpoint claim
+    (its namespace refuses hostPath): a run to have on the node, not to check."""
     doc = yaml.safe_load((EXAMPLES / "local-cpu.yaml").read_text())
     doc["metadata"] = {"name": name, "namespace": DEMO_NS}
     doc["spec"]["training"]["epochs"] = 1
+    doc["spec"]["dataset"]["split"] = split
     doc["spec"]["verification"] = {"enabled": False}
     doc["spec"]["checkpoint"] = checkpoint
     if not serve:
@@ -217,10 +230,10 @@ def _check_a_third_run_beside_two_served_models(kubectl) -> None:
 
     checkpoint = json.loads(kubectl("get", "tft", "local-cpu", "-n", DEMO_NS, "-o", "json",
                                     check=True).stdout)["spec"]["checkpoint"]
-    kubectl("apply", "-f", "-", input=json.dumps(_short_run("second", checkpoint, serve=True)), check=True)
+    kubectl("apply", "-f", "-", input=json.dumps(_short_run("second", checkpoint, serve=True, split="train[:48]")), check=True)
     wait_until(lambda: serving_ready(phase("second")), timeout=900, interval=3, what="a second served model")
     assert phase("local-cpu")["phase"] == "Serving"
-    kubectl("apply", "-f", "-", input=json.dumps(_short_run("third", checkpoint, serve=False)), check=True)
+    kubectl("apply", "-f", "-", input=json.dumps(_short_run("third", checkpoint, serve=False, split="train[:120]")), check=True)
     # Once it reported a step its Ray job exists on the head (before that, the submitter may not have
     # submitted it yet: the head answers 404) and the driver has begun its log file.
     wait_until(lambda: (st := phase("third")).get("phase") == "Succeeded" or (st.get("training") or {}).get("step"),

@@ -33,6 +33,9 @@ from tpuft_local import chart, node
 
 ONE_RUN_CPU = "1"   # local-cpu.yaml's pods ask 0.6 CPU (head 100m, two workers 250m): one run fits, two do not
 EVERY = 5           # checkpoint.everySteps: the most a host loss may cost
+# 22 steps an epoch (the whole dolly-mini is 33): 44 in life's 2 epochs leave room after each
+# disruption (preempted near step 10, the host lost near step 20, each resumed a step later).
+SPLIT = "train[:260]"
 SERVE_TIMEOUT = 60
 BAD_IMAGE = "docker.io/tpufinetune/serving:does-not-exist"
 
@@ -93,6 +96,7 @@ def _run(name: str, storage: str, queue: str, priority: str, epochs: int, serve:
     doc["spec"]["checkpoint"].update(storagePath=storage, everySteps=EVERY)
     doc["spec"]["checkpoint"]["volume"]["hostPath"]["path"] = storage
     doc["spec"]["training"]["epochs"] = epochs
+    doc["spec"]["dataset"]["split"] = SPLIT
     doc["spec"]["verification"] = {"enabled": False}
     doc["spec"]["recovery"] = {"maxSliceReplacements": 1}
     if serve:
@@ -109,7 +113,7 @@ def test_preemption_host_loss_operator_restart_then_a_missing_serving_image(clus
                                                                             tmp_path):
     queue, (low, high) = cpu_queue
     kubectl, ns = cluster_kubectl, cluster_ns
-    doc = _run("life", str(tmp_path / "checkpoints"), queue, low, epochs=2, serve=True)   # 66 steps
+    doc = _run("life", str(tmp_path / "checkpoints"), queue, low, epochs=2, serve=True)   # 44 steps
     kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(doc), check=True)
 
     def training(at_least: int, resumed_past: int = -1):

@@ -29,6 +29,13 @@ RAY_AUTH_ENV = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32
 os.environ.update(RAY_AUTH_ENV)
 os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
 
+# Ray starts its workers at niceness 15 (its worker_niceness config). Beside the local cluster that
+# starves them: the kubelet puts every pod in one cgroup (cpu.shares 2048 for the node's 2 CPUs), so
+# the real node's Ray workers, at 15 too, share the weight of two busy processes, while these, in
+# the root cgroup, weigh 36 each against its processes' 1024 (a killed-worker run took 544 s in the
+# clean-clone run of 2026-12-03 that takes 101 s alone). At 0, as the processes they wait for run.
+os.environ.setdefault("RAY_worker_niceness", "0")
+
 # One JAX persistent compilation cache for this pytest process and every Ray worker it starts
 # (they inherit the environment): a JaxTrainer worker group restarted after a killed rank loads
 # the step it compiled before instead of compiling it again (4 s alone; a minute on the 2 cores
