@@ -2,10 +2,12 @@
 
     python -m tests.lanes [--only TIER ...] [--logs DIR]
 
-1. `fast` (unit, local, packaging, the Dockerfile checks): seconds; a failure here stops the run,
-   so a broken unit test fails CI in a minute, not an hour.
+1. `fast`: tests/unit, and beside it (two pytest processes at once) local, packaging and the
+   Dockerfile checks: about a minute; a failure here stops the run, so a broken unit test fails CI
+   in a minute, not an hour. `tpuft cluster up` runs beside them (a fast tier that fails takes the
+   cluster down again).
 2. Four lanes at once, each a list of tiers run one after another:
-     cluster      `tpuft cluster up`, then tests/leftovers.py (deletes the runs an earlier session
+     cluster      once the cluster is up, tests/leftovers.py (deletes the runs an earlier session
                   left on the cluster: its state outlives `down`), then the tests marked
                   `real_node` (they train on the real node): the demo, then the one run through
                   every disruption, one after the other (beside each other, up to five RayClusters
@@ -56,8 +58,13 @@ def _pytest(name: str, *args: str, nice: int = 0, needs_cluster: bool = False) -
     return Tier(name, args, nice=nice, needs_cluster=needs_cluster)
 
 
-FAST = _pytest("fast", "tests/unit", "tests/local", "tests/packaging", "tests/images/test_dockerfiles.py",
-               "tests/images/test_operator_wheel.py")
+# The fast tiers, two pytest processes side by side on the 2 cores (about 50 s of tests each; one
+# process took 116 s in a clean-clone run of 2026-12-03): every lane waits for them.
+FAST = (_pytest("fast (unit)", "tests/unit"),
+        _pytest("fast (packaging)", "tests/local", "tests/packaging", "tests/images/test_dockerfiles.py",
+                "tests/images/test_operator_wheel.py"))
+# Beside the fast tiers: `up` mostly waits (on processes, on image imports), and the real-node lane
+# it starts is one of the two longest.
 CLUSTER_UP = Tier("cluster up", (PY, "-m", "tpuft.cli", "cluster", "up"), pytest=False)
 # What an earlier session left running on the cluster (its state outlives `down`), deleted before
 # any cluster test starts: see tests/leftovers.py.
@@ -79,7 +86,7 @@ WORKLOAD_WITHOUT_RAY = ("tests/workload/test_jax_model.py", "tests/workload/test
                         "tests/workload/test_model.py", "tests/workload/test_metrics_log.py",
                         "tests/workload/test_preemption.py")
 LANES: dict[str, list[Tier]] = {
-    "cluster": [CLUSTER_UP, LEFTOVERS, _pytest("real node", *REAL_NODE, *REAL_NODE_FILES)],
+    "cluster": [LEFTOVERS, _pytest("real node", *REAL_NODE, *REAL_NODE_FILES)],
     "simulated": [_pytest("cluster (simulated)", "-m", "cluster and not real_node", "tests/cluster", *WITHOUT_DOWN,
                           needs_cluster=True),
                   _pytest("images", "tests/images/test_images.py", needs_cluster=True)],
@@ -96,12 +103,15 @@ LANES: dict[str, list[Tier]] = {
     # raylet and GCS at 0 also keep ray.init inside Ray's 30 s startup window (missed twice at nice 10).
     "workload": [_pytest("workload", "tests/workload", *(f"--ignore={f}" for f in WORKLOAD_WITHOUT_RAY))],
 }
-# The cluster is ready for the tiers marked needs_cluster once these have passed, in this order.
+# The cluster is ready for the tiers marked needs_cluster once these have passed, in this order
+# (CLUSTER_UP beside the fast tiers, LEFTOVERS first in the cluster lane).
 UP_TIERS = (CLUSTER_UP, LEFTOVERS)
 DOWN = _pytest("down", DOWN_TEST)
 # After an `up` that failed part way: undo what it did to the host without the test's checks.
 DOWN_AFTER_FAILED_UP = Tier("down (up failed)", (PY, "-m", "tpuft.cli", "cluster", "down", "--keep-packages"),
                             pytest=False)
+# After a fast tier failed beside an `up` that succeeded: no lane runs, the host is left as it was.
+DOWN_AFTER_FAILED_FAST = Tier("down (fast failed)", (PY, "-m", "tpuft.cli", "cluster", "down"), pytest=False)
 
 
 @dataclasses.dataclass
@@ -169,8 +179,19 @@ def _lane(tiers: list[Tier], logs: Path, results: list[Result], up_done: threadi
     _show(mine)
 
 
+def _in_parallel(tiers: tuple[Tier, ...], logs: Path) -> list[Result]:
+    out: dict[int, Result] = {}
+    threads = [threading.Thread(target=lambda i=i, t=t: out.__setitem__(i, _run(t, logs)), daemon=True)
+               for i, t in enumerate(tiers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [out[i] for i in range(len(tiers))]
+
+
 def all_tiers() -> list[Tier]:
-    return [FAST, *(t for lane in LANES.values() for t in lane), DOWN]
+    return [*FAST, CLUSTER_UP, *(t for lane in LANES.values() for t in lane), DOWN]
 
 
 def _slowest(results: list[Result], n: int = SLOWEST) -> list[tuple[float, str]]:
@@ -202,20 +223,29 @@ def main(argv: list[str] | None = None) -> int:
     want = set(args.only or ["fast", *LANES, "down"])
     results: list[Result] = []
 
-    if "fast" in want:
-        res = _run(FAST, args.logs)
-        results.append(res)
-        _show([res])
-        if res.rc != 0:
-            _report(results, time.monotonic() - T0)
-            return 1
+    first = (*(FAST if "fast" in want else ()), *((CLUSTER_UP,) if "cluster" in want else ()))
+    got = _in_parallel(first, args.logs)
+    results.extend(got)
+    _show(got)
+    up = next((r for r in got if r.tier is CLUSTER_UP), None)
+    if any(r.rc != 0 for r in got if r.tier in FAST):
+        if up is not None:
+            res = _run(DOWN_AFTER_FAILED_FAST if up.rc == 0 else DOWN_AFTER_FAILED_UP, args.logs)
+            results.append(res)
+            _show([res])
+        _report(results, time.monotonic() - T0)
+        return 1
 
     up_done, up_ok = threading.Event(), threading.Event()
     if "cluster" not in want:   # --only simulated/down: a cluster the developer brought up themselves
         up_ok.set()
         up_done.set()
+    elif up is not None and up.rc != 0:
+        up_done.set()   # the lanes' tiers that need the cluster are skipped; the cluster lane does not start
+        _say("skip the cluster lane: the cluster did not come up")
+    names = [n for n in LANES if n in want and not (n == "cluster" and up_done.is_set() and not up_ok.is_set())]
     threads = [threading.Thread(target=_lane, args=(LANES[name], args.logs, results, up_done, up_ok),
-                                name=name, daemon=True) for name in LANES if name in want]
+                                name=name, daemon=True) for name in names]
     for t in threads:
         t.start()
     while any(t.is_alive() for t in threads):

@@ -47,10 +47,49 @@ def test_the_cluster_tiers_split_tests_cluster_by_the_real_node_marker():
 
 
 def test_tiers_needing_the_cluster_come_after_cluster_up_or_wait_for_it():
+    # up beside the fast tiers (before every lane), then the leftovers of earlier sessions cleared
+    # first in the cluster lane, before any test on the cluster
+    assert lanes.UP_TIERS == (lanes.CLUSTER_UP, lanes.LEFTOVERS)
+    assert all(lanes.CLUSTER_UP not in tiers for tiers in lanes.LANES.values())
     for name, tiers in lanes.LANES.items():
-        if lanes.CLUSTER_UP in tiers:
-            # up, then the leftovers of earlier sessions cleared, before any test on the cluster
-            assert tuple(tiers[:len(lanes.UP_TIERS)]) == lanes.UP_TIERS, name
+        if lanes.LEFTOVERS in tiers:
+            assert tiers[0] is lanes.LEFTOVERS, name
         else:
             cluster_tests = [t for t in tiers if "tests/cluster" in t.argv or "tests/images/test_images.py" in t.argv]
             assert all(t.needs_cluster for t in cluster_tests), name
+
+
+def _orchestrate(monkeypatch, tmp_path, failing: set[str]) -> list[str]:
+    """main() with every tier's run replaced by a record of its name (exit 1 for those in `failing`)."""
+    ran: list[str] = []
+
+    def fake_run(tier, logs):
+        ran.append(tier.name)
+        log = tmp_path / "x.log"
+        log.write_text("")
+        return lanes.Result(tier, 0.0, 1 if tier.name in failing else 0, log, None)
+
+    monkeypatch.setattr(lanes, "_run", fake_run)
+    monkeypatch.setattr(lanes, "_show", lambda results: None)
+    rc = lanes.main(["--logs", str(tmp_path)])
+    assert rc == (1 if failing else 0)
+    return ran
+
+
+def test_a_failed_fast_tier_runs_no_lane_and_takes_the_cluster_it_brought_up_down(monkeypatch, tmp_path):
+    ran = _orchestrate(monkeypatch, tmp_path, {lanes.FAST[0].name})
+    assert sorted(ran) == sorted([*(t.name for t in lanes.FAST), lanes.CLUSTER_UP.name,
+                                  lanes.DOWN_AFTER_FAILED_FAST.name])
+    assert ran[-1] == lanes.DOWN_AFTER_FAILED_FAST.name
+
+
+def test_an_up_that_failed_skips_every_tier_needing_the_cluster_and_keeps_the_packages(monkeypatch, tmp_path):
+    ran = _orchestrate(monkeypatch, tmp_path, {lanes.CLUSTER_UP.name})
+    needing = {t.name for tiers in lanes.LANES.values() for t in tiers if t.needs_cluster}
+    assert not needing & set(ran) and lanes.LEFTOVERS.name not in ran
+    assert lanes.TOOLS.name in ran and ran[-1] == lanes.DOWN_AFTER_FAILED_UP.name
+
+
+def test_all_green_runs_every_tier_once_then_down(monkeypatch, tmp_path):
+    ran = _orchestrate(monkeypatch, tmp_path, set())
+    assert sorted(ran) == sorted(t.name for t in lanes.all_tiers()) and ran[-1] == lanes.DOWN.name
