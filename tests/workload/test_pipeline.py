@@ -39,9 +39,16 @@ def packed_builtin(ray_cluster):
 
 
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded-and-sliced"])
-def test_the_pipeline_gives_the_same_rows_as_the_per_rank_path(packed_builtin, ray_cluster, packing):
+def test_the_pipeline_gives_the_same_rows_as_the_per_rank_path(packed_builtin, ray_cluster, packing, monkeypatch):
     """Packed, the whole split; padded, a sliced split (`train[:40]`, which goes through datasets):
-    one Ray Data build each (a build is most of a minute on the 2 cores beside the cluster lanes)."""
+    one Ray Data build each (a build is most of a minute on the 2 cores beside the cluster lanes).
+    The sliced split never asks whether it is a Hub dataset (ray.data.from_huggingface does, by
+    loading "json" again, which globs the working directory: the whole filesystem of a pod)."""
+    from ray.data._internal.datasource.huggingface_datasource import HuggingFaceDatasource
+
+    def no_hub_lookup(*args, **kwargs):
+        raise AssertionError("the pipeline asked the Hub about a local dataset")
+    monkeypatch.setattr(HuggingFaceDatasource, "list_parquet_urls_from_dataset", staticmethod(no_hub_lookup))
     split = "train" if packing else "train[:40]"
     built = packed_builtin if packing else pipeline.build(BUILTIN_DATASET, split, None, BUILTIN_MODEL, MAX_LEN, False)
     expected = _today(split, packing)
