@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -103,9 +104,8 @@ LANES: dict[str, list[Tier]] = {
     # raylet and GCS at 0 also keep ray.init inside Ray's 30 s startup window (missed twice at nice 10).
     "workload": [_pytest("workload", "tests/workload", *(f"--ignore={f}" for f in WORKLOAD_WITHOUT_RAY))],
 }
-# The cluster is ready for the tiers marked needs_cluster once these have passed, in this order
-# (CLUSTER_UP beside the fast tiers, LEFTOVERS first in the cluster lane).
-UP_TIERS = (CLUSTER_UP, LEFTOVERS)
+# The cluster is ready for the tiers marked needs_cluster once CLUSTER_UP (beside the fast tiers)
+# and then LEFTOVERS (first in the cluster lane) have passed.
 DOWN = _pytest("down", DOWN_TEST)
 # After an `up` that failed part way: undo what it did to the host without the test's checks.
 DOWN_AFTER_FAILED_UP = Tier("down (up failed)", (PY, "-m", "tpuft.cli", "cluster", "down", "--keep-packages"),
@@ -168,26 +168,19 @@ def _lane(tiers: list[Tier], logs: Path, results: list[Result], up_done: threadi
                 break
         res = _run(tier, logs)
         mine.append(res)
-        if tier in UP_TIERS:
-            if res.rc != 0:
-                up_done.set()
-                break
-            if tier is UP_TIERS[-1]:
+        if tier is LEFTOVERS:
+            if res.rc == 0:
                 up_ok.set()
-                up_done.set()
+            up_done.set()
+            if res.rc != 0:
+                break
     results.extend(mine)
     _show(mine)
 
 
 def _in_parallel(tiers: tuple[Tier, ...], logs: Path) -> list[Result]:
-    out: dict[int, Result] = {}
-    threads = [threading.Thread(target=lambda i=i, t=t: out.__setitem__(i, _run(t, logs)), daemon=True)
-               for i, t in enumerate(tiers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return [out[i] for i in range(len(tiers))]
+    with ThreadPoolExecutor(max_workers=max(len(tiers), 1)) as pool:
+        return list(pool.map(lambda tier: _run(tier, logs), tiers))
 
 
 def all_tiers() -> list[Tier]:
@@ -240,10 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     if "cluster" not in want:   # --only simulated/down: a cluster the developer brought up themselves
         up_ok.set()
         up_done.set()
-    elif up is not None and up.rc != 0:
+    up_failed = up is not None and up.rc != 0
+    if up_failed:
         up_done.set()   # the lanes' tiers that need the cluster are skipped; the cluster lane does not start
         _say("skip the cluster lane: the cluster did not come up")
-    names = [n for n in LANES if n in want and not (n == "cluster" and up_done.is_set() and not up_ok.is_set())]
+    names = [n for n in LANES if n in want and not (n == "cluster" and up_failed)]
     threads = [threading.Thread(target=_lane, args=(LANES[name], args.logs, results, up_done, up_ok),
                                 name=name, daemon=True) for name in names]
     for t in threads:
