@@ -10,8 +10,6 @@ Fixtures:
   kube_api       session  kubernetes.client.ApiClient configured from it
   kubectl        session  kubectl(*args, check=False, input=None, timeout=120) -> CompletedProcess (text)
   namespace      function str: a fresh namespace (its `default` ServiceAccount exists); deleted after
-  fresh_control_plane  function  a private ControlPlane (CRDs installed) for tests that change
-                 cluster-wide state (CRDs, ClusterRoles); use its .kubectl()/.kubeconfig directly
 
 A missing toolchain or a failed build fails the session loudly; nothing is skipped.
 Tests under tests/integration/, and any test using a control plane, get the `integration`
@@ -34,7 +32,7 @@ pytest_plugins = ["tests.cluster_fixtures"]  # local_cluster, cluster_api, clust
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        uses_cluster = {"control_plane", "fresh_control_plane"} & set(getattr(item, "fixturenames", ()))
+        uses_cluster = "control_plane" in getattr(item, "fixturenames", ())
         if uses_cluster or "integration" in Path(str(item.fspath)).parts:
             item.add_marker(pytest.mark.integration)
 
@@ -56,14 +54,6 @@ def _running_control_plane(state_dir):
 @pytest.fixture(scope="session")
 def control_plane(tmp_path_factory):
     with _running_control_plane(tmp_path_factory.mktemp("controlplane")) as cp:
-        yield cp
-
-
-@pytest.fixture
-def fresh_control_plane(tmp_path_factory):
-    """A private control plane (same CRDs installed) for one test that changes cluster-wide
-    state, e.g. replaces a CRD, so the shared one stays as the other tests expect. ~10 s."""
-    with _running_control_plane(tmp_path_factory.mktemp("fresh-controlplane")) as cp:
         yield cp
 
 

@@ -152,10 +152,9 @@ def capture_fixture(case: str, obj: dict, hs: dict) -> None:
 
 
 @pytest.fixture
-def operator_as_chart_sa(helm_cli, kubectl, kubeconfig, kube_api, namespace, extra_namespace, tmp_path,
-                         tmp_path_factory):
+def operator_as_chart_sa(helm_cli, kubectl, kubeconfig, kube_api, namespace, extra_namespace, tmp_path):
     """operator_as_chart_sa(mode) -> context manager yielding a running OperatorRun."""
-    venv, _ = operator_image_venv(tmp_path_factory.getbasetemp())
+    venv, _ = operator_image_venv()
 
     @contextlib.contextmanager
     def start(mode: str):

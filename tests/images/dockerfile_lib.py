@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import fnmatch
+import hashlib
 import json
 import os
 import re
@@ -200,12 +201,27 @@ def _ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"{' '.join(map(str, proc.args))} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
-def operator_image_venv(base: Path) -> tuple[Path, Path]:
-    """Build, once per test session (`base` = pytest's session temp dir), what
-    Dockerfile.operator installs: a wheel of the build context (.dockerignore applied),
-    installed with no extras into a fresh venv. Returns (venv, wheel)."""
-    root = base / "operator-image"
+OPERATOR_VENVS_KEPT = 2
+
+
+def operator_image_venv() -> tuple[Path, Path]:
+    """Build, once per build context, what Dockerfile.operator installs: a wheel of the build
+    context (.dockerignore applied), installed with no extras into a fresh venv. Returns (venv,
+    wheel). Kept under the tool cache by the context's hash, as the images are: the fast tier's
+    wheel test builds it and the chart tier, minutes later in another pytest process, uses it
+    (building it again there took 214 s beside the other lanes); an edit to the context builds anew."""
+    from tpuft_local.toolchain import cache_dir
+
+    files = build_context(REPO)
+    digest = hashlib.sha256()
+    for rel in files:
+        digest.update(f"{rel}\0".encode() + hashlib.sha256((REPO / rel).read_bytes()).digest())
+    parent = cache_dir() / "operator-image-venv"
+    root = parent / digest.hexdigest()[:16]
     root.mkdir(parents=True, exist_ok=True)
+    root.touch()
+    for old in sorted((p for p in parent.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)[:-OPERATOR_VENVS_KEPT]:
+        shutil.rmtree(old, ignore_errors=True)
     venv, wheels, done = root / "venv", root / "wheels", root / "done"
     with open(root / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -213,7 +229,7 @@ def operator_image_venv(base: Path) -> tuple[Path, Path]:
             for p in (root / "src", wheels, venv):
                 shutil.rmtree(p, ignore_errors=True)
             # 1. The build context, as Docker would send it (the builder COPYs all of it).
-            for rel in build_context(REPO):
+            for rel in files:
                 dest = root / "src" / rel
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(REPO / rel, dest)

@@ -43,8 +43,8 @@ FORBIDDEN = ("torch", "torch-tpu", "torch_tpu", "libtpu", "ray", "transformers",
 
 
 @pytest.fixture(scope="module")
-def operator_venv(tmp_path_factory) -> tuple[Path, Path]:
-    return operator_image_venv(tmp_path_factory.getbasetemp())
+def operator_venv() -> tuple[Path, Path]:
+    return operator_image_venv()
 
 
 def test_wheel_requires_only_the_base_dependencies(operator_venv):

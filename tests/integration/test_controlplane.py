@@ -104,13 +104,6 @@ def test_raycluster_sample_accepted_by_server_dry_run(namespace, kubectl):
     assert res.returncode != 0 and "replicas" in res.stderr, res
 
 
-def test_fresh_control_plane_is_separate(fresh_control_plane, control_plane, namespace):
-    assert fresh_control_plane.server_url != control_plane.server_url
-    assert fresh_control_plane.kubectl("get", "namespace", namespace).returncode != 0
-    crds = fresh_control_plane.kubectl("get", "crd", "-o", "name", check=True).stdout
-    assert "rayclusters.ray.io" in crds and "rayjobs.ray.io" in crds
-
-
 @pytest.mark.parametrize("tool", ["kubectl", "helm"])
 def test_cli_path_prints_binary(tool):
     res = subprocess.run([sys.executable, "-m", "tpuft.cli", "cluster", "path", tool],
