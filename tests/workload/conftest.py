@@ -1,8 +1,10 @@
-"""Fixtures for the workload tests: one real local Ray per test module, under a host-wide lock.
+"""Fixtures for the workload tests: one real local Ray for the session, under a host-wide lock, and a
+loopback stand-in for the API server's status subresource that its workers report to.
 
 Only one local Ray may run on a machine at a time (other engineers' tests start Ray too),
-so `ray_cluster` takes an exclusive flock on /tmp/tpuft-ray.lock for the module's lifetime
-and always shuts Ray down. Do not also wrap pytest in `flock` on that file: the fixture would
+so `ray_cluster` takes an exclusive flock on /tmp/tpuft-ray.lock for the session's lifetime
+and always shuts Ray down. One Ray for every module, not one each: a start costs some ten CPU-seconds
+of the 2 cores the whole suite shares. Do not also wrap pytest in `flock` on that file: the fixture would
 wait on its own lock (it gives up with a clear error after TPUFT_RAY_LOCK_WAIT_S seconds).
 
 Ray runs with token authentication, as Ray 2.60 defaults to for a local cluster, but with a random
@@ -16,13 +18,18 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import json
 import os
 import secrets
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass, field
 
 import pytest
+import yaml
+
+from tests.http_stub import QuietHandler, serving
 
 RAY_LOCK = "/tmp/tpuft-ray.lock"
 RAY_AUTH_ENV = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
@@ -51,6 +58,49 @@ def ray_auth_env() -> dict[str, str]:
     return dict(RAY_AUTH_ENV)
 
 
+@dataclass
+class StatusRecorder:
+    """Every status merge patch the workload sent, in order: (namespace, name, status)."""
+    patches: list[tuple[str, str, dict]] = field(default_factory=list)
+
+    def take(self, key: str = "training") -> list[dict]:
+        """status[key] of each patch that has it, oldest first; forgets every patch recorded so far."""
+        out = [status[key] for _, _, status in self.patches if key in status]
+        self.patches.clear()
+        return out
+
+
+@pytest.fixture(scope="session")
+def status_recorder(tmp_path_factory):
+    """A loopback HTTP server standing in for the API server's status subresource (what
+    tpuft_workload.report patches), with KUBECONFIG pointing at it for the whole session: set before
+    Ray starts, because Ray's workers inherit the environment of the process that starts Ray. The
+    real API server keeping every key the workload writes: tests/integration/test_status_roundtrip.py."""
+    recorder = StatusRecorder()
+
+    class Handler(QuietHandler):
+        def do_PATCH(self):  # noqa: N802 - http.server's name
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            parts = self.path.strip("/").split("/")   # apis/<group>/<version>/namespaces/<ns>/<plural>/<name>/status
+            recorder.patches.append((parts[4], parts[6], body["status"]))
+            self.answer(200, b"{}")
+
+    with serving(Handler) as port:
+        kubeconfig = tmp_path_factory.mktemp("kube") / "config"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "rec",
+            "clusters": [{"name": "rec", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+            "users": [{"name": "rec", "user": {"token": "t"}}],
+            "contexts": [{"name": "rec", "context": {"cluster": "rec", "user": "rec"}}]}))
+        mp = pytest.MonkeyPatch()
+        mp.setenv("KUBECONFIG", str(kubeconfig))
+        mp.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        try:
+            yield recorder
+        finally:
+            mp.undo()
+
+
 RAY_INIT_TRIES = 3
 
 
@@ -68,9 +118,10 @@ def _init(ray):
             ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """Start a local Ray (4 logical CPUs: 2 workers + the Train controller fit on 2 cores)."""
+@pytest.fixture(scope="session")
+def ray_cluster(status_recorder):
+    """Start a local Ray (4 logical CPUs: 2 workers + the Train controller fit on 2 cores), its
+    workers reporting status to `status_recorder`."""
     wait_s = float(os.environ.get("TPUFT_RAY_LOCK_WAIT_S", "900"))
     lock = open(RAY_LOCK, "w")
     deadline = time.monotonic() + wait_s

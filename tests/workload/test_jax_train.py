@@ -2,23 +2,20 @@
 built-in tiny model and data.
 
 One run covers: loss goes down over 2 epochs, a worker killed mid-epoch is restarted
-(FailureConfig) and resumes from the last Orbax checkpoint with at most one interval lost,
-rank 0 reports status.training with the torch path's keys (to a loopback recorder: no API
-server) and writes the torch path's TensorBoard scalars, and the export loads with
-AutoModelForCausalLM.from_pretrained and generates. The RayJob's CLI path (`--framework jax`, its
+(FailureConfig) and resumes from the last Orbax checkpoint with at most one interval lost, rank 0
+reports status.training with the torch path's keys (to the session's loopback recorder) and writes
+the torch path's TensorBoard scalars, and the export loads with AutoModelForCausalLM.from_pretrained
+and generates. The RayJob's CLI path (`--framework jax`, its
 driver log teed to --log-file) runs in the demo's JAX run on the real cluster (tests/cluster/
-test_demo.py); resuming a finished run retrains nothing in tests/workload/test_train_resume.py.
+test_demo.py); resuming a finished run retrains nothing in tests/workload/test_train.py.
 """
 from __future__ import annotations
 
 import json
 import os
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.factories import tensorboard_scalars
 from tpuft_workload import __main__ as cli
@@ -31,39 +28,6 @@ EPOCHS = 2
 CKPT_EVERY = 3
 KILL_STEP = 8
 NS, NAME = "ns", "tiny-jax"
-PATCHES: list = []
-
-
-class _Recorder(BaseHTTPRequestHandler):
-    def do_PATCH(self):
-        PATCHES.append(json.loads(self.rfile.read(int(self.headers["Content-Length"])))["status"])
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", "2")
-        self.end_headers()
-        self.wfile.write(b"{}")
-
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture(scope="module")
-def status_recorder(tmp_path_factory):
-    """Status patches recorded on loopback; KUBECONFIG set before Ray starts (workers inherit it)."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    kubeconfig = tmp_path_factory.mktemp("kube") / "config"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "rec",
-        "clusters": [{"name": "rec", "cluster": {"server": f"http://127.0.0.1:{server.server_port}"}}],
-        "users": [{"name": "rec", "user": {"token": "t"}}],
-        "contexts": [{"name": "rec", "context": {"cluster": "rec", "user": "rec"}}]}))
-    mp = pytest.MonkeyPatch()
-    mp.setenv("KUBECONFIG", str(kubeconfig))
-    mp.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    yield PATCHES
-    mp.undo()
-    server.shutdown()
 
 
 def _argv(storage: Path | str, run: str, **extra) -> list[str]:
@@ -79,6 +43,7 @@ def _argv(storage: Path | str, run: str, **extra) -> list[str]:
 
 @pytest.fixture(scope="module")
 def killed_run(status_recorder, ray_cluster, tmp_path_factory):
+    status_recorder.take()
     storage = tmp_path_factory.mktemp("storage")
     args, target = cli.parse_args(_argv(storage, "tiny-jax-run", max_failures=1))
     mp = pytest.MonkeyPatch()
@@ -130,7 +95,7 @@ def test_checkpoints_are_orbax_committed_in_place_and_marked_jax(killed_run):
 
 def test_status_has_the_torch_paths_keys_written_by_rank_0(killed_run, status_recorder):
     _, _, cfg, result = killed_run
-    patches = [p["training"] for p in status_recorder if "training" in p]
+    patches = status_recorder.take()
     assert patches and all(set(p) <= set(TRAINING_KEYS) for p in patches)
     final = patches[-1]
     assert final["step"] == final["totalSteps"] == result.metrics["total_steps"] and final["epoch"] == EPOCHS

@@ -1,7 +1,7 @@
 """The stop-on-SIGTERM helper without Ray: the flag handler, and the preStop hook on a fake /proc.
 
 The real thing (a SIGTERM to one Ray Train worker mid-run, a checkpoint at the next step, a resume
-from it) runs in tests/workload/test_train_resume.py and test_jax_train.py, beside their Ray runs.
+from it) runs in tests/workload/test_train.py, beside its Ray runs.
 """
 from __future__ import annotations
 

@@ -1,140 +1,253 @@
-"""Fine-tuning on 2 real CPU workers (gloo, FSDP2) with the built-in tiny model and data.
+"""Fine-tuning on 2 real CPU workers (gloo, FSDP2) with the built-in tiny model and data, through the
+RayJob's CLI path (`train.run_training`), status patches going to the session's loopback recorder.
 
-One run covers: loss goes down over 2 epochs, a worker killed mid-epoch is restarted
-(FailureConfig) and resumes from the last checkpoint with at most one interval lost, the
-status subresource of a real TPUFinetune is written by rank 0 (with the loss history; no MFU on
-CPU), rank 0's TensorBoard files hold one curve across both attempts (and `tpuft plot` reads
-them as tensorboardX does), rank 0's Prometheus gauges reach Ray's metrics endpoint, and the
-exported folder loads with AutoModelForCausalLM.from_pretrained and generates.
+One object's run meets, in order, the disruptions a run meets on a slice:
+1. rank 1 killed hard before step KILL_STEP: Ray Train's FailureConfig restarts the group, which
+   resumes from the newest periodic checkpoint, at most one interval lost;
+2. a SIGTERM to rank 1 before step SIGTERM_STEP (what a pod's preStop hook sends on a Kueue eviction
+   or a drain): every rank saves at the next step and the run ends as stopped;
+3. its training RayJob's retry (the same object, same UID) resumes step-exact from that checkpoint
+   and finishes: loss went down, status.training written by rank 0 (with its history; no MFU on CPU),
+   rank 0's TensorBoard files hold one curve across the three attempts (and `tpuft plot` reads them
+   as tensorboardX does), and the export loads with AutoModelForCausalLM.from_pretrained and generates.
+Then whose checkpoints a run resumes: its own object's only, unless spec.checkpoint.resumeFrom says
+otherwise (continued on purpose, or refused naming the field). A re-created object (same name and
+storagePath, another UID) training from step 0 and leaving the first one's files untouched is the
+demo's second run, through the operator's own run names (tests/cluster/test_demo.py). The real API
+server keeping every status key the workload writes: tests/integration/test_status_roundtrip.py.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import io
 import json
 import os
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.factories import tensorboard_scalars
 from tpuft import plot_cli
 from tpuft.constants import HISTORY_MAX_POINTS
 from tpuft_workload import __main__ as cli
-from tpuft_workload import train
+from tpuft_workload import checkpoint, train
 
-# 2 epochs of 7 steps (train[:80] packs into 62 rows): the kill lands in the second
-EPOCHS = 2
-CKPT_EVERY = 3
-KILL_STEP = 8
-
-
-@pytest.fixture(scope="module")
-def cluster_with_kubeconfig(kubeconfig):
-    """Ray workers inherit the environment of the process that starts Ray: set KUBECONFIG first."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("KUBECONFIG", kubeconfig)
-    mp.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    yield kubeconfig
-    mp.undo()  # other test modules in the session must not inherit it
+NS, NAME = "ns", "demo"
+EPOCHS, STEPS_PER_EPOCH, CKPT_EVERY = 2, 7, 3   # train[:80] packs into 62 rows: 7 steps of 2x4 rows
+TOTAL = EPOCHS * STEPS_PER_EPOCH
+KILL_STEP = 5        # rank 1 exits before step 5 runs: 4 done, step 3 committed
+SIGTERM_STEP = 11    # rank 1's SIGTERM comes after step 10; committed by then: 3, 6, 7 (epoch end), 9
 
 
-@pytest.fixture(scope="module")
-def cr(cluster_with_kubeconfig, kube_api, kubectl):
-    from kubernetes import client
-
-    from tpuft.constants import GROUP, PLURAL, VERSION
-
-    ns = "workload-train"
-    kubectl("create", "namespace", ns)
-    body = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "local-cpu.yaml").read_text())
-    body["metadata"] = {"name": "tiny"}
-    api = client.CustomObjectsApi(kube_api)
-    api.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, body)
-    yield lambda: api.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "tiny").get("status", {})
-    kubectl("delete", "namespace", ns, "--wait=false")
-
-
-def _args(storage: Path, run: str, **extra):
+def _run(storage: Path, uid: str, fault: str = "", **extra) -> tuple[int, dict]:
+    """The RayJob's CLI path for object `uid`: exit code and its TPUFT_TRAIN_RESULT line."""
     argv = ["train", "--accelerator", "cpu", "--topology", "2", "--model", "builtin:tiny-llama",
             "--dataset", "builtin:dolly-mini", "--dataset-split", "train[:80]", "--epochs", str(EPOCHS),
             "--batch-size-per-device", "4", "--max-seq-length", "128", "--learning-rate", "3e-3",
-            "--storage-path", str(storage), "--run-name", run, "--report-every-steps", "100"]
+            "--storage-path", str(storage), "--run-name", f"{NS}-{NAME}-{uid}", "--report-every-steps", "100",
+            "--checkpoint-every-steps", str(CKPT_EVERY), "--keep-checkpoints", "20", "--max-failures", "1"]
     for k, v in extra.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
-    return cli.parse_args(argv)
+    args, target = cli.parse_args(argv)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = train.run_training(args, target, fault)
+    line = [ln for ln in out.getvalue().splitlines() if ln.startswith(train.RESULT_PREFIX)][-1]
+    return rc, json.loads(line[len(train.RESULT_PREFIX):])
+
+
+def _files(run_dir: Path) -> dict[str, str]:
+    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def _committed(run_dir: Path) -> list[int]:
+    return sorted(int(p.parent.name.rsplit("_", 1)[1])
+                  for p in run_dir.glob(f"checkpoint_step_*/{checkpoint.COMMITTED}"))
 
 
 @pytest.fixture(scope="module")
-def killed_run(cluster_with_kubeconfig, ray_cluster, cr, tmp_path_factory):
-    storage = tmp_path_factory.mktemp("storage")
-    args, target = _args(storage, "tiny-run", checkpoint_every_steps=CKPT_EVERY, keep_checkpoints=20,
-                         max_failures=1)
+def recorder(status_recorder, ray_cluster):
     mp = pytest.MonkeyPatch()
-    mp.setenv("TPUFT_NAMESPACE", "workload-train")
-    mp.setenv("TPUFT_NAME", "tiny")
-    try:
-        trainer, cfg = train.build_trainer(args, target, fault_spec=f"kill-rank:1:step:{KILL_STEP}")
-    finally:
-        mp.undo()
-    result = trainer.fit()
-    return storage, args, cfg, result
+    mp.setenv("TPUFT_NAMESPACE", NS)
+    mp.setenv("TPUFT_NAME", NAME)
+    status_recorder.take()
+    yield status_recorder
+    mp.undo()
 
 
-def _summary(cfg) -> dict:
-    return json.loads(Path(cfg["run_dir"], train.SUMMARY).read_text())
+@pytest.fixture(scope="module")
+def first_object(recorder, tmp_path_factory):
+    """Object uid-a: killed, restarted in the job, stopped by a SIGTERM; then its RayJob's retry."""
+    storage = tmp_path_factory.mktemp("storage")
+    run_dir = storage / f"{NS}-{NAME}-uid-a"
+    stopped = _run(storage, "uid-a", fault=f"kill-rank:1:step:{KILL_STEP},sigterm-rank:1:step:{SIGTERM_STEP}")
+    paths = {(ns, name) for ns, name, _ in recorder.patches}
+    stopped_patches, committed_after_stop = recorder.take(), _committed(run_dir)
+    summary_after_stop = (run_dir / train.SUMMARY).exists()
+    retry = _run(storage, "uid-a")
+    return {"storage": storage, "run_dir": run_dir, "stopped": stopped, "retry": retry, "paths": paths,
+            "stopped_patches": stopped_patches, "committed_after_stop": committed_after_stop,
+            "summary_after_stop": summary_after_stop, "patches": recorder.take(), "files": _files(run_dir)}
 
 
-def test_killed_worker_resumes_from_last_checkpoint(killed_run):
-    _, _, cfg, result = killed_run
-    assert Path(cfg["run_dir"], f".tpuft-fault-kill-r1-s{KILL_STEP}").exists()  # the fault did fire
-    s = _summary(cfg)
-    assert s["step"] == s["totalSteps"] == result.metrics["total_steps"]
-    per_epoch = s["totalSteps"] // EPOCHS
-    done_before_kill = KILL_STEP - 1            # the kill comes before step KILL_STEP runs
-    saved = [k for k in range(1, done_before_kill + 1) if k % CKPT_EVERY == 0 or k % per_epoch == 0]
-    resumed = s["resumedFromStep"]
-    assert resumed == max(saved)                 # the newest checkpoint (interval or epoch end)
+def test_a_killed_worker_is_restarted_from_the_last_checkpoint(first_object):
+    assert (first_object["run_dir"] / f".tpuft-fault-kill-r1-s{KILL_STEP}").exists()   # the fault did fire
+    done_before_kill = KILL_STEP - 1
+    saved = [k for k in range(1, done_before_kill + 1) if k % CKPT_EVERY == 0 or k % STEPS_PER_EPOCH == 0]
+    resumed = first_object["stopped"][1]["resumedFromStep"]   # the restarted attempt's
+    assert resumed == max(saved)                    # the newest checkpoint (interval or epoch end)
     assert done_before_kill - resumed < CKPT_EVERY  # at most one interval lost
+    assert any(p.get("message", "").startswith(f"resumed at step {resumed}") for p in first_object["stopped_patches"])
 
 
-def test_loss_decreases(killed_run):
-    _, _, _, result = killed_run
-    reported = sorted(((mm["step"], mm["loss"]) for _, mm in result.best_checkpoints if "loss" in mm))
-    assert len(reported) >= 3 and reported[-1][0] == result.metrics["total_steps"]
-    first, last = reported[0][1], reported[-1][1]
-    assert last < first - 0.5, reported
+def test_a_sigterm_to_one_rank_saves_the_next_step_on_every_rank(first_object):
+    from tpuft.constants import EXIT_STOPPED
+
+    signalled_after = SIGTERM_STEP - 1   # the last step rank 1 had finished when it got the SIGTERM
+    rc, body = first_object["stopped"]
+    assert rc == EXIT_STOPPED and body["succeeded"] is False and body["stopped"] == "SIGTERM", body
+    saved = body["step"]
+    assert saved - signalled_after in (1, 2), body   # at the next step boundary (at most one more)
+    assert body["lastCheckpoint"] == str(first_object["run_dir"] / f"checkpoint_step_{saved:07d}")
+    assert body["message"] == f"stop requested (SIGTERM): checkpoint at step {saved} saved; " \
+                              "resume repeats at most one step"
+    assert first_object["committed_after_stop"] == sorted({3, 6, 7, 9, saved})   # both ranks' shards, committed
+    assert not first_object["summary_after_stop"]   # not finished: no summary, no export
+    last = first_object["stopped_patches"][-1]
+    assert (last["step"], last["message"], last["lastCheckpoint"]) == (saved, body["message"], body["lastCheckpoint"])
+    assert "exportedModel" not in last
+    manifest = json.loads((first_object["run_dir"] / checkpoint.RUN_MANIFEST).read_text())
+    assert manifest["format"] == checkpoint.RUN_FORMAT and manifest["model"] == "builtin:tiny-llama"
+    assert (manifest["namespace"], manifest["name"]) == (NS, NAME)
 
 
-def test_status_written_by_rank_0(killed_run, cr):
-    _, _, cfg, result = killed_run
-    status = cr()
-    t = status["training"]
-    assert t["epoch"] == t["epochs"] == EPOCHS and t["step"] == t["totalSteps"] == result.metrics["total_steps"]
-    assert t["exportedModel"] == cfg["export_uri"]
-    assert t["lastCheckpoint"].startswith(cfg["run_dir"])
+def test_a_retry_of_the_same_object_resumes_step_exact_from_its_own_newest_checkpoint(first_object):
+    saved = first_object["stopped"][1]["step"]
+    rc, body = first_object["retry"]
+    assert rc == 0 and body["succeeded"], body
+    assert body["resumedFromStep"] == saved and body["step"] == body["totalSteps"] == TOTAL   # nothing repeated
+    assert body["resumedFrom"] == first_object["stopped"][1]["lastCheckpoint"]
+    assert body["loss"] > 0 and body["tokensPerSecond"] > 0
+    first = first_object["patches"][0]
+    assert (first["resumedFromStep"], first["step"]) == (saved, saved)
+    assert first["message"].startswith(f"resumed at step {saved}")
+    summary = json.loads((first_object["run_dir"] / train.SUMMARY).read_text())
+    assert summary["step"] == summary["totalSteps"] == TOTAL and summary["resumedFromStep"] == saved
+
+
+def test_status_training_is_written_by_rank_0_for_its_object_only(first_object):
+    assert first_object["paths"] == {(NS, NAME)}   # TPUFT_NAMESPACE / TPUFT_NAME, nothing else patched
+    t = first_object["patches"][-1]
+    assert t["epoch"] == t["epochs"] == EPOCHS and t["step"] == t["totalSteps"] == TOTAL
+    assert t["exportedModel"] == str(first_object["run_dir"] / checkpoint.EXPORT_DIR)
+    assert t["lastCheckpoint"].startswith(str(first_object["run_dir"]))
     assert t["loss"] > 0 and t["tokensPerSecond"] > 0 and 0 <= t["padFraction"] < 0.1
-    assert "verification" not in status and "phase" not in status  # nothing else touched
     steps = [p["step"] for p in t["history"]]
     assert 3 <= len(steps) <= HISTORY_MAX_POINTS and steps == sorted(set(steps)) and steps[-1] == t["step"]
     assert t["history"][-1] == {"step": t["step"], "loss": t["loss"], "tokensPerSecond": t["tokensPerSecond"]}
     assert "mfu" not in t   # CPU: no peak FLOP/s in the catalog
 
 
-def test_tensorboard_holds_one_curve_across_both_attempts(killed_run):
-    _, _, cfg, result = killed_run
-    files, scalars = tensorboard_scalars(Path(cfg["run_dir"], "tensorboard"))
-    assert files == 2   # rank 0 of the killed attempt and of the restarted one
+def test_tensorboard_holds_one_falling_curve_across_the_three_attempts(first_object):
+    logdir = first_object["run_dir"] / "tensorboard"
+    files, scalars = tensorboard_scalars(logdir)
+    assert files == 3   # rank 0 of the killed attempt, of the restarted one, of the retry
     assert {"train/loss", "train/grad_norm", "train/tokens_per_second", "train/step_time_seconds",
             "train/learning_rate"} <= set(scalars) and "train/mfu" not in scalars
     steps = [s for s, _ in scalars["train/loss"]]
-    assert steps == sorted(set(steps)) and steps[-1] == result.metrics["total_steps"]   # no step twice
+    stopped_at = first_object["stopped"][1]["step"]
+    assert steps == sorted(set(steps)) and steps[-1] == TOTAL   # no step twice
+    assert min(steps) <= stopped_at < max(steps)   # the stopped attempt's points and the retry's, one curve
+    losses = [v for _, v in scalars["train/loss"]]
+    assert losses[-1] < losses[0] - 0.5, scalars["train/loss"]   # the loss went down
     assert all(v > 0 for _, v in scalars["train/grad_norm"])
     assert scalars["train/learning_rate"][0][1] == pytest.approx(3e-3)   # float32 in the event file
     # `tpuft plot` reads them without tensorboard or protobuf, as tensorboardX's own protos do
-    assert plot_cli.read_events(Path(cfg["run_dir"], "tensorboard")) == (files, scalars)
+    assert plot_cli.read_events(logdir) == (files, scalars)
 
 
-def test_rank_0s_gauges_reach_rays_metrics_endpoint(killed_run):
+def test_export_loads_and_generates(first_object):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tpuft_workload.data import format_prompt
+
+    export = first_object["run_dir"] / checkpoint.EXPORT_DIR
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(export))
+    model = AutoModelForCausalLM.from_pretrained(export)
+    tok = AutoTokenizer.from_pretrained(export)
+    ids = tok(format_prompt({"instruction": "Tell me about the cow."}), return_tensors="pt")
+    out = model.generate(input_ids=ids["input_ids"], max_new_tokens=12, do_sample=False)
+    new = out[0, ids["input_ids"].shape[1]:]
+    assert len(new) > 0
+    assert tok.decode(new, skip_special_tokens=True).strip()  # real words, not only specials
+
+
+def test_resume_from_an_earlier_run_continues_it_into_this_objects_directory(first_object, recorder):
+    storage, first = first_object["storage"], first_object["run_dir"]
+    rc, body = _run(storage, "uid-c", epochs=EPOCHS + 1, resume_from=first)
+    assert rc == 0 and body["succeeded"], body
+    assert body["resumedFromStep"] == TOTAL and body["step"] == TOTAL + STEPS_PER_EPOCH
+    assert body["resumedFrom"] == str(first / f"checkpoint_step_{TOTAL:07d}")
+    patches = recorder.take()
+    assert patches[0]["resumedFrom"] == body["resumedFrom"] and patches[0]["resumedFromStep"] == TOTAL
+    assert _committed(storage / f"{NS}-{NAME}-uid-c") == [15, 18, 21]
+    manifest = json.loads((storage / f"{NS}-{NAME}-uid-c" / checkpoint.RUN_MANIFEST).read_text())
+    assert manifest["resumeFrom"] == body["resumedFrom"]
+    assert _files(first) == first_object["files"]
+
+
+def test_resumed_at_the_last_step_keeps_the_completed_runs_metrics(first_object, recorder):
+    """A finished run resubmitted retrains nothing (here through resumeFrom at its last checkpoint;
+    the JAX path through the RayJob's CLI in tests/cluster/test_demo.py)."""
+    storage, first = first_object["storage"], first_object["run_dir"]
+    done = first_object["retry"][1]
+    rc, body = _run(storage, "uid-d", resume_from=first / f"checkpoint_step_{TOTAL:07d}")
+    assert rc == 0 and body["succeeded"], body
+    assert body["step"] == body["resumedFromStep"] == TOTAL
+    assert "nothing left to do" in body["message"]
+    assert (body["loss"], body["tokensPerSecond"]) == (done["loss"], done["tokensPerSecond"])
+    patches = recorder.take()
+    assert "nothing left to do" in patches[0]["message"] and patches[0]["loss"] == done["loss"]
+    final = patches[-1]
+    assert final["exportedModel"] == str(storage / f"{NS}-{NAME}-uid-d" / "export")  # this object's own export
+    assert (final["loss"], final["tokensPerSecond"]) == (done["loss"], done["tokensPerSecond"])
+    assert _files(first) == first_object["files"]
+
+
+@pytest.mark.parametrize("case", ["missing", "foreign"])
+def test_resume_from_refused_before_any_worker_starts(first_object, recorder, tmp_path, case):
+    if case == "missing":
+        target, words = tmp_path / "no-such-run", "does not exist"
+    else:  # a directory of checkpoints no TPUFinetune wrote
+        target, words = tmp_path / "elsewhere" / "checkpoint_step_0000014", "was not written by a TPUFinetune"
+        target.mkdir(parents=True)
+        (target / "model.pt").write_text("x")
+    rc, body = _run(first_object["storage"], f"uid-{case}", resume_from=target)
+    assert rc == 1 and body["succeeded"] is False
+    assert body["error"].startswith(f"spec.checkpoint.resumeFrom: {target}") and words in body["error"]
+    assert [p["message"] for p in recorder.take()] == [body["error"]]  # recorded in status
+    assert not (first_object["storage"] / f"{NS}-{NAME}-uid-{case}" / checkpoint.RUN_MANIFEST).exists()
+
+
+def test_resume_from_a_different_architecture_is_refused(first_object, recorder, tmp_path):
+    from tpuft_workload import model as modellib
+    from tpuft_workload.tiny import build_model
+
+    tok = modellib.load_tokenizer("builtin:tiny-llama")
+    other = tmp_path / "wider-llama"
+    build_model(len(tok), hidden=32).save_pretrained(other)
+    tok.save_pretrained(other)
+    rc, body = _run(first_object["storage"], "uid-e", model=other, resume_from=first_object["run_dir"],
+                    max_failures=0)
+    assert rc == 1 and body["succeeded"] is False
+    assert "spec.checkpoint.resumeFrom" in body["error"] and "different model architecture" in body["error"], body
+    messages = [p["message"] for p in recorder.take() if "message" in p]
+    assert len(messages) == 1 and str(first_object["run_dir"]) in messages[0] and str(other) in messages[0]
+
+
+def test_rank_0s_gauges_reach_rays_metrics_endpoint(ray_cluster):
     """What the chart's PodMonitor scrapes: ray.util.metrics gauges set in a Ray worker, as Ray's
     metrics agent exports them (ray_<name>{tpufinetune=...}) on the node's metrics port."""
     import time
@@ -162,29 +275,10 @@ def test_rank_0s_gauges_reach_rays_metrics_endpoint(killed_run):
     assert got == want   # and no MFU series: None is not exported
 
 
-def test_export_loads_and_generates(killed_run):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tpuft_workload.data import format_prompt
-
-    export = killed_run[2]["export_uri"]
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(export))
-    model = AutoModelForCausalLM.from_pretrained(export)
-    tok = AutoTokenizer.from_pretrained(export)
-    ids = tok(format_prompt({"instruction": "Tell me about the cow."}), return_tensors="pt")
-    out = model.generate(input_ids=ids["input_ids"], max_new_tokens=12, do_sample=False)
-    new = out[0, ids["input_ids"].shape[1]:]
-    assert len(new) > 0
-    assert tok.decode(new, skip_special_tokens=True).strip()  # real words, not only specials
-
-
-# A finished run resubmitted retrains nothing: tests/workload/test_train_resume.py (its retry picks
-# the run's own newest checkpoint; resumed at the last step, nothing is left to do) and, through
-# the RayJob's CLI, tests/workload/test_jax_train.py. Not a third Ray Train run here.
-
-
 def test_too_little_data_fails_with_a_clear_reason(ray_cluster, tmp_path, capsys):
-    args, target = _args(tmp_path, "too-small", dataset_split="train[:3]")
+    args, target = cli.parse_args(["train", "--accelerator", "cpu", "--topology", "2", "--model", "builtin:tiny-llama",
+                                   "--dataset", "builtin:dolly-mini", "--dataset-split", "train[:3]",
+                                   "--batch-size-per-device", "4", "--max-seq-length", "128", "--storage-path", str(tmp_path), "--run-name", "too-small"])
     assert train.run_training(args, target) == 1
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(train.RESULT_PREFIX))
     body = json.loads(line[len(train.RESULT_PREFIX):])

@@ -7,10 +7,8 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-import yaml
 
 from tpuft_workload import verify
 from tpuft_workload.platform import resolve_target
@@ -28,22 +26,15 @@ def test_two_cpu_workers_pass_with_the_right_sum_and_parity(ray_cluster):
                            "seconds", "message"}
 
 
-def test_a_hung_rank_ends_in_a_timeout_failure_within_its_bound(ray_cluster, kubeconfig, kube_api, namespace):
+def test_a_hung_rank_ends_in_a_timeout_failure_within_its_bound(ray_cluster, status_recorder):
     """The CLI, as a RayJob runs it: exit code 3, 'timeout' in the message, JSON on stdout,
-    and the same verdict in status.verification of its TPUFinetune (real API server)."""
-    from kubernetes import client
-
-    from tpuft.constants import GROUP, PLURAL, VERSION
-
-    api = client.CustomObjectsApi(kube_api)
-    body = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "local-cpu.yaml").read_text())
-    body["metadata"] = {"name": "hang"}
-    api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
+    and the same verdict patched into status.verification of its TPUFinetune, nothing else."""
+    status_recorder.take()
     timeout_s = 20
-    # os.environ carries this session's RAY_AUTH_MODE/RAY_AUTH_TOKEN (conftest): the driver authenticates
+    # os.environ carries this session's RAY_AUTH_MODE/RAY_AUTH_TOKEN (conftest) and the recorder's
+    # KUBECONFIG: the driver authenticates and reports
     env = {**os.environ, "RAY_ADDRESS": ray_cluster, "TPUFT_FAULT": "hang-rank:1",
-           "TPUFT_NAMESPACE": namespace, "TPUFT_NAME": "hang", "KUBECONFIG": kubeconfig}
-    env.pop("KUBERNETES_SERVICE_HOST", None)
+           "TPUFT_NAMESPACE": "verify", "TPUFT_NAME": "hang"}
     cmd = [sys.executable, "-m", "tpuft_workload", "verify", "--accelerator", "cpu", "--topology", "2",
            "--timeout-seconds", str(timeout_s)]
     t0 = time.monotonic()
@@ -57,11 +48,11 @@ def test_a_hung_rank_ends_in_a_timeout_failure_within_its_bound(ray_cluster, kub
     assert "rank 1" in body["message"] and "not joined" in body["message"]  # says which rank, where
     assert body["seconds"] <= timeout_s + 2
     assert elapsed < timeout_s + 30                    # + interpreter/torch import and Ray connect
-    status = api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "hang")["status"]
-    v = status["verification"]
+    assert {(ns, name) for ns, name, _ in status_recorder.patches} == {("verify", "hang")}
+    assert [set(status) for _, _, status in status_recorder.patches] == [{"verification"}]   # nothing else
+    v = status_recorder.take("verification")[0]
     assert v["passed"] is False and v["message"] == body["message"] and v["ranks"] == 2
-    assert v["expectedSum"] == 3.0 and "allReduceSum" not in v   # null in a merge patch: absent
-    assert set(status) == {"verification"}               # nothing else written
+    assert v["expectedSum"] == 3.0 and v["allReduceSum"] is None   # null in the merge patch: removed
 
 
 def test_the_local_ray_refuses_a_client_without_its_token(ray_cluster, ray_auth_env):
