@@ -4,9 +4,11 @@
 
 1. `fast`: tests/unit, and beside it (two pytest processes at once) local, packaging and the
    Dockerfile checks: about a minute; a failure here stops the run, so a broken unit test fails CI
-   in a minute, not an hour. `tpuft cluster up` runs beside them (a fast tier that fails takes the
-   cluster down again).
-2. Four lanes at once, each a list of tiers run one after another:
+   in a minute, not an hour. `tpuft cluster up` starts beside them and runs on in the background
+   (a fast tier that fails takes the cluster down again once it is up): on a cold machine it builds
+   the Go tools and images for some 25 minutes, much of it waiting on disk and network.
+2. Four lanes at once, as soon as the fast tiers pass, each a list of tiers run one after another
+   (the integration lane's first waits for the Go tools; the Ray lane needs nothing from `up`):
      cluster      once the cluster is up, tests/leftovers.py (deletes the runs an earlier session
                   left on the cluster: its state outlives `down`), then the tests marked
                   `real_node` (they train on the real node): the demo, then the one run through
@@ -35,7 +37,7 @@ import sys
 import threading
 import time
 import xml.etree.ElementTree as ET
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,8 +66,8 @@ def _pytest(name: str, *args: str, nice: int = 0, needs_cluster: bool = False) -
 FAST = (_pytest("fast (unit)", "tests/unit"),
         _pytest("fast (packaging)", "tests/local", "tests/packaging", "tests/images/test_dockerfiles.py",
                 "tests/images/test_operator_wheel.py"))
-# Beside the fast tiers: `up` mostly waits (on processes, on image imports), and the real-node lane
-# it starts is one of the two longest.
+# Started beside the fast tiers and not waited for by the lanes that do not need it: warm, it takes
+# a minute (mostly waiting on processes and image imports); cold, it builds for some 25 minutes.
 CLUSTER_UP = Tier("cluster up", (PY, "-m", "tpuft.cli", "cluster", "up"), pytest=False)
 # What an earlier session left running on the cluster (its state outlives `down`), deleted before
 # any cluster test starts: see tests/leftovers.py.
@@ -158,8 +160,16 @@ def _show(results: list[Result]) -> None:
 
 
 def _lane(tiers: list[Tier], logs: Path, results: list[Result], up_done: threading.Event,
-          up_ok: threading.Event) -> None:
+          up_ok: threading.Event, up_future: Future | None = None) -> None:
+    """Run `tiers` one after another; the cluster lane (`up_future` given) first waits for `up`."""
     mine: list[Result] = []
+    if up_future is not None:
+        up = up_future.result()
+        mine.append(up)
+        if up.rc != 0:
+            up_done.set()   # the other lanes' tiers that need the cluster are skipped
+            _say("skip the cluster lane: the cluster did not come up")
+            tiers = []
     for i, tier in enumerate(tiers):
         if tier.needs_cluster:
             up_done.wait()
@@ -216,13 +226,18 @@ def main(argv: list[str] | None = None) -> int:
     want = set(args.only or ["fast", *LANES, "down"])
     results: list[Result] = []
 
-    first = (*(FAST if "fast" in want else ()), *((CLUSTER_UP,) if "cluster" in want else ()))
-    got = _in_parallel(first, args.logs)
+    # `up` beside everything: on a cold machine it builds the Go tools and images for half an hour,
+    # much of it waiting on disk and network, and the lanes that need no cluster run meanwhile.
+    background = ThreadPoolExecutor(max_workers=1)
+    up_future = background.submit(_run, CLUSTER_UP, args.logs) if "cluster" in want else None
+    got = _in_parallel(FAST if "fast" in want else (), args.logs)
     results.extend(got)
     _show(got)
-    up = next((r for r in got if r.tier is CLUSTER_UP), None)
-    if any(r.rc != 0 for r in got if r.tier in FAST):
-        if up is not None:
+    if any(r.rc != 0 for r in got):
+        if up_future is not None:
+            up = up_future.result()
+            results.append(up)
+            _show([up])
             res = _run(DOWN_AFTER_FAILED_FAST if up.rc == 0 else DOWN_AFTER_FAILED_UP, args.logs)
             results.append(res)
             _show([res])
@@ -230,16 +245,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     up_done, up_ok = threading.Event(), threading.Event()
-    if "cluster" not in want:   # --only simulated/down: a cluster the developer brought up themselves
+    if up_future is None:   # --only simulated/down: a cluster the developer brought up themselves
         up_ok.set()
         up_done.set()
-    up_failed = up is not None and up.rc != 0
-    if up_failed:
-        up_done.set()   # the lanes' tiers that need the cluster are skipped; the cluster lane does not start
-        _say("skip the cluster lane: the cluster did not come up")
-    names = [n for n in LANES if n in want and not (n == "cluster" and up_failed)]
-    threads = [threading.Thread(target=_lane, args=(LANES[name], args.logs, results, up_done, up_ok),
-                                name=name, daemon=True) for name in names]
+    threads = [threading.Thread(target=_lane, args=(LANES[name], args.logs, results, up_done, up_ok,
+                                                    up_future if name == "cluster" else None),
+                                name=name, daemon=True) for name in LANES if name in want]
     for t in threads:
         t.start()
     while any(t.is_alive() for t in threads):

@@ -1,9 +1,11 @@
 """tests/lanes.py, what `make test` runs: every test file is in some tier, and only in one."""
+import ast
 from pathlib import Path
 
 from tests import lanes
 
 TESTS = Path(lanes.REPO) / "tests"
+CONTROL_PLANE_FIXTURES = {"control_plane", "kubeconfig", "kube_api", "kubectl", "namespace"}   # tests/conftest.py
 
 
 def _paths(tier: lanes.Tier) -> list[str]:
@@ -32,6 +34,20 @@ def test_the_workload_modules_run_off_the_ray_lane_start_no_ray():
     for rel in lanes.WORKLOAD_WITHOUT_RAY:
         text = (Path(lanes.REPO) / rel).read_text()
         assert "ray_cluster" not in text and "ray.init" not in text and "serve.run" not in text, rel
+
+
+def test_the_ray_lane_asks_for_no_control_plane():
+    """It starts beside a cold `cluster up` that is still building kube-apiserver: a control-plane
+    fixture there would wait on the build lock inside a test, past pytest's timeout."""
+    ray_lane = [t for t in lanes.LANES["workload"] if t.pytest]
+    ignored = set().union(*(_ignored(t) for t in ray_lane))
+    for path in sorted((TESTS / "workload").glob("test_*.py")):
+        rel = path.relative_to(lanes.REPO).as_posix()
+        if rel not in ignored:
+            asked = {a.arg for f in ast.walk(ast.parse(path.read_text())) if isinstance(f, ast.FunctionDef)
+                     for a in f.args.args}
+            assert not asked & CONTROL_PLANE_FIXTURES, rel
+    assert not any(t.needs_cluster for t in lanes.LANES["workload"])
 
 
 def test_the_cluster_tiers_split_tests_cluster_by_the_real_node_marker():
