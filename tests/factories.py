@@ -8,6 +8,7 @@ import uuid
 import yaml
 
 from tpuft import handlers, phases
+from tpuft.constants import API_VERSION, KIND
 from tpuft.diagnosis import PodObs
 from tpuft.spec import DEFAULTS
 
@@ -31,6 +32,19 @@ spec:
 """)
 
 DELETE = object()
+
+
+def small_spec(**overrides) -> dict:
+    """The smallest spec the operator accepts: a v6e 4x4 slice, a model, a dataset and a storage path
+    (the rest defaulted), with `overrides` on top."""
+    return {"accelerator": "v6e", "topology": "4x4", "image": "img:1", "model": "m", "dataset": {"name": "d"},
+            "checkpoint": {"storagePath": "gs://bucket/ck"}, **overrides}
+
+
+def small_object(name: str, namespace: str, metadata: dict | None = None, **spec) -> dict:
+    """A TPUFinetune of `small_spec(**spec)`; `metadata` adds to its name and namespace."""
+    return {"apiVersion": API_VERSION, "kind": KIND,
+            "metadata": {"name": name, "namespace": namespace, **(metadata or {})}, "spec": small_spec(**spec)}
 
 
 def with_(path: str, value, base=MINIMUM):
@@ -82,10 +96,7 @@ NS, NAME = "team-a", "ft"
 
 
 def tft() -> dict:
-    return {"apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFinetune",
-            "metadata": {"name": NAME, "namespace": NS, "uid": "u-1", "generation": 1},
-            "spec": {"accelerator": "v6e", "topology": "4x4", "image": "img:1", "model": "m",
-                     "dataset": {"name": "d"}, "checkpoint": {"storagePath": "gs://bucket/ck"}}}
+    return small_object(NAME, NS, {"uid": "u-1", "generation": 1})
 
 
 class FakeKube:
@@ -235,10 +246,7 @@ class Lifecycle:
         self.kuberay.api, self.kuberay.ns = self.kube.custom, NS
 
     def body(self, **spec) -> dict:
-        return {"apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFinetune",
-                "metadata": {"name": NAME, "namespace": NS},
-                "spec": {"accelerator": "v6e", "topology": "4x4", "image": "img:1", "model": "m",
-                         "dataset": {"name": "d"}, "checkpoint": {"storagePath": "gs://bucket/ck"}, **spec}}
+        return small_object(NAME, NS, **spec)
 
     def apply(self, **spec) -> None:
         """Create it, defaulted as the API server defaults it (every spec.DEFAULTS key: the CRD's

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client, config, watch
 
+from tests.factories import small_spec
 from tests.kuberay_standin import KubeRay
 
 GROUP, VERSION, PLURAL = "tpufinetune.dev", "v1alpha1", "tpufinetunes"
@@ -231,8 +232,7 @@ class PhaseRecorder(threading.Thread):
 
 
 def tft_body(namespace: str, name: str, script: str) -> dict:
-    spec = {"accelerator": "v6e", "topology": "4x4", "image": "img:1", "model": "m", "dataset": {"name": "d"},
-            "checkpoint": {"storagePath": "gs://bucket/ck"}, "ttlSecondsAfterFinished": 3600}
+    spec = small_spec(ttlSecondsAfterFinished=3600)
     if script == "ttl":
         spec["ttlSecondsAfterFinished"] = 1
     if script == "timeout":

@@ -34,6 +34,7 @@ from tests.chart.helmlib import CHART, run_health
 from tests.images.dockerfile_lib import REPO, operator_image_venv, parse
 
 pytest.importorskip("tpuft.handlers", reason="the operator's handlers are not in this checkout yet")
+from tests.factories import small_object  # noqa: E402
 from tests.kuberay_standin import KubeRay  # noqa: E402
 from tests.waiting import wait_until  # noqa: E402
 from tpuft_local.controlplane import free_port  # noqa: E402
@@ -104,10 +105,7 @@ class OperatorRun:
             return r.read().decode()
 
     def apply(self, name: str = NAME, **spec) -> None:
-        body = {"apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFinetune",
-                "metadata": {"name": name, "namespace": self.team},
-                "spec": {"accelerator": "v6e", "topology": "4x4", "image": "img:1", "model": "m",
-                         "dataset": {"name": "d"}, "checkpoint": {"storagePath": "gs://bucket/ck"}, **spec}}
+        body = small_object(name, self.team, **spec)
         self.kubectl("apply", "-f", "-", input=yaml.safe_dump(body), check=True)
 
     def patch(self, spec: dict) -> None:

@@ -17,6 +17,7 @@ import yaml
 from kopf.testing import KopfRunner
 from kubernetes import client
 
+from tests.factories import small_object
 from tests.kuberay_standin import KubeRay
 from tests.waiting import wait_until
 
@@ -59,12 +60,7 @@ def tft(kube_api, namespace, kubectl):
 
     class TFT:
         def body(self, **spec) -> dict:
-            return {
-                "apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFinetune",
-                "metadata": {"name": NAME, "namespace": namespace},
-                "spec": {"accelerator": "v6e", "topology": "4x4", "image": "img:1", "model": "m",
-                         "dataset": {"name": "d"}, "checkpoint": {"storagePath": "gs://bucket/ck"}, **spec},
-            }
+            return small_object(NAME, namespace, **spec)
 
         def apply(self, **spec):
             kubectl("apply", "-f", "-", input=yaml.safe_dump(self.body(**spec)), check=True)

@@ -7,7 +7,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from tests.factories import merge_patch
+from tests.factories import merge_patch, small_object
 from tpuft import builders, phases
 from tpuft import constants as c
 from tpuft.constants import Phase
@@ -25,15 +25,9 @@ def at(seconds: float) -> datetime:
 
 
 def make(**spec) -> dict:
-    base = {
-        "accelerator": "v6e", "topology": "4x4", "image": "img:1", "model": "m", "dataset": {"name": "d"},
-        "checkpoint": {"storagePath": "gs://bucket/ck"}, "provisioningTimeoutSeconds": 1800,
-        "verification": {"enabled": True, "timeoutSeconds": 600}, "ttlSecondsAfterFinished": 300,
-        "training": {"maxJobRetries": 0},
-    }
-    base.update(spec)
-    return {"apiVersion": c.API_VERSION, "kind": c.KIND,
-            "metadata": {"name": NAME, "namespace": NS, "uid": "u-1", "generation": 1}, "spec": base}
+    return small_object(NAME, NS, {"uid": "u-1", "generation": 1}, **{
+        "provisioningTimeoutSeconds": 1800, "verification": {"enabled": True, "timeoutSeconds": 600},
+        "ttlSecondsAfterFinished": 300, "training": {"maxJobRetries": 0}, **spec})
 
 
 def names(o: dict) -> builders.ChildNames:

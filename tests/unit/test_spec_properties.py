@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.factories import MINIMUM
-from tpuft import builders, catalog
+from tpuft import builders, catalog, crd
 from tpuft import constants as c
 from tpuft.spec import MAX_NAME_LENGTH, SpecError, TPUFinetune, parse
 
@@ -32,13 +32,20 @@ FIELD = re.compile(r"^(spec|metadata|apiVersion|kind)(\.[^.\[\]]+|\[\d+\])*$|^sp
 DNS_LABEL_MAX = 63
 
 # Words the parser looks for, so random documents reach past the first level.
-SPEC_KEYS = ["accelerator", "topology", "slices", "image", "imagePullPolicy", "model", "dataset", "name", "split",
-             "training", "epochs", "batchSizePerDevice", "maxSeqLength", "learningRate", "packing",
-             "reportEverySteps", "maxFailures", "maxJobRetries", "checkpoint", "storagePath", "everySteps", "keep",
-             "hfTokenSecret", "key", "verification", "enabled", "timeoutSeconds", "provisioningTimeoutSeconds",
-             "suspend", "ttlSecondsAfterFinished", "resources", "head", "worker", "requests", "limits", "shmSize",
-             "scheduling", "spot", "reservation", "nodeSelector", "tolerations", "priorityClassName", "labels",
-             "annotations", "env", "value", "valueFrom", "google.com/tpu", "cpu", "memory"]
+def _schema_keys(schema: dict) -> set[str]:
+    """Every property name anywhere under a CRD schema node."""
+    out: set[str] = set()
+    for name, sub in (schema.get("properties") or {}).items():
+        out |= {name} | _schema_keys(sub)
+    for nested in ("items", "additionalProperties"):
+        if isinstance(schema.get(nested), dict):
+            out |= _schema_keys(schema[nested])
+    return out
+
+
+# Every field name the CRD knows (so random documents reach every section), plus the resource names
+# the parser looks for inside resources' free-form maps.
+SPEC_KEYS = sorted(_schema_keys(crd.spec_schema()) | {"google.com/tpu", "cpu", "memory"})
 TOP_KEYS = ["apiVersion", "kind", "metadata", "spec"]
 ACCELERATOR_WORDS = catalog.accepted_spellings() + ["TPU-V6E", "V6E", "tpu", "v9", ""]
 TOPOLOGY_WORDS = sorted({t for g in catalog.GENERATIONS for t in g.topologies}) + [
