@@ -4,7 +4,8 @@
 # The dependencies of `.[EXTRAS]` (torch and its CUDA wheels, Ray, ...: ~4.5 GB, minutes to
 # download, and this machine's egress proxy keeps pip's cache from storing any of it) are
 # installed once per machine into ${TPUFT_CACHE:-~/.cache/tpuft}/venvs/<name>-<key>, keyed by
-# what decides them: pyproject.toml, this script and the arguments. VENV itself is the clone's
+# what decides them: pyproject.toml's dependency tables (not its tool settings: a linter rule
+# must not reinstall 4.5 GB), this script and the arguments. VENV itself is the clone's
 # own small venv: it sees those dependencies through one .pth file and holds only this clone,
 # installed editable, so two clones on one machine never run each other's code.
 # A fresh machine takes the same path; it only fills the cache first.
@@ -12,7 +13,12 @@ set -euo pipefail
 venv=$1 extras=$2 torch=${3:-}
 python=${PYTHON:-python3}
 name=$(basename "$venv" | tr -c 'a-zA-Z0-9\n' '-' | sed 's/^-*//')
-key=$({ cat pyproject.toml "$0"; echo "$extras $torch"; "$python" -VV; } | sha256sum | cut -c1-16)
+requirements=$("$python" -c 'import json, tomllib
+d = tomllib.load(open("pyproject.toml", "rb"))
+p = d["project"]
+print(json.dumps([p.get("requires-python"), p.get("dependencies"), p.get("optional-dependencies"),
+                  d.get("build-system")], sort_keys=True))')
+key=$({ echo "$requirements"; cat "$0"; echo "$extras $torch"; "$python" -VV; } | sha256sum | cut -c1-16)
 root=${TPUFT_CACHE:-$HOME/.cache/tpuft}/venvs
 deps=$root/$name-$key
 mkdir -p "$root"
@@ -30,7 +36,7 @@ if [ ! -f "$deps/.complete" ]; then
   "$deps/bin/python" -m pip install -q ".[$extras]"
   "$deps/bin/python" -m pip uninstall -q -y tpufinetune-operator
   touch "$deps/.complete"
-  # Older keys of this venv are a pyproject.toml change ago: keep the newest two.
+  # Older keys of this venv are a dependency change ago: keep the newest two.
   ls -1dt "$root/$name"-???????????????? 2>/dev/null | tail -n +3 | xargs -r rm -rf
 else
   echo "[venv] dependencies of .[$extras] from $deps"

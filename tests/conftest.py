@@ -1,5 +1,5 @@
 """Shared fixtures: a real local Kubernetes control plane (etcd + kube-apiserver +
-kube-controller-manager, see operator/tpuft/controlplane.py), started once per test session
+kube-controller-manager, see local/tpuft_local/controlplane.py), started once per test session
 in a temporary folder (separate from any `tpuft cluster up` instance) and only when a test
 asks for one of these fixtures. Our CRDs (crds/*.yaml) and the KubeRay v1.7.0 RayCluster and
 RayJob CRDs are installed and Established before the first test runs.
