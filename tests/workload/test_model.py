@@ -85,3 +85,13 @@ def test_load_shard_checkpoint_export_roundtrip(hub_like_dir, world_of_one, tmp_
     ckpt.rename(named)
     (tmp_path / "checkpoint_step_0000002").mkdir()            # newer but never committed
     assert checkpoint.find_latest_committed(str(tmp_path)) == str(named)
+
+
+@pytest.mark.parametrize("ref", ["builtin", "hub-like folder"])
+def test_the_meta_model_has_the_architecture_load_model_builds(hub_like_dir, ref):
+    """What the driver checks a resume point against (no weights read) is what the workers load."""
+    model_ref = tiny.BUILTIN_MODEL if ref == "builtin" else hub_like_dir
+    loaded = modellib.load_model(model_ref, modellib.load_tokenizer(model_ref), CPU, seed=0)
+    meta = modellib.meta_model(model_ref)
+    assert all(p.is_meta for p in meta.parameters())
+    assert checkpoint.architecture(meta) == checkpoint.architecture(loaded)

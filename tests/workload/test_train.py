@@ -231,7 +231,7 @@ def test_resume_from_refused_before_any_worker_starts(first_object, recorder, tm
     assert not (first_object["storage"] / f"{NS}-{NAME}-uid-{case}" / checkpoint.RUN_MANIFEST).exists()
 
 
-def test_resume_from_a_different_architecture_is_refused(first_object, recorder, tmp_path):
+def test_resume_from_a_different_architecture_is_refused_before_any_worker_starts(first_object, recorder, tmp_path):
     from tpuft_workload import model as modellib
     from tpuft_workload.tiny import build_model
 
@@ -239,12 +239,12 @@ def test_resume_from_a_different_architecture_is_refused(first_object, recorder,
     other = tmp_path / "wider-llama"
     build_model(len(tok), hidden=32).save_pretrained(other)
     tok.save_pretrained(other)
-    rc, body = _run(first_object["storage"], "uid-e", model=other, resume_from=first_object["run_dir"],
-                    max_failures=0)
+    rc, body = _run(first_object["storage"], "uid-e", model=other, resume_from=first_object["run_dir"])
     assert rc == 1 and body["succeeded"] is False
     assert "spec.checkpoint.resumeFrom" in body["error"] and "different model architecture" in body["error"], body
     messages = [p["message"] for p in recorder.take() if "message" in p]
-    assert len(messages) == 1 and str(first_object["run_dir"]) in messages[0] and str(other) in messages[0]
+    assert messages == [body["error"]] and str(first_object["run_dir"]) in messages[0] and str(other) in messages[0]
+    assert not (first_object["storage"] / f"{NS}-{NAME}-uid-e").exists()   # on the driver: no worker wrote a thing
 
 
 def test_rank_0s_gauges_reach_rays_metrics_endpoint(ray_cluster):

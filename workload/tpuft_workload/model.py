@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 # Gemma 3n / Gemma 4 per-layer embeddings: a huge frozen-able lookup table. Like the seed, we
 # freeze it and keep it out of FSDP (sharding a gather-only table costs more than it saves).
 FROZEN_REPLICATED = ("embed_tokens_per_layer",)
+TOWERS = ("vision_config", "audio_config")
 
 
 def _local_copy(uri: str) -> str:
@@ -62,17 +63,36 @@ def load_model(model_ref: str, tokenizer, platform: Platform, seed: int):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = _local_copy(model_ref)
-    config = AutoConfig.from_pretrained(path)
-    kwargs = {}
-    # Multimodal checkpoints (Gemma 4): drop the vision/audio towers, as the seed does.
-    for tower in ("vision_config", "audio_config"):
-        if getattr(config, tower, None) is not None:
-            kwargs[tower] = None
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32,
-        attn_implementation="eager" if platform.is_tpu else "sdpa", **kwargs)
+        attn_implementation="eager" if platform.is_tpu else "sdpa", **_text_only(AutoConfig.from_pretrained(path)))
     model.config.get_text_config().use_cache = False
     return model
+
+
+def _text_only(config) -> dict:
+    """Multimodal checkpoints (Gemma 4): the vision/audio towers dropped, as GKE's TorchTPU recipe
+    does: from_pretrained's config overrides."""
+    return {tower: None for tower in TOWERS if getattr(config, tower, None) is not None}
+
+
+def meta_model(model_ref: str):
+    """The module tree load_model builds for spec.model, on torch's meta device (no weight read or
+    allocated): what the driver checks a resume point against before any worker starts."""
+    import torch
+
+    if model_ref == BUILTIN_MODEL:
+        from tpuft_workload.tiny import build_model
+
+        with torch.device("meta"):
+            return build_model(len(load_tokenizer(model_ref)))
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(_local_copy(model_ref))
+    for tower in _text_only(config):
+        setattr(config, tower, None)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
 
 
 def _decoder_layers(model) -> list:

@@ -505,12 +505,18 @@ def prepare(args, target: Target, fault_spec: str = "") -> tuple[str, pipeline.P
     """What any trainer needs, before any worker starts: (storage path, the packed dataset, the
     workers' TrainConfig as a dict). ResumeError / DataError for a resume point or data that
     cannot be used."""
-    from tpuft.constants import ENV_CR_NAME, ENV_CR_NAMESPACE
+    from tpuft.constants import ENV_CR_NAME, ENV_CR_NAMESPACE, TrainingFramework
 
     storage = args.storage_path if "://" in args.storage_path else os.path.abspath(args.storage_path)
     run_dir = ckptlib.join(storage, args.run_name)
-    # Checked (it exists, tpuft wrote it) before any worker starts; the architecture on the workers.
+    # Checked before any worker starts: it exists, tpuft wrote it and (torch; the JAX path's on its
+    # workers) for spec.model's architecture. The workers check the architecture again.
     resume_from, resume_manifest = ckptlib.resolve_resume(args.resume_from) if args.resume_from else ("", {})
+    if resume_from and args.framework == TrainingFramework.TORCH.value:
+        from tpuft_workload import model as modellib
+
+        ckptlib.check_architecture(resume_from, resume_manifest, ckptlib.architecture(modellib.meta_model(args.model)),
+                                   args.model)
     packed = pipeline.build(args.dataset, args.dataset_split, args.dataset_format, args.model,
                             args.max_seq_length, args.packing)
     if datalib.steps_per_epoch(packed.rows, target.world_size, args.batch_size_per_device) == 0:
