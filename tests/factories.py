@@ -324,3 +324,22 @@ def tensorboard_scalars(logdir) -> tuple[int, dict[str, list[tuple[int, float]]]
             for value in event.summary.value:
                 scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
     return len(files), scalars
+
+
+def assert_export_generates(export) -> None:
+    """A training run's export folder loads with transformers' Auto classes and generates real words
+    (not only special tokens) for a prompt in the training format."""
+    import os
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tpuft_workload.data import format_prompt
+
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(export))
+    model = AutoModelForCausalLM.from_pretrained(export)
+    tok = AutoTokenizer.from_pretrained(export)
+    ids = tok(format_prompt({"instruction": "Tell me about the cow."}), return_tensors="pt")
+    out = model.generate(input_ids=ids["input_ids"], max_new_tokens=12, do_sample=False)
+    new = out[0, ids["input_ids"].shape[1]:]
+    assert len(new) > 0
+    assert tok.decode(new, skip_special_tokens=True).strip()

@@ -294,8 +294,13 @@ def context_files(root: Path = REPO_ROOT) -> list[str]:
 
 
 def _context_hash(root: Path) -> str:
+    return files_hash(root, context_files(root))
+
+
+def files_hash(root: Path, files: list[str]) -> str:
+    """sha256 over each file's path, executable bit and content, in the order given."""
     h = hashlib.sha256()
-    for rel in context_files(root):
+    for rel in files:
         p = root / rel
         h.update(f"{rel}\0{os.access(p, os.X_OK)}\0".encode())
         h.update(hashlib.sha256(p.read_bytes()).digest())

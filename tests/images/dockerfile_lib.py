@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import fcntl
 import fnmatch
-import hashlib
 import json
 import os
 import re
@@ -210,14 +209,12 @@ def operator_image_venv() -> tuple[Path, Path]:
     wheel). Kept under the tool cache by the context's hash, as the images are: the fast tier's
     wheel test builds it and the chart tier, minutes later in another pytest process, uses it
     (building it again there took 214 s beside the other lanes); an edit to the context builds anew."""
+    from tpuft_local.images import files_hash
     from tpuft_local.toolchain import cache_dir
 
     files = build_context(REPO)
-    digest = hashlib.sha256()
-    for rel in files:
-        digest.update(f"{rel}\0".encode() + hashlib.sha256((REPO / rel).read_bytes()).digest())
     parent = cache_dir() / "operator-image-venv"
-    root = parent / digest.hexdigest()[:16]
+    root = parent / files_hash(REPO, files)[:16]
     root.mkdir(parents=True, exist_ok=True)
     root.touch()
     for old in sorted((p for p in parent.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)[:-OPERATOR_VENVS_KEPT]:

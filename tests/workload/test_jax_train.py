@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.factories import tensorboard_scalars
+from tests.factories import assert_export_generates, tensorboard_scalars
 from tpuft_workload import __main__ as cli
 from tpuft_workload import checkpoint, jax_checkpoint, jax_train, train
 from tpuft_workload.platform import resolve_target
@@ -114,18 +114,7 @@ def test_tensorboard_has_the_torch_paths_scalars_and_one_curve(killed_run):
 
 
 def test_export_loads_and_generates(killed_run):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tpuft_workload.data import format_prompt
-
-    export = killed_run[2]["export_uri"]
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(export))
-    model = AutoModelForCausalLM.from_pretrained(export)
-    tok = AutoTokenizer.from_pretrained(export)
-    ids = tok(format_prompt({"instruction": "Tell me about the cow."}), return_tensors="pt")
-    out = model.generate(input_ids=ids["input_ids"], max_new_tokens=12, do_sample=False)
-    new = out[0, ids["input_ids"].shape[1]:]
-    assert len(new) > 0 and tok.decode(new, skip_special_tokens=True).strip()
+    assert_export_generates(killed_run[2]["export_uri"])
 
 
 # ---- no Ray cluster needed ----------------------------------------------------------------------

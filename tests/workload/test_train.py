@@ -22,12 +22,11 @@ import contextlib
 import hashlib
 import io
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-from tests.factories import tensorboard_scalars
+from tests.factories import assert_export_generates, tensorboard_scalars
 from tpuft import plot_cli
 from tpuft.constants import HISTORY_MAX_POINTS
 from tpuft_workload import __main__ as cli
@@ -169,19 +168,7 @@ def test_tensorboard_holds_one_falling_curve_across_the_three_attempts(first_obj
 
 
 def test_export_loads_and_generates(first_object):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tpuft_workload.data import format_prompt
-
-    export = first_object["run_dir"] / checkpoint.EXPORT_DIR
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(export))
-    model = AutoModelForCausalLM.from_pretrained(export)
-    tok = AutoTokenizer.from_pretrained(export)
-    ids = tok(format_prompt({"instruction": "Tell me about the cow."}), return_tensors="pt")
-    out = model.generate(input_ids=ids["input_ids"], max_new_tokens=12, do_sample=False)
-    new = out[0, ids["input_ids"].shape[1]:]
-    assert len(new) > 0
-    assert tok.decode(new, skip_special_tokens=True).strip()  # real words, not only specials
+    assert_export_generates(first_object["run_dir"] / checkpoint.EXPORT_DIR)
 
 
 def test_resume_from_an_earlier_run_continues_it_into_this_objects_directory(first_object, recorder):
