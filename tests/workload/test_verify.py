@@ -30,7 +30,9 @@ def test_a_hung_rank_ends_in_a_timeout_failure_within_its_bound(ray_cluster, sta
     """The CLI, as a RayJob runs it: exit code 3, 'timeout' in the message, JSON on stdout,
     and the same verdict patched into status.verification of its TPUFinetune, nothing else."""
     status_recorder.take()
-    timeout_s = 20
+    # Long enough for both workers to start (torch imported in each) beside the other lanes: at 20 s
+    # the bound passed before either started, twice under a full clean-clone run (2026-12-03).
+    timeout_s = 45
     # os.environ carries this session's RAY_AUTH_MODE/RAY_AUTH_TOKEN (conftest) and the recorder's
     # KUBECONFIG: the driver authenticates and reports
     env = {**os.environ, "RAY_ADDRESS": ray_cluster, "TPUFT_FAULT": "hang-rank:1",
