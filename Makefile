@@ -39,8 +39,10 @@ $(UNIT_STAMP): pyproject.toml hack/venv.sh
 unit: $(UNIT_STAMP)
 	$(UNIT_PY) -m pytest -q tests/unit
 
+# ruff; the import contracts (which package may import which: pyproject's [tool.importlinter]).
 lint: $(UNIT_STAMP)
 	$(UNIT_PY) -m ruff check .
+	$(UNIT_PY) -c "from importlinter.cli import lint_imports_command; lint_imports_command()" --no-logo  # no -m entry point
 
 # The dependency venvs stay in ~/.cache/tpuft/venvs (the newest two keys of each are kept).
 clean:
