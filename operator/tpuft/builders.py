@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import shlex
 from dataclasses import dataclass
+from typing import Mapping
 
 import yaml
 
@@ -138,7 +139,7 @@ def _env(tft: TPUFinetune) -> list[dict]:
     return env
 
 
-def _resources(cpu: str, memory: str, override: dict, tpu_chips: int | None) -> dict:
+def _resources(cpu: str, memory: str, override: Mapping[str, Mapping[str, str]], tpu_chips: int | None) -> dict:
     """Requests equal limits (as the seed sets them) unless the user sets both apart.
 
     An override on one side moves the other with it, so `requests.cpu: 100` alone never
@@ -169,7 +170,7 @@ def _pod_template(tft: TPUFinetune, component: c.Component, containers: list[dic
 
 
 def _container(tft: TPUFinetune, name: str) -> dict:
-    out = {"name": name, "image": tft.spec.image}
+    out: dict = {"name": name, "image": tft.spec.image}
     if tft.spec.image_pull_policy:
         out["imagePullPolicy"] = tft.spec.image_pull_policy
     env = _env(tft)
@@ -215,7 +216,7 @@ def build_raycluster(tft: TPUFinetune) -> dict:
     # Kueue's labels pass through to the RayCluster (its webhook suspends a labelled one until admitted)
     extra_labels = {k: tft.meta.labels[k] for k in (c.KUEUE_QUEUE_LABEL, c.KUEUE_PRIORITY_LABEL)
                     if tft.meta.labels.get(k)}
-    body = {
+    body: dict = {
         "apiVersion": c.RAY_API_VERSION,
         "kind": c.RAYCLUSTER_KIND,
         "metadata": _metadata(tft, n.cluster, c.Component.CLUSTER, extra_labels),
@@ -436,6 +437,7 @@ def serving_view(tft: TPUFinetune) -> TPUFinetune:
 def serve_app(tft: TPUFinetune, model_source: str) -> dict:
     """The one Serve application, as serveConfigV2 lists it."""
     sv, model_id = tft.spec.serve, tft.meta.name
+    assert sv is not None, "serve_app needs spec.serve enabled"
     if sv.engine == c.ServeEngine.VLLM:
         return {"name": c.SERVE_APP_NAME, "route_prefix": c.SERVE_ROUTE_PREFIX, "import_path": c.SERVE_VLLM_IMPORT_PATH,
                 "args": {"llm_configs": [llm_config(tft, model_source)]}}
@@ -459,6 +461,7 @@ def llm_config(tft: TPUFinetune, model_source: str) -> dict:
     forgotten: without it the replica's per-chip bundles can straddle slices and the app sits in
     DEPLOYING forever; with it the replica reserves one whole slice."""
     sv = tft.spec.serve
+    assert sv is not None, "llm_config needs spec.serve enabled"
     s = sv.slice
     engine: dict = {"tensor_parallel_size": s.devices if s.is_tpu else 1}
     if sv.max_model_length:
@@ -476,7 +479,9 @@ def llm_config(tft: TPUFinetune, model_source: str) -> dict:
 def build_rayservice(tft: TPUFinetune, model_source: str | None = None) -> dict:
     """The KubeRay RayService serving the fine-tuned model (spec.serve): model_source is the export
     the training job reported (status.training.exportedModel), else where it writes it."""
-    view, n, replicas = serving_view(tft), names(tft), tft.spec.serve.replicas
+    view, n, sv = serving_view(tft), names(tft), tft.spec.serve
+    assert sv is not None, "build_rayservice needs spec.serve enabled"
+    replicas = sv.replicas
     cluster = _cluster_spec(view, c.Component.SERVE, max_slices=replicas.max)
     head_tmpl = cluster["headGroupSpec"]["template"]
     for tmpl in [head_tmpl, *(g["template"] for g in cluster["workerGroupSpecs"])]:
@@ -485,7 +490,7 @@ def build_rayservice(tft: TPUFinetune, model_source: str | None = None) -> dict:
         tmpl["spec"]["automountServiceAccountToken"] = tmpl is head_tmpl and not replicas.fixed
     cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"].append(
         {"containerPort": c.SERVE_PORT, "name": "serve"})   # the port KubeRay's serve Service targets
-    key = tft.spec.serve.api_key_secret
+    key = sv.api_key_secret
     if key is not None:   # by reference only: the key never appears in a rendered manifest
         for tmpl in [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]:
             tmpl["spec"]["containers"][0].setdefault("env", []).append(

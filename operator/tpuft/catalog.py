@@ -190,6 +190,7 @@ class SliceShape:
     def node_selector(self) -> dict[str, str]:
         if not self.is_tpu:
             return {}
+        assert self.gke_accelerator is not None  # a TPU shape always has one (resolve_slice)
         return {GKE_TPU_ACCELERATOR_SELECTOR: self.gke_accelerator, GKE_TPU_TOPOLOGY_SELECTOR: self.topology}
 
     @property

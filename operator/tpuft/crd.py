@@ -67,7 +67,7 @@ def _reserved_keys(reserved: c.Reserved) -> dict:
 def _string_map(description: str, label_values: bool = False, reserved: c.Reserved | None = None) -> dict:
     """A map that ends up as labels/annotations/node selector of children and pods: keys are qualified
     names (and none of `reserved`); with label_values, values are label values."""
-    values = {"type": "string"}
+    values: dict = {"type": "string"}
     if label_values:
         values.update(maxLength=63, pattern=LABEL_VALUE.pattern)
     rules = [_qualified_keys()] + ([_reserved_keys(reserved)] if reserved is not None else [])
@@ -327,7 +327,7 @@ def spec_schema() -> dict:
                                 })},
                 "priorityClassName": _p("string", "PriorityClass for the Ray pods.", maxLength=253,
                                         pattern=DNS_SUBDOMAIN.pattern),
-            }, **{"x-kubernetes-validations": [{
+            }, **{"x-kubernetes-validations": [{  # type: ignore[arg-type]  # mypy fits this ** to `required` too
                 "rule": "!(has(self.spot) && self.spot && has(self.reservation))",
                 "message": "spot and reservation are mutually exclusive"}]}),
             "serve": _serve_schema(),

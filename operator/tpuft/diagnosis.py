@@ -55,7 +55,8 @@ class PodObs:
     def of(cls, pod: Mapping[str, Any]) -> PodObs:
         meta, status = pod.get("metadata") or {}, pod.get("status") or {}
         owners = [o.get("uid") for o in meta.get("ownerReferences") or [] if o.get("kind") == c.RAYCLUSTER_KIND]
-        sched = next((x for x in status.get("conditions") or [] if x.get("type") == "PodScheduled"), {})
+        conditions = status.get("conditions") or []
+        sched: Mapping[str, Any] = next((x for x in conditions if x.get("type") == "PodScheduled"), {})
         unschedulable = (sched.get("message") or sched.get("reason") or "unschedulable"
                          if sched.get("status") == "False" and sched.get("reason") == "Unschedulable" else None)
         images = {x.get("name"): x.get("image") or "" for x in (pod.get("spec") or {}).get("containers") or []}
@@ -69,9 +70,10 @@ class PodObs:
 def _waiting(cs: Mapping[str, Any], images: Mapping[str, str]) -> Waiting:
     w = cs["state"]["waiting"]
     last = (cs.get("lastState") or {}).get("terminated") or {}
+    name = cs.get("name") or ""
     last_exit = (f"exit code {last.get('exitCode')}: {(last.get('message') or last.get('reason') or '').strip()}"
                  if last else "")
-    return Waiting(cs.get("name") or "", cs.get("image") or images.get(cs.get("name"), ""), w["reason"],
+    return Waiting(name, cs.get("image") or images.get(name, ""), w["reason"],
                    (w.get("message") or "").strip(), last_exit)
 
 
@@ -112,7 +114,7 @@ def blocking_cause(pods: tuple[PodObs, ...]) -> str | None:
     return cause[1] if cause else None
 
 
-def pool_hint(pools: tuple[tuple[str, str, int], ...], accelerator: str, topology: str) -> str:
+def pool_hint(pools: tuple[tuple[str, str, int], ...], accelerator: str | None, topology: str) -> str:
     """For a slice the scheduler cannot place: the TPU node pools the cluster has, as
     (cloud.google.com/gke-tpu-accelerator, cloud.google.com/gke-tpu-topology, nodes) seen on nodes."""
     if not pools:

@@ -129,7 +129,7 @@ class _Draft:
         ready = phase == Phase.SUCCEEDED.value or (phase == Phase.SERVING.value and self.serving_ready)
         self.cond(Condition.READY, ConditionStatus.of(ready), reason or pending, st.get("message") or "")
         self.cond(Condition.FAILED, ConditionStatus.of(phase == Phase.FAILED.value), reason or pending,
-                  st.get("message") if phase == Phase.FAILED.value else "")
+                  (st.get("message") or "") if phase == Phase.FAILED.value else "")
         old = {x.get("type"): x for x in prev.get("conditions") or []}
         conds = []
         for ctype in CONDITION_ORDER:
@@ -204,6 +204,7 @@ def decide(obj: Mapping[str, Any], observed: Observed, now: datetime, tun: Tunab
                       "startTime", "goodput"):
                 d.st.pop(k, None)
             d.phase = None
+        assert current is not None   # no error: it parsed
         return _pending(d, obj, current, observed)
 
     try:
@@ -212,7 +213,7 @@ def decide(obj: Mapping[str, Any], observed: Observed, now: datetime, tun: Tunab
         if not (d.phase and d.phase.terminal):
             d.fail(Reason.INVALID_SPEC, "the applied spec no longer validates: " + "; ".join(map(str, e.problems)))
         return d.finish()
-    live_suspend = spec_raw.get("suspend") if isinstance(spec_raw.get("suspend"), bool) else tft.spec.suspend
+    live_suspend = flag if isinstance(flag := spec_raw.get("suspend"), bool) else tft.spec.suspend
     live_serve = _live_serve(spec_raw, tft)
     ignored = spec_diff(spec_raw, applied_raw)
     if tft.spec.serve and not live_serve:   # turning serving off acts live; turning it on mid-run does not
@@ -224,8 +225,8 @@ def decide(obj: Mapping[str, Any], observed: Observed, now: datetime, tun: Tunab
     if d.phase is not None and d.phase.terminal:
         return _terminal(d, tft, observed, tun)
     if observed.admission_error is not None:
-        e = observed.admission_error
-        d.fail(Reason.ADMISSION_REJECTED, f"{e.kind} {e.name} was rejected at admission: {e.message}")
+        rej = observed.admission_error
+        d.fail(Reason.ADMISSION_REJECTED, f"{rej.kind} {rej.name} was rejected at admission: {rej.message}")
         return d.finish()
     if d.phase == Phase.SERVING:
         return _serving(d, tft, observed, live_serve, tun)
@@ -347,7 +348,7 @@ def _provisioning(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed) -> D
     found = blocking(obs.pods)
     cause = found[1] if found else None
     if found and found[0] == Blocker.UNSCHEDULABLE and obs.pools is not None and s.is_tpu:
-        cause += f"; {pool_hint(obs.pools, s.gke_accelerator, s.topology)}"
+        cause = f"{found[1]}; {pool_hint(obs.pools, s.gke_accelerator, s.topology)}"
     if cause:
         progress += f"; {cause}"
         if cause not in (d.prev.get("message") or ""):   # once per new cause, not on every resync
@@ -411,6 +412,7 @@ def _start_training(d: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
 def _lost_cluster(d: _Draft, tft: TPUFinetune, obs: Observed) -> bool:
     if obs.cluster is not None:
         return False
+    assert d.phase is not None   # a running phase's handler calls this
     d.fail(Reason.CHILD_DELETED, f"RayCluster {builders.names(tft).cluster} was deleted during {d.phase.value}; "
            "the run cannot continue (recreate the TPUFinetune to start again; checkpoints are kept)")
     return True
@@ -423,6 +425,7 @@ def _replace_slice(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, cau
     a suspend). Past spec.recovery.maxSliceReplacements: Failed/SliceLost, with the history (the
     jobs are stopped then too: left on the broken slice, their submitters would fail)."""
     allowed, was = tft.spec.recovery.max_slice_replacements, d.phase
+    assert was is not None and obs.cluster is not None   # _verifying and _training, past _lost_cluster
     rec = copy.deepcopy(d.st.get("recovery") or {})
     done = int(rec.get("sliceReplacements") or 0)
     st = obj.get("status") or {}
@@ -462,6 +465,7 @@ def _verifying(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, tun: Tu
     n, timeout, name = builders.names(tft), tft.spec.verification.timeout_seconds, _verify_job(d, tft)
     if _lost_cluster(d, tft, obs):
         return d.finish()
+    assert obs.cluster is not None
     if _evicted(tft, obs):   # KubeRay deletes the pods of a suspended cluster: not a lost host
         return _requeue(d, obj, tft, obs)
     if lost := slice_loss(obs.cluster.status):
@@ -515,6 +519,7 @@ def _training(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, tun: Tun
     name = n.train_attempt(attempts - 1)
     if _lost_cluster(d, tft, obs):
         return d.finish()
+    assert obs.cluster is not None
     job = obs.jobs.get(name)
     if _evicted(tft, obs) and not (job is not None and job_succeeded(job)):
         return _requeue(d, obj, tft, obs)
@@ -597,7 +602,7 @@ def _resubmission_due(d: _Draft, job: JobObs, nxt: str, ctype: Condition, tun: T
     what = (f"{job_failure_detail(job)}; KubeRay lost the Ray job, not the workload failing (lost submission "
             f"{len(lost) + 1} of {c.LOST_SUBMISSION_RETRIES} in this run"
             + (", not counted against training.maxJobRetries)" if d.phase == Phase.TRAINING else ")"))
-    left = (parse_time(wait["at"]) - d.now).total_seconds() if tun.resubmit_backoff_seconds > 0 else 0.0
+    left = ((parse_time(wait["at"]) or d.now) - d.now).total_seconds() if tun.resubmit_backoff_seconds > 0 else 0.0
     if left > 0:
         rec["resubmit"] = wait
         d.st["recovery"] = rec
@@ -616,7 +621,9 @@ def _resubmission_due(d: _Draft, job: JobObs, nxt: str, ctype: Condition, tun: T
 def _start_serving(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed, tun: Tunables) -> Decision:
     """Training is done: release its slice (once its RayJobs are finished or gone) and serve the
     export on the serve slice."""
-    n, sv, s = builders.names(tft), tft.spec.serve, tft.spec.serve.slice
+    n, sv = builders.names(tft), tft.spec.serve
+    assert sv is not None, "serving needs spec.serve enabled"
+    s = sv.slice
     exported = ((obj.get("status") or {}).get("training") or {}).get(c.TrainingStatus.EXPORTED_MODEL.value)
     source = exported or builders.export_path(tft)
     holding = _release(d, obs, 0, tun)
@@ -640,6 +647,7 @@ def _serving(d: _Draft, tft: TPUFinetune, obs: Observed, live_serve: bool, tun: 
     """The RayService until spec.serve.enabled goes false (-> Succeeded) or its app stays short of
     RUNNING for spec.serve.timeoutSeconds (-> Failed/ServeFailed, in the app's own words)."""
     n, sv = builders.names(tft), tft.spec.serve
+    assert sv is not None, "serving needs spec.serve enabled"
     if obs.cluster is not None and not _release(d, obs, d.elapsed(), tun):   # the training slice, held by a RayJob
         d.act(Op.DELETE, c.RAYCLUSTER_KIND, n.cluster)
     if not live_serve:
@@ -724,7 +732,7 @@ def _requeue(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed) -> Decisi
     runs that is a preemption: the jobs are stopped (checkpoints stay), status.recovery.preemptions
     counts it (never sliceReplacements), and the run waits Queued; re-admitted, it provisions,
     verifies again and resumes from its checkpoint (the same attempt, as after a suspend)."""
-    n, was, q = builders.names(tft), d.phase, obs.queue
+    n, was, q = builders.names(tft), d.phase or Phase.PENDING, obs.queue
     running = was in (Phase.VERIFYING, Phase.TRAINING)
     if running:
         # The jobs are stopped once KubeRay has deleted the pods (_queued), not now: deleting a
@@ -823,7 +831,8 @@ def _suspend(d: _Draft, tft: TPUFinetune, obs: Observed, tun: Tunables) -> Decis
     # They go first: the RayCluster is suspended once they are gone (_suspended).
     verify = _verify_job(d, tft)
     active = {Phase.VERIFYING: verify, Phase.TRAINING: d.st.get("children", {}).get("trainJob")}.get(was)
-    holding = _release(d, obs, 0, tun, stop={verify, active} - {None}) if obs.cluster is not None else []
+    stop = frozenset(x for x in (verify, active) if x is not None)
+    holding = _release(d, obs, 0, tun, stop=stop) if obs.cluster is not None else []
     _drop_resubmission(d)   # the resumed run verifies the slice, then submits again
     if obs.cluster is not None and not holding:
         d.act(Op.SUSPEND, c.RAYCLUSTER_KIND, n.cluster)
@@ -877,7 +886,7 @@ def _finishing(d: _Draft, job: JobObs, ctype: Condition, then: str, tun: Tunable
     if not job_finishing(job):
         return False
     grace = tun.rayjob_grace_seconds
-    before = next((x for x in d.prev.get("conditions") or [] if x.get("type") == ctype.value), {})
+    before: Mapping[str, Any] = next((x for x in d.prev.get("conditions") or [] if x.get("type") == ctype.value), {})
     since = parse_time(before.get("lastTransitionTime")) if before.get("status") == d.conds[ctype][0].value else None
     waited = (d.now - since).total_seconds() if since else 0.0
     if waited < grace:
@@ -892,7 +901,7 @@ def _finishing(d: _Draft, job: JobObs, ctype: Condition, then: str, tun: Tunable
     return False
 
 
-def _release(d: _Draft, obs: Observed, waited: float, tun: Tunables, stop: set[str] = frozenset()) -> list[str]:
+def _release(d: _Draft, obs: Observed, waited: float, tun: Tunables, stop: frozenset[str] = frozenset()) -> list[str]:
     """Before a RayCluster goes (deleted or suspended) every RayJob on it is finished or gone: a
     submitter still following its job's logs when the head goes fails (its K8s Job ends Failed,
     the RayJob never Complete). A RayJob KubeRay is finishing may take the grace; the other
