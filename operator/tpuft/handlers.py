@@ -33,7 +33,7 @@ import logging
 import os
 import time
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Sequence
 
 import kopf
 
@@ -56,24 +56,26 @@ def _tunables() -> phases.Tunables:
 
 
 # --- indexes and event handlers ----------------------------------------------------------------------
-@kopf.index(c.GROUP, c.VERSION, c.PLURAL)
+# The ignores: kopf's handler protocols type `namespace` as str | None (for cluster-scoped
+# resources); every resource here is namespaced, so these handlers take a str.
+@kopf.index(c.GROUP, c.VERSION, c.PLURAL)  # type: ignore[arg-type]
 def tpufinetunes(namespace: str, name: str, body: Any, **_: Any) -> dict:
     """The object itself: the reconciler reads it from here (an informer cache), not with a GET."""
     return {(namespace, name): copy.deepcopy(dict(body))}
 
 
-@kopf.index(c.RAY_GROUP, c.RAY_VERSION, c.RAYCLUSTER_PLURAL, labels={c.LABEL_NAME: kopf.PRESENT})
+@kopf.index(c.RAY_GROUP, c.RAY_VERSION, c.RAYCLUSTER_PLURAL, labels={c.LABEL_NAME: kopf.PRESENT})  # type: ignore[arg-type]
 def rayclusters_by_owner(namespace: str, name: str, labels: Any, spec: Any, status: Any, meta: Any,
                          **_: Any) -> dict:
     return {(namespace, labels[c.LABEL_NAME]): IndexedChild.of(name, spec, status, meta)}
 
 
-@kopf.index(c.RAY_GROUP, c.RAY_VERSION, c.RAYJOB_PLURAL, labels={c.LABEL_NAME: kopf.PRESENT})
+@kopf.index(c.RAY_GROUP, c.RAY_VERSION, c.RAYJOB_PLURAL, labels={c.LABEL_NAME: kopf.PRESENT})  # type: ignore[arg-type]
 def rayjobs_by_owner(namespace: str, name: str, labels: Any, spec: Any, status: Any, meta: Any, **_: Any) -> dict:
     return {(namespace, labels[c.LABEL_NAME]): IndexedChild.of(name, spec, status, meta)}
 
 
-@kopf.index(c.RAY_GROUP, c.RAY_VERSION, c.RAYSERVICE_PLURAL, labels={c.LABEL_NAME: kopf.PRESENT})
+@kopf.index(c.RAY_GROUP, c.RAY_VERSION, c.RAYSERVICE_PLURAL, labels={c.LABEL_NAME: kopf.PRESENT})  # type: ignore[arg-type]
 def rayservices_by_owner(namespace: str, name: str, labels: Any, spec: Any, status: Any, meta: Any,
                          **_: Any) -> dict:
     return {(namespace, labels[c.LABEL_NAME]): IndexedChild.of(name, spec, status, meta)}
@@ -85,7 +87,7 @@ def _controller(memo: kopf.Memo) -> Controller | None:
     return memo.get("controller")
 
 
-@kopf.on.event(c.GROUP, c.VERSION, c.PLURAL)
+@kopf.on.event(c.GROUP, c.VERSION, c.PLURAL)  # type: ignore[arg-type]
 async def tpufinetune_event(type: str | None, namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     if (ctl := _controller(memo)) is not None:
         if type == "DELETED":
@@ -93,19 +95,19 @@ async def tpufinetune_event(type: str | None, namespace: str, name: str, memo: k
         ctl.kick((namespace, name))
 
 
-@kopf.on.event(c.RAY_GROUP, c.RAY_VERSION, c.RAYCLUSTER_PLURAL, labels={c.LABEL_NAME: kopf.PRESENT})
+@kopf.on.event(c.RAY_GROUP, c.RAY_VERSION, c.RAYCLUSTER_PLURAL, labels={c.LABEL_NAME: kopf.PRESENT})  # type: ignore[arg-type]
 async def raycluster_event(namespace: str, labels: Any, memo: kopf.Memo, **_: Any) -> None:
     if (ctl := _controller(memo)) is not None:
         ctl.kick((namespace, labels[c.LABEL_NAME]))
 
 
-@kopf.on.event(c.RAY_GROUP, c.RAY_VERSION, c.RAYJOB_PLURAL, labels={c.LABEL_NAME: kopf.PRESENT})
+@kopf.on.event(c.RAY_GROUP, c.RAY_VERSION, c.RAYJOB_PLURAL, labels={c.LABEL_NAME: kopf.PRESENT})  # type: ignore[arg-type]
 async def rayjob_event(namespace: str, labels: Any, memo: kopf.Memo, **_: Any) -> None:
     if (ctl := _controller(memo)) is not None:
         ctl.kick((namespace, labels[c.LABEL_NAME]))
 
 
-@kopf.on.event(c.RAY_GROUP, c.RAY_VERSION, c.RAYSERVICE_PLURAL, labels={c.LABEL_NAME: kopf.PRESENT})
+@kopf.on.event(c.RAY_GROUP, c.RAY_VERSION, c.RAYSERVICE_PLURAL, labels={c.LABEL_NAME: kopf.PRESENT})  # type: ignore[arg-type]
 async def rayservice_event(namespace: str, labels: Any, memo: kopf.Memo, **_: Any) -> None:
     if (ctl := _controller(memo)) is not None:
         ctl.kick((namespace, labels[c.LABEL_NAME]))
@@ -233,7 +235,7 @@ class Controller:
 
     # Everything below runs in a worker thread: plain blocking API calls.
     def observe(self, obj: dict, clusters: list[IndexedChild], jobs: list[IndexedChild],
-                services: list[IndexedChild] = ()) -> Observed:
+                services: Sequence[IndexedChild] = ()) -> Observed:
         ns = obj["metadata"]["namespace"]
         children = (obj.get("status") or {}).get("children") or {}
         # Children we deleted: after a relist (410) kopf's index can keep them forever (it never
@@ -258,7 +260,7 @@ class Controller:
         service = self._service(obj, services, removed)
         deleting = self._deleting_jobs(ns, jobs, removed, uid) if cluster is not None else ()
         observed = Observed(cluster=cluster, jobs=found, jobs_deleting=deleting, service=service)
-        if phases.wants_queue(obj, cluster) and cluster.uid:
+        if phases.wants_queue(obj, cluster) and cluster is not None and cluster.uid:
             observed = dataclasses.replace(observed, queue=self.kube.queue(ns, cluster.uid))
         if phases.wants_serve_pods(obj):
             return self._with_serve_pods(observed, obj)
@@ -271,7 +273,7 @@ class Controller:
         names = sorted({x.name for x in jobs if x.belongs_to(uid) and (x.deleting or (c.RAYJOB_KIND, x.name) in removed)})
         return tuple(name for name in names if self.kube.get(c.RAYJOB_KIND, ns, name) is not None)
 
-    def _service(self, obj: dict, services: list[IndexedChild], removed: Any) -> ServiceObs | None:
+    def _service(self, obj: dict, services: Sequence[IndexedChild], removed: Any) -> ServiceObs | None:
         want = ((obj.get("status") or {}).get("children") or {}).get("rayService")
         if not want:
             return None
@@ -297,8 +299,8 @@ class Controller:
         this name left (its RayCluster, its pods), which must go before we create ours."""
         ns, uid = obj["metadata"]["namespace"], obj["metadata"].get("uid")
         name = builders.cluster_name(obj["metadata"]["name"])
-        ours = frozenset([x.uid for x in clusters if x.name == name and x.belongs_to(uid) and not x.deleting]
-                         + [observed.cluster.uid if observed.cluster else None]) - {None}
+        ours = frozenset(u for u in [x.uid for x in clusters if x.name == name and x.belongs_to(uid) and not x.deleting]
+                         + [observed.cluster.uid if observed.cluster else None] if u is not None)
         old = tuple(f"RayCluster {x.name}" for x in clusters if x.name == name and not x.belongs_to(uid))
         key = (ns, obj["metadata"]["name"])
         pods = self.ledger.pods(key, time.monotonic(), self.pod_list_seconds)
@@ -309,7 +311,7 @@ class Controller:
         if listed:   # leftovers are waited on: each look at them is fresh, never a reused list
             self.ledger.listed_pods(key, time.monotonic(), pods if pods is not None and not old and not stale else None)
             pods = pods or ()
-        mine = tuple(p for p in pods if p.cluster_uid in ours)
+        mine = tuple(p for p in pods or () if p.cluster_uid in ours)
         found = diagnosis.blocking(mine)
         pools = self._node_pools() if found and found[0] == diagnosis.Blocker.UNSCHEDULABLE else None
         return dataclasses.replace(observed, pods=mine, pools=pools,
@@ -331,7 +333,7 @@ class Controller:
         return entry if entry.belongs_to(uid) else None
 
     def reconcile(self, key: Key, body: dict | None, clusters: list[IndexedChild],
-                  jobs: list[IndexedChild], services: list[IndexedChild] = ()) -> float | None:
+                  jobs: list[IndexedChild], services: Sequence[IndexedChild] = ()) -> float | None:
         ns, name = key
         if body is None or body["metadata"].get("deletionTimestamp"):
             metrics.set_phase(key, None)   # children go with it: ownerReferences + garbage collector
