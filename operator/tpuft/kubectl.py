@@ -68,6 +68,7 @@ def port_forward(kubectl: str, namespace: str, service: str, port: int) -> Itera
 
 
 def _forwarded_port(proc: subprocess.Popen, service: str) -> int:
+    assert proc.stdout is not None and proc.stderr is not None  # port_forward's pipes
     deadline = time.monotonic() + FORWARD_WAIT_SECONDS
     while time.monotonic() < deadline:
         line = proc.stdout.readline()

@@ -118,6 +118,7 @@ def ray_token(kubectl_bin: str, ns: str, cluster: str) -> str:
 
 def _job_id(args: argparse.Namespace, src: Source) -> str:
     """The Ray job of the RayJob (status.jobId); with -f, waits for it while KubeRay submits."""
+    assert src.rayjob is not None, "run() reads a live log only once there is a RayJob"
     while True:
         rayjob = kubectl.get(args.kubectl, "rayjobs", src.rayjob, src.namespace, what=f"RayJob {src.namespace}/{src.rayjob}")
         if rayjob is None:
@@ -136,6 +137,7 @@ def _job_id(args: argparse.Namespace, src: Source) -> str:
 
 def _rayjob_ended(args: argparse.Namespace, src: Source) -> bool:
     """KubeRay is done with the RayJob (or it is gone): its Ray job will not start any more."""
+    assert src.rayjob is not None, "run() reads a live log only once there is a RayJob"
     rayjob = kubectl.get(args.kubectl, "rayjobs", src.rayjob, src.namespace, what=f"RayJob {src.namespace}/{src.rayjob}")
     return rayjob is None or (rayjob.get("status") or {}).get("jobDeploymentStatus") in DONE_JOB_STATES
 

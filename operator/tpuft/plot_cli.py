@@ -89,6 +89,7 @@ def _fields(buf: bytes):
     length-delimited fields and the fixed 32/64-bit ones."""
     i = 0
     while i < len(buf):
+        val: int | bytes
         key, i = _varint(buf, i)
         num, wire = key >> 3, key & 7
         if wire == 0:
