@@ -39,10 +39,12 @@ $(UNIT_STAMP): pyproject.toml hack/venv.sh
 unit: $(UNIT_STAMP)
 	$(UNIT_PY) -m pytest -q tests/unit
 
-# ruff; the import contracts (which package may import which: pyproject's [tool.importlinter]).
+# ruff; the import contracts (which package may import which: pyproject's [tool.importlinter]);
+# mypy over operator/ ([tool.mypy]; its cache in .mypy_cache keeps a rerun to seconds).
 lint: $(UNIT_STAMP)
 	$(UNIT_PY) -m ruff check .
 	$(UNIT_PY) -c "from importlinter.cli import lint_imports_command; lint_imports_command()" --no-logo  # no -m entry point
+	$(UNIT_PY) -m mypy
 
 # The dependency venvs stay in ~/.cache/tpuft/venvs (the newest two keys of each are kept).
 clean:
