@@ -56,6 +56,7 @@ CPU_WORKER = PodSize("1", "4Gi", "1Gi")
 @dataclass(frozen=True)
 class Generation:
     name: str                      # canonical spelling used in our API
+    product: str                   # Google's name for it (descriptions)
     ray_accelerator_type: str      # Ray's accelerator_type, e.g. TPU-V6E
     ray_version: str               # Ray's short name (get_tpu_version_from_type)
     gke_accelerator: str           # node selector cloud.google.com/gke-tpu-accelerator
@@ -76,7 +77,7 @@ def _shapes(*s: str) -> tuple[str, ...]:
 
 GENERATIONS: tuple[Generation, ...] = (
     Generation(
-        name="v4", ray_accelerator_type="TPU-V4", ray_version="v4",
+        name="v4", product="TPU v4", ray_accelerator_type="TPU-V4", ray_version="v4",
         gke_accelerator="tpu-v4-podslice", machine_type="ct4p-hightpu-4t", dims=3,
         chips_per_host=4, devices_per_chip=1, peak_bf16_tflops=275,   # docs.cloud.google.com/tpu/docs/v4: 275 TFLOPs bf16 per chip
         topologies=_shapes("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8",
@@ -86,7 +87,7 @@ GENERATIONS: tuple[Generation, ...] = (
         aliases=("tpu-v4", "tpuv4", "tpu-v4-podslice"),
     ),
     Generation(
-        name="v5e", ray_accelerator_type="TPU-V5LITEPOD", ray_version="v5litepod",
+        name="v5e", product="TPU v5e", ray_accelerator_type="TPU-V5LITEPOD", ray_version="v5litepod",
         gke_accelerator="tpu-v5-lite-podslice", machine_type="ct5lp-hightpu-4t", dims=2,
         chips_per_host=4, devices_per_chip=1, peak_bf16_tflops=197,   # docs.cloud.google.com/tpu/docs/v5e: 197 TFLOPs bf16 per chip
         topologies=_shapes("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
@@ -95,7 +96,7 @@ GENERATIONS: tuple[Generation, ...] = (
         aliases=("v5litepod", "v5lite", "tpu-v5e", "tpu-v5-lite-podslice", "tpu-v5litepod"),
     ),
     Generation(
-        name="v5p", ray_accelerator_type="TPU-V5P", ray_version="v5p",
+        name="v5p", product="TPU v5p", ray_accelerator_type="TPU-V5P", ray_version="v5p",
         gke_accelerator="tpu-v5p-slice", machine_type="ct5p-hightpu-4t", dims=3,
         chips_per_host=4, devices_per_chip=1, peak_bf16_tflops=459,   # docs.cloud.google.com/tpu/docs/v5p: 459 TFLOPs bf16 per chip
         topologies=_shapes("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8",
@@ -105,7 +106,7 @@ GENERATIONS: tuple[Generation, ...] = (
         aliases=("tpu-v5p", "tpu-v5p-slice"),
     ),
     Generation(
-        name="v6e", ray_accelerator_type="TPU-V6E", ray_version="v6e",
+        name="v6e", product="TPU v6e", ray_accelerator_type="TPU-V6E", ray_version="v6e",
         gke_accelerator="tpu-v6e-slice", machine_type="ct6e-standard-4t", dims=2,
         chips_per_host=4, devices_per_chip=1, peak_bf16_tflops=918,   # docs.cloud.google.com/tpu/docs/v6e: 918 TFLOPs bf16 per chip
         topologies=_shapes("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
@@ -114,7 +115,7 @@ GENERATIONS: tuple[Generation, ...] = (
         aliases=("tpu-v6e", "tpu-v6e-slice", "trillium"),
     ),
     Generation(
-        name="tpu7x", ray_accelerator_type="TPU-V7X", ray_version="v7x",
+        name="tpu7x", product="TPU7x", ray_accelerator_type="TPU-V7X", ray_version="v7x",
         gke_accelerator="tpu7x", machine_type="tpu7x-standard-4t", dims=3,
         chips_per_host=4, devices_per_chip=2, peak_bf16_tflops=2307,  # docs.cloud.google.com/tpu/docs/tpu7x: 2307 bf16 (4614 fp8) per chip
         topologies=_shapes("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8",
