@@ -118,7 +118,7 @@ def _env(tft: TPUFinetune) -> list[dict]:
 
 
 def _resources(cpu: str, memory: str, override: dict, tpu_chips: int | None) -> dict:
-    """Requests equal limits (as the seed sets them) unless the user sets both apart.
+    """Requests equal limits, as reference TPU RayCluster manifests set them, unless the user sets both apart.
 
     An override on one side moves the other with it, so `requests.cpu: 100` alone never
     produces a pod whose request exceeds the default limit (which the API server rejects).
@@ -433,9 +433,9 @@ def serve_replicas(r: ServeReplicas) -> dict:
 
 
 def llm_config(tft: TPUFinetune, model_source: str) -> dict:
-    """Ray Serve LLM's LLMConfig for vLLM. The slice topology line is the one seed 004 says is always
-    forgotten: without it the replica's per-chip bundles can straddle slices and the app sits in
-    DEPLOYING forever; with it the replica reserves one whole slice."""
+    """Ray Serve LLM's LLMConfig for vLLM. The slice topology (accelerator_config) is easily left out:
+    without it the replica's per-chip bundles can straddle slices and the app sits in DEPLOYING
+    forever; with it the replica reserves one whole slice (Ray's slice_placement_group)."""
     sv = tft.spec.serve
     s = sv.slice
     engine: dict = {"tensor_parallel_size": s.devices if s.is_tpu else 1}
