@@ -118,7 +118,7 @@ def _env(tft: TPUFinetune) -> list[dict]:
 
 
 def _resources(cpu: str, memory: str, override: dict, tpu_chips: int | None) -> dict:
-    """Requests equal limits, as reference TPU RayCluster manifests set them, unless the user sets both apart.
+    """Requests equal limits, as GKE's Ray-on-TPU tutorial sets them, unless the user sets both apart.
 
     An override on one side moves the other with it, so `requests.cpu: 100` alone never
     produces a pod whose request exceeds the default limit (which the API server rejects).

@@ -41,13 +41,15 @@ class PodSize:
     cpu: str
     memory: str
     shm: str | None = None
-    # Sized as reference RayCluster manifests for this machine type size their workers; the
-    # CRD's shmSize description names these. The rest leave headroom on their machine type.
+    # Sized as GKE's Ray-on-TPU tutorial sizes its workers (v6e on ct6e-standard-4t, TPU7x on
+    # tpu7x-standard-4t); the CRD's shmSize description names these. The rest leave headroom on
+    # their 4-chip machine types.
     from_reference: bool = False
 
 
-# Default sizes that are not a generation's: the Ray head trains nothing (Ray's num-cpus 0 there;
-# it hosts the jobs' drivers, the GCS and the dashboard), and a CPU rehearsal's pods fit a laptop.
+# Default sizes that are not a generation's: a TPU slice's Ray head is the GKE tutorial's (it trains
+# nothing: num-cpus 0; it hosts the jobs' drivers, the GCS and the dashboard), and a CPU
+# rehearsal's pods fit a laptop.
 TPU_HEAD = PodSize("4", "16Gi")
 CPU_HEAD = PodSize("1", "4Gi")
 CPU_WORKER = PodSize("1", "4Gi", "1Gi")
