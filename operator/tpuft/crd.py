@@ -202,7 +202,7 @@ def spec_schema() -> dict:
 
 def _slice() -> dict:
     """accelerator and topology (the CEL topology rules are the spec's, _topology_rules)."""
-    by_dims = {d: "/".join(g.name for g in catalog.GENERATIONS if g.dims == d) for d in (2, 3)}
+    by_dims = {d: "/".join(g.name for g in catalog.GENERATIONS if g.dims == d) for d in catalog.EXAMPLE_TOPOLOGY}
     two, three = catalog.EXAMPLE_TOPOLOGY[2], catalog.EXAMPLE_TOPOLOGY[3]
     shape = catalog.resolve_slice(EXAMPLE_GENERATION.name, two)
     return {
