@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from tpuft_local import addons, host, node, pools, procs
+from tpuft_local.console import say
 from tpuft_local.controlplane import ControlPlane, ControlPlaneError, free_port
 from tpuft_local.network import Network, NetworkError, from_env
 from tpuft_local.toolchain import (TOOLS, VERSIONS, ToolchainError, cached_path, ensure_tools, kuberay_crd_dir,
@@ -38,10 +39,6 @@ REPO = Path(__file__).resolve().parents[2]
 
 class ClusterError(RuntimeError):
     """A component failed; the message names it and its log."""
-
-
-def _say(msg: str) -> None:
-    print(f"[tpuft] {msg}", file=sys.stderr, flush=True)
 
 
 def default_state_dir() -> Path:
@@ -117,7 +114,7 @@ class LocalCluster:
         if self.pid(comp) is not None:
             return
         log = self.logs / f"{name}.log"
-        _say(f"starting {name} (log: {log})")
+        say(f"starting {name} (log: {log})")
         proc = procs.spawn(argv, log, cwd=self.state, env=env, die_with_parent=self.die_with_parent)
         self._procs[name] = proc
         try:
@@ -134,7 +131,7 @@ class LocalCluster:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                _say(f"another `tpuft cluster up` is running on {self.state}; waiting for it")
+                say(f"another `tpuft cluster up` is running on {self.state}; waiting for it")
                 fcntl.flock(lock, fcntl.LOCK_EX)
             return self._up(images)
 
@@ -159,7 +156,7 @@ class LocalCluster:
         self._load_images(built, only=("workload", "operator"))
         self._wait_node_lists([built[n].ref for n in ("workload", "operator") if n in built])
         self._operator()
-        _say(f"cluster up in {time.monotonic() - t0:.0f} s; kubeconfig: {self.kubeconfig}")
+        say(f"cluster up in {time.monotonic() - t0:.0f} s; kubeconfig: {self.kubeconfig}")
         return self
 
     def _tools_and_images(self, images: bool) -> dict:
@@ -177,13 +174,13 @@ class LocalCluster:
     def _build_images(self) -> dict:
         from tpuft_local import images
         wanted = ("pause", "workload") + (("operator",) if self.operator_mode == "helm" else ())
-        return images.ensure_images(names=wanted, progress=_say)
+        return images.ensure_images(names=wanted, progress=say)
 
     def _load_images(self, built: dict, only: tuple[str, ...]) -> None:
         from tpuft_local import images
         for name in only:
             if name in built and images.load_into_containerd(built[name], self.socket):
-                _say(f"imported {built[name].ref} into the node's containerd")
+                say(f"imported {built[name].ref} into the node's containerd")
                 self._fresh_images.add(name)
 
     def _containerd(self) -> None:
@@ -536,7 +533,7 @@ def run_cluster(args: argparse.Namespace) -> int:
                   f"  tpuft cluster down            # stop it and undo the host changes")
         elif args.action == "down":
             for line in cl.down(keep_packages=args.keep_packages, purge=args.purge):
-                _say(line)
+                say(line)
         elif args.action == "status":
             lines, ok = cl.status_lines()
             print("\n".join(lines))
@@ -545,7 +542,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         elif args.action == "kubeconfig":
             print(cl.kubeconfig)
             if not cl.kubeconfig.exists():
-                _say("no kubeconfig yet: run `tpuft cluster up`")
+                say("no kubeconfig yet: run `tpuft cluster up`")
                 return 1
         elif args.action == "env":
             dirs = [os.path.dirname(tool_path("kubectl"))]

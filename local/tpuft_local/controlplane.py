@@ -24,13 +24,13 @@ import signal
 import socket
 import ssl
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 from tpuft_local import procs
+from tpuft_local.console import say
 from tpuft_local.network import Network
 from tpuft_local.node import NODE_POOL
 from tpuft_local.pools import POOL_LABEL
@@ -55,14 +55,6 @@ KUBERAY_CRDS = ("ray.io_rayclusters.yaml", "ray.io_rayjobs.yaml", "ray.io_rayser
 
 class ControlPlaneError(RuntimeError):
     """A component failed to start or a kubectl call failed; the message says where to look."""
-
-
-def _say(msg: str) -> None:
-    print(f"[tpuft] {msg}", file=sys.stderr, flush=True)
-
-
-def default_state_dir() -> Path:
-    return Path(os.environ.get("TPUFT_HOME") or Path.home() / ".tpuft") / "cluster"
 
 
 def kuberay_crd_paths(names=KUBERAY_CRDS) -> list[Path]:
@@ -172,8 +164,8 @@ class ControlPlane:
                 if "address already in use" not in str(e) or attempt == 2:
                     self.stop(quiet=True)
                     raise
-                _say("a port was taken meanwhile; retrying on new ports")
-        _say(f"control plane ready at {self.server_url} (kubeconfig: {self.kubeconfig})")
+                say("a port was taken meanwhile; retrying on new ports")
+        say(f"control plane ready at {self.server_url} (kubeconfig: {self.kubeconfig})")
         return self
 
     def _launch(self, bins: dict[str, str], deadline: float, new_ports: bool) -> None:
@@ -273,7 +265,7 @@ class ControlPlane:
             if pid is None:
                 continue
             if not quiet:
-                _say(f"stopping {name} (pid {pid})")
+                say(f"stopping {name} (pid {pid})")
             proc = self._procs.pop(name, None)
             for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
                 try:
@@ -303,7 +295,7 @@ class ControlPlane:
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = self.logs / f"{name}.log"
-        _say(f"starting {name} (log: {log})")
+        say(f"starting {name} (log: {log})")
         with open(log, "ab") as fh:
             fh.write(("\n==== " + time.strftime("%Y-%m-%dT%H:%M:%S ") + " ".join(argv) + "\n").encode())
             fh.flush()

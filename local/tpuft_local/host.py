@@ -21,9 +21,9 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
+from tpuft_local.console import say
 from tpuft_local.network import Network, check_free
 
 GUARD_CHAIN = "TPUFT-GUARD"
@@ -53,10 +53,6 @@ LEFTOVER_PATHS = ("/var/lib/kubelet/device-plugins", "/var/log/containers", "/va
 
 class HostError(RuntimeError):
     """A host change failed; the message names the command and its output."""
-
-
-def _say(msg: str) -> None:
-    print(f"[tpuft] {msg}", file=sys.stderr, flush=True)
 
 
 def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -102,7 +98,7 @@ def ensure_packages(journal: Journal) -> None:
     missing = [p for p, f in PACKAGES.items() if not Path(f).exists()]
     if not missing:
         return
-    _say(f"installing Debian packages: {' '.join(missing)} (apt-get; recorded for `tpuft cluster down`)")
+    say(f"installing Debian packages: {' '.join(missing)} (apt-get; recorded for `tpuft cluster down`)")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     for cmd in (["apt-get", "update", "-q"],
                 ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing]):
@@ -139,7 +135,7 @@ def set_sysctls(journal: Journal) -> None:
     for key, value in SYSCTLS.items():
         if read_sysctl(key) != value:
             _sysctl_path(key).write_text(value)
-            _say(f"sysctl {key}={value} (was {journal.sysctls.get(key)})")
+            say(f"sysctl {key}={value} (was {journal.sysctls.get(key)})")
 
 
 # ----- bridge, route, guard rules ----------------------------------------------------------------
@@ -156,7 +152,7 @@ def ensure_bridge(journal: Journal, net: Network) -> None:
         _run("ip", "link", "add", net.bridge, "type", "bridge")
         journal.links.append(net.bridge)
         journal.save()
-        _say(f"created bridge {net.bridge} ({net.gateway}/{net.pod_cidr.split('/')[1]})")
+        say(f"created bridge {net.bridge} ({net.gateway}/{net.pod_cidr.split('/')[1]})")
     prefix = net.pod_cidr.split("/")[1]
     if f"inet {net.gateway}/" not in _run("ip", "-4", "addr", "show", "dev", net.bridge).stdout:
         _run("ip", "addr", "add", f"{net.gateway}/{prefix}", "dev", net.bridge)

@@ -37,13 +37,13 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tarfile
 import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from tpuft_local.console import say
 from tpuft_local.toolchain import cache_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -556,8 +556,7 @@ def _lock(lay: Layout):
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            print(f"[tpuft] another process is building images in {lay.root}; waiting for it",
-                  file=sys.stderr, flush=True)
+            say(f"another process is building images in {lay.root}; waiting for it")
             fcntl.flock(fh, fcntl.LOCK_EX)
         yield
 
@@ -718,18 +717,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rm.add_argument("--keep-downloads", action="store_true", help="keep the downloaded wheels and .debs")
 
 
-def _say(msg: str) -> None:
-    print(f"[tpuft] {msg}", file=sys.stderr, flush=True)
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         if args.action in ("build", "load"):
-            refs = ensure_images(args.names or list(Image), progress=_say)
+            refs = ensure_images(args.names or list(Image), progress=say)
             for name, ref in refs.items():
                 if args.action == "load":
                     done = load_into_containerd(ref, args.address, args.namespace)
-                    _say(f"{ref.ref}: {'imported' if done else 'already in containerd'}")
+                    say(f"{ref.ref}: {'imported' if done else 'already in containerd'}")
                 print(f"{name:<9} {ref.ref:<52} {ref.size_bytes / 1e6:>8.1f} MB  {ref.image_id[:12]}  {ref.archive}")
         elif args.action == "list":
             for ref in (BASE_REF, PAUSE_REF, *(r.ref for r in recipes().values())):
@@ -738,8 +733,8 @@ def run(args: argparse.Namespace) -> int:
                                        f"inputs {found.labels.get(INPUTS_LABEL, '?')[:12]}" if found else "not built"))
         elif args.action == "rm":
             remove_storage(keep_downloads=args.keep_downloads)
-            _say(f"removed {layout().root}" + (" (kept the downloads)" if args.keep_downloads else ""))
+            say(f"removed {layout().root}" + (" (kept the downloads)" if args.keep_downloads else ""))
         return 0
     except ImageError as e:
-        _say(f"error: {e}")
+        say(f"error: {e}")
         return 1

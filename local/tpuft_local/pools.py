@@ -33,7 +33,7 @@ MACHINES = {
     "ct5p-hightpu-4t": Machine(208, 448), "ct6e-standard-4t": Machine(180, 720), "ct6e-standard-8t": Machine(180, 1440),
     "tpu7x-standard-4t": Machine(224, 960), "n2-standard-16": Machine(16, 64),
 }
-CPU_POOL_MACHINE = "n2-standard-16"  # where a TPU slice's Ray head (4 CPU, 16Gi by default) is placed
+CPU_POOL_MACHINE = "n2-standard-16"  # where a TPU slice's Ray head (catalog.TPU_HEAD by default) is placed
 
 
 @dataclasses.dataclass(frozen=True)

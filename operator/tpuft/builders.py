@@ -46,27 +46,6 @@ POD_SECURITY_CONTEXT = {"seccompProfile": {"type": "RuntimeDefault"}}
 
 
 @dataclass(frozen=True)
-class PodDefaults:
-    cpu: str
-    memory: str
-    shm: str
-
-
-# Worker pod sizes per generation. v6e and tpu7x are the seed's (ct6e-standard-4t,
-# tpu7x-standard-4t); the others leave headroom on their 4-chip machine types. Users
-# override any of them with spec.resources.worker / spec.resources.shmSize.
-WORKER_DEFAULTS: dict[str, PodDefaults] = {
-    "v4": PodDefaults("64", "200Gi", "100Gi"),
-    "v5e": PodDefaults("24", "96Gi", "48Gi"),
-    "v5p": PodDefaults("64", "200Gi", "100Gi"),
-    "v6e": PodDefaults("64", "200Gi", "100Gi"),
-    "tpu7x": PodDefaults("64", "250Gi", "128Gi"),
-    c.CPU_ACCELERATOR: PodDefaults("1", "4Gi", "1Gi"),
-}
-HEAD_DEFAULTS: dict[bool, tuple[str, str]] = {True: ("4", "16Gi"), False: ("1", "4Gi")}  # keyed by is_tpu
-
-
-@dataclass(frozen=True)
 class ChildNames:
     cluster: str
     verify_job: str
@@ -140,7 +119,7 @@ def _env(tft: TPUFinetune) -> list[dict]:
 
 
 def _resources(cpu: str, memory: str, override: Mapping[str, Mapping[str, str]], tpu_chips: int | None) -> dict:
-    """Requests equal limits (as the seed sets them) unless the user sets both apart.
+    """Requests equal limits, as GKE's Ray-on-TPU tutorial sets them, unless the user sets both apart.
 
     An override on one side moves the other with it, so `requests.cpu: 100` alone never
     produces a pod whose request exceeds the default limit (which the API server rejects).
@@ -234,8 +213,7 @@ def _cluster_spec(tft: TPUFinetune, component: c.Component, max_slices: int | No
     s, spec, n = tft.spec.slice, tft.spec, names(tft)
     head = _container(tft, HEAD_CONTAINER)
     head["ports"] = [{"containerPort": port, "name": pname} for pname, port in c.RAY_PORTS]
-    head_cpu, head_mem = HEAD_DEFAULTS[s.is_tpu]
-    head["resources"] = _resources(head_cpu, head_mem, spec.resources.head, None)
+    head["resources"] = _resources(s.head_pod.cpu, s.head_pod.memory, spec.resources.head, None)
     ck_mounts, ck_volumes = _checkpoint_volume(tft)
     if ck_mounts:
         head["volumeMounts"] = ck_mounts
@@ -243,7 +221,7 @@ def _cluster_spec(tft: TPUFinetune, component: c.Component, max_slices: int | No
     training = component == c.Component.CLUSTER
     head_extra: dict = {"volumes": copy.deepcopy(ck_volumes)} if ck_volumes else {}
 
-    defaults = WORKER_DEFAULTS[s.generation]
+    defaults = s.worker_pod
     worker = _container(tft, WORKER_CONTAINER)
     worker["resources"] = _resources(defaults.cpu, defaults.memory, spec.resources.worker,
                                      s.chips_per_host if s.is_tpu else None)
@@ -457,9 +435,9 @@ def serve_replicas(r: ServeReplicas) -> dict:
 
 
 def llm_config(tft: TPUFinetune, model_source: str) -> dict:
-    """Ray Serve LLM's LLMConfig for vLLM. The slice topology line is the one seed 004 says is always
-    forgotten: without it the replica's per-chip bundles can straddle slices and the app sits in
-    DEPLOYING forever; with it the replica reserves one whole slice."""
+    """Ray Serve LLM's LLMConfig for vLLM. The slice topology (accelerator_config) is easily left out:
+    without it the replica's per-chip bundles can straddle slices and the app sits in DEPLOYING
+    forever; with it the replica reserves one whole slice (Ray's slice_placement_group)."""
     sv = tft.spec.serve
     assert sv is not None, "llm_config needs spec.serve enabled"
     s = sv.slice

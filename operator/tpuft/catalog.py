@@ -21,6 +21,8 @@ from tpuft.constants import CPU_ACCELERATOR, GKE_TPU_ACCELERATOR_SELECTOR, GKE_T
 MAX_CPU_WORKERS = 64
 # The CRD's maxLength for spec.topology; also keeps int() away from huge digit strings.
 MAX_TOPOLOGY_LENGTH = 16
+# The shape that messages and the CRD's descriptions give as an example, by topology dimensions.
+EXAMPLE_TOPOLOGY = {2: "4x4", 3: "2x2x2"}
 
 
 class CatalogError(ValueError):
@@ -33,8 +35,30 @@ class CatalogError(ValueError):
 
 
 @dataclass(frozen=True)
+class PodSize:
+    """A Ray container's default cpu and memory (requests equal limits) and, for a worker, its
+    in-memory /dev/shm. Users override each with spec.resources."""
+    cpu: str
+    memory: str
+    shm: str | None = None
+    # Sized as GKE's Ray-on-TPU tutorial sizes its workers (v6e on ct6e-standard-4t, TPU7x on
+    # tpu7x-standard-4t); the CRD's shmSize description names these. The rest leave headroom on
+    # their 4-chip machine types.
+    from_reference: bool = False
+
+
+# Default sizes that are not a generation's: a TPU slice's Ray head is the GKE tutorial's (it trains
+# nothing: num-cpus 0; it hosts the jobs' drivers, the GCS and the dashboard), and a CPU
+# rehearsal's pods fit a laptop.
+TPU_HEAD = PodSize("4", "16Gi")
+CPU_HEAD = PodSize("1", "4Gi")
+CPU_WORKER = PodSize("1", "4Gi", "1Gi")
+
+
+@dataclass(frozen=True)
 class Generation:
     name: str                      # canonical spelling used in our API
+    product: str                   # Google's name for it (descriptions)
     ray_accelerator_type: str      # Ray's accelerator_type, e.g. TPU-V6E
     ray_version: str               # Ray's short name (get_tpu_version_from_type)
     gke_accelerator: str           # node selector cloud.google.com/gke-tpu-accelerator
@@ -46,6 +70,7 @@ class Generation:
     topologies: tuple[str, ...]    # shapes GKE offers
     single_host: dict[str, str]    # topology -> machine type, for shapes on one VM
     aliases: tuple[str, ...]
+    worker: PodSize                # a worker pod's default size (sized for machine_type)
 
 
 def _shapes(*s: str) -> tuple[str, ...]:
@@ -54,46 +79,51 @@ def _shapes(*s: str) -> tuple[str, ...]:
 
 GENERATIONS: tuple[Generation, ...] = (
     Generation(
-        name="v4", ray_accelerator_type="TPU-V4", ray_version="v4",
+        name="v4", product="TPU v4", ray_accelerator_type="TPU-V4", ray_version="v4",
         gke_accelerator="tpu-v4-podslice", machine_type="ct4p-hightpu-4t", dims=3,
         chips_per_host=4, devices_per_chip=1, peak_bf16_tflops=275,   # docs.cloud.google.com/tpu/docs/v4: 275 TFLOPs bf16 per chip
         topologies=_shapes("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8",
                            "8x8x8", "8x8x12", "8x8x16", "8x16x16", "16x16x16"),
         single_host={"2x2x1": "ct4p-hightpu-4t"},
+        worker=PodSize("64", "200Gi", "100Gi"),
         aliases=("tpu-v4", "tpuv4", "tpu-v4-podslice"),
     ),
     Generation(
-        name="v5e", ray_accelerator_type="TPU-V5LITEPOD", ray_version="v5litepod",
+        name="v5e", product="TPU v5e", ray_accelerator_type="TPU-V5LITEPOD", ray_version="v5litepod",
         gke_accelerator="tpu-v5-lite-podslice", machine_type="ct5lp-hightpu-4t", dims=2,
         chips_per_host=4, devices_per_chip=1, peak_bf16_tflops=197,   # docs.cloud.google.com/tpu/docs/v5e: 197 TFLOPs bf16 per chip
         topologies=_shapes("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
         single_host={"1x1": "ct5lp-hightpu-1t", "2x2": "ct5lp-hightpu-4t", "2x4": "ct5lp-hightpu-8t"},
+        worker=PodSize("24", "96Gi", "48Gi"),
         aliases=("v5litepod", "v5lite", "tpu-v5e", "tpu-v5-lite-podslice", "tpu-v5litepod"),
     ),
     Generation(
-        name="v5p", ray_accelerator_type="TPU-V5P", ray_version="v5p",
+        name="v5p", product="TPU v5p", ray_accelerator_type="TPU-V5P", ray_version="v5p",
         gke_accelerator="tpu-v5p-slice", machine_type="ct5p-hightpu-4t", dims=3,
         chips_per_host=4, devices_per_chip=1, peak_bf16_tflops=459,   # docs.cloud.google.com/tpu/docs/v5p: 459 TFLOPs bf16 per chip
         topologies=_shapes("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8",
                            "8x8x8", "8x8x16", "8x16x16", "16x16x16", "16x16x24"),
         single_host={"2x2x1": "ct5p-hightpu-4t"},
+        worker=PodSize("64", "200Gi", "100Gi"),
         aliases=("tpu-v5p", "tpu-v5p-slice"),
     ),
     Generation(
-        name="v6e", ray_accelerator_type="TPU-V6E", ray_version="v6e",
+        name="v6e", product="TPU v6e", ray_accelerator_type="TPU-V6E", ray_version="v6e",
         gke_accelerator="tpu-v6e-slice", machine_type="ct6e-standard-4t", dims=2,
         chips_per_host=4, devices_per_chip=1, peak_bf16_tflops=918,   # docs.cloud.google.com/tpu/docs/v6e: 918 TFLOPs bf16 per chip
         topologies=_shapes("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
         single_host={"1x1": "ct6e-standard-1t", "2x2": "ct6e-standard-4t", "2x4": "ct6e-standard-8t"},
+        worker=PodSize("64", "200Gi", "100Gi", from_reference=True),
         aliases=("tpu-v6e", "tpu-v6e-slice", "trillium"),
     ),
     Generation(
-        name="tpu7x", ray_accelerator_type="TPU-V7X", ray_version="v7x",
+        name="tpu7x", product="TPU7x", ray_accelerator_type="TPU-V7X", ray_version="v7x",
         gke_accelerator="tpu7x", machine_type="tpu7x-standard-4t", dims=3,
         chips_per_host=4, devices_per_chip=2, peak_bf16_tflops=2307,  # docs.cloud.google.com/tpu/docs/tpu7x: 2307 bf16 (4614 fp8) per chip
         topologies=_shapes("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8",
                            "8x8x8", "8x8x16", "8x16x16", "16x16x16"),
         single_host={"2x2x1": "tpu7x-standard-4t"},
+        worker=PodSize("64", "250Gi", "128Gi", from_reference=True),
         aliases=("v7x", "tpu-v7x", "ironwood", "tpu7x-standard-4t"),
     ),
 )
@@ -204,6 +234,14 @@ class SliceShape:
         return ",".join(str(p) for p in parts)
 
     @property
+    def worker_pod(self) -> PodSize:
+        return generation(self.generation).worker if self.is_tpu else CPU_WORKER
+
+    @property
+    def head_pod(self) -> PodSize:
+        return TPU_HEAD if self.is_tpu else CPU_HEAD
+
+    @property
     def peak_flops(self) -> float | None:
         """Peak dense bf16 FLOP/s of the whole slice; None for CPU (no peak to measure against)."""
         if not self.is_tpu:
@@ -230,10 +268,12 @@ class SliceShape:
 
 def parse_dims(topology: object, field: str = "spec.topology") -> tuple[int, ...]:
     if not isinstance(topology, str) or not topology or len(topology) > MAX_TOPOLOGY_LENGTH:
-        raise CatalogError(field, f"must be a string such as \"4x4\" or \"2x2x2\" (got {topology!r})")
+        raise CatalogError(field, f"must be a string such as \"{EXAMPLE_TOPOLOGY[2]}\" or \"{EXAMPLE_TOPOLOGY[3]}\" "
+                                  f"(got {topology!r})")
     parts = topology.lower().split("x")
     if not all(p.isascii() and p.isdigit() and p == str(int(p)) and int(p) > 0 for p in parts):
-        raise CatalogError(field, f"{topology!r} is not a shape: use positive integers joined by 'x', e.g. 4x4")
+        raise CatalogError(field, f"{topology!r} is not a shape: use positive integers joined by 'x', "
+                                  f"e.g. {EXAMPLE_TOPOLOGY[2]}")
     return tuple(int(p) for p in parts)
 
 
@@ -257,10 +297,9 @@ def resolve_slice(accelerator: object, topology: object,
     gen = _BY_SPELLING[acc]
     dims = parse_dims(topology, topology_field)
     if len(dims) != gen.dims:
-        example = "4x4" if gen.dims == 2 else "2x2x2"
         raise CatalogError(
             topology_field,
-            f"{gen.name} topologies are {gen.dims}D (like {example}), got {topology!r}; "
+            f"{gen.name} topologies are {gen.dims}D (like {EXAMPLE_TOPOLOGY[gen.dims]}), got {topology!r}; "
             f"allowed: {', '.join(gen.topologies)}",
         )
     shape = "x".join(str(d) for d in dims)

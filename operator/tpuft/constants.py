@@ -112,7 +112,7 @@ HF_TOKEN_ENV = "HF_TOKEN"
 TPU_WEBHOOK_REPLICA_LABEL = "replicaIndex"
 TPU_SLICE_TOPOLOGY_ANNOTATION = "cloud.google.com/gke-tpu-slice-topology"
 
-# Ray head ports (KubeRay defaults; the seed names them the same way).
+# Ray head ports, named and numbered as KubeRay's defaults.
 RAY_DASHBOARD_PORT = 8265   # job submission and status: KubeRay's operator and RayJob submitters call it
 RAY_PORTS = (("gcs", 6379), ("dashboard", RAY_DASHBOARD_PORT), ("client", 10001))
 
@@ -282,6 +282,13 @@ class Reason(str, enum.Enum):
     TTL_EXPIRED = "TTLExpired"
     SLICE_BLOCKED = "SliceBlocked"   # a new cause keeps the slice from coming up (tpuft.diagnosis)
     RECONCILE_ERROR = "ReconcileError"
+
+
+class ImagePullPolicy(str, enum.Enum):
+    """spec.imagePullPolicy: a Kubernetes container's imagePullPolicy, in Kubernetes' order."""
+    ALWAYS = "Always"
+    IF_NOT_PRESENT = "IfNotPresent"
+    NEVER = "Never"
 
 
 class ServeEngine(str, enum.Enum):

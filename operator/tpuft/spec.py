@@ -13,8 +13,8 @@ from typing import Any, Mapping
 
 from tpuft import catalog
 from tpuft.constants import (API_VERSION, KIND, RESERVED_ANNOTATIONS, RESERVED_ENV, RESERVED_LABELS,
-                             SERVE_API_KEY_SECRET_KEY, TPU_RESOURCE, DatasetFormat, Reserved, ServeEngine,
-                             TrainingFramework)
+                             SERVE_API_KEY_SECRET_KEY, TPU_RESOURCE, DatasetFormat, ImagePullPolicy, Reserved,
+                             ServeEngine, TrainingFramework)
 
 # Children are named "{name}-{suffix}" (longest suffix "-workload", plus "-train-r99" for
 # retries and resubmissions, "-verify-r3"); KubeRay derives pod and service names from those and
@@ -39,8 +39,11 @@ MAX_MAP_ENTRIES = 64
 TOLERATION_OPERATORS = ("Exists", "Equal")
 TOLERATION_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 ENV_SOURCES = ("secretKeyRef", "configMapKeyRef", "fieldRef", "resourceFieldRef")
-# Characters that only ever appear in an attempt to smuggle shell into an entrypoint.
-UNSAFE = re.compile(r"[\s;&|`$<>\\'\"]")
+# Characters that only ever appear in an attempt to smuggle shell into an entrypoint: refused in
+# the values that reach one (images, model, dataset); SHELL_SAFE is the CRD's pattern for them.
+_SHELL_CHARS = r"\s;&|`$<>\\'\""
+UNSAFE = re.compile(f"[{_SHELL_CHARS}]")
+SHELL_SAFE = re.compile(f"^[^{_SHELL_CHARS}]+$")
 
 DEFAULTS: dict[str, Any] = {
     "slices": 1,
@@ -90,6 +93,11 @@ LIMITS: dict[str, tuple[float, float]] = {
 # spec.serve.maxModelLength is checked offline too; a test ties them to the workload's configs.
 BUILTIN_MODEL_MAX_POSITIONS = {"builtin:tiny-llama": 4096}
 LEARNING_RATE_MAX = 1.0
+
+
+def either(words: list[str]) -> str:
+    """["a", "b", "c"] -> "a, b or c": a closed set in messages and the CRD's descriptions."""
+    return " or ".join([", ".join(words[:-1]), words[-1]] if len(words) > 1 else words)
 
 
 @dataclass(frozen=True)
@@ -472,8 +480,9 @@ def _image_and_model(r: _Reader, spec: Mapping) -> tuple[str | None, str | None,
     if image and UNSAFE.search(image):
         r.fail("spec.image", f"{image!r} is not an image reference (no spaces or shell characters)")
     pull = r.string(spec, "imagePullPolicy", "spec.imagePullPolicy")
-    if pull is not None and pull not in ("Always", "IfNotPresent", "Never"):
-        r.fail("spec.imagePullPolicy", f"must be Always, IfNotPresent or Never (got {pull!r})")
+    policies = [p.value for p in ImagePullPolicy]
+    if pull is not None and pull not in policies:
+        r.fail("spec.imagePullPolicy", f"must be {either(policies)} (got {pull!r})")
     model = r.string(spec, "model", "spec.model", required=True)
     if model and UNSAFE.search(model):
         r.fail("spec.model", f"{model!r} must be a model id, local path or URI without spaces or shell characters")

@@ -12,7 +12,7 @@ import yaml
 from tests.paths import EXAMPLES, GOLDEN, NETWORK_POLICY_OPENAPI, kuberay_crd
 from tests.seed import missing_from, seed_rayclusters
 from tests.factories import MINIMUM, with_
-from tpuft import builders
+from tpuft import builders, catalog
 from tpuft.constants import SERVE_API_KEY_ENV, SERVE_DEPLOYMENT_NAME
 from tpuft.spec import parse
 
@@ -164,6 +164,17 @@ def test_shm_is_in_memory_and_sized_per_generation_or_override():
     assert v7["template"]["spec"]["volumes"][0]["emptyDir"]["sizeLimit"] == "128Gi"
     over = worker_group(render(with_("spec.resources", {"shmSize": "64Gi"})))
     assert over["template"]["spec"]["volumes"][0]["emptyDir"]["sizeLimit"] == "64Gi"
+
+
+@pytest.mark.parametrize("acc,topo", [("v4", "2x2x2"), ("v5e", "4x4"), ("v5p", "2x2x1"), ("v6e", "4x4"),
+                                      ("tpu7x", "2x2x2"), ("cpu", "2")])
+def test_default_pod_sizes_come_from_the_catalog(acc, topo):
+    ch = render(with_("spec.topology", topo, with_("spec.accelerator", acc)))
+    s = catalog.resolve_slice(acc, topo)
+    w, head = worker_container(ch)["resources"], head_container(ch)["resources"]
+    assert (w["limits"]["cpu"], w["limits"]["memory"]) == (s.worker_pod.cpu, s.worker_pod.memory)
+    assert (head["limits"]["cpu"], head["limits"]["memory"]) == (s.head_pod.cpu, s.head_pod.memory)
+    assert worker_group(ch)["template"]["spec"]["volumes"][0]["emptyDir"]["sizeLimit"] == s.worker_pod.shm
 
 
 def test_resource_overrides_keep_tpu_count():

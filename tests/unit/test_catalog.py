@@ -118,3 +118,18 @@ def test_a_slices_peak_is_its_chips_times_the_generations_peak(acc, topo, tflops
 ])
 def test_a_gpus_peak_is_found_by_its_device_name(name, tflops):
     assert catalog.gpu_peak_flops(name) == (tflops * 1e12 if tflops else None)
+
+
+@pytest.mark.parametrize("acc,topo,cpu,memory,shm", [
+    ("v4", "2x2x2", "64", "200Gi", "100Gi"), ("v5e", "4x4", "24", "96Gi", "48Gi"), ("v5p", "2x2x1", "64", "200Gi", "100Gi"),
+    ("v6e", "4x4", "64", "200Gi", "100Gi"), ("tpu7x", "2x2x2", "64", "250Gi", "128Gi"), ("cpu", "2", "1", "4Gi", "1Gi"),
+])
+def test_a_slices_default_pod_sizes_are_its_generations(acc, topo, cpu, memory, shm):
+    s = catalog.resolve_slice(acc, topo)
+    assert (s.worker_pod.cpu, s.worker_pod.memory, s.worker_pod.shm) == (cpu, memory, shm)
+    assert s.head_pod == (catalog.TPU_HEAD if s.is_tpu else catalog.CPU_HEAD)
+
+
+def test_reference_sized_workers_are_v6e_and_tpu7x():
+    """The generations whose worker sizes reference manifests fix (the CRD's shmSize description names them)."""
+    assert [g.name for g in catalog.GENERATIONS if g.worker.from_reference] == ["v6e", "tpu7x"]

@@ -7,7 +7,7 @@ import pytest
 from tpuft import catalog, crd, phases
 from tpuft import constants as c
 from tpuft.constants import Phase
-from tpuft.spec import DEFAULTS, STORAGE_PATH
+from tpuft.spec import DEFAULTS, SHELL_SAFE, STORAGE_PATH, UNSAFE
 from tpuft_workload.report import TRAINING_KEYS, VERIFICATION_KEYS
 
 
@@ -102,3 +102,30 @@ def test_goodput_and_history_are_declared_from_the_constants():
     assert history["maxItems"] == c.HISTORY_MAX_POINTS
     assert set(history["items"]["properties"]) == {p.value for p in c.HistoryPoint}
     assert "goodput" in phases.OWNED_KEYS   # the operator's to write (and to keep across reconciles)
+
+
+def test_descriptions_restate_the_catalogs_facts():
+    """The prose is generated from the catalog: every generation named, the shm defaults its table's."""
+    props = _spec_properties()
+    for g in catalog.GENERATIONS:
+        assert g.name in props["accelerator"]["description"] and g.name in props["topology"]["description"]
+        if g.worker.from_reference:
+            assert f"{g.worker.shm} {g.name}" in props["resources"]["properties"]["shmSize"]["description"]
+    assert props["topology"]["maxLength"] == catalog.MAX_TOPOLOGY_LENGTH
+
+
+def test_image_pull_policy_is_the_constants_enum():
+    assert _spec_properties()["imagePullPolicy"]["enum"] == [p.value for p in c.ImagePullPolicy]
+
+
+@pytest.mark.parametrize("path", ["image", "model", "dataset.name", "dataset.split", "serve.image"])
+def test_shell_safe_fields_use_the_parsers_character_class(path):
+    node = {"properties": _spec_properties()}
+    for key in path.split("."):
+        node = node["properties"][key]
+    assert node["pattern"] == SHELL_SAFE.pattern
+
+
+@pytest.mark.parametrize("text", ["gs://b/p", "org/model-1.5", "train[:1024]", "a b", "x;y", "$(id)", "a'b", "a\\b"])
+def test_shell_safe_pattern_refuses_exactly_what_the_parser_does(text):
+    assert bool(SHELL_SAFE.fullmatch(text)) == (not UNSAFE.search(text))

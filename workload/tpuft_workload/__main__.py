@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an earlier run's checkpoint_step_* or run directory to continue from "
                         "(spec.checkpoint.resumeFrom); only when --run-name has no checkpoint of its own")
     t.add_argument("--no-packing", dest="packing", action="store_false",
-                   help="pad every example to --max-seq-length (the seed recipe) instead of packing")
+                   help="pad every example to --max-seq-length (as the GKE tutorial does) instead of packing")
     t.add_argument("--checkpoint-every-steps", type=_non_negative_int, default=D["checkpoint.everySteps"],
                    help="sharded checkpoint every K optimizer steps (0: only at epoch end)")
     t.add_argument("--keep-checkpoints", type=_positive_int, default=D["checkpoint.keep"],

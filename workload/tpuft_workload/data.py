@@ -106,7 +106,8 @@ def pack_examples(examples: list[Example], block_len: int, pad_id: int) -> list[
 
 
 def pad_examples(examples: list[Example], max_len: int, pad_id: int) -> list[Block]:
-    """The seed recipe: one example per row, truncated/padded to max_len, attention_mask."""
+    """Without packing, as the GKE tutorial trains: one example per row, truncated/padded to max_len,
+    attention_mask."""
     blocks = []
     for ex in examples:
         ids, lab = ex.input_ids[:max_len], ex.labels[:max_len]

@@ -18,8 +18,8 @@ from tpuft_workload.tiny import BUILTIN_MODEL
 
 log = logging.getLogger(__name__)
 
-# Gemma 3n / Gemma 4 per-layer embeddings: a huge frozen-able lookup table. Like the seed, we
-# freeze it and keep it out of FSDP (sharding a gather-only table costs more than it saves).
+# Gemma 3n / Gemma 4 per-layer embeddings: a huge frozen-able lookup table. We freeze it and keep
+# it out of FSDP (sharding a gather-only table costs more than it saves).
 FROZEN_REPLICATED = ("embed_tokens_per_layer",)
 TOWERS = ("vision_config", "audio_config")
 

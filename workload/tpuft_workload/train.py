@@ -408,8 +408,7 @@ class _Run:
                             **self.last_metrics)
                 # Reports and checkpoints are not training time: a report waits for the controller
                 # to poll the previous one (result queue of size 1, polled every 2 s). Rates leave
-                # them out (the seed's epoch timer also stops before its checkpoint); epoch_time
-                # is the wall clock.
+                # them out, so tokens/s measures training steps only; epoch_time is the wall clock.
                 epoch_win.excluded += time.perf_counter() - paused
                 win = _Window(self.device)
             if stop:

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 SEED = 42
 HIDDEN = 128
 BATCH = 64
-PARITY_TOLERANCE = 1e-2   # the seed's atol; TPU matmuls run at reduced precision (~2.5e-3 seen)
+PARITY_TOLERANCE = 1e-2   # atol: TPU matmuls run at reduced precision (~2.5e-3 seen), never bit-exact
 
 
 def _free_port() -> int:
