@@ -6,8 +6,8 @@ Prometheus gauges), when it saves, and how it resumes and stops is decided here,
 (train.py: torch FSDP2; jax_train.py: JAX) is a `Backend`: its batches, one step, the ranks' stop
 vote, the sums over ranks of a report window, save/load of a checkpoint, a barrier and the export.
 
-Pure, and importable without Ray or a framework: tests/workload/test_loop.py drives `Run` with a
-fake backend.
+Importable without Ray or a framework (both are imported by the backends): tests/workload/
+test_loop.py drives `Run` with a fake backend.
 """
 from __future__ import annotations
 
