@@ -343,3 +343,22 @@ def assert_export_generates(export) -> None:
     new = out[0, ids["input_ids"].shape[1]:]
     assert len(new) > 0
     assert tok.decode(new, skip_special_tokens=True).strip()
+
+
+# tests/workload's tiny training run: the built-in model and data on 2 CPU workers; train[:80] packs
+# into 62 rows, 7 steps of 2 workers x 4 rows an epoch (both frameworks).
+TINY_EPOCHS, TINY_STEPS_PER_EPOCH, TINY_CKPT_EVERY = 2, 7, 3
+
+
+def tiny_train_argv(framework: str, storage, run_name: str, **flags) -> list[str]:
+    """`python -m tpuft_workload train`'s arguments for the tiny run (reports only with checkpoints);
+    `flags` add or override (resume_from=x: --resume-from x)."""
+    argv = ["train", "--framework", framework, "--accelerator", "cpu", "--topology", "2",
+            "--model", "builtin:tiny-llama", "--dataset", "builtin:dolly-mini", "--dataset-split", "train[:80]",
+            "--epochs", str(TINY_EPOCHS), "--batch-size-per-device", "4", "--max-seq-length", "128",
+            "--learning-rate", "3e-3", "--storage-path", str(storage), "--run-name", run_name,
+            "--report-every-steps", "100", "--checkpoint-every-steps", str(TINY_CKPT_EVERY),
+            "--keep-checkpoints", "20", "--max-failures", "1"]
+    for k, v in flags.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    return argv

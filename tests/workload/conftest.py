@@ -7,6 +7,9 @@ and always shuts Ray down. One Ray for every module, not one each: a start costs
 of the 2 cores the whole suite shares. Do not also wrap pytest in `flock` on that file: the fixture would
 wait on its own lock (it gives up with a clear error after TPUFT_RAY_LOCK_WAIT_S seconds).
 
+`tiny_train` runs the tiny model through the RayJob's CLI path, either framework; `killed_run` is the
+run every trainer's tests start from: one rank killed, the group restarted from the newest checkpoint.
+
 Ray runs with token authentication, as Ray 2.60 defaults to for a local cluster, but with a random
 token for this session in RAY_AUTH_TOKEN (which Ray's token loader reads before RAY_AUTH_TOKEN_PATH
 and ~/.ray/auth_token): nothing is written to the user's ~/.ray, and every process a test starts
@@ -17,7 +20,9 @@ the same variables to a test that starts a process with an environment of its ow
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
+import io
 import json
 import os
 import secrets
@@ -25,10 +30,12 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.factories import TINY_CKPT_EVERY, TINY_STEPS_PER_EPOCH, tiny_train_argv
 from tests.http_stub import QuietHandler, serving
 
 RAY_LOCK = "/tmp/tpuft-ray.lock"
@@ -154,3 +161,69 @@ def ray_cluster(status_recorder):
         env.undo()
         fcntl.flock(lock, fcntl.LOCK_UN)
         lock.close()
+
+
+NS = "ns"
+
+
+@dataclass
+class TrainRun:
+    """One tiny run through the RayJob's CLI path (`run_training`, what `python -m tpuft_workload
+    train` calls)."""
+    rc: int
+    body: dict                     # its TPUFT_TRAIN_RESULT line
+    storage: Path
+    run_dir: Path
+    patches: list[dict]            # the status.training patches it sent, oldest first
+    objects: set[tuple[str, str]]  # the (namespace, name) of every status patch it sent
+
+    def assert_resumed_after_kill(self, kill_step: int) -> None:
+        """Rank 1 killed hard before `kill_step`: the fault fired, and the restarted attempt resumed
+        from the newest checkpoint (interval or epoch end), at most one interval lost, and said so."""
+        assert (self.run_dir / f".tpuft-fault-kill-r1-s{kill_step}").exists()   # the fault did fire
+        done_before_kill = kill_step - 1
+        saved = [k for k in range(1, done_before_kill + 1) if k % TINY_CKPT_EVERY == 0 or k % TINY_STEPS_PER_EPOCH == 0]
+        resumed = self.body["resumedFromStep"]   # the restarted attempt's
+        assert resumed == max(saved), self.body
+        assert done_before_kill - resumed < TINY_CKPT_EVERY   # at most one interval lost
+        source = self.run_dir / f"checkpoint_step_{resumed:07d}"
+        assert any(p.get("resumedFromStep") == resumed and p.get("resumedFrom") == str(source)
+                   and p.get("message", "").startswith(f"resumed at step {resumed} of ") for p in self.patches)
+
+
+@pytest.fixture(scope="session")
+def tiny_train(status_recorder, ray_cluster):
+    """`run(framework, storage, run_name, name, fault="", **flags) -> TrainRun`: the tiny run of
+    `framework` for the object NS/`name` (the driver's TPUFT_NAMESPACE/TPUFT_NAME), faults as the
+    driver's TPUFT_FAULT, `flags` as tests.factories.tiny_train_argv's."""
+    from tpuft_workload import __main__ as cli
+    from tpuft_workload import train
+
+    def run(framework: str, storage: Path, run_name: str, name: str, fault: str = "", **flags) -> TrainRun:
+        args, target = cli.parse_args(tiny_train_argv(framework, storage, run_name, **flags))
+        if framework == "jax":
+            from tpuft_workload import jax_train as trainer
+        else:
+            trainer = train
+        status_recorder.take()
+        out = io.StringIO()
+        with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
+            mp.setenv("TPUFT_NAMESPACE", NS)
+            mp.setenv("TPUFT_NAME", name)
+            rc = trainer.run_training(args, target, fault)
+        line = [ln for ln in out.getvalue().splitlines() if ln.startswith(train.RESULT_PREFIX)][-1]
+        objects = {(ns, n) for ns, n, _ in status_recorder.patches}
+        return TrainRun(rc, json.loads(line[len(train.RESULT_PREFIX):]), storage, storage / run_name,
+                        status_recorder.take(), objects)
+    return run
+
+
+@pytest.fixture(scope="module")
+def killed_run(request, tiny_train, tmp_path_factory) -> TrainRun:
+    """The requesting module's tiny run (its FRAMEWORK, as object NS/its NAME, run name
+    NS-NAME-uid-a) with rank 1 killed hard before step its KILL_STEP (and its MORE_FAULTS, if any):
+    Ray Train's FailureConfig restarts the group once, from the newest committed checkpoint."""
+    mod = request.module
+    fault = ",".join(f for f in (f"kill-rank:1:step:{mod.KILL_STEP}", getattr(mod, "MORE_FAULTS", "")) if f)
+    storage = tmp_path_factory.mktemp("storage")
+    return tiny_train(mod.FRAMEWORK, storage, f"{NS}-{mod.NAME}-uid-a", mod.NAME, fault)

@@ -15,45 +15,30 @@ otherwise (continued on purpose, or refused naming the field). A re-created obje
 storagePath, another UID) training from step 0 and leaving the first one's files untouched is the
 demo's second run, through the operator's own run names (tests/cluster/test_demo.py). The real API
 server keeping every status key the workload writes: tests/integration/test_status_roundtrip.py.
+(`killed_run`, tests/workload/conftest.py, is that run up to its stop; the JAX path's tests start
+from the same fixture.)
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import json
 from pathlib import Path
 
 import pytest
 
-from tests.factories import assert_export_generates, tensorboard_scalars
+from tests.factories import (TINY_CKPT_EVERY, TINY_EPOCHS, TINY_STEPS_PER_EPOCH, assert_export_generates,
+                             tensorboard_scalars, tiny_train_argv)
 from tpuft import plot_cli
 from tpuft.constants import HISTORY_MAX_POINTS
 from tpuft_workload import __main__ as cli
 from tpuft_workload import checkpoint, train
 
-NS, NAME = "ns", "demo"
-EPOCHS, STEPS_PER_EPOCH, CKPT_EVERY = 2, 7, 3   # train[:80] packs into 62 rows: 7 steps of 2x4 rows
+FRAMEWORK, NS, NAME = "torch", "ns", "demo"   # killed_run's
+EPOCHS, STEPS_PER_EPOCH, CKPT_EVERY = TINY_EPOCHS, TINY_STEPS_PER_EPOCH, TINY_CKPT_EVERY
 TOTAL = EPOCHS * STEPS_PER_EPOCH
 KILL_STEP = 5        # rank 1 exits before step 5 runs: 4 done, step 3 committed
 SIGTERM_STEP = 11    # rank 1's SIGTERM comes after step 10; committed by then: 3, 6, 7 (epoch end), 9
-
-
-def _run(storage: Path, uid: str, fault: str = "", **extra) -> tuple[int, dict]:
-    """The RayJob's CLI path for object `uid`: exit code and its TPUFT_TRAIN_RESULT line."""
-    argv = ["train", "--accelerator", "cpu", "--topology", "2", "--model", "builtin:tiny-llama",
-            "--dataset", "builtin:dolly-mini", "--dataset-split", "train[:80]", "--epochs", str(EPOCHS),
-            "--batch-size-per-device", "4", "--max-seq-length", "128", "--learning-rate", "3e-3",
-            "--storage-path", str(storage), "--run-name", f"{NS}-{NAME}-{uid}", "--report-every-steps", "100",
-            "--checkpoint-every-steps", str(CKPT_EVERY), "--keep-checkpoints", "20", "--max-failures", "1"]
-    for k, v in extra.items():
-        argv += [f"--{k.replace('_', '-')}", str(v)]
-    args, target = cli.parse_args(argv)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        rc = train.run_training(args, target, fault)
-    line = [ln for ln in out.getvalue().splitlines() if ln.startswith(train.RESULT_PREFIX)][-1]
-    return rc, json.loads(line[len(train.RESULT_PREFIX):])
+MORE_FAULTS = f"sigterm-rank:1:step:{SIGTERM_STEP}"
 
 
 def _files(run_dir: Path) -> dict[str, str]:
@@ -66,46 +51,31 @@ def _committed(run_dir: Path) -> list[int]:
                   for p in run_dir.glob(f"checkpoint_step_*/{checkpoint.COMMITTED}"))
 
 
-@pytest.fixture(scope="module")
-def recorder(status_recorder, ray_cluster):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TPUFT_NAMESPACE", NS)
-    mp.setenv("TPUFT_NAME", NAME)
-    status_recorder.take()
-    yield status_recorder
-    mp.undo()
+def _run(tiny_train, storage: Path, uid: str, **flags):
+    """The RayJob's CLI path for object NAME's run `uid`."""
+    return tiny_train(FRAMEWORK, storage, f"{NS}-{NAME}-{uid}", NAME, **flags)
 
 
 @pytest.fixture(scope="module")
-def first_object(recorder, tmp_path_factory):
-    """Object uid-a: killed, restarted in the job, stopped by a SIGTERM; then its RayJob's retry."""
-    storage = tmp_path_factory.mktemp("storage")
-    run_dir = storage / f"{NS}-{NAME}-uid-a"
-    stopped = _run(storage, "uid-a", fault=f"kill-rank:1:step:{KILL_STEP},sigterm-rank:1:step:{SIGTERM_STEP}")
-    paths = {(ns, name) for ns, name, _ in recorder.patches}
-    stopped_patches, committed_after_stop = recorder.take(), _committed(run_dir)
-    summary_after_stop = (run_dir / train.SUMMARY).exists()
-    retry = _run(storage, "uid-a")
-    return {"storage": storage, "run_dir": run_dir, "stopped": stopped, "retry": retry, "paths": paths,
-            "stopped_patches": stopped_patches, "committed_after_stop": committed_after_stop,
-            "summary_after_stop": summary_after_stop, "patches": recorder.take(), "files": _files(run_dir)}
+def first_object(killed_run, tiny_train):
+    """Object uid-a: killed, restarted in the job, stopped by a SIGTERM (killed_run); then its RayJob's retry."""
+    run_dir = killed_run.run_dir
+    committed_after_stop, summary_after_stop = _committed(run_dir), (run_dir / train.SUMMARY).exists()
+    retry = _run(tiny_train, killed_run.storage, "uid-a")
+    return {"storage": killed_run.storage, "run_dir": run_dir, "stopped": killed_run, "retry": retry,
+            "committed_after_stop": committed_after_stop, "summary_after_stop": summary_after_stop,
+            "files": _files(run_dir)}
 
 
-def test_a_killed_worker_is_restarted_from_the_last_checkpoint(first_object):
-    assert (first_object["run_dir"] / f".tpuft-fault-kill-r1-s{KILL_STEP}").exists()   # the fault did fire
-    done_before_kill = KILL_STEP - 1
-    saved = [k for k in range(1, done_before_kill + 1) if k % CKPT_EVERY == 0 or k % STEPS_PER_EPOCH == 0]
-    resumed = first_object["stopped"][1]["resumedFromStep"]   # the restarted attempt's
-    assert resumed == max(saved)                    # the newest checkpoint (interval or epoch end)
-    assert done_before_kill - resumed < CKPT_EVERY  # at most one interval lost
-    assert any(p.get("message", "").startswith(f"resumed at step {resumed}") for p in first_object["stopped_patches"])
+def test_a_killed_worker_is_restarted_from_the_last_checkpoint(killed_run):
+    killed_run.assert_resumed_after_kill(KILL_STEP)
 
 
 def test_a_sigterm_to_one_rank_saves_the_next_step_on_every_rank(first_object):
     from tpuft.constants import EXIT_STOPPED
 
     signalled_after = SIGTERM_STEP - 1   # the last step rank 1 had finished when it got the SIGTERM
-    rc, body = first_object["stopped"]
+    rc, body = first_object["stopped"].rc, first_object["stopped"].body
     assert rc == EXIT_STOPPED and body["succeeded"] is False and body["stopped"] == "SIGTERM", body
     saved = body["step"]
     assert saved - signalled_after in (1, 2), body   # at the next step boundary (at most one more)
@@ -114,7 +84,7 @@ def test_a_sigterm_to_one_rank_saves_the_next_step_on_every_rank(first_object):
                               "resume repeats at most one step"
     assert first_object["committed_after_stop"] == sorted({3, 6, 7, 9, saved})   # both ranks' shards, committed
     assert not first_object["summary_after_stop"]   # not finished: no summary, no export
-    last = first_object["stopped_patches"][-1]
+    last = first_object["stopped"].patches[-1]
     assert (last["step"], last["message"], last["lastCheckpoint"]) == (saved, body["message"], body["lastCheckpoint"])
     assert "exportedModel" not in last
     manifest = json.loads((first_object["run_dir"] / checkpoint.RUN_MANIFEST).read_text())
@@ -123,13 +93,13 @@ def test_a_sigterm_to_one_rank_saves_the_next_step_on_every_rank(first_object):
 
 
 def test_a_retry_of_the_same_object_resumes_step_exact_from_its_own_newest_checkpoint(first_object):
-    saved = first_object["stopped"][1]["step"]
-    rc, body = first_object["retry"]
+    saved = first_object["stopped"].body["step"]
+    rc, body = first_object["retry"].rc, first_object["retry"].body
     assert rc == 0 and body["succeeded"], body
     assert body["resumedFromStep"] == saved and body["step"] == body["totalSteps"] == TOTAL   # nothing repeated
-    assert body["resumedFrom"] == first_object["stopped"][1]["lastCheckpoint"]
+    assert body["resumedFrom"] == first_object["stopped"].body["lastCheckpoint"]
     assert body["loss"] > 0 and body["tokensPerSecond"] > 0
-    first = first_object["patches"][0]
+    first = first_object["retry"].patches[0]
     assert (first["resumedFromStep"], first["step"]) == (saved, saved)
     assert first["message"].startswith(f"resumed at step {saved}")
     summary = json.loads((first_object["run_dir"] / train.SUMMARY).read_text())
@@ -137,8 +107,8 @@ def test_a_retry_of_the_same_object_resumes_step_exact_from_its_own_newest_check
 
 
 def test_status_training_is_written_by_rank_0_for_its_object_only(first_object):
-    assert first_object["paths"] == {(NS, NAME)}   # TPUFT_NAMESPACE / TPUFT_NAME, nothing else patched
-    t = first_object["patches"][-1]
+    assert first_object["stopped"].objects | first_object["retry"].objects == {(NS, NAME)}   # TPUFT_NAMESPACE / TPUFT_NAME, nothing else patched
+    t = first_object["retry"].patches[-1]
     assert t["epoch"] == t["epochs"] == EPOCHS and t["step"] == t["totalSteps"] == TOTAL
     assert t["exportedModel"] == str(first_object["run_dir"] / checkpoint.EXPORT_DIR)
     assert t["lastCheckpoint"].startswith(str(first_object["run_dir"]))
@@ -156,7 +126,7 @@ def test_tensorboard_holds_one_falling_curve_across_the_three_attempts(first_obj
     assert {"train/loss", "train/grad_norm", "train/tokens_per_second", "train/step_time_seconds",
             "train/learning_rate"} <= set(scalars) and "train/mfu" not in scalars
     steps = [s for s, _ in scalars["train/loss"]]
-    stopped_at = first_object["stopped"][1]["step"]
+    stopped_at = first_object["stopped"].body["step"]
     assert steps == sorted(set(steps)) and steps[-1] == TOTAL   # no step twice
     assert min(steps) <= stopped_at < max(steps)   # the stopped attempt's points and the retry's, one curve
     losses = [v for _, v in scalars["train/loss"]]
@@ -171,13 +141,14 @@ def test_export_loads_and_generates(first_object):
     assert_export_generates(first_object["run_dir"] / checkpoint.EXPORT_DIR)
 
 
-def test_resume_from_an_earlier_run_continues_it_into_this_objects_directory(first_object, recorder):
+def test_resume_from_an_earlier_run_continues_it_into_this_objects_directory(first_object, tiny_train):
     storage, first = first_object["storage"], first_object["run_dir"]
-    rc, body = _run(storage, "uid-c", epochs=EPOCHS + 1, resume_from=first)
+    run = _run(tiny_train, storage, "uid-c", epochs=EPOCHS + 1, resume_from=first)
+    rc, body = run.rc, run.body
     assert rc == 0 and body["succeeded"], body
     assert body["resumedFromStep"] == TOTAL and body["step"] == TOTAL + STEPS_PER_EPOCH
     assert body["resumedFrom"] == str(first / f"checkpoint_step_{TOTAL:07d}")
-    patches = recorder.take()
+    patches = run.patches
     assert patches[0]["resumedFrom"] == body["resumedFrom"] and patches[0]["resumedFromStep"] == TOTAL
     assert _committed(storage / f"{NS}-{NAME}-uid-c") == [15, 18, 21]
     manifest = json.loads((storage / f"{NS}-{NAME}-uid-c" / checkpoint.RUN_MANIFEST).read_text())
@@ -185,17 +156,18 @@ def test_resume_from_an_earlier_run_continues_it_into_this_objects_directory(fir
     assert _files(first) == first_object["files"]
 
 
-def test_resumed_at_the_last_step_keeps_the_completed_runs_metrics(first_object, recorder):
+def test_resumed_at_the_last_step_keeps_the_completed_runs_metrics(first_object, tiny_train):
     """A finished run resubmitted retrains nothing (here through resumeFrom at its last checkpoint;
     the JAX path through the RayJob's CLI in tests/cluster/test_demo.py)."""
     storage, first = first_object["storage"], first_object["run_dir"]
-    done = first_object["retry"][1]
-    rc, body = _run(storage, "uid-d", resume_from=first / f"checkpoint_step_{TOTAL:07d}")
+    done = first_object["retry"].body
+    run = _run(tiny_train, storage, "uid-d", resume_from=first / f"checkpoint_step_{TOTAL:07d}")
+    rc, body = run.rc, run.body
     assert rc == 0 and body["succeeded"], body
     assert body["step"] == body["resumedFromStep"] == TOTAL
     assert "nothing left to do" in body["message"]
     assert (body["loss"], body["tokensPerSecond"]) == (done["loss"], done["tokensPerSecond"])
-    patches = recorder.take()
+    patches = run.patches
     assert "nothing left to do" in patches[0]["message"] and patches[0]["loss"] == done["loss"]
     final = patches[-1]
     assert final["exportedModel"] == str(storage / f"{NS}-{NAME}-uid-d" / "export")  # this object's own export
@@ -204,21 +176,22 @@ def test_resumed_at_the_last_step_keeps_the_completed_runs_metrics(first_object,
 
 
 @pytest.mark.parametrize("case", ["missing", "foreign"])
-def test_resume_from_refused_before_any_worker_starts(first_object, recorder, tmp_path, case):
+def test_resume_from_refused_before_any_worker_starts(first_object, tiny_train, tmp_path, case):
     if case == "missing":
         target, words = tmp_path / "no-such-run", "does not exist"
     else:  # a directory of checkpoints no TPUFinetune wrote
         target, words = tmp_path / "elsewhere" / "checkpoint_step_0000014", "was not written by a TPUFinetune"
         target.mkdir(parents=True)
         (target / "model.pt").write_text("x")
-    rc, body = _run(first_object["storage"], f"uid-{case}", resume_from=target)
+    run = _run(tiny_train, first_object["storage"], f"uid-{case}", resume_from=target)
+    rc, body = run.rc, run.body
     assert rc == 1 and body["succeeded"] is False
     assert body["error"].startswith(f"spec.checkpoint.resumeFrom: {target}") and words in body["error"]
-    assert [p["message"] for p in recorder.take()] == [body["error"]]  # recorded in status
+    assert [p["message"] for p in run.patches] == [body["error"]]  # recorded in status
     assert not (first_object["storage"] / f"{NS}-{NAME}-uid-{case}" / checkpoint.RUN_MANIFEST).exists()
 
 
-def test_resume_from_a_different_architecture_is_refused_before_any_worker_starts(first_object, recorder, tmp_path):
+def test_resume_from_a_different_architecture_is_refused_before_any_worker_starts(first_object, tiny_train, tmp_path):
     from tpuft_workload import model as modellib
     from tpuft_workload.tiny import build_model
 
@@ -226,10 +199,11 @@ def test_resume_from_a_different_architecture_is_refused_before_any_worker_start
     other = tmp_path / "wider-llama"
     build_model(len(tok), hidden=32).save_pretrained(other)
     tok.save_pretrained(other)
-    rc, body = _run(first_object["storage"], "uid-e", model=other, resume_from=first_object["run_dir"])
+    run = _run(tiny_train, first_object["storage"], "uid-e", model=other, resume_from=first_object["run_dir"])
+    rc, body = run.rc, run.body
     assert rc == 1 and body["succeeded"] is False
     assert "spec.checkpoint.resumeFrom" in body["error"] and "different model architecture" in body["error"], body
-    messages = [p["message"] for p in recorder.take() if "message" in p]
+    messages = [p["message"] for p in run.patches if "message" in p]
     assert messages == [body["error"]] and str(first_object["run_dir"]) in messages[0] and str(other) in messages[0]
     assert not (first_object["storage"] / f"{NS}-{NAME}-uid-e").exists()   # on the driver: no worker wrote a thing
 
@@ -263,9 +237,7 @@ def test_rank_0s_gauges_reach_rays_metrics_endpoint(ray_cluster):
 
 
 def test_too_little_data_fails_with_a_clear_reason(ray_cluster, tmp_path, capsys):
-    args, target = cli.parse_args(["train", "--accelerator", "cpu", "--topology", "2", "--model", "builtin:tiny-llama",
-                                   "--dataset", "builtin:dolly-mini", "--dataset-split", "train[:3]",
-                                   "--batch-size-per-device", "4", "--max-seq-length", "128", "--storage-path", str(tmp_path), "--run-name", "too-small"])
+    args, target = cli.parse_args(tiny_train_argv(FRAMEWORK, tmp_path, "too-small", dataset_split="train[:3]"))
     assert train.run_training(args, target) == 1
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(train.RESULT_PREFIX))
     body = json.loads(line[len(train.RESULT_PREFIX):])

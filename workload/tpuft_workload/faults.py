@@ -57,3 +57,28 @@ def find(faults: list[Fault], kind: str, rank: int) -> Fault | None:
         if f.kind == kind and f.rank == rank:
             return f
     return None
+
+
+def fire_train(faults: list[Fault], rank: int, step: int, run_dir: str) -> None:
+    """The train faults, before global step `step` runs: kill-rank exits the process hard,
+    sigterm-rank sends it a SIGTERM; each once (a marker file under `run_dir`, the run's local
+    directory)."""
+    import signal
+    import sys
+
+    for kind in ("kill", "sigterm"):
+        f = find(faults, kind, rank)
+        if f is None or f.step != step:
+            continue
+        marker = os.path.join(run_dir, f".tpuft-fault-{kind}-r{rank}-s{step}")
+        if "://" in marker or os.path.exists(marker):
+            continue  # already fired once (or remote storage: test hook is local-only)
+        os.makedirs(run_dir, exist_ok=True)
+        open(marker, "w").close()
+        if kind == "kill":
+            sys.stdout.write(f"[tpuft] injected fault: killing rank {rank} at step {step}\n")
+            sys.stdout.flush()
+            os._exit(17)
+        sys.stdout.write(f"[tpuft] injected fault: SIGTERM to rank {rank} before step {step}\n")
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGTERM)

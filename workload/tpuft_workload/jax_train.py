@@ -13,17 +13,16 @@ device of every process; each parameter and its AdamW moments sharded over `fsdp
 divisible dimension (FSDP: XLA all-gathers weights for the step and reduce-scatters the
 gradients); each step's global batch sharded over the whole mesh from the worker's Ray Data
 shard (`jax.make_array_from_process_local_data`). bf16 compute with float32 master weights on
-accelerators, float32 on CPU. Orbax checkpoints (tpuft_workload.jax_checkpoint), status keys,
-log lines, TensorBoard files, export layout and the run summary are the torch path's
-(tpuft_workload.train.record, finish_run), and so is a stop on SIGTERM (tpuft_workload.preemption,
-train.stop_run): the processes agree on the step through JAX's own preemption sync point.
+accelerators, float32 on CPU; Orbax checkpoints (tpuft_workload.jax_checkpoint). The run itself
+(restore, reports, checkpoint cadence, status keys, log lines, TensorBoard files, the run summary,
+a stop on SIGTERM) is tpuft_workload.loop's, the torch path's too; this file is its JAX backend
+(`_Jax`): the processes agree on a stop's step through JAX's own preemption sync point.
 """
 from __future__ import annotations
 
 import os
 import socket
 import tempfile
-import time
 from functools import partial
 
 import ray
@@ -31,16 +30,13 @@ import ray.train
 
 from tpuft_workload import checkpoint as ckptlib
 from tpuft_workload import data as datalib
-from tpuft_workload import faults as faultlib
-from tpuft_workload import jax_checkpoint, pipeline, preemption
+from tpuft_workload import jax_checkpoint, loop, pipeline, preemption
 from tpuft_workload import jax_model as jm
-from tpuft_workload.metrics_log import Prometheus, TensorBoard
 from tpuft_workload.platform import PLATFORMS, Target
-from tpuft_workload.report import BackgroundReporter, StatusReporter, Throttle, flops_per_token, gpu_slice_peak
-from tpuft_workload.train import (TrainConfig, _ckpt_name, _maybe_kill, _resume_message, _say, _stopped, epoch_line,
-                                  finish_run, interval_line, prepare, record, run_config, stop_run)
-from tpuft_workload.train import scaling_config as _scaling_config
+from tpuft_workload.report import flops_per_token, gpu_slice_peak
+from tpuft_workload.train import prepare, run_config
 from tpuft_workload.train import run_training as _run_training
+from tpuft_workload.train import scaling_config as _scaling_config
 
 MESH_AXES = ("data", "fsdp")
 
@@ -172,43 +168,11 @@ def load_weights(model_ref: str, tokenizer, seed: int):
     return jm.load_hf_dir(_model_dir(model_ref))
 
 
-# ---- worker: the run --------------------------------------------------------------------------
-
-class _Window:
-    """Per-step numbers between two reports. Every value is already global (one program over the
-    mesh), so reducing needs no collective; the loss stays on device until then."""
-
-    def __init__(self):
-        self.loss, self.grad_norm, self.steps, self.real, self.padded = 0.0, 0.0, 0, 0, 0
-        self.t0 = time.perf_counter()
-        self.excluded = 0.0
-
-    def add(self, loss, real, padded: int, grad_norm) -> None:
-        self.loss = self.loss + loss
-        self.grad_norm = self.grad_norm + grad_norm
-        self.steps += 1
-        self.real = self.real + real
-        self.padded += padded
-
-    def reduce(self) -> dict:
-        loss, real = float(self.loss), int(self.real)
-        wall = time.perf_counter() - self.t0
-        secs = max(wall - self.excluded, 1e-9)
-        return {"loss": loss / max(self.steps, 1), "grad_norm": float(self.grad_norm) / max(self.steps, 1),
-                "seconds": wall, "tokens_per_s": real / secs,
-                "padded_tokens_per_s": self.padded / secs, "step_time_s": secs / max(self.steps, 1),
-                "pad_fraction": 1.0 - real / self.padded if self.padded else 0.0}
-
+# ---- worker: the backend ----------------------------------------------------------------------
 
 def train_loop(config: dict) -> None:
-    """One JAX worker (one host): setup, restore, train, finish (export) or stop (told to)."""
-    preemption.install()
-    run = _Run(TrainConfig.from_dict(config))
-    run.restore()
-    if run.train():
-        stop_run(run)
-    else:
-        run.finish()
+    """One JAX worker (one host): tpuft_workload.loop's run over the JAX backend."""
+    loop.work(config, _Jax)
 
 
 class _StopVote:
@@ -230,28 +194,21 @@ class _StopVote:
         return preemption.requested()
 
 
-class _Run:
-    def __init__(self, cfg: TrainConfig):
-        ctx = ray.train.get_context()
-        self.cfg, self.rank, self.world = cfg, ctx.get_world_rank(), ctx.get_world_size()
-        self.plat = PLATFORMS[cfg.platform]
-        self.jax = init_jax(cfg.platform, self.rank, self.world)
+class _Jax:
+    """The JAX backend of tpuft_workload.loop (loop.Backend): one program over every device of
+    every worker. Every number a step returns is already global (no collective to sum them)."""
+
+    def __init__(self, worker: loop.Worker):
+        self.worker, self.cfg, self.rank, self.world = worker, worker.cfg, worker.rank, worker.world
+        self.plat = PLATFORMS[self.cfg.platform]
+        self.jax = init_jax(self.cfg.platform, self.rank, self.world)
         # MFU's denominator: the TPU slice's from the catalog (the driver's), the GPUs' found here
-        self.peak_flops = cfg.peak_flops
+        self.peak_flops = self.cfg.peak_flops
         if self.plat.kind == "gpu":
             self.peak_flops = gpu_slice_peak(self.jax.devices()[0].device_kind, self.jax.device_count())
-        self.faults = faultlib.parse_faults(cfg.fault)
-        self.reporter = BackgroundReporter(StatusReporter(cfg.cr_namespace, cfg.cr_name) if self.rank == 0
-                                           else StatusReporter("", ""))
-        self.throttle = Throttle(cfg.status_every_s)
         self._data()
         self._model()
         self.vote = _StopVote(self.jax)
-        self.step, self.resumed_from = 0, -1
-        self.last_ckpt, self.message, self.source = "", None, ""
-        self.last_metrics: dict = {}
-        self.tensorboard = TensorBoard(cfg.run_dir, enabled=False)   # rank 0's opens once restored (train)
-        self.prometheus = Prometheus(enabled=False)
 
     def _data(self) -> None:
         from tpuft_workload import model as modellib
@@ -261,24 +218,11 @@ class _Run:
         self.shard = ray.train.get_dataset_shard("train")
         # a worker feeds all of its host's devices: batchSizePerDevice rows each
         self.local_batch = cfg.batch_size_per_device * self.jax.local_device_count()
-        self.spe = datalib.steps_per_epoch(cfg.rows, self.world, self.local_batch)
-        self.total_steps = self.spe * cfg.epochs
-        if self.rank == 0:
-            _say(f"[tpuft] {cfg.examples} examples -> {cfg.rows} rows of {cfg.max_seq_length} tokens "
-                 f"({'packed' if cfg.packing else 'padded'}, pad fraction {cfg.pad_fraction:.1%}; Ray Data, "
-                 f"tokenized once); {self.spe} steps/epoch x {cfg.epochs} epochs on {self.world} JAX processes, "
-                 f"{self.jax.device_count()} devices")
-
-    def _check_resume(self, arch: dict) -> None:
-        cfg = self.cfg
-        try:
-            ckptlib.check_architecture(cfg.resume_from, cfg.resume_manifest, arch, cfg.model)
-        except ckptlib.ResumeError as e:
-            if self.rank == 0:
-                self.reporter.training(message=str(e))
-                self.reporter.close()
-            ray.train.collective.barrier()  # rank 0's status write goes out before any rank fails
-            raise
+        self.steps_per_epoch = datalib.steps_per_epoch(cfg.rows, self.world, self.local_batch)
+        self.worker.say(f"[tpuft] {cfg.examples} examples -> {cfg.rows} rows of {cfg.max_seq_length} tokens "
+                        f"({'packed' if cfg.packing else 'padded'}, pad fraction {cfg.pad_fraction:.1%}; Ray Data, "
+                        f"tokenized once); {self.steps_per_epoch} steps/epoch x {cfg.epochs} epochs on {self.world} "
+                        f"JAX processes, {self.jax.device_count()} devices")
 
     def _model(self) -> None:
         import optax
@@ -289,12 +233,7 @@ class _Run:
         self.hf_config, self.mcfg, host = load_weights(cfg.model, self.tokenizer, cfg.seed)
         arch = jax_checkpoint.architecture(jm.hf_class(self.hf_config), host)
         self.flops_per_token = flops_per_token(arch["parameters"], self.hf_config, cfg.max_seq_length)   # MFU's
-        if cfg.resume_from:
-            self._check_resume(arch)
-        if self.rank == 0:
-            ckptlib.write_run_manifest(cfg.run_dir, {
-                "model": cfg.model, "architecture": arch, "namespace": cfg.cr_namespace,
-                "name": cfg.cr_name, "resumeFrom": cfg.resume_from or None})
+        self.worker.adopt_architecture(arch, self.barrier)
         self.mesh = build_mesh(jax)
         self.params = {n: _put(jax, a, self._sharding(a)) for n, a in host.items()}
         self.tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(cfg.learning_rate, weight_decay=0.01))
@@ -312,125 +251,55 @@ class _Run:
 
         return NamedSharding(self.mesh, param_spec(leaf.shape, self.mesh.shape["fsdp"]))
 
-    # --- restore ------------------------------------------------------------------------------------
-    def restore(self) -> None:
-        """This run's newest committed checkpoint, else --resume-from's. Every checkpoint this path
-        registers with Ray is committed first, so Ray's get_checkpoint() adds nothing here."""
-        cfg = self.cfg
-        path = ckptlib.find_latest_committed(cfg.run_dir) or cfg.resume_from
-        if not path:
-            return
-        state, ts = jax_checkpoint.load(jax_checkpoint.abstract(self._state()), path)
-        self.params, self.opt_state = state["params"], state["opt_state"]
-        self.source = path
-        self.step, self.resumed_from, self.last_ckpt = int(ts["step"]), int(ts["step"]), ts.get("path", "")
-        self.last_metrics = dict(ts.get("metrics") or {})
-        self.message = _resume_message(self.step, self.total_steps, self.source)
-        if self.rank == 0:
-            _say(f"[tpuft] {self.message}")
-        epoch = min(self.step // self.spe + 1, cfg.epochs) if self.spe else cfg.epochs
-        self.status(True, epoch=epoch, step=self.step, resumedFrom=self.source, resumedFromStep=self.step,
-                    message=self.message, lastCheckpoint=self.last_ckpt or None, **self.last_metrics)
+    def batches(self, epoch: int, skip: int):
+        return pipeline.numpy_batches(self.shard, self.local_batch, self.cfg.seed, epoch, skip=skip)
 
-    def _state(self) -> dict:
-        return {"params": self.params, "opt_state": self.opt_state}
-
-    # --- report -------------------------------------------------------------------------------------
-    def status(self, force: bool, **fields) -> None:
-        if self.rank == 0 and self.reporter.enabled and self.throttle.ready(force):
-            self.reporter.training(epochs=self.cfg.epochs, totalSteps=self.total_steps, **fields)
-
-    def report(self, metrics: dict, save: bool) -> None:
-        """ray.train.report; with `save`, an Orbax checkpoint written in place under the run
-        directory, committed, then registered with Ray as it lies (NO_UPLOAD)."""
-        from ray.train import Checkpoint
-        from ray.train.v2.api.report_config import CheckpointUploadMode
-
-        record(self, metrics)
-        metrics = {**metrics, "step": self.step, "total_steps": self.total_steps,
-                   "resumed_from_step": self.resumed_from}
-        if not save:
-            ray.train.report(metrics)
-            return
-        self.tensorboard.sync()
-        name = _ckpt_name(self.step)
-        path = ckptlib.join(self.cfg.run_dir, name)
-        jax_checkpoint.save(self._state(), {"step": self.step, "epoch": metrics.get("epoch"), "path": path,
-                                            "metrics": self.last_metrics}, path, self.rank)
-        ray.train.collective.barrier()  # every process's shards and rank 0's train_state are written
-        if self.rank == 0:
-            ckptlib.mark_committed(path)
-        ckpt = Checkpoint(path, filesystem=ckptlib.filesystem(path)) if self.rank == 0 else None
-        ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=name,
-                         checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
-        self.last_ckpt = path
-
-    # --- train ----------------------------------------------------------------------------------------
-    def train(self) -> bool:
-        """Every epoch left; True when the processes stopped on request (after that step's checkpoint)."""
-        self.tensorboard = TensorBoard(self.cfg.run_dir, self.rank == 0, resumed_at=self.step)
-        # tagged with the TPUFinetune's name (the run's directory name off the cluster)
-        tag = self.cfg.cr_name or self.cfg.run_dir.rstrip("/").rsplit("/", 1)[-1]
-        self.prometheus = Prometheus(self.rank == 0, tag)
-        for epoch in range(self.step // self.spe if self.spe else 0, self.cfg.epochs):
-            if self._epoch(epoch):
-                return True
-        return False
-
-    def _step(self, rows: dict) -> tuple:
-        """One optimizer step on this worker's rows of the global batch: (loss, real tokens, gradient
-        norm), global."""
-        _maybe_kill(self.faults, self.rank, self.step + 1, self.cfg.run_dir_local)
+    def step(self, rows: dict) -> loop.Step:
+        """One optimizer step on this worker's rows of the global batch: loss, real tokens and
+        gradient norm, global (left on the device)."""
         local = {**jm.inputs_from_rows(rows, self.cfg.packing), "n_real": rows["n_real"].astype("int32")}
         batch = {k: self.jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in local.items()}
         self.params, self.opt_state, loss, real, grad_norm = self.step_fn(self.params, self.opt_state, batch)
-        self.step += 1
-        return loss, real, grad_norm
+        return loop.Step(loss=loss, real=real, padded=self.local_batch * self.world * self.cfg.max_seq_length,
+                         grad_norm=grad_norm)
 
-    def _epoch(self, epoch: int) -> bool:
-        """One epoch's steps; True when the processes agreed to stop (that step's checkpoint is saved)."""
-        cfg, spe = self.cfg, self.spe
-        every_ckpt, every_rep = cfg.checkpoint_every_steps, cfg.report_every_steps
-        padded = self.local_batch * self.world * cfg.max_seq_length
-        done = self.step - epoch * spe   # a resumed epoch passes over the batches it already trained on
-        batches = pipeline.numpy_batches(self.shard, self.local_batch, cfg.seed, epoch, skip=done)
-        epoch_win, win = _Window(), _Window()
-        stop = False
-        for i, rows in zip(range(done, spe), batches):
-            loss, real, grad_norm = self._step(rows)
-            for w in (win, epoch_win):
-                w.add(loss, real, padded, grad_norm)
-            stop = self.vote.agreed(self.step)
-            if i == spe - 1:   # the end of the epoch reports (and saves) below
-                break
-            save = stop or (bool(every_ckpt) and self.step % every_ckpt == 0)
-            if self.step % every_rep == 0 or save:
-                paused = time.perf_counter()
-                self._interval(epoch, win.reduce(), save, stop)
-                epoch_win.excluded += time.perf_counter() - paused  # reports are not training time
-                win = _Window()
-            if stop:
-                return True
-        m = epoch_win.reduce()
-        if self.rank == 0:
-            _say(epoch_line(epoch + 1, cfg.epochs, m))
-        self.report({"epoch": epoch + 1, "epoch_loss": m["loss"], "epoch_time_s": m["seconds"], **m,
-                     **_stopped(stop)}, True)
-        self.status(True, epoch=epoch + 1, step=self.step, lastCheckpoint=self.last_ckpt, **self.last_metrics)
-        return stop
+    def totals(self, values: list) -> list[float]:
+        """Already global (one program over the mesh): only read off the device."""
+        return [float(v) for v in values]
 
-    def _interval(self, epoch: int, m: dict, save: bool, stop: bool = False) -> None:
-        if self.rank == 0:
-            _say(interval_line(epoch + 1, self.cfg.epochs, self.step, self.total_steps, m))
-        self.report({"epoch": epoch + 1, **m, **_stopped(stop)}, save)
-        self.status(save, epoch=epoch + 1, step=self.step, lastCheckpoint=self.last_ckpt or None,
-                    **self.last_metrics)
+    def stop_agreed(self, step: int) -> bool:
+        return self.vote.agreed(step)
 
-    # --- finish ---------------------------------------------------------------------------------------
-    def finish(self) -> None:
-        finish_run(self, self._export())
+    def barrier(self) -> None:
+        ray.train.collective.barrier()
 
-    def _export(self) -> str | None:
+    # --- checkpoints ----------------------------------------------------------------------------------
+    def _state(self) -> dict:
+        return {"params": self.params, "opt_state": self.opt_state}
+
+    def save(self, path: str, name: str, train_state: dict, metrics: dict) -> None:
+        """An Orbax checkpoint written in place under the run directory, committed, then registered
+        with Ray as it lies (NO_UPLOAD)."""
+        from ray.train import Checkpoint
+        from ray.train.v2.api.report_config import CheckpointUploadMode
+
+        jax_checkpoint.save(self._state(), train_state, path, self.rank)
+        loop.commit(self, self.rank, path)   # every process's shards and rank 0's train_state are written
+        ckpt = Checkpoint(path, filesystem=ckptlib.filesystem(path)) if self.rank == 0 else None
+        ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=name,
+                         checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+
+    def load(self) -> tuple[str, dict] | None:
+        """This run's newest committed checkpoint, else --resume-from's. Every checkpoint this path
+        registers with Ray is committed first, so Ray's get_checkpoint() adds nothing here."""
+        path = ckptlib.find_latest_committed(self.cfg.run_dir) or self.cfg.resume_from
+        if not path:
+            return None
+        state, train_state = jax_checkpoint.load(jax_checkpoint.abstract(self._state()), path)
+        self.params, self.opt_state = state["params"], state["opt_state"]
+        return path, train_state
+
+    def export(self) -> str | None:
         """Collective: the full weights gathered to every host; rank 0 writes the from_pretrained()
         folder (bf16 on accelerators, the dtype the model trained in; float32 on CPU)."""
         from jax.experimental import multihost_utils

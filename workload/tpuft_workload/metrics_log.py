@@ -19,7 +19,7 @@ from tpuft.constants import TENSORBOARD_DIR, TRAIN_METRIC_TAG, TrainMetric
 
 log = logging.getLogger(__name__)
 
-# TensorBoard tag -> the report's key (a _Window.reduce() result plus mfu when known)
+# TensorBoard tag -> the report's key (a loop.Window.reduce() result plus mfu when known)
 SCALARS = {
     "train/loss": "loss",
     "train/grad_norm": "grad_norm",
@@ -93,7 +93,7 @@ class TensorBoard:
             self._tmp.cleanup()
 
 
-# gauge -> the report's key (a _Window.reduce() result plus mfu when known, and the step)
+# gauge -> the report's key (a loop.Window.reduce() result plus mfu when known, and the step)
 GAUGES = {
     TrainMetric.TOKENS_PER_SECOND: "tokens_per_s",
     TrainMetric.STEP_TIME_SECONDS: "step_time_s",
