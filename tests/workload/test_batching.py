@@ -1,7 +1,9 @@
-"""tpuft_workload.batching with a stand-in model whose generate() drives the batcher's hooks as
-transformers' does (a logits processor, then a stopping criterion, once per step): which requests
-share a batch, what each row's client receives, and what a failure or a client that leaves does.
-The real model behind the same batcher is tests/workload/test_serve.py's."""
+"""tpuft_workload.batching's static path with a stand-in model whose generate() drives the batcher's
+hooks as transformers' does (a logits processor, then a stopping criterion, once per step): which
+requests share a batch, what each row's client receives, and what a failure or a client that leaves
+does. Then the continuous path (tpuft_workload.rolling) on the builtin tiny model: which
+architectures take it, rows joining and leaving, a failure. The real engine behind the same batcher
+is tests/workload/test_serve.py's (requests joining a running batch answer as alone)."""
 from __future__ import annotations
 
 import asyncio
@@ -186,3 +188,83 @@ def test_an_answer_carries_its_prompts_length():
     async def go():
         return await _batcher(Model()).submit([1, 2, 3], 2, GREEDY, (), False).answer()
     assert asyncio.run(go()) == chat_api.Answer("w4 w5", "length", 3, 2)
+
+
+# --- continuous batching (tpuft_workload.rolling), on the builtin tiny model --------------------
+
+@pytest.mark.parametrize("config, continuous", [
+    (lambda t: t.LlamaConfig(), True),                       # full attention on every layer
+    (lambda t: t.Qwen2Config(), True),
+    (lambda t: t.MistralConfig(sliding_window=64), False),   # a window: generate()'s cache keeps it right
+    (lambda t: t.Gemma3TextConfig(), False),                 # sliding and full layers mixed
+], ids=["llama", "qwen2", "mistral-window", "gemma3"])
+def test_only_models_whose_cache_is_full_attention_on_every_layer_join_rows_mid_batch(config, continuous):
+    import transformers
+
+    model = type("M", (), {"config": config(transformers), "forward": lambda self: None})()
+    assert batching.rolling.supported(model) is continuous
+    assert batching.rolling.supported(Model()) is False   # no config: the stand-in above is static
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from tpuft_workload import tiny
+
+    tok = tiny.build_tokenizer()
+    return tiny.build_model(len(tok), seed=0).eval(), tok
+
+
+def _tiny_batcher(tiny_model) -> batching.Batcher:
+    model, tok = tiny_model
+    batcher = batching.Batcher(model, tok, {tok.eos_token_id}, tok.pad_token_id, 4)
+    assert batcher.continuous
+    return batcher
+
+
+def test_rows_join_at_the_next_step_and_leave_as_they_end_each_answering_as_alone(tiny_model):
+    """Prompts of different lengths and budgets, sent one after another while earlier ones decode:
+    each joins the running rows (never more than max_batch_size) and its greedy tokens are the ones
+    it gets alone; a row that ends leaves and the others go on."""
+    model, tok = tiny_model
+    batcher = _tiny_batcher(tiny_model)
+    prompts = [tok(t)["input_ids"] for t in ("what is a dog", "name three colors of the sky at night please",
+                                            "why", "write a haiku about rain on a quiet street", "hello there")]
+    budgets = [24, 6, 30, 12, 18]
+
+    async def one(i: int, delay: float = 0.0):
+        await asyncio.sleep(delay)
+        return await batcher.submit(prompts[i], budgets[i], GREEDY, (), False).answer()
+
+    async def staggered():
+        return await asyncio.gather(*(one(i, 0.003 * i) for i in range(len(prompts))))
+    alone = [asyncio.run(one(i)) for i in range(len(prompts))]
+    assert batcher.batch_sizes == [1] * len(prompts)
+    together = asyncio.run(staggered())
+    assert [a.text for a in together] == [a.text for a in alone]
+    assert [a.completion_tokens for a in together] == [a.completion_tokens for a in alone]
+    joined = batcher.batch_sizes[len(prompts):]
+    assert max(joined) > 1 and max(joined) <= 4 and len(joined) > 1   # joined in more than one admission
+
+
+def test_a_failed_step_reaches_every_running_client_and_the_next_request_is_served(tiny_model, monkeypatch):
+    model, tok = tiny_model
+    batcher = _tiny_batcher(tiny_model)
+    prompt = tok("what is a dog")["input_ids"]
+
+    async def one(stream: bool = False):
+        return await batcher.submit(prompt, 20, GREEDY, (), stream).answer()
+    alone = asyncio.run(one())
+    assert alone.completion_tokens > 4   # still running at the failing step below
+    real_step, calls = batching.rolling.step, []
+
+    def failing_step(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory")
+        return real_step(*args)
+    monkeypatch.setattr(batching.rolling, "step", failing_step)
+
+    async def go():
+        return await asyncio.gather(one(False), one(True), return_exceptions=True)
+    assert [str(e) for e in asyncio.run(go())] == ["out of memory"] * 2
+    assert asyncio.run(one()) == alone

@@ -430,25 +430,29 @@ def test_a_streamed_answer_is_the_whole_answer_in_openais_chunks(engine, path, b
     assert done == "[DONE]" and chunks[-1]["choices"] and all("usage" not in c for c in chunks)
 
 
-def test_concurrent_requests_are_generated_in_one_batch_and_answer_as_alone(engine):
-    """Left padding and the batch's attention mask change nothing a greedy client sees."""
+def test_requests_join_a_running_batch_and_answer_as_alone(engine):
+    """Continuous batching: four requests sent while a longer one decodes join it at its next steps,
+    end before it (their rows leave, its padding is cut) and, like it, answer what they answer alone."""
     app = _app(engine)
     prompts = ["What is a dog?", "Name three colors.", "Why is the sky blue?", "Write a haiku about rain."]
     bodies = [{"model": MODEL_ID, "messages": [{"role": "user", "content": p}], "max_tokens": 8, "temperature": 0}
               for p in prompts]
+    long = {**bodies[3], "max_tokens": 64}
     alone = [_call(app, "POST", SERVE_CHAT_PATH, body=b)[2]["choices"] for b in bodies]
+    long_alone = _call(app, "POST", SERVE_CHAT_PATH, body=long)[2]["choices"]
+    assert engine.batcher.continuous
     before = len(engine.batcher.batch_sizes)
 
     async def together():
-        # a longer request first: the four queue while it runs, and share the next batch
-        plug = asyncio.create_task(_acall(app, "POST", SERVE_CHAT_PATH, body={**bodies[0], "max_tokens": 64}))
+        plug = asyncio.create_task(_acall(app, "POST", SERVE_CHAT_PATH, body=long))
         while len(engine.batcher.batch_sizes) == before:
             await asyncio.sleep(0.001)
         answers = await asyncio.gather(*(_acall(app, "POST", SERVE_CHAT_PATH, body=b) for b in bodies))
-        await plug
-        return [a[2]["choices"] for a in answers]
-    assert asyncio.run(together()) == alone
-    assert engine.batcher.batch_sizes[before:] == [1, 4]
+        return [a[2]["choices"] for a in answers], (await plug)[2]["choices"]
+    answers, long_answer = asyncio.run(together())
+    assert answers == alone and long_answer == long_alone
+    sizes = engine.batcher.batch_sizes[before:]
+    assert sizes[0] == 1 and max(sizes) == 5   # all four rode beside the long one
 
 
 # --- end to end under local Ray Serve --------------------------------------------------------

@@ -1,18 +1,23 @@
 """Batched generation for the transformers engine (tpuft_workload.serve): concurrent requests are
-generated together, in one `model.generate` call over a left-padded batch, by one worker thread.
+generated together by one worker thread, in one of two ways.
 
-Why generate() and not a hand-written decoding loop: transformers keeps each architecture's cache
-(Gemma's sliding windows, shared KV layers) and position handling right for a padded batch. What
-generate() cannot do per row is done by two hooks it calls every step: `_Sampler` (a logits
+Continuous batching (tpuft_workload.rolling), where every cache layer is full attention (Llama,
+Qwen, Mistral, the builtin tiny model): a request that arrives while others decode joins them at the
+next step, and a row that ends leaves at once. Static batching otherwise (sliding windows, shared
+KV layers): one `model.generate` call over a left-padded batch, and a request that arrives while a
+batch runs waits for it to end (the next takes up to max_batch_size waiting requests).
+
+Why generate() for the rest and not our loop everywhere: transformers keeps each architecture's
+cache (Gemma's sliding windows, shared KV layers) and position handling right for a padded batch.
+What generate() cannot do per row is done by two hooks it calls every step: `_Sampler` (a logits
 processor) samples the rows that asked for temperature > 0 with their own temperature, top_p and
 seed, leaving greedy rows to generate's argmax; `_Rows` (a stopping criterion) takes each row's new
 token, decodes it when the row streams or has stop sequences, sends the text that became final and
-ends the row on EOS, a stop sequence, its own token budget or its client going away.
+ends the row on EOS, a stop sequence, its own token budget or its client going away. The continuous
+loop picks tokens the same way and feeds them to the same `advance`.
 
-Static batching: a request that arrives while a batch runs waits for that batch to end (the next
-one takes up to max_batch_size waiting requests). Greedy rows are deterministic: the same prompt
-alone gives the same tokens every time, and in a batch the same tokens up to float rounding in the
-padded attention.
+Greedy rows are deterministic: the same prompt alone gives the same tokens every time, and in a
+batch the same tokens up to float rounding in the padded attention.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from tpuft_workload import chat_api
+from tpuft_workload import chat_api, rolling
 
 # After a batch of k requests, the next waits up to this long for k requests to be queued: closed-loop
 # clients send their next request right after an answer. A lone client never waits (k = 1).
@@ -57,6 +62,7 @@ class Job:
     tokens: list[int] = field(default_factory=list)   # the worker's bookkeeping from here on
     shown: str = ""
     finish: str | None = None
+    generator: object = None                # a sampled row's torch.Generator, once it runs
 
 
 class Generation:
@@ -98,7 +104,8 @@ class Batcher:
         self.max_batch_size, self.wait_s = max_batch_size, wait_s
         self._queue: queue.Queue[Job] = queue.Queue()
         self._last = 1   # the last batch's size
-        self.batch_sizes: list[int] = []   # every batch's size, for tests and benchmarks to read
+        self.batch_sizes: list[int] = []   # rows running after each admission, for tests and benchmarks
+        self.continuous = rolling.supported(model)
         threading.Thread(target=self._work, name="tpuft-generate", daemon=True).start()
 
     def submit(self, ids: list[int], budget: int, sampling: Sampling, stops: tuple[str, ...],
@@ -117,14 +124,16 @@ class Batcher:
         return Generation(job, events, len(ids))
 
     def _work(self) -> None:
+        if self.continuous:
+            self._roll()
         while True:
             jobs = self._take()
             if jobs:
                 self._run(jobs)
 
     def _take(self) -> list[Job]:
-        """The next batch: whatever is queued (at most max_batch_size), waiting up to wait_s for as many
-        requests as the last batch had."""
+        """The next static batch: whatever is queued (at most max_batch_size), waiting up to wait_s for
+        as many requests as the last batch had."""
         jobs = [self._queue.get()]
         deadline = time.monotonic() + self.wait_s
         while len(jobs) < self.max_batch_size:
@@ -171,6 +180,59 @@ class Batcher:
         for j in jobs:   # generate ended at the longest budget: a row still open ran out of tokens
             if j.finish is None:
                 self._end(j, chat_api.FINISH_LENGTH)
+
+    def _roll(self) -> None:
+        """Continuous batching, forever: admit what is queued (blocking only when nothing runs),
+        prefill it and join it to the running rows, then one step for every row; ended rows leave."""
+        rows, jobs = None, []
+        while True:
+            joining = self._admit(len(jobs), block=not jobs)
+            try:
+                if joining:
+                    new_rows, logits = rolling.prefill(self.model, [j.ids for j in joining], self.pad_id)
+                    self._feed(joining, logits)
+                    rows, jobs = (new_rows, joining) if rows is None else (rolling.join(rows, new_rows), jobs + joining)
+                    self.batch_sizes.append(len(jobs))
+                    rows, jobs = self._drop_ended(rows, jobs)
+                if jobs:
+                    self._feed(jobs, rolling.step(self.model, rows, [j.tokens[-1] for j in jobs]))
+                    rows, jobs = self._drop_ended(rows, jobs)
+            except Exception as e:  # noqa: BLE001 - every running client gets the failure, the worker lives on
+                for j in jobs + joining:
+                    if j.finish is None:
+                        j.finish = "error"
+                        j.emit(e)
+                rows, jobs = None, []
+
+    def _admit(self, running: int, block: bool) -> list[Job]:
+        """Queued requests that fit beside `running` rows (waiting for the first one when `block`)."""
+        jobs = [self._queue.get()] if block else []
+        while running + len(jobs) < self.max_batch_size:
+            try:
+                jobs.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return [j for j in jobs if not j.cancelled.is_set()]
+
+    def _feed(self, jobs: list[Job], logits) -> None:
+        """Each open row's next token from its logits (greedy, or sampled with its own generator)."""
+        tokens = logits.argmax(-1).tolist()
+        for i, job in enumerate(jobs):
+            if job.finish is not None:
+                continue
+            if job.sampling.temperature > 0:
+                job.generator = job.generator or _generator(job.sampling, logits.device)
+                tokens[i] = sample(logits[i], job.sampling.temperature, job.sampling.top_p, job.generator)
+            self.advance(job, tokens[i])
+
+    @staticmethod
+    def _drop_ended(rows, jobs: list[Job]):
+        kept = [i for i, j in enumerate(jobs) if j.finish is None]
+        if len(kept) == len(jobs):
+            return rows, jobs
+        if not kept:
+            return None, []
+        return rolling.keep(rows, kept), [jobs[i] for i in kept]
 
     def advance(self, job: Job, token: int) -> None:
         """One new token of an open row: send what became final; end the row when it is done."""
@@ -226,14 +288,8 @@ class _Sampler:
     and generator (seeded: reproducible, whatever else shares the batch); greedy rows untouched."""
 
     def __init__(self, jobs: list[Job], device):
-        import torch
-
-        self.jobs, self.rows = jobs, []
-        for i, j in enumerate(jobs):
-            if j.sampling.temperature > 0:
-                gen = torch.Generator(device=device)
-                gen.manual_seed(j.sampling.seed) if j.sampling.seed is not None else gen.seed()
-                self.rows.append((i, gen))
+        self.jobs = jobs
+        self.rows = [(i, _generator(j.sampling, device)) for i, j in enumerate(jobs) if j.sampling.temperature > 0]
 
     def __call__(self, input_ids, scores):
         for i, gen in self.rows:
@@ -243,6 +299,15 @@ class _Sampler:
                 scores[i] = float("-inf")
                 scores[i, token] = 0.0
         return scores
+
+
+def _generator(sampling: Sampling, device):
+    """A sampled row's own generator: seeded (reproducible, whatever else shares the batch) or fresh."""
+    import torch
+
+    gen = torch.Generator(device=device)
+    gen.manual_seed(sampling.seed) if sampling.seed is not None else gen.seed()
+    return gen
 
 
 def sample(logits, temperature: float, top_p: float, generator) -> int:

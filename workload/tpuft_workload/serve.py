@@ -15,8 +15,8 @@ build_app validates the args where the application is built (the head) and fails
 replica (ChatDeployment, SERVE_DEPLOYMENT_NAME) loads tokenizer and model once, in eval mode: CPU fp32
 without a GPU, bf16 on CUDA. No TPU path: vLLM's TPU engine (Ray Serve LLM) is the way to serve
 on a slice; this engine is for CPU pods and local runs. A replica generates up to max_batch_size
-concurrent requests together, one generate() over the batch (tpuft_workload.batching); 1 generates
-them one at a time.
+concurrent requests together (tpuft_workload.batching: a request joins the running batch at its next
+step where the model's cache allows, tpuft_workload.rolling); 1 generates them one at a time.
 
 With TPUFT_SERVE_API_KEY (SERVE_API_KEY_ENV, from spec.serve.apiKeySecret) set in the replica's
 environment, every /v1/* request needs `Authorization: Bearer <key>` (chat_api.check_api_key); /healthz
@@ -27,6 +27,7 @@ dashboard's health routes.
 # at runtime, so they must be real classes, not strings.
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,10 @@ MAX_BATCH_SIZE_DEFAULT = 16   # bench/serve_latency.py measures it beside max_ba
 # Requests a replica accepts at once (Ray Serve's default is 5): above max_batch_size, so the next
 # batch is already queued in the replica when one ends.
 MAX_ONGOING_REQUESTS = 64
+# The replica's decoding thread shares the GIL with Ray Serve's event loops, which take requests in and
+# send answers out: at Python's default 5 ms switch interval each of their steps waits behind decoding
+# (README, Performance: the same bench at 5 ms, 1 ms and 0.5 ms).
+GIL_SWITCH_INTERVAL_S = 0.0005
 KEYED_PREFIX = "/v1/"   # the OpenAI routes, behind the API key when one is set
 EXPORT_HINT = ("it must be the Hugging Face export a TPUFinetune's training wrote (status.training.exportedModel): "
                "check that training succeeded and exported there")
@@ -147,6 +152,7 @@ class Engine:
         self.stop_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.stop_ids)
         self.batcher = batching.Batcher(self.model, self.tokenizer, self.stop_ids, self.pad_id, args.max_batch_size)
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)   # the replica's process is this engine's
 
     def submit(self, req: chat_api.GenerationRequest) -> batching.Generation:
         """Queue one request (call it on the event loop that reads the answer); ApiError 400 when its
