@@ -7,7 +7,7 @@ import uuid
 
 import yaml
 
-from tpuft import handlers, phases
+from tpuft import handlers, observed
 from tpuft.constants import API_VERSION, KIND
 from tpuft.diagnosis import PodObs
 from tpuft.spec import DEFAULTS
@@ -119,7 +119,7 @@ class FakeKube:
         err = self.fail.get((action.kind, action.name))
         if err:
             raise err
-        if action.op == phases.Op.CREATE:
+        if action.op == observed.Op.CREATE:
             self.objects[(action.kind, action.name)] = copy.deepcopy(dict(action.body))
         return "created"
 
@@ -145,7 +145,7 @@ class FakeKube:
 
 
 def controller(kube) -> handlers.Controller:
-    return handlers.Controller(kube, {}, {}, {}, phases.Tunables(verify_grace_seconds=1))
+    return handlers.Controller(kube, {}, {}, {}, observed.Tunables(verify_grace_seconds=1))
 
 
 def indexed(kube) -> dict:
@@ -191,17 +191,17 @@ class FakeCluster(FakeKube):
         if err:
             raise err
         key = (action.kind, action.name)
-        if action.op == phases.Op.CREATE:
+        if action.op == observed.Op.CREATE:
             if key in self.objects:
                 return "adopted"
             self.objects[key] = self._new(action.body)
             return "created"
-        if action.op == phases.Op.DELETE:
+        if action.op == observed.Op.DELETE:
             self.objects.pop(key, None)
             return "deleted"
         obj = self.objects.get(key)
         if obj is not None:   # suspend / resume: a spec change, so a new generation
-            obj["spec"]["suspend"] = action.op == phases.Op.SUSPEND
+            obj["spec"]["suspend"] = action.op == observed.Op.SUSPEND
             obj["metadata"]["generation"] += 1
         return action.op.value
 
@@ -212,7 +212,7 @@ class FakeCluster(FakeKube):
     def index(self) -> tuple[dict | None, list, list]:
         """What kopf's indexes hold once caught up: the TPUFinetune and its labelled children."""
         def kids(kind):
-            return [phases.IndexedChild.of(o["metadata"]["name"], o.get("spec"), o.get("status"), o["metadata"])
+            return [observed.IndexedChild.of(o["metadata"]["name"], o.get("spec"), o.get("status"), o["metadata"])
                     for (k, _), o in sorted(self.objects.items()) if k == kind
                     and (o["metadata"].get("labels") or {}).get("tpufinetune.dev/name") == NAME]
         body = self.objects.get(("TPUFinetune", NAME))
@@ -237,7 +237,7 @@ class Lifecycle:
     played by tests/kuberay_standin.py: the integration tests' vocabulary (apply, wait, children,
     events), for rules that need no API server."""
 
-    def __init__(self, tun: phases.Tunables = phases.Tunables(verify_grace_seconds=1)):
+    def __init__(self, tun: observed.Tunables = observed.Tunables(verify_grace_seconds=1)):
         from tests.kuberay_standin import KubeRay
 
         self.kube = FakeCluster()

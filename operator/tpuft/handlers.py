@@ -41,7 +41,7 @@ from tpuft import constants as c
 from tpuft import builders, diagnosis, metrics, phases
 from tpuft.kube import Kube, KubeError, Rejected, new_api_client
 from tpuft.ledger import Ledger
-from tpuft.phases import AdmissionError, ClusterObs, IndexedChild, JobObs, Observed, Op, ServiceObs
+from tpuft.observed import AdmissionError, ClusterObs, Event, IndexedChild, JobObs, Observed, Op, ServiceObs, Tunables, owned, parse_time
 
 log = logging.getLogger("tpuft.operator")
 Key = tuple[str, str]
@@ -49,10 +49,10 @@ Key = tuple[str, str]
 BACKOFF_MIN, BACKOFF_MAX = 1.0, 60.0
 
 
-def _tunables() -> phases.Tunables:
+def _tunables() -> Tunables:
     env = {"verify_grace_seconds": "TPUFT_VERIFY_GRACE_SECONDS", "rayjob_grace_seconds": "TPUFT_RAYJOB_GRACE_SECONDS",
            "resubmit_backoff_seconds": "TPUFT_RESUBMIT_BACKOFF_SECONDS"}
-    return phases.Tunables(**{k: float(os.environ[v]) for k, v in env.items() if os.environ.get(v)})
+    return Tunables(**{k: float(os.environ[v]) for k, v in env.items() if os.environ.get(v)})
 
 
 # --- indexes and event handlers ----------------------------------------------------------------------
@@ -150,7 +150,7 @@ def probe(memo: kopf.Memo, **_: Any) -> dict:
 
 # --- the controller ---------------------------------------------------------------------------------
 class Controller:
-    def __init__(self, kube: Kube, keys: Any, clusters: Any, jobs: Any, tun: phases.Tunables,
+    def __init__(self, kube: Kube, keys: Any, clusters: Any, jobs: Any, tun: Tunables,
                  services: Any = None):
         self.kube, self.keys, self.clusters, self.jobs, self.tun = kube, keys, clusters, jobs, tun
         self.services = services if services is not None else {}
@@ -372,7 +372,7 @@ class Controller:
                 self.ledger.created_child(key, action.kind, action.name)
             done.append(f"{action.op.value}:{action.kind}/{action.name}={result}")
         self.ledger.clear_error(key)
-        prev = phases.owned(obj.get("status"))
+        prev = owned(obj.get("status"))
         if decision.patch:
             if not self._patch_status(key, decision.patch):   # 404: the object is gone
                 self.ledger.mark_gone(key, uid)
@@ -400,17 +400,17 @@ class Controller:
         if patch:
             try:
                 if self._patch_status(key, patch):
-                    self.ledger.wrote(key, {**phases.owned(obj.get("status")), **patch})
+                    self.ledger.wrote(key, {**owned(obj.get("status")), **patch})
             except KubeError as e:
                 log.warning("tft=%s/%s could not record error in status: %s", *key, e)
         if self.ledger.new_error(key, error):
-            self.kube.post_event(obj, phases.Event(c.EventType.WARNING, c.Reason.RECONCILE_ERROR, error))
+            self.kube.post_event(obj, Event(c.EventType.WARNING, c.Reason.RECONCILE_ERROR, error))
 
     @staticmethod
     def _phase_metrics(key: Key, prev: dict, status: dict, now: datetime) -> None:
         before, after = prev.get("phase"), status.get("phase")
         if before != after:
-            since = phases.parse_time(prev.get("phaseTransitionTime"))
+            since = parse_time(prev.get("phaseTransitionTime"))
             if before and since:
                 metrics.PHASE_SECONDS.labels(phase=before).observe(max((now - since).total_seconds(), 0))
             if after == c.Phase.FAILED.value:

@@ -1,5 +1,5 @@
 """Types the reconciler passes around (observation in, decision out) and how KubeRay's status
-fields are read. Pure, like tpuft.phases, which re-exports these names.
+fields are read. Pure, like tpuft.phases (which imports them from here: import them from here too).
 """
 from __future__ import annotations
 

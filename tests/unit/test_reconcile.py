@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tests.factories import NAME, NS, FakeKube, Lifecycle, controller, indexed, tft
-from tpuft import handlers, phases
+from tpuft import handlers
+from tpuft import observed as obs
 from tpuft.kube import KubeError, Rejected
 
 def test_first_reconcile_acts_then_writes_status_once():
@@ -30,7 +31,7 @@ def test_first_reconcile_acts_then_writes_status_once():
     # Caught up: no request at all (the slice's pods, listed for a stall's cause, are reused
     # for TPUFT_POD_LIST_SECONDS)
     kube.log.clear()
-    cluster = phases.IndexedChild(f"{NAME}-ray", {}, suspend=False, deleting=False)
+    cluster = obs.IndexedChild(f"{NAME}-ray", {}, suspend=False, deleting=False)
     ctl.reconcile((NS, NAME), indexed(kube), [cluster], [])
     assert kube.log == [] and ctl.ledger.written((NS, NAME)) is None
     ctl.pod_list_seconds = 0
@@ -75,7 +76,7 @@ def test_deleting_children_in_the_index_count_as_absent():
     ctl = controller(kube)
     ctl.reconcile((NS, NAME), indexed(kube), [], [])
     obj = kube.objects[("TPUFinetune", NAME)]
-    entry = phases.IndexedChild(f"{NAME}-ray", {}, suspend=False, deleting=True)
+    entry = obs.IndexedChild(f"{NAME}-ray", {}, suspend=False, deleting=True)
     del kube.objects[("RayCluster", f"{NAME}-ray")]
     observed = ctl.observe(obj, [entry], [])
     assert observed.cluster is None
@@ -88,13 +89,13 @@ def test_a_previous_objects_children_are_not_taken_for_its_own():
     ctl = controller(kube)
     ctl.reconcile((NS, NAME), indexed(kube), [], [])
     obj = kube.objects[("TPUFinetune", NAME)]
-    old_cluster = phases.IndexedChild(f"{NAME}-ray", {"state": "ready"}, owner_uid="uid-of-the-deleted-object")
-    old_job = phases.IndexedChild(f"{NAME}-verify", {"jobStatus": "FAILED"}, owner_uid="uid-of-the-deleted-object")
+    old_cluster = obs.IndexedChild(f"{NAME}-ray", {"state": "ready"}, owner_uid="uid-of-the-deleted-object")
+    old_job = obs.IndexedChild(f"{NAME}-verify", {"jobStatus": "FAILED"}, owner_uid="uid-of-the-deleted-object")
     kube.objects[("RayCluster", f"{NAME}-ray")]["metadata"]["ownerReferences"] = [
         {"kind": "TPUFinetune", "uid": "uid-of-the-deleted-object"}]
     observed = ctl.observe(obj, [old_cluster], [old_job])
     assert observed.cluster is None and observed.jobs == {}
-    own = phases.IndexedChild(f"{NAME}-ray", {"state": "ready"}, owner_uid=obj["metadata"]["uid"])
+    own = obs.IndexedChild(f"{NAME}-ray", {"state": "ready"}, owner_uid=obj["metadata"]["uid"])
     assert ctl.observe(obj, [own], []).cluster is not None
 
 
@@ -106,8 +107,8 @@ def test_rayjobs_on_their_way_out_are_confirmed_with_a_get_while_there_is_a_clus
     ctl = controller(kube)
     ctl.reconcile((NS, NAME), indexed(kube), [], [])
     obj = kube.objects[("TPUFinetune", NAME)]
-    cluster = phases.IndexedChild(f"{NAME}-ray", {})
-    going = phases.IndexedChild(f"{NAME}-verify", {"jobStatus": "SUCCEEDED"}, deleting=True)
+    cluster = obs.IndexedChild(f"{NAME}-ray", {})
+    going = obs.IndexedChild(f"{NAME}-verify", {"jobStatus": "SUCCEEDED"}, deleting=True)
     kube.objects[("RayJob", f"{NAME}-verify")] = {"metadata": {"name": f"{NAME}-verify"}}
     observed = ctl.observe(obj, [cluster], [going])
     assert observed.jobs_deleting == (f"{NAME}-verify",) and observed.jobs == {}
@@ -116,7 +117,7 @@ def test_rayjobs_on_their_way_out_are_confirmed_with_a_get_while_there_is_a_clus
     assert ctl.observe(obj, [cluster], [going]).jobs_deleting == ()
     ctl.ledger.deleted_child((NS, NAME), "RayJob", f"{NAME}-train")   # deleted by us, the index still shows it
     kube.objects[("RayJob", f"{NAME}-train")] = {"metadata": {"name": f"{NAME}-train"}}
-    assert ctl.observe(obj, [cluster], [phases.IndexedChild(f"{NAME}-train", {})]).jobs_deleting == (f"{NAME}-train",)
+    assert ctl.observe(obj, [cluster], [obs.IndexedChild(f"{NAME}-train", {})]).jobs_deleting == (f"{NAME}-train",)
     del kube.objects[("RayCluster", f"{NAME}-ray")]
     kube.log.clear()
     assert ctl.observe(obj, [], [going]).jobs_deleting == ()   # no cluster: nothing to hold, no GET for it
@@ -126,9 +127,9 @@ def test_rayjobs_on_their_way_out_are_confirmed_with_a_get_while_there_is_a_clus
 def test_grace_periods_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("TPUFT_RAYJOB_GRACE_SECONDS", "5")
     monkeypatch.delenv("TPUFT_VERIFY_GRACE_SECONDS", raising=False)
-    assert handlers._tunables() == phases.Tunables(rayjob_grace_seconds=5.0)
+    assert handlers._tunables() == obs.Tunables(rayjob_grace_seconds=5.0)
     monkeypatch.setenv("TPUFT_VERIFY_GRACE_SECONDS", "1")
-    assert handlers._tunables() == phases.Tunables(verify_grace_seconds=1.0, rayjob_grace_seconds=5.0)
+    assert handlers._tunables() == obs.Tunables(verify_grace_seconds=1.0, rayjob_grace_seconds=5.0)
     monkeypatch.setenv("TPUFT_RESUBMIT_BACKOFF_SECONDS", "0")
     assert handlers._tunables().resubmit_backoff_seconds == 0.0
 
@@ -144,7 +145,7 @@ def test_the_index_keeps_typed_children():
     meta = {"generation": 3, "deletionTimestamp": "2026-01-01T00:00:00Z"}
     entry = handlers.rayjobs_by_owner(namespace=NS, name=f"{NAME}-verify", labels={"tpufinetune.dev/name": NAME},
                                       spec={"suspend": True}, status={"jobStatus": "RUNNING"}, meta=meta)
-    assert entry == {(NS, NAME): phases.IndexedChild(f"{NAME}-verify", {"jobStatus": "RUNNING"}, suspend=True,
+    assert entry == {(NS, NAME): obs.IndexedChild(f"{NAME}-verify", {"jobStatus": "RUNNING"}, suspend=True,
                                                      deleting=True, generation=3)}
 
 
@@ -215,7 +216,7 @@ def test_training_retries_then_fails():
 def test_lost_submissions_are_resubmitted_as_fresh_rayjobs():
     """KubeRay fails a RayJob whose submitter completed while the dashboard knew no job of it:
     a fresh verify job, then the next training attempt, neither spending training.maxJobRetries."""
-    tft = Lifecycle(phases.Tunables(verify_grace_seconds=1, resubmit_backoff_seconds=0))
+    tft = Lifecycle(obs.Tunables(verify_grace_seconds=1, resubmit_backoff_seconds=0))
     kuberay = tft.kuberay
     verifying(tft)
     kuberay.job_lost(f"{NAME}-verify")
@@ -283,7 +284,7 @@ def test_a_stuck_slice_says_the_schedulers_reason_while_provisioning_and_at_the_
     ctl = controller(kube)
     ctl.pod_list_seconds = 0
     ctl.reconcile((NS, NAME), indexed(kube), [], [])
-    cluster = phases.IndexedChild(f"{NAME}-ray", {}, suspend=False, deleting=False, uid="rc-1")
+    cluster = obs.IndexedChild(f"{NAME}-ray", {}, suspend=False, deleting=False, uid="rc-1")
     kube.pods = [pod(f"{NAME}-ray-worker-a", "rc-1", **UNSCHEDULABLE)]
     for _ in range(3):   # resyncs: one write and one event for the cause, however often it is seen
         ctl.reconcile((NS, NAME), indexed(kube), [cluster], [])
@@ -304,7 +305,7 @@ def test_pods_of_another_cluster_are_not_this_slices_cause():
     ctl = controller(kube)
     ctl.pod_list_seconds = 0
     ctl.reconcile((NS, NAME), indexed(kube), [], [])
-    cluster = phases.IndexedChild(f"{NAME}-ray", {}, uid="rc-1")
+    cluster = obs.IndexedChild(f"{NAME}-ray", {}, uid="rc-1")
     kube.pods = [pod(f"{NAME}-ray-worker-old", "rc-0", **UNSCHEDULABLE)]
     ctl.reconcile((NS, NAME), indexed(kube), [cluster], [])
     assert "cannot be scheduled" not in kube.objects[("TPUFinetune", NAME)]["status"]["message"]
@@ -315,7 +316,7 @@ def test_a_recreated_object_waits_for_the_deleted_ones_pods_then_creates():
     taken by KubeRay for the new cluster's (it selects pods by the ray.io/cluster label)."""
     kube = FakeKube(tft())
     ctl = controller(kube)
-    old = phases.IndexedChild(f"{NAME}-ray", {}, owner_uid="u-0", uid="rc-0")
+    old = obs.IndexedChild(f"{NAME}-ray", {}, owner_uid="u-0", uid="rc-0")
     kube.pods = [pod(f"{NAME}-ray-head-x", "rc-0", phase="Running")]
     requeue = ctl.reconcile((NS, NAME), indexed(kube), [old], [])
     st = kube.objects[("TPUFinetune", NAME)]["status"]
@@ -336,7 +337,7 @@ def test_a_listed_slice_is_reused_for_the_interval_then_listed_again(monkeypatch
     clock = [100.0]
     monkeypatch.setattr(handlers.time, "monotonic", lambda: clock[0])
     ctl.reconcile((NS, NAME), indexed(kube), [], [])
-    cluster = phases.IndexedChild(f"{NAME}-ray", {}, uid="rc-1")
+    cluster = obs.IndexedChild(f"{NAME}-ray", {}, uid="rc-1")
     kube.pods = [pod(f"{NAME}-ray-worker-a", "rc-1", **UNSCHEDULABLE)]
     clock[0] += ctl.pod_list_seconds - 1
     ctl.reconcile((NS, NAME), indexed(kube), [cluster], [])
@@ -354,7 +355,7 @@ def test_node_pools_are_read_only_for_an_unschedulable_slice_and_shared(monkeypa
     ctl = controller(kube)
     ctl.pod_list_seconds = 0
     ctl.reconcile((NS, NAME), indexed(kube), [], [])
-    cluster = phases.IndexedChild(f"{NAME}-ray", {}, uid="rc-1")
+    cluster = obs.IndexedChild(f"{NAME}-ray", {}, uid="rc-1")
     kube.pods = [pod(f"{NAME}-ray-worker-a", "rc-1", phase="Pending")]
     ctl.reconcile((NS, NAME), indexed(kube), [cluster], [])
     assert kube.ops("node_pools") == []   # nothing unschedulable: no node list
