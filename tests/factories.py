@@ -10,6 +10,7 @@ import yaml
 from tpuft import handlers, observed
 from tpuft.constants import API_VERSION, KIND
 from tpuft.diagnosis import PodObs
+from tpuft.settings import Settings
 from tpuft.spec import DEFAULTS
 
 # The issue's minimum spec, as written.
@@ -144,8 +145,11 @@ class FakeKube:
         return [x for x in self.log if x[0] in kinds]
 
 
+TEST_SETTINGS = Settings(verify_grace_seconds=1)
+
+
 def controller(kube) -> handlers.Controller:
-    return handlers.Controller(kube, {}, {}, {}, observed.Tunables(verify_grace_seconds=1))
+    return handlers.Controller(kube, {}, {}, {}, TEST_SETTINGS)
 
 
 def indexed(kube) -> dict:
@@ -237,11 +241,11 @@ class Lifecycle:
     played by tests/kuberay_standin.py: the integration tests' vocabulary (apply, wait, children,
     events), for rules that need no API server."""
 
-    def __init__(self, tun: observed.Tunables = observed.Tunables(verify_grace_seconds=1)):
+    def __init__(self, settings: Settings = TEST_SETTINGS):
         from tests.kuberay_standin import KubeRay
 
         self.kube = FakeCluster()
-        self.ctl = handlers.Controller(self.kube, {}, {}, {}, tun)
+        self.ctl = handlers.Controller(self.kube, {}, {}, {}, settings)
         self.kuberay = KubeRay.__new__(KubeRay)
         self.kuberay.api, self.kuberay.ns = self.kube.custom, NS
 

@@ -9,7 +9,7 @@ drift and which block deletion when the operator is gone). Instead:
   * `kopf.index` keeps the owned RayClusters / RayJobs (label tpufinetune.dev/name) and the
     TPUFinetune keys in memory; `kopf.on.event` on all three kinds queues the owner's key.
   * A small controller (started in `on.startup`, kept in kopf's `memo`) runs a work queue: at most one reconcile per
-    key at a time, a resync of every key every TPUFT_RESYNC_SECONDS (default 5) or sooner when
+    key at a time, a resync of every key every Settings.resync_seconds (default 5) or sooner when
     the decision asks (a deadline), exponential backoff (1 s .. 60 s) after API errors.
   * reconcile: the TPUFinetune from the index, with the status keys the operator owns overlaid
     by what this process last wrote until the index catches up (tpuft.ledger; no GET per
@@ -18,11 +18,7 @@ drift and which block deletion when the operator is gone). Instead:
     idempotently (create -> 409 -> adopt if ours), write status ONCE via the status subresource
     when it changed (operator keys only), post Events.
 
-Environment: TPUFT_RESYNC_SECONDS, TPUFT_WORKERS (4), TPUFT_VERIFY_GRACE_SECONDS (60),
-TPUFT_RAYJOB_GRACE_SECONDS (60: how long KubeRay may take to finish a RayJob whose job has ended),
-TPUFT_RESUBMIT_BACKOFF_SECONDS (10: the wait before a lost RayJob's first resubmission, doubling),
-TPUFT_POD_LIST_SECONDS (10: how long one list of a coming-up slice's pods is reused),
-TPUFT_METRICS_PORT (9090; 0 disables), TPUFT_LOG_LEVEL.
+Settings: tpuft.settings (from the environment, read once in startup).
 """
 from __future__ import annotations
 
@@ -30,7 +26,6 @@ import asyncio
 import copy
 import dataclasses
 import logging
-import os
 import time
 from datetime import datetime, timezone
 from typing import Any, Sequence
@@ -41,18 +36,13 @@ from tpuft import constants as c
 from tpuft import builders, diagnosis, metrics, phases
 from tpuft.kube import Kube, KubeError, Rejected, new_api_client
 from tpuft.ledger import Ledger
-from tpuft.observed import AdmissionError, ClusterObs, Event, IndexedChild, JobObs, Observed, Op, ServiceObs, Tunables, owned, parse_time
+from tpuft.observed import AdmissionError, ClusterObs, Event, IndexedChild, JobObs, Observed, Op, ServiceObs, owned, parse_time
+from tpuft.settings import Settings
 
 log = logging.getLogger("tpuft.operator")
 Key = tuple[str, str]
 
 BACKOFF_MIN, BACKOFF_MAX = 1.0, 60.0
-
-
-def _tunables() -> Tunables:
-    env = {"verify_grace_seconds": "TPUFT_VERIFY_GRACE_SECONDS", "rayjob_grace_seconds": "TPUFT_RAYJOB_GRACE_SECONDS",
-           "resubmit_backoff_seconds": "TPUFT_RESUBMIT_BACKOFF_SECONDS"}
-    return Tunables(**{k: float(os.environ[v]) for k, v in env.items() if os.environ.get(v)})
 
 
 # --- indexes and event handlers ----------------------------------------------------------------------
@@ -116,14 +106,14 @@ async def rayservice_event(namespace: str, labels: Any, memo: kopf.Memo, **_: An
 # --- lifecycle ------------------------------------------------------------------------------------
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -> None:
-    level = os.environ.get("TPUFT_LOG_LEVEL", "").upper()
-    if level:
-        logging.getLogger("tpuft").setLevel(level)
+    config = Settings.from_env()   # read at startup, not import: tests set the environment
+    if config.log_level:
+        logging.getLogger("tpuft").setLevel(config.log_level)
     settings.posting.level = logging.WARNING      # kopf's own k8s Events: only problems
     settings.watching.server_timeout = 300        # re-list at least every 5 minutes
-    metrics.serve()
-    ctl = Controller(Kube(new_api_client()), kwargs["tpufinetunes"], kwargs["rayclusters_by_owner"],
-                     kwargs["rayjobs_by_owner"], _tunables(), kwargs["rayservices_by_owner"])
+    metrics.serve(config.metrics_port)
+    ctl = Controller(Kube(new_api_client(), config.api_timeout_seconds), kwargs["tpufinetunes"],
+                     kwargs["rayclusters_by_owner"], kwargs["rayjobs_by_owner"], config, kwargs["rayservices_by_owner"])
     ctl.start()
     memo["controller"] = ctl
 
@@ -150,9 +140,10 @@ def probe(memo: kopf.Memo, **_: Any) -> dict:
 
 # --- the controller ---------------------------------------------------------------------------------
 class Controller:
-    def __init__(self, kube: Kube, keys: Any, clusters: Any, jobs: Any, tun: Tunables,
+    def __init__(self, kube: Kube, keys: Any, clusters: Any, jobs: Any, settings: Settings,
                  services: Any = None):
-        self.kube, self.keys, self.clusters, self.jobs, self.tun = kube, keys, clusters, jobs, tun
+        self.kube, self.keys, self.clusters, self.jobs = kube, keys, clusters, jobs
+        self.tun = settings.tunables()
         self.services = services if services is not None else {}
         self.queue: asyncio.Queue[Key] = asyncio.Queue()
         self.queued: set[Key] = set()
@@ -160,9 +151,8 @@ class Controller:
         self.dirty: set[Key] = set()
         self.ledger = Ledger()   # per key: schedule, backoff, last error, and what bridges the index's lag
         self.tasks: list[asyncio.Task] = []
-        self.resync = float(os.environ.get("TPUFT_RESYNC_SECONDS", "5"))   # read at startup: tests set it
-        self.workers = int(os.environ.get("TPUFT_WORKERS", "4"))
-        self.pod_list_seconds = float(os.environ.get("TPUFT_POD_LIST_SECONDS", c.POD_LIST_INTERVAL_SECONDS))
+        self.resync, self.workers = settings.resync_seconds, settings.workers
+        self.pod_list_seconds = settings.pod_list_seconds
         self._pools: tuple[float, tuple | None] | None = None   # (when, Kube.node_pools())
 
     def start(self) -> None:

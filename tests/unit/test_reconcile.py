@@ -8,6 +8,7 @@ from tests.factories import NAME, NS, FakeKube, Lifecycle, controller, indexed, 
 from tpuft import handlers
 from tpuft import observed as obs
 from tpuft.kube import KubeError, Rejected
+from tpuft.settings import Settings
 
 def test_first_reconcile_acts_then_writes_status_once():
     kube = FakeKube(tft())
@@ -124,16 +125,6 @@ def test_rayjobs_on_their_way_out_are_confirmed_with_a_get_while_there_is_a_clus
     assert ("get", "RayJob", f"{NAME}-verify") not in kube.log
 
 
-def test_grace_periods_come_from_the_environment(monkeypatch):
-    monkeypatch.setenv("TPUFT_RAYJOB_GRACE_SECONDS", "5")
-    monkeypatch.delenv("TPUFT_VERIFY_GRACE_SECONDS", raising=False)
-    assert handlers._tunables() == obs.Tunables(rayjob_grace_seconds=5.0)
-    monkeypatch.setenv("TPUFT_VERIFY_GRACE_SECONDS", "1")
-    assert handlers._tunables() == obs.Tunables(verify_grace_seconds=1.0, rayjob_grace_seconds=5.0)
-    monkeypatch.setenv("TPUFT_RESUBMIT_BACKOFF_SECONDS", "0")
-    assert handlers._tunables().resubmit_backoff_seconds == 0.0
-
-
 def test_the_index_records_the_owner():
     meta = {"ownerReferences": [{"kind": "TPUFinetune", "uid": "u-1", "controller": True}]}
     entry = handlers.rayclusters_by_owner(namespace=NS, name=f"{NAME}-ray", labels={"tpufinetune.dev/name": NAME},
@@ -216,7 +207,7 @@ def test_training_retries_then_fails():
 def test_lost_submissions_are_resubmitted_as_fresh_rayjobs():
     """KubeRay fails a RayJob whose submitter completed while the dashboard knew no job of it:
     a fresh verify job, then the next training attempt, neither spending training.maxJobRetries."""
-    tft = Lifecycle(obs.Tunables(verify_grace_seconds=1, resubmit_backoff_seconds=0))
+    tft = Lifecycle(Settings(verify_grace_seconds=1, resubmit_backoff_seconds=0))
     kuberay = tft.kuberay
     verifying(tft)
     kuberay.job_lost(f"{NAME}-verify")
