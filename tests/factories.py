@@ -3,13 +3,15 @@ never from each other)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import uuid
 
 import yaml
 
-from tpuft import handlers, observed
+from tpuft import observed
 from tpuft.constants import API_VERSION, KIND
 from tpuft.diagnosis import PodObs
+from tpuft.reconciler import Reconciler, Snapshot
 from tpuft.settings import Settings
 from tpuft.spec import DEFAULTS
 
@@ -92,7 +94,7 @@ def with_unknown(parent: str, key: str, value, base=MINIMUM) -> dict:
     return doc
 
 
-# --- a fake API for handlers.Controller (tests/unit/test_reconcile.py; the fault tests' pinned bug) ------
+# --- a fake API for tpuft.reconciler (tests/unit/test_reconciler.py; the fault tests' pinned bug) ---------
 NS, NAME = "team-a", "ft"
 
 
@@ -148,8 +150,18 @@ class FakeKube:
 TEST_SETTINGS = Settings(verify_grace_seconds=1)
 
 
-def controller(kube) -> handlers.Controller:
-    return handlers.Controller(kube, {}, {}, {}, TEST_SETTINGS)
+def reconciler(kube, **settings) -> Reconciler:
+    return Reconciler(kube, dataclasses.replace(TEST_SETTINGS, **settings))
+
+
+def kids(clusters=(), jobs=(), services=()) -> dict:
+    """Children of each kind, as Reconciler.observe takes them."""
+    return {"RayCluster": list(clusters), "RayJob": list(jobs), "RayService": list(services)}
+
+
+def snap(body: dict | None, clusters=(), jobs=(), services=()) -> Snapshot:
+    """What the indexes hold for NS/NAME: the body and its children of each kind."""
+    return Snapshot(body, kids(clusters, jobs, services))
 
 
 def indexed(kube) -> dict:
@@ -175,7 +187,7 @@ def merge_patch(target: dict, patch: dict) -> dict:
 
 class FakeCluster(FakeKube):
     """FakeKube that keeps children the way the API server would (uid, generation, deletes,
-    suspend patches) and plays kopf's index (caught up) for Controller.reconcile. Its `custom`
+    suspend patches) and plays kopf's index (caught up) for Reconciler.reconcile. Its `custom`
     answers tests/kuberay_standin.py's calls, so the stand-in writes KubeRay's status here."""
 
     def __init__(self):
@@ -213,14 +225,14 @@ class FakeCluster(FakeKube):
         super().post_event(obj, event)
         self.events.append({"type": event.type.value, "reason": event.reason.value, "message": event.message})
 
-    def index(self) -> tuple[dict | None, list, list]:
+    def index(self) -> Snapshot:
         """What kopf's indexes hold once caught up: the TPUFinetune and its labelled children."""
         def kids(kind):
             return [observed.IndexedChild.of(o["metadata"]["name"], o.get("spec"), o.get("status"), o["metadata"])
                     for (k, _), o in sorted(self.objects.items()) if k == kind
                     and (o["metadata"].get("labels") or {}).get("tpufinetune.dev/name") == NAME]
         body = self.objects.get(("TPUFinetune", NAME))
-        return copy.deepcopy(body), kids("RayCluster"), kids("RayJob")
+        return snap(copy.deepcopy(body), kids("RayCluster"), kids("RayJob"))
 
 
 class _FakeCustomObjects:
@@ -237,7 +249,7 @@ class _FakeCustomObjects:
 
 
 class Lifecycle:
-    """One TPUFinetune driven by handlers.Controller against a FakeCluster, with KubeRay's part
+    """One TPUFinetune driven by tpuft.reconciler against a FakeCluster, with KubeRay's part
     played by tests/kuberay_standin.py: the integration tests' vocabulary (apply, wait, children,
     events), for rules that need no API server."""
 
@@ -245,7 +257,7 @@ class Lifecycle:
         from tests.kuberay_standin import KubeRay
 
         self.kube = FakeCluster()
-        self.ctl = handlers.Controller(self.kube, {}, {}, {}, settings)
+        self.ctl = Reconciler(self.kube, settings)
         self.kuberay = KubeRay.__new__(KubeRay)
         self.kuberay.api, self.kuberay.ns = self.kube.custom, NS
 
@@ -277,7 +289,7 @@ class Lifecycle:
 
     def reconcile(self, times: int = 1) -> None:
         for _ in range(times):
-            self.ctl.reconcile((NS, NAME), *self.kube.index())
+            self.ctl.reconcile((NS, NAME), self.kube.index())
 
     def wait(self, phase: str, reconciles: int = 10) -> dict:
         for _ in range(reconciles):

@@ -1,4 +1,4 @@
-"""Kubernetes API I/O for the reconciler (synchronous kubernetes client; handlers.py runs it in
+"""Kubernetes API I/O for the reconciler (synchronous kubernetes client; tpuft.reconciler runs it in
 a worker thread). Every error names the verb, kind and namespace/name it was about.
 
 Verbs used (and nothing else; see charts/.../_rbac-rules.tpl): tpufinetunes status patch (kopf lists/watches);
@@ -22,7 +22,7 @@ from kubernetes.client.exceptions import ApiException
 
 from tpuft import constants as c
 from tpuft.diagnosis import PodObs
-from tpuft.observed import Action, Event, Op, QueueObs
+from tpuft.observed import CHILD_KINDS, Action, Event, Op, QueueObs
 
 log = logging.getLogger("tpuft.kube")
 MERGE_PATCH = "application/merge-patch+json"
@@ -32,9 +32,7 @@ REJECTED_STATUSES = {400, 403, 422}  # the API server or an admission webhook sa
 # kind -> (group, version, plural) for the objects reached through CustomObjectsApi
 CUSTOM = {
     c.KIND: (c.GROUP, c.VERSION, c.PLURAL),
-    c.RAYCLUSTER_KIND: (c.RAY_GROUP, c.RAY_VERSION, c.RAYCLUSTER_PLURAL),
-    c.RAYJOB_KIND: (c.RAY_GROUP, c.RAY_VERSION, c.RAYJOB_PLURAL),
-    c.RAYSERVICE_KIND: (c.RAY_GROUP, c.RAY_VERSION, c.RAYSERVICE_PLURAL),
+    **{k.kind: (k.group, k.version, k.plural) for k in CHILD_KINDS},
     "Role": (RBAC_GROUP, RBAC_VERSION, "roles"),
     "RoleBinding": (RBAC_GROUP, RBAC_VERSION, "rolebindings"),
     c.NETWORK_POLICY_KIND: (c.NETWORKING_GROUP, c.NETWORKING_VERSION, "networkpolicies"),

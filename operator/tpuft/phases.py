@@ -1,6 +1,6 @@
 """The reconciler's brain, pure: (the object, what its children look like, now) -> Decision.
 
-No client, no clock, no randomness: `handlers.py` gathers the observation, calls `decide`,
+No client, no clock, no randomness: `reconciler.py` gathers the observation, calls `decide`,
 performs `Decision.actions` (idempotent creates by deterministic name, patches, deletes),
 then writes `Decision.patch` (None when nothing changed) to the status subresource.
 
