@@ -29,6 +29,7 @@ from tpuft.workqueue import WorkQueue
 
 OWNED = {c.LABEL_NAME: kopf.PRESENT}
 QUEUE = "queue"   # the work queue's key in kopf's memo
+OBJECT_INDEX = "tpufinetunes"   # the TPUFinetunes' kopf index (the startup handler's keyword argument)
 
 
 def index_id(kind: ChildKind) -> str:
@@ -37,7 +38,9 @@ def index_id(kind: ChildKind) -> str:
 
 
 # --- indexes and event handlers ----------------------------------------------------------------------
-@kopf.index(c.GROUP, c.VERSION, c.PLURAL)
+# The ignores: kopf's handler protocols type `namespace` as str | None (for cluster-scoped
+# resources); every resource here is namespaced, so these handlers take a str.
+@kopf.index(c.GROUP, c.VERSION, c.PLURAL, id=OBJECT_INDEX)  # type: ignore[arg-type]
 def tpufinetunes(namespace: str, name: str, body: Any, **_: Any) -> dict:
     """The object itself: the reconciler reads it from here (an informer cache), not with a GET."""
     return {(namespace, name): copy.deepcopy(dict(body))}
@@ -54,7 +57,7 @@ def _queue(memo: kopf.Memo) -> WorkQueue | None:
     return memo.get(QUEUE)
 
 
-@kopf.on.event(c.GROUP, c.VERSION, c.PLURAL)
+@kopf.on.event(c.GROUP, c.VERSION, c.PLURAL)  # type: ignore[arg-type]
 async def tpufinetune_event(type: str | None, namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     if (queue := _queue(memo)) is not None:
         if type == "DELETED":
@@ -68,9 +71,9 @@ async def child_event(namespace: str, labels: Any, memo: kopf.Memo, **_: Any) ->
 
 
 for _kind in CHILD_KINDS:
-    kopf.index(_kind.group, _kind.version, _kind.plural, id=index_id(_kind), labels=OWNED)(index_child)
+    kopf.index(_kind.group, _kind.version, _kind.plural, id=index_id(_kind), labels=OWNED)(index_child)  # type: ignore[arg-type]
     kopf.on.event(_kind.group, _kind.version, _kind.plural, id=f"{_kind.kind.lower()}_event",
-                  labels=OWNED)(child_event)
+                  labels=OWNED)(child_event)  # type: ignore[arg-type]
 
 
 # --- lifecycle ------------------------------------------------------------------------------------
@@ -89,7 +92,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: An
     settings.posting.level = logging.WARNING      # kopf's own k8s Events: only problems
     settings.watching.server_timeout = 300        # re-list at least every 5 minutes
     metrics.serve(config.metrics_port)
-    indexes = Indexes(kwargs[tpufinetunes.__name__], {k.kind: kwargs[index_id(k)] for k in CHILD_KINDS})
+    indexes = Indexes(kwargs[OBJECT_INDEX], {k.kind: kwargs[index_id(k)] for k in CHILD_KINDS})
     queue = controller(Kube(new_api_client(), config.api_timeout_seconds), config, indexes)
     queue.start()
     memo[QUEUE] = queue

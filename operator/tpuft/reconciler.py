@@ -100,8 +100,9 @@ class Reconciler:
         if observed.cluster is not None:
             jobs = children.get(c.RAYJOB_KIND, ())
             observed = dataclasses.replace(observed, jobs_deleting=self._deleting_jobs(ns, jobs, removed, uid))
-        if phases.wants_queue(obj, observed.cluster) and observed.cluster.uid:
-            observed = dataclasses.replace(observed, queue=self.kube.queue(ns, observed.cluster.uid))
+        cluster = observed.cluster
+        if phases.wants_queue(obj, cluster) and cluster is not None and cluster.uid:
+            observed = dataclasses.replace(observed, queue=self.kube.queue(ns, cluster.uid))
         if phases.wants_serve_pods(obj):
             return self._with_serve_pods(observed, obj)
         clusters = children.get(c.RAYCLUSTER_KIND, ())
@@ -131,8 +132,8 @@ class Reconciler:
         this name left (its RayCluster, its pods), which must go before we create ours."""
         ns, uid = obj["metadata"]["namespace"], obj["metadata"].get("uid")
         name = builders.cluster_name(obj["metadata"]["name"])
-        ours = frozenset([x.uid for x in clusters if x.name == name and x.belongs_to(uid) and not x.deleting]
-                         + [observed.cluster.uid if observed.cluster else None]) - {None}
+        ours = frozenset(u for u in [x.uid for x in clusters if x.name == name and x.belongs_to(uid) and not x.deleting]
+                         + [observed.cluster.uid if observed.cluster else None] if u is not None)
         old = tuple(f"RayCluster {x.name}" for x in clusters if x.name == name and not x.belongs_to(uid))
         key = (ns, obj["metadata"]["name"])
         pods = self.ledger.pods(key, time.monotonic(), self.settings.pod_list_seconds)
@@ -143,7 +144,7 @@ class Reconciler:
         if listed:   # leftovers are waited on: each look at them is fresh, never a reused list
             self.ledger.listed_pods(key, time.monotonic(), pods if pods is not None and not old and not stale else None)
             pods = pods or ()
-        mine = tuple(p for p in pods if p.cluster_uid in ours)
+        mine = tuple(p for p in pods or () if p.cluster_uid in ours)
         found = diagnosis.blocking(mine)
         pools = self._node_pools() if found and found[0] == diagnosis.Blocker.UNSCHEDULABLE else None
         return dataclasses.replace(observed, pods=mine, pools=pools,
@@ -214,7 +215,7 @@ class Reconciler:
         """Perform the decision's actions in order; an admission refusal stops them and is decided
         on (it becomes the status). Returns the decision to record and what was done."""
         ns, uid = key[0], obj["metadata"].get("uid", "")
-        done = []
+        done: list[str] = []
         for action in decision.actions:
             try:
                 result = self.kube.perform(ns, uid, action)
