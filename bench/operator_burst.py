@@ -654,7 +654,8 @@ def code_state() -> dict:
 
     def git(*a):
         return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    files = ["operator/tpuft/handlers.py", "operator/tpuft/kube.py", "operator/tpuft/phases.py"]
+    files = ["operator/tpuft/handlers.py", "operator/tpuft/reconciler.py", "operator/tpuft/workqueue.py",
+             "operator/tpuft/kube.py", "operator/tpuft/phases.py"]
     return {"head": git("rev-parse", "--short", "HEAD"),
             "uncommitted": git("status", "--porcelain", "--", "operator/tpuft").splitlines(),
             "sha256": {f: hashlib.sha256((REPO / f).read_bytes()).hexdigest()[:12] for f in files}}

@@ -3,13 +3,16 @@ never from each other)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import uuid
 
 import yaml
 
-from tpuft import handlers, phases
+from tpuft import observed
 from tpuft.constants import API_VERSION, KIND
 from tpuft.diagnosis import PodObs
+from tpuft.reconciler import Reconciler, Snapshot
+from tpuft.settings import Settings
 from tpuft.spec import DEFAULTS
 
 # The issue's minimum spec, as written.
@@ -91,7 +94,7 @@ def with_unknown(parent: str, key: str, value, base=MINIMUM) -> dict:
     return doc
 
 
-# --- a fake API for handlers.Controller (tests/unit/test_reconcile.py; the fault tests' pinned bug) ------
+# --- a fake API for tpuft.reconciler (tests/unit/test_reconciler.py; the fault tests' pinned bug) ---------
 NS, NAME = "team-a", "ft"
 
 
@@ -119,7 +122,7 @@ class FakeKube:
         err = self.fail.get((action.kind, action.name))
         if err:
             raise err
-        if action.op == phases.Op.CREATE:
+        if action.op == observed.Op.CREATE:
             self.objects[(action.kind, action.name)] = copy.deepcopy(dict(action.body))
         return "created"
 
@@ -144,8 +147,21 @@ class FakeKube:
         return [x for x in self.log if x[0] in kinds]
 
 
-def controller(kube) -> handlers.Controller:
-    return handlers.Controller(kube, {}, {}, {}, phases.Tunables(verify_grace_seconds=1))
+TEST_SETTINGS = Settings(verify_grace_seconds=1)
+
+
+def reconciler(kube, **settings) -> Reconciler:
+    return Reconciler(kube, dataclasses.replace(TEST_SETTINGS, **settings))
+
+
+def kids(clusters=(), jobs=(), services=()) -> dict:
+    """Children of each kind, as Reconciler.observe takes them."""
+    return {"RayCluster": list(clusters), "RayJob": list(jobs), "RayService": list(services)}
+
+
+def snap(body: dict | None, clusters=(), jobs=(), services=()) -> Snapshot:
+    """What the indexes hold for NS/NAME: the body and its children of each kind."""
+    return Snapshot(body, kids(clusters, jobs, services))
 
 
 def indexed(kube) -> dict:
@@ -171,7 +187,7 @@ def merge_patch(target: dict, patch: dict) -> dict:
 
 class FakeCluster(FakeKube):
     """FakeKube that keeps children the way the API server would (uid, generation, deletes,
-    suspend patches) and plays kopf's index (caught up) for Controller.reconcile. Its `custom`
+    suspend patches) and plays kopf's index (caught up) for Reconciler.reconcile. Its `custom`
     answers tests/kuberay_standin.py's calls, so the stand-in writes KubeRay's status here."""
 
     def __init__(self):
@@ -191,17 +207,17 @@ class FakeCluster(FakeKube):
         if err:
             raise err
         key = (action.kind, action.name)
-        if action.op == phases.Op.CREATE:
+        if action.op == observed.Op.CREATE:
             if key in self.objects:
                 return "adopted"
             self.objects[key] = self._new(action.body)
             return "created"
-        if action.op == phases.Op.DELETE:
+        if action.op == observed.Op.DELETE:
             self.objects.pop(key, None)
             return "deleted"
         obj = self.objects.get(key)
         if obj is not None:   # suspend / resume: a spec change, so a new generation
-            obj["spec"]["suspend"] = action.op == phases.Op.SUSPEND
+            obj["spec"]["suspend"] = action.op == observed.Op.SUSPEND
             obj["metadata"]["generation"] += 1
         return action.op.value
 
@@ -209,14 +225,14 @@ class FakeCluster(FakeKube):
         super().post_event(obj, event)
         self.events.append({"type": event.type.value, "reason": event.reason.value, "message": event.message})
 
-    def index(self) -> tuple[dict | None, list, list]:
+    def index(self) -> Snapshot:
         """What kopf's indexes hold once caught up: the TPUFinetune and its labelled children."""
         def kids(kind):
-            return [phases.IndexedChild.of(o["metadata"]["name"], o.get("spec"), o.get("status"), o["metadata"])
+            return [observed.IndexedChild.of(o["metadata"]["name"], o.get("spec"), o.get("status"), o["metadata"])
                     for (k, _), o in sorted(self.objects.items()) if k == kind
                     and (o["metadata"].get("labels") or {}).get("tpufinetune.dev/name") == NAME]
         body = self.objects.get(("TPUFinetune", NAME))
-        return copy.deepcopy(body), kids("RayCluster"), kids("RayJob")
+        return snap(copy.deepcopy(body), kids("RayCluster"), kids("RayJob"))
 
 
 class _FakeCustomObjects:
@@ -233,15 +249,15 @@ class _FakeCustomObjects:
 
 
 class Lifecycle:
-    """One TPUFinetune driven by handlers.Controller against a FakeCluster, with KubeRay's part
+    """One TPUFinetune driven by tpuft.reconciler against a FakeCluster, with KubeRay's part
     played by tests/kuberay_standin.py: the integration tests' vocabulary (apply, wait, children,
     events), for rules that need no API server."""
 
-    def __init__(self, tun: phases.Tunables = phases.Tunables(verify_grace_seconds=1)):
+    def __init__(self, settings: Settings = TEST_SETTINGS):
         from tests.kuberay_standin import KubeRay
 
         self.kube = FakeCluster()
-        self.ctl = handlers.Controller(self.kube, {}, {}, {}, tun)
+        self.ctl = Reconciler(self.kube, settings)
         self.kuberay = KubeRay.__new__(KubeRay)
         self.kuberay.api, self.kuberay.ns = self.kube.custom, NS
 
@@ -273,7 +289,7 @@ class Lifecycle:
 
     def reconcile(self, times: int = 1) -> None:
         for _ in range(times):
-            self.ctl.reconcile((NS, NAME), *self.kube.index())
+            self.ctl.reconcile((NS, NAME), self.kube.index())
 
     def wait(self, phase: str, reconciles: int = 10) -> dict:
         for _ in range(reconciles):

@@ -1,4 +1,4 @@
-"""Kubernetes API I/O for the reconciler (synchronous kubernetes client; handlers.py runs it in
+"""Kubernetes API I/O for the reconciler (synchronous kubernetes client; tpuft.reconciler runs it in
 a worker thread). Every error names the verb, kind and namespace/name it was about.
 
 Verbs used (and nothing else; see charts/.../_rbac-rules.tpl): tpufinetunes status patch (kopf lists/watches);
@@ -22,20 +22,17 @@ from kubernetes.client.exceptions import ApiException
 
 from tpuft import constants as c
 from tpuft.diagnosis import PodObs
-from tpuft.observed import Action, Event, Op, QueueObs
+from tpuft.observed import CHILD_KINDS, Action, Event, Op, QueueObs
 
 log = logging.getLogger("tpuft.kube")
 MERGE_PATCH = "application/merge-patch+json"
 RBAC_GROUP, RBAC_VERSION = "rbac.authorization.k8s.io", "v1"
 REJECTED_STATUSES = {400, 403, 422}  # the API server or an admission webhook said no: retrying will not help
-REQUEST_TIMEOUT = float(os.environ.get("TPUFT_API_TIMEOUT_SECONDS", "30"))
 
 # kind -> (group, version, plural) for the objects reached through CustomObjectsApi
 CUSTOM = {
     c.KIND: (c.GROUP, c.VERSION, c.PLURAL),
-    c.RAYCLUSTER_KIND: (c.RAY_GROUP, c.RAY_VERSION, c.RAYCLUSTER_PLURAL),
-    c.RAYJOB_KIND: (c.RAY_GROUP, c.RAY_VERSION, c.RAYJOB_PLURAL),
-    c.RAYSERVICE_KIND: (c.RAY_GROUP, c.RAY_VERSION, c.RAYSERVICE_PLURAL),
+    **{k.kind: (k.group, k.version, k.plural) for k in CHILD_KINDS},
     "Role": (RBAC_GROUP, RBAC_VERSION, "roles"),
     "RoleBinding": (RBAC_GROUP, RBAC_VERSION, "rolebindings"),
     c.NETWORK_POLICY_KIND: (c.NETWORKING_GROUP, c.NETWORKING_VERSION, "networkpolicies"),
@@ -84,6 +81,7 @@ def new_api_client() -> client.ApiClient:
 @dataclass
 class Kube:
     api: client.ApiClient
+    timeout: float   # seconds, each request (Settings.api_timeout_seconds)
 
     def __post_init__(self) -> None:
         self.custom = client.CustomObjectsApi(self.api)
@@ -95,10 +93,10 @@ class Kube:
         """The object as a dict (camelCase), or None when it does not exist."""
         try:
             if kind == "ServiceAccount":
-                sa = self.core.read_namespaced_service_account(name, ns, _request_timeout=REQUEST_TIMEOUT)
+                sa = self.core.read_namespaced_service_account(name, ns, _request_timeout=self.timeout)
                 return self.api.sanitize_for_serialization(sa)
             g, v, p = CUSTOM[kind]
-            return self.custom.get_namespaced_custom_object(g, v, ns, p, name, _request_timeout=REQUEST_TIMEOUT)
+            return self.custom.get_namespaced_custom_object(g, v, ns, p, name, _request_timeout=self.timeout)
         except ApiException as e:
             if e.status == 404:
                 return None
@@ -115,7 +113,7 @@ class Kube:
         """Pods by label selector, reduced for tpuft.diagnosis; None (and a warning) on any error."""
         try:
             resp = self.core.list_namespaced_pod(ns, label_selector=selector, _preload_content=False,
-                                                 _request_timeout=REQUEST_TIMEOUT)
+                                                 _request_timeout=self.timeout)
             items = json.loads(resp.data).get("items") or []
         except Exception as e:  # noqa: BLE001 - diagnosis is extra: the reconcile goes on without it
             log.warning("list pods %s in %s failed: %s", selector, ns, e)
@@ -130,7 +128,7 @@ class Kube:
             return None
         try:
             nodes = self.core.list_node(label_selector=c.GKE_TPU_ACCELERATOR_SELECTOR,
-                                        _request_timeout=REQUEST_TIMEOUT).items
+                                        _request_timeout=self.timeout).items
         except ApiException as e:
             if e.status in (401, 403):
                 self._nodes_forbidden = True
@@ -155,7 +153,7 @@ class Kube:
         try:
             resp = self.custom.list_namespaced_custom_object(
                 c.KUEUE_GROUP, c.KUEUE_VERSION, ns, c.WORKLOAD_PLURAL,
-                label_selector=f"{c.KUEUE_JOB_UID_LABEL}={cluster_uid}", _request_timeout=REQUEST_TIMEOUT)
+                label_selector=f"{c.KUEUE_JOB_UID_LABEL}={cluster_uid}", _request_timeout=self.timeout)
         except ApiException as e:
             if e.status == 404:
                 return QueueObs(installed=False)
@@ -173,10 +171,10 @@ class Kube:
         name = body["metadata"]["name"]
         try:
             if kind == "ServiceAccount":
-                self.core.create_namespaced_service_account(ns, dict(body), _request_timeout=REQUEST_TIMEOUT)
+                self.core.create_namespaced_service_account(ns, dict(body), _request_timeout=self.timeout)
             else:
                 g, v, p = CUSTOM[kind]
-                self.custom.create_namespaced_custom_object(g, v, ns, p, dict(body), _request_timeout=REQUEST_TIMEOUT)
+                self.custom.create_namespaced_custom_object(g, v, ns, p, dict(body), _request_timeout=self.timeout)
             return "created"
         except ApiException as e:
             if e.status == 409:
@@ -205,7 +203,7 @@ class Kube:
         g, v, p = CUSTOM[kind]
         self._unless_gone("patch", kind, ns, name, lambda: self.custom.patch_namespaced_custom_object(
             g, v, ns, p, name, {"spec": {"suspend": suspend}}, _content_type=MERGE_PATCH,
-            _request_timeout=REQUEST_TIMEOUT))
+            _request_timeout=self.timeout))
 
     def delete(self, kind: str, ns: str, name: str) -> None:
         g, v, p = CUSTOM[kind]
@@ -215,7 +213,7 @@ class Kube:
         # submitter Job (KubeRay reuses a Job of the RayJob's name).
         policy = "Foreground" if kind == c.RAYJOB_KIND else "Background"
         self._unless_gone("delete", kind, ns, name, lambda: self.custom.delete_namespaced_custom_object(
-            g, v, ns, p, name, propagation_policy=policy, _request_timeout=REQUEST_TIMEOUT))
+            g, v, ns, p, name, propagation_policy=policy, _request_timeout=self.timeout))
 
     @staticmethod
     def _unless_gone(verb: str, kind: str, ns: str, name: str, call) -> None:
@@ -243,7 +241,7 @@ class Kube:
         try:
             self.custom.patch_namespaced_custom_object_status(
                 c.GROUP, c.VERSION, ns, c.PLURAL, name, {"status": dict(patch)},
-                _content_type=MERGE_PATCH, _request_timeout=REQUEST_TIMEOUT)
+                _content_type=MERGE_PATCH, _request_timeout=self.timeout)
             return True
         except ApiException as e:
             if e.status == 404:
@@ -267,6 +265,6 @@ class Kube:
             "reportingInstance": os.environ.get("HOSTNAME", c.MANAGED_BY),
         }
         try:
-            self.core.create_namespaced_event(ns, body, _request_timeout=REQUEST_TIMEOUT)
+            self.core.create_namespaced_event(ns, body, _request_timeout=self.timeout)
         except Exception as e:  # noqa: BLE001 - events are best effort: never fail a reconcile over one
             log.warning("post event %s on %s %s/%s failed: %s", event.reason.value, c.KIND, ns, name, e)

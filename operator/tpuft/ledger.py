@@ -1,4 +1,4 @@
-"""What the controller remembers about each TPUFinetune between reconciles, in one place.
+"""What the reconciler remembers about each TPUFinetune between reconciles, in one place.
 
 kopf's index is an informer cache: it lags this process's own writes by a watch event, and
 after a re-list (410 Gone) it can keep objects forever (it never sees their DELETED event).
@@ -12,8 +12,8 @@ The ledger holds what bridges that lag, per key:
   * pods: the slice's pods as last listed, reused for up to POD_LIST_INTERVAL_SECONDS (a stall's
     cause needs seconds, not every resync's fresh list);
 
-and the work queue's own per-key state: when the next resync is due, consecutive failures
-(backoff) and the last error posted as an Event (posted once, not every retry).
+and the last error posted as an Event (posted once, not every retry). The work queue's own
+per-key state (when the next run is due, the backoff) is tpuft.workqueue's.
 Pure and synchronous: no client, no clock (callers pass monotonic times).
 """
 from __future__ import annotations
@@ -30,8 +30,6 @@ Child = tuple[str, str]   # (kind, name)
 
 @dataclass
 class _Entry:
-    due: float = 0.0
-    failures: int = 0
     last_error: str | None = None
     written: dict | None = None
     unsure: bool = False
@@ -66,24 +64,7 @@ class Ledger:
         """The TPUFinetune is gone (or being deleted): nothing about it is kept."""
         self._entries.pop(key, None)
 
-    # --- the work queue -------------------------------------------------------------------------
-    def schedule(self, key: Key, at: float) -> None:
-        self._entry(key).due = at
-
-    def is_due(self, key: Key, now: float) -> bool:
-        e = self._entries.get(key)
-        return e is None or e.due <= now
-
-    def failed(self, key: Key) -> int:
-        """One more consecutive failure; returns how many there have been."""
-        e = self._entry(key)
-        e.failures += 1
-        return e.failures
-
-    def succeeded(self, key: Key) -> None:
-        if key in self._entries:
-            self._entries[key].failures = 0
-
+    # --- errors posted as Events -------------------------------------------------------------------
     def new_error(self, key: Key, error: str) -> bool:
         """Record `error`; True if it differs from the last one recorded (announce it)."""
         e = self._entry(key)

@@ -1,4 +1,4 @@
-"""Prometheus metrics for the operator, served on TPUFT_METRICS_PORT (default 9090; 0 disables).
+"""Prometheus metrics for the operator, served on Settings.metrics_port (TPUFT_METRICS_PORT; 0 disables).
 
   tpuft_reconcile_total{result}                 reconciles by result: ok, retry (API error, backing off), error (bug)
   tpuft_reconcile_duration_seconds               histogram of one reconcile (read, decide, act, write)
@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -19,8 +18,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from tpuft.constants import Phase
 
 log = logging.getLogger("tpuft.metrics")
-PORT_ENV = "TPUFT_METRICS_PORT"
-DEFAULT_PORT = 9090
 
 REGISTRY = CollectorRegistry()
 RECONCILES = Counter("tpuft_reconcile_total", "Reconciles by result.", ["result"], registry=REGISTRY)
@@ -56,10 +53,9 @@ def set_phase(key: tuple[str, str], phase: str | None) -> None:
             OBJECTS.labels(phase=p).set(n)
 
 
-def serve() -> int | None:
-    """Start the HTTP endpoint once per process. Returns the port, or None when disabled."""
+def serve(port: int) -> int | None:
+    """Start the HTTP endpoint on `port` once per process. Returns the port, or None when disabled (0)."""
     global _server_port
-    port = int(os.environ.get(PORT_ENV, str(DEFAULT_PORT)) or 0)
     if port <= 0:
         return None
     with _lock:

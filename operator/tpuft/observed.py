@@ -1,5 +1,5 @@
 """Types the reconciler passes around (observation in, decision out) and how KubeRay's status
-fields are read. Pure, like tpuft.phases, which re-exports these names.
+fields are read, and the table of child kinds (CHILD_KINDS). Pure, like tpuft.phases.
 """
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import copy
 import enum
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any, Mapping
+from typing import Any, Callable, Collection, Iterable, Mapping
 
 from tpuft import builders
 from tpuft import constants as c
@@ -32,7 +32,7 @@ DEFAULT_VERIFY_GRACE_SECONDS = builders.VERIFY_DEADLINE_GRACE_SECONDS
 
 @dataclass(frozen=True)
 class IndexedChild:
-    """A RayCluster or RayJob as kopf's index keeps it (handlers.py), or as a GET confirmed it."""
+    """A child (CHILD_KINDS) as kopf's index keeps it (handlers.py), or as a GET confirmed it."""
     name: str
     status: Mapping[str, Any] = field(default_factory=dict)
     suspend: bool = False             # spec.suspend
@@ -174,6 +174,54 @@ class Tunables:
     verify_grace_seconds: float = DEFAULT_VERIFY_GRACE_SECONDS
     rayjob_grace_seconds: float = c.RAYJOB_FINISH_GRACE_SECONDS
     resubmit_backoff_seconds: float = c.LOST_SUBMISSION_BACKOFF_SECONDS
+
+
+# --- the child kinds: one row each ----------------------------------------------------------------------
+Found = Mapping[str, IndexedChild]   # a kind's live children of one TPUFinetune, by name
+
+
+@dataclass(frozen=True)
+class ChildKind:
+    """A kind of object the operator creates per TPUFinetune and watches: kopf indexes it by its
+    owner's key (label tpufinetune.dev/name) and queues the owner on its events (handlers.py); the
+    reconciler confirms the expected ones the index lacks with a GET and hands what it found to
+    `observe`, whose answer is the Observed field `field`. A new kind: a row here, its builder, its
+    Observed field."""
+    kind: str
+    plural: str
+    expected: tuple[str, ...]   # the status.children keys naming the ones expected
+    field: str
+    observe: Callable[[Found, tuple[str | None, ...]], Any]   # (found, the expected names) -> the field's value
+    group: str = c.RAY_GROUP
+    version: str = c.RAY_VERSION
+
+
+def _cluster(found: Found, names: tuple[str | None, ...]) -> ClusterObs | None:
+    x = found.get(names[0]) if names[0] else None
+    return ClusterObs(x.name, x.status, x.suspend, x.generation, x.uid) if x else None
+
+
+def _jobs(found: Found, names: tuple[str | None, ...]) -> dict[str, JobObs]:
+    return {name: JobObs(name, x.status) for name, x in found.items()}   # every live one, expected or not
+
+
+def _service(found: Found, names: tuple[str | None, ...]) -> ServiceObs | None:
+    x = found.get(names[0]) if names[0] else None
+    return ServiceObs(x.name, x.status) if x else None
+
+
+CHILD_KINDS = (
+    ChildKind(c.RAYCLUSTER_KIND, c.RAYCLUSTER_PLURAL, ("rayCluster",), "cluster", _cluster),
+    ChildKind(c.RAYJOB_KIND, c.RAYJOB_PLURAL, ("verifyJob", "trainJob"), "jobs", _jobs),
+    ChildKind(c.RAYSERVICE_KIND, c.RAYSERVICE_PLURAL, ("rayService",), "service", _service),
+)
+
+
+def live(entries: Iterable[IndexedChild], kind: str, uid: str | None,
+         removed: Collection[tuple[str, str]]) -> dict[str, IndexedChild]:
+    """The entries that count as this object's children now: not being deleted, not another
+    object's (an earlier one of the same name), not deleted by us (tpuft.ledger: the index may lag)."""
+    return {x.name: x for x in entries if not x.deleting and x.belongs_to(uid) and (kind, x.name) not in removed}
 
 
 def fmt_time(t: datetime) -> str:

@@ -1,6 +1,6 @@
 """The reconciler's brain, pure: (the object, what its children look like, now) -> Decision.
 
-No client, no clock, no randomness: `handlers.py` gathers the observation, calls `decide`,
+No client, no clock, no randomness: `reconciler.py` gathers the observation, calls `decide`,
 performs `Decision.actions` (idempotent creates by deterministic name, patches, deletes),
 then writes `Decision.patch` (None when nothing changed) to the status subresource.
 
@@ -52,12 +52,11 @@ from tpuft import constants as c
 from tpuft.constants import Condition, ConditionStatus, EventType, Phase, Reason
 from tpuft.diagnosis import Blocker, blocking, pool_hint
 from tpuft.spec import DEFAULTS, SpecError, TPUFinetune, parse
-from tpuft.observed import (  # noqa: F401  (re-exported)
-    OWNED_KEYS, LIVE_SPEC_FIELDS, CONDITION_ORDER, DEFAULT_VERIFY_GRACE_SECONDS, ClusterObs, IndexedChild,
-    JobObs, AdmissionError, Observed, QueueObs, Op, Action, Event, Decision, Tunables, fmt_time, parse_time, owned,
-    cluster_provisioned, cluster_progress, cluster_suspended, slice_loss, job_state, job_succeeded, job_failed, job_failure_detail,
-    job_finishing, job_settled, job_lost, spec_diff, ServiceObs, SERVE_ENABLED_FIELD, serve_app_state, service_ready,
-    service_progress, serving_ready)
+from tpuft.observed import (
+    CONDITION_ORDER, SERVE_ENABLED_FIELD, Action, ClusterObs, Decision, Event, JobObs, Observed, Op, QueueObs, Tunables,
+    cluster_progress, cluster_provisioned, cluster_suspended, fmt_time, job_failed, job_failure_detail, job_finishing,
+    job_lost, job_settled, job_state, job_succeeded, owned, parse_time, service_progress, service_ready, serving_ready,
+    slice_loss, spec_diff)
 
 
 # --- the draft status ---------------------------------------------------------------------------

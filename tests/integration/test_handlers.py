@@ -5,7 +5,7 @@ the way KubeRay v1.7.0 does.
 Only what needs the API server lives here (admission, watches, RBAC, restarts, deletion,
 deadlines measured on a live operator). Pure lifecycle rules (a failed verification never
 trains, retries then TrainingFailed, a deleted child, a spec change recorded not applied) run
-against a fake API in tests/unit/test_reconcile.py."""
+against a fake API in tests/unit/test_reconciler.py."""
 from __future__ import annotations
 
 import contextlib

@@ -257,8 +257,8 @@ def test_lost_status_write_response_never_regresses():
     """A status write that lands but whose response is lost (the proxy's 'error500-after-write'),
     then a reconcile from the still-lagging index whose create fails: the error note must not
     write phase Pending over the Provisioning the server already has (it did, before
-    handlers.Controller re-read the object after a failed status write)."""
-    from tests.factories import NAME as UNAME, NS as UNS, FakeKube, controller, indexed, tft
+    the reconciler re-read the object after a failed status write)."""
+    from tests.factories import NAME as UNAME, NS as UNS, FakeKube, indexed, reconciler, snap, tft
     from tpuft.kube import KubeError
 
     class LostResponse(FakeKube):
@@ -272,14 +272,14 @@ def test_lost_status_write_response_never_regresses():
             return applied
 
     kube = LostResponse(tft())
-    ctl = controller(kube)
+    ctl = reconciler(kube)
     stale = indexed(kube)                      # the index: no status yet, and it stays that way below
     with pytest.raises(KubeError):
-        ctl.reconcile((UNS, UNAME), stale, [], [])
+        ctl.reconcile((UNS, UNAME), snap(stale))
     assert kube.objects[("TPUFinetune", UNAME)]["status"]["phase"] == "Provisioning"
     kube.fail[("RoleBinding", f"{UNAME}-workload")] = KubeError("create RoleBinding: HTTP 500")
     try:
-        ctl.reconcile((UNS, UNAME), stale, [], [])
+        ctl.reconcile((UNS, UNAME), snap(stale))
     except KubeError:
         pass
     assert kube.objects[("TPUFinetune", UNAME)]["status"]["phase"] == "Provisioning"

@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 from kubernetes import client
 
 from tests.factories import MINIMUM, with_
-from tpuft import phases
+from tpuft import observed, phases
 from tpuft.constants import GROUP, PLURAL, VERSION, TrainingStatus, VerificationStatus
 from tpuft_workload.report import TRAINING_KEYS, VERIFICATION_KEYS, StatusReporter
 
@@ -48,10 +48,10 @@ def test_every_status_key_survives_a_round_trip(kube_api, kubeconfig, namespace,
     # The operator's full status, ignoredSpecChange included: a spec edit after the run started.
     now = datetime(2026, 1, 1, 12, tzinfo=timezone.utc)
     obj = {**MINIMUM, "metadata": {"name": name, "namespace": namespace, "uid": "u", "generation": 1}}
-    first = phases.decide(obj, phases.Observed(), now)
+    first = phases.decide(obj, observed.Observed(), now)
     obj = {**obj, "spec": {**obj["spec"], "image": "other:2"}, "metadata": {**obj["metadata"], "generation": 2},
            "status": first.status}
-    decision = phases.decide(obj, phases.Observed(cluster=phases.ClusterObs(f"{name}-ray")), now)
+    decision = phases.decide(obj, observed.Observed(cluster=observed.ClusterObs(f"{name}-ray")), now)
     assert "ignoredSpecChange" in decision.status
     api.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, {"status": decision.status},
                                               _content_type="application/merge-patch+json")
@@ -61,4 +61,4 @@ def test_every_status_key_survives_a_round_trip(kube_api, kubeconfig, namespace,
     assert set(status["training"]) == set(TRAINING_KEYS)
     assert status["verification"] == {k.value: v for k, v in VERIFICATION.items()}
     assert set(status["verification"]) == set(VERIFICATION_KEYS)
-    assert phases.owned(status) == decision.status   # nothing the operator writes is pruned either
+    assert observed.owned(status) == decision.status   # nothing the operator writes is pruned either

@@ -4,7 +4,7 @@ import yaml
 from tests.paths import REPO
 import pytest
 
-from tpuft import catalog, crd, phases
+from tpuft import catalog, crd, observed
 from tpuft import constants as c
 from tpuft.constants import Phase
 from tpuft.spec import DEFAULTS, SHELL_SAFE, STORAGE_PATH, UNSAFE
@@ -101,7 +101,7 @@ def test_goodput_and_history_are_declared_from_the_constants():
     history = status["training"]["properties"][c.TrainingStatus.HISTORY.value]
     assert history["maxItems"] == c.HISTORY_MAX_POINTS
     assert set(history["items"]["properties"]) == {p.value for p in c.HistoryPoint}
-    assert "goodput" in phases.OWNED_KEYS   # the operator's to write (and to keep across reconciles)
+    assert "goodput" in observed.OWNED_KEYS   # the operator's to write (and to keep across reconciles)
 
 
 def test_descriptions_restate_the_catalogs_facts():

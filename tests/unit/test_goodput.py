@@ -9,11 +9,11 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from tests.factories import merge_patch
-from tpuft import goodput, phases
+from tpuft import goodput, observed, phases
 from tpuft import constants as c
 from tpuft.constants import GoodputCause as G
 from tpuft.constants import Phase, Reason
-from tpuft.phases import ClusterObs, JobObs, Observed
+from tpuft.observed import ClusterObs, JobObs, Observed
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 
@@ -123,5 +123,5 @@ def test_a_run_with_a_replacement_and_a_suspend_adds_up_every_second():
         "suspendedSeconds": 40, "queuedSeconds": 0, "totalSeconds": 400, "ratio": 0.575}
     # every second from the first transition to completion, and nothing after it
     assert o["status"]["goodput"]["totalSeconds"] == (
-        phases.parse_time(o["status"]["completionTime"]) - T0).total_seconds()
+        observed.parse_time(o["status"]["completionTime"]) - T0).total_seconds()
     assert _step(o, 900, Observed(_ready()))["status"]["goodput"] == o["status"]["goodput"]

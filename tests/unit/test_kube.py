@@ -25,7 +25,7 @@ def test_a_rayjob_is_deleted_in_the_foreground_other_children_in_the_background(
     """Foreground: the RayJob is gone only once its submitter Job and pods are, so the RayCluster
     deleted after it cannot fail a submitter still following the job (phases._release)."""
     k = kube.Kube.__new__(kube.Kube)
-    k.custom = _Custom()
+    k.custom, k.timeout = _Custom(), 30.0
     for kind, name in (("RayJob", "ft-train"), ("RayCluster", "ft-ray"), ("RayService", "ft-serve")):
         k.perform("team-a", "u-1", Action(Op.DELETE, kind, name))
     assert k.custom.deletes == [("rayjobs", "ft-train", "Foreground"), ("rayclusters", "ft-ray", "Background"),

@@ -1,5 +1,5 @@
-"""tpuft.ledger: what the controller keeps per TPUFinetune between reconciles (schedule,
-backoff, last error, and what bridges kopf's index lagging the API server)."""
+"""tpuft.ledger: what the reconciler keeps per TPUFinetune between reconciles (the last error
+posted, and what bridges kopf's index lagging the API server)."""
 from __future__ import annotations
 
 from tpuft.ledger import Ledger
@@ -8,23 +8,10 @@ K = ("team-a", "ft")
 OTHER = ("team-a", "other")
 
 
-def test_unknown_keys_are_due_and_hold_nothing():
+def test_unknown_keys_hold_nothing():
     led = Ledger()
-    assert led.is_due(K, 0.0) and led.written(K) is None and not led.is_unsure(K)
+    assert led.written(K) is None and not led.is_unsure(K)
     assert led.removed(K) == frozenset() and not led.is_gone(K, "u-1") and K not in led
-
-
-def test_schedule():
-    led = Ledger()
-    led.schedule(K, 10.0)
-    assert not led.is_due(K, 9.9) and led.is_due(K, 10.0) and led.is_due(OTHER, 0.0)
-
-
-def test_failures_count_up_until_a_success():
-    led = Ledger()
-    assert [led.failed(K) for _ in range(3)] == [1, 2, 3]
-    led.succeeded(K)
-    assert led.failed(K) == 1
 
 
 def test_an_error_is_new_once_until_cleared():
@@ -76,13 +63,11 @@ def test_gone_is_per_uid():
 
 def test_forget_drops_everything():
     led = Ledger()
-    led.schedule(K, 100.0)
-    led.failed(K)
     led.new_error(K, "e")
     led.wrote(K, {"phase": "Training"})
     led.write_unsure(K)
     led.deleted_child(K, "RayJob", "j")
     led.mark_gone(K, "u-1")
     led.forget(K)
-    assert K not in led and led.is_due(K, 0.0) and led.written(K) is None and not led.is_unsure(K)
-    assert led.removed(K) == set() and not led.is_gone(K, "u-1") and led.failed(K) == 1 and led.new_error(K, "e")
+    assert K not in led and led.written(K) is None and not led.is_unsure(K)
+    assert led.removed(K) == set() and not led.is_gone(K, "u-1") and led.new_error(K, "e")

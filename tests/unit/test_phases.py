@@ -8,15 +8,15 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from tests.factories import merge_patch, small_object
-from tpuft import builders, phases
+from tpuft import builders, observed, phases
 from tpuft import constants as c
 from tpuft.constants import Phase
 from tpuft.diagnosis import PodObs, Waiting
-from tpuft.phases import AdmissionError, ClusterObs, JobObs, Observed, Op
+from tpuft.observed import AdmissionError, ClusterObs, JobObs, Observed, Op
 from tpuft.spec import parse
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
-TUN = phases.Tunables(verify_grace_seconds=60)
+TUN = observed.Tunables(verify_grace_seconds=60)
 NAME, NS = "ft", "team-a"
 
 
@@ -34,7 +34,7 @@ def names(o: dict) -> builders.ChildNames:
     return builders.names(parse(o))
 
 
-def apply(o: dict, d: phases.Decision) -> dict:
+def apply(o: dict, d: observed.Decision) -> dict:
     """What the API server holds after the handler writes d.patch (a JSON merge patch)."""
     o = copy.deepcopy(o)
     merge_patch(o.setdefault("status", {}), d.patch or {})
@@ -56,11 +56,11 @@ def job(name: str, job_status: str = "RUNNING", deploy: str = "Running", **extra
 
 
 def cond(o_or_d, ctype: c.Condition) -> dict:
-    status = o_or_d.status if isinstance(o_or_d, phases.Decision) else o_or_d["status"]
+    status = o_or_d.status if isinstance(o_or_d, observed.Decision) else o_or_d["status"]
     return next(x for x in status["conditions"] if x["type"] == ctype.value)
 
 
-def kinds(d: phases.Decision) -> list[tuple[str, str, str]]:
+def kinds(d: observed.Decision) -> list[tuple[str, str, str]]:
     return [(a.op, a.kind, a.name) for a in d.actions]
 
 
@@ -178,7 +178,7 @@ def test_provisioning_timeout_at_the_bound(elapsed, failed):
         assert "0/4 worker hosts ready" in m and "after 1800s" in m and "4x4" in m and "tpu-v6e-slice" in m
         assert cond(d, c.Condition.SLICE_PROVISIONED)["reason"] == "ProvisioningTimeout"
         assert d.events[0].type == "Warning" and d.events[0].reason == "ProvisioningTimeout"
-        assert d.status["completionTime"] == phases.fmt_time(at(elapsed))
+        assert d.status["completionTime"] == observed.fmt_time(at(elapsed))
         assert d.actions == ()
 
 
@@ -346,7 +346,7 @@ def test_training_success():
     assert d.phase == "Succeeded" and d.status["reason"] == "TrainingComplete"
     assert cond(d, c.Condition.READY)["status"] == "True" and cond(d, c.Condition.TRAINING_SUCCEEDED)["status"] == "True"
     assert cond(d, c.Condition.FAILED)["status"] == "False"
-    assert d.status["completionTime"] == phases.fmt_time(at(100))
+    assert d.status["completionTime"] == observed.fmt_time(at(100))
     assert [(e.type, e.reason) for e in d.events] == [("Normal", "TrainingComplete")]
     assert d.requeue_after == 300
 
@@ -507,13 +507,13 @@ def test_condition_transition_times_only_move_when_status_changes():
     o = apply(o, phases.decide(o, Observed(cluster(4, provisioned=True)), at(20), TUN))
     assert cond(o, c.Condition.READY)["lastTransitionTime"] == ready0["lastTransitionTime"]
     assert cond(o, c.Condition.READY)["reason"] == "Verifying"
-    assert cond(o, c.Condition.SLICE_PROVISIONED)["lastTransitionTime"] == phases.fmt_time(at(20))
+    assert cond(o, c.Condition.SLICE_PROVISIONED)["lastTransitionTime"] == observed.fmt_time(at(20))
     n = names(o)
     o = apply(o, phases.decide(o, Observed(cluster(4, provisioned=True), {n.verify_job: job(n.verify_job, "SUCCEEDED",
                                                                                             "Complete")}), at(40), TUN))
-    assert cond(o, c.Condition.SLICE_PROVISIONED)["lastTransitionTime"] == phases.fmt_time(at(20))
-    assert cond(o, c.Condition.COLLECTIVES_VERIFIED)["lastTransitionTime"] == phases.fmt_time(at(40))
-    assert o["status"]["phaseTransitionTime"] == phases.fmt_time(at(40))
+    assert cond(o, c.Condition.SLICE_PROVISIONED)["lastTransitionTime"] == observed.fmt_time(at(20))
+    assert cond(o, c.Condition.COLLECTIVES_VERIFIED)["lastTransitionTime"] == observed.fmt_time(at(40))
+    assert o["status"]["phaseTransitionTime"] == observed.fmt_time(at(40))
 
 
 @pytest.mark.parametrize("phase", [Phase.PROVISIONING, Phase.VERIFYING, Phase.TRAINING])
@@ -592,10 +592,10 @@ def test_a_host_lost_in_training_replaces_the_slice_then_verifies_and_resumes_th
     d = phases.decide(o, Observed(lost(3), {train: job(train)}), at(100), TUN)
     assert d.phase == "Provisioning" and d.status["reason"] == "ReplacingSlice"
     assert kinds(d) == [("delete", "RayJob", train)]
-    assert d.status["phaseTransitionTime"] == phases.fmt_time(at(100))   # a fresh provisioning deadline
+    assert d.status["phaseTransitionTime"] == observed.fmt_time(at(100))   # a fresh provisioning deadline
     rec = d.status["recovery"]
     assert rec["sliceReplacements"] == 1
-    assert rec["history"] == [{"time": phases.fmt_time(at(100)), "phase": "Training", "cause": "3/4 worker hosts ready",
+    assert rec["history"] == [{"time": observed.fmt_time(at(100)), "phase": "Training", "cause": "3/4 worker hosts ready",
                                "hostsReady": 3, "hosts": 4, "step": 40}]
     assert [(e.type, e.reason) for e in d.events] == [("Warning", "ReplacingSlice")]   # one, a Warning
     assert cond(d, c.Condition.SLICE_PROVISIONED)["status"] == "False"
@@ -688,7 +688,7 @@ SERVE_CPU = {"enabled": True, "timeoutSeconds": 600}
 
 
 def rayservice(app: str | None = None, message: str = "", ready: bool | None = None, side: str = "active",
-               name: str = f"{NAME}-serve") -> phases.ServiceObs:
+               name: str = f"{NAME}-serve") -> observed.ServiceObs:
     """A RayService as KubeRay v1.7.0 reports it (applicationStatuses keyed by app name)."""
     st: dict = {}
     if app is not None:
@@ -696,10 +696,10 @@ def rayservice(app: str | None = None, message: str = "", ready: bool | None = N
     if ready is not None:
         st["conditions"] = [{"type": "Ready", "status": "True" if ready else "False",
                              "reason": "NonZeroServeEndpoints" if ready else "Initializing"}]
-    return phases.ServiceObs(name, st)
+    return observed.ServiceObs(name, st)
 
 
-def served(t: float = 100, **spec) -> tuple[dict, builders.ChildNames, phases.Decision]:
+def served(t: float = 100, **spec) -> tuple[dict, builders.ChildNames, observed.Decision]:
     """A run that has just finished training with serving on (cpu: the transformers engine)."""
     o, n = training(accelerator="cpu", topology="2", serve=dict(SERVE_CPU), **spec)
     o["status"]["training"] = {"exportedModel": "gs://bucket/ck/run/export"}
@@ -774,7 +774,7 @@ def test_an_app_that_stops_running_gets_a_fresh_timeout_from_then():
     o, _, _ = served(t=100)
     o = apply(o, phases.decide(o, Observed(service=rayservice("RUNNING", ready=True)), at(200), TUN))
     o = apply(o, phases.decide(o, Observed(service=rayservice("UNHEALTHY", ready=False)), at(5000), TUN))
-    assert o["status"]["phase"] == "Serving" and o["status"]["serving"]["notReadySince"] == phases.fmt_time(at(5000))
+    assert o["status"]["phase"] == "Serving" and o["status"]["serving"]["notReadySince"] == observed.fmt_time(at(5000))
     assert cond(o, c.Condition.READY)["status"] == "False"
     d = phases.decide(o, Observed(service=rayservice("UNHEALTHY", ready=False)), at(5600), TUN)
     assert d.phase == "Failed" and d.status["reason"] == "ServeFailed"
@@ -853,7 +853,7 @@ def test_objects_that_do_not_serve_carry_no_serving_condition():
 ])
 def test_what_counts_as_finishing_and_as_settled(status, finishing, settled):
     j = JobObs("j", status)
-    assert (phases.job_finishing(j), phases.job_settled(j)) == (finishing, settled)
+    assert (observed.job_finishing(j), observed.job_settled(j)) == (finishing, settled)
 
 
 def test_a_succeeded_training_job_waits_for_kuberay_before_the_run_succeeds():
@@ -871,7 +871,7 @@ def test_a_succeeded_training_job_waits_for_kuberay_before_the_run_succeeds():
     assert again.patch is None and again.actions == () and again.requeue_after == pytest.approx(30)
     d = phases.decide(o, obs("Complete"), at(131), TUN)
     assert d.phase == "Succeeded" and d.status["reason"] == "TrainingComplete" and d.actions == ()
-    assert d.status["completionTime"] == phases.fmt_time(at(131))
+    assert d.status["completionTime"] == observed.fmt_time(at(131))
 
 
 def test_past_the_grace_the_unfinished_rayjob_is_deleted_and_the_run_succeeds():
@@ -1031,7 +1031,7 @@ def lost_job(name: str, job_status: str = "") -> JobObs:
     ({"jobStatus": "", "jobDeploymentStatus": "Running", "message": NOT_FOUND}, False),
 ])
 def test_what_counts_as_a_lost_submission(status, is_lost):
-    assert phases.job_lost(JobObs("j", status)) is is_lost
+    assert observed.job_lost(JobObs("j", status)) is is_lost
 
 
 def test_a_lost_training_job_is_resubmitted_after_the_backoff_without_spending_a_retry():
@@ -1041,12 +1041,12 @@ def test_a_lost_training_job_is_resubmitted_after_the_backoff_without_spending_a
     obs = Observed(slice_, {**verified, n.train_job: lost_job(n.train_job)})
     d = phases.decide(o, obs, at(100), TUN)
     assert d.phase == "Training" and d.status["reason"] == "SubmissionLost" and d.actions == () and d.events == ()
-    assert d.status["recovery"]["resubmit"] == {"rayJob": n.train_job, "seen": phases.fmt_time(at(100)),
-                                                "at": phases.fmt_time(at(110))}
+    assert d.status["recovery"]["resubmit"] == {"rayJob": n.train_job, "seen": observed.fmt_time(at(100)),
+                                                "at": observed.fmt_time(at(110))}
     assert d.status["message"] == (
         f"RayJob {n.train_job}: jobDeploymentStatus=Failed jobStatus=-, reason=AppFailed, {NOT_FOUND}; KubeRay lost "
         "the Ray job, not the workload failing (lost submission 1 of 3 in this run, not counted against "
-        f"training.maxJobRetries); resubmitting as {n.train_attempt(1)} at {phases.fmt_time(at(110))}")
+        f"training.maxJobRetries); resubmitting as {n.train_attempt(1)} at {observed.fmt_time(at(110))}")
     assert cond(d, c.Condition.TRAINING_SUCCEEDED)["status"] == "Unknown"
     assert cond(d, c.Condition.FAILED)["status"] == "False" and d.requeue_after == pytest.approx(10)
     o = apply(o, d)
@@ -1056,7 +1056,7 @@ def test_a_lost_training_job_is_resubmitted_after_the_backoff_without_spending_a
     assert kinds(d) == [("create", "RayJob", n.train_attempt(1))]
     assert d.actions[0].body == builders.build_train_job(parse(o), 1)
     assert d.status["trainingAttempts"] == 2 and d.status["children"]["trainJob"] == n.train_attempt(1)
-    assert d.status["recovery"] == {"lostSubmissions": [{"time": phases.fmt_time(at(100)), "phase": "Training",
+    assert d.status["recovery"] == {"lostSubmissions": [{"time": observed.fmt_time(at(100)), "phase": "Training",
                                                          "rayJob": n.train_job, "resubmittedAs": n.train_attempt(1)}]}
     assert d.patch["recovery"]["resubmit"] is None   # removed on the server too
     assert [(e.type, e.reason) for e in d.events] == [("Warning", "SubmissionLost")]
@@ -1133,7 +1133,7 @@ def test_a_lost_verify_job_is_replaced_by_a_fresh_one_with_its_own_deadline():
     d = phases.decide(o, obs, at(510), TUN)
     assert kinds(d) == [("create", "RayJob", fresh)] and d.actions[0].body == builders.build_verify_job(parse(o), 1)
     assert fresh == f"{NAME}-verify-r1" and d.status["children"]["verifyJob"] == fresh
-    assert d.status["phaseTransitionTime"] == phases.fmt_time(at(510))
+    assert d.status["phaseTransitionTime"] == observed.fmt_time(at(510))
     assert [(e.type, e.reason) for e in d.events] == [("Warning", "SubmissionLost")]
     o = apply(o, d)
     jobs = {**obs.jobs, fresh: job(fresh)}
@@ -1180,7 +1180,7 @@ def test_suspending_while_a_lost_job_waits_drops_the_resubmission():
 def test_no_backoff_resubmits_at_once():
     o, n = training()
     obs = Observed(cluster(4, provisioned=True), {n.train_job: lost_job(n.train_job)})
-    d = phases.decide(o, obs, at(100), phases.Tunables(verify_grace_seconds=60, resubmit_backoff_seconds=0))
+    d = phases.decide(o, obs, at(100), observed.Tunables(verify_grace_seconds=60, resubmit_backoff_seconds=0))
     assert kinds(d) == [("create", "RayJob", n.train_attempt(1))] and "resubmit" not in d.status["recovery"]
 
 
@@ -1207,8 +1207,8 @@ def queued(**spec) -> dict:
     return o
 
 
-def waiting(words: str = QUOTA, evicted: str = "") -> phases.QueueObs:
-    return phases.QueueObs(workload="raycluster-ft-ray-1a2b3", waiting=words, evicted=evicted)
+def waiting(words: str = QUOTA, evicted: str = "") -> observed.QueueObs:
+    return observed.QueueObs(workload="raycluster-ft-ray-1a2b3", waiting=words, evicted=evicted)
 
 
 def test_a_labelled_object_waits_queued_with_kueues_words_and_no_provisioning_clock():
@@ -1235,9 +1235,9 @@ def test_admission_starts_the_provisioning_deadline():
     o = queued(provisioningTimeoutSeconds=60)
     o = apply(o, phases.decide(o, Observed(), at(0), TUN))
     o = apply(o, phases.decide(o, Observed(cluster(0, suspended=True), queue=waiting()), at(1000), TUN))
-    admitted = phases.QueueObs(workload="raycluster-ft-ray-1a2b3", admitted=True)
+    admitted = observed.QueueObs(workload="raycluster-ft-ray-1a2b3", admitted=True)
     d = phases.decide(o, Observed(cluster(0), queue=admitted), at(2000), TUN)
-    assert d.phase == "Provisioning" and d.status["phaseTransitionTime"] == phases.fmt_time(at(2000))
+    assert d.phase == "Provisioning" and d.status["phaseTransitionTime"] == observed.fmt_time(at(2000))
     assert cond(d, c.Condition.ADMITTED)["status"] == "True" and "raycluster-ft-ray-1a2b3" in cond(d, c.Condition.ADMITTED)["message"]
     o = apply(o, d)
     assert phases.decide(o, Observed(cluster(0)), at(2059), TUN).phase == "Provisioning"
@@ -1286,7 +1286,7 @@ def test_a_preempted_run_waits_queued_and_resumes_the_same_attempt_never_slice_l
         assert kinds(d) == []   # not yet: deleting the RayJob would stop its Ray job before the ranks save
         rec = d.status["recovery"]
         assert rec["preemptions"] == i and not rec.get("sliceReplacements") and not rec.get("history")
-        assert rec["lastPreemption"] == {"time": phases.fmt_time(at(t)), "phase": "Training", "cause": EVICTED,
+        assert rec["lastPreemption"] == {"time": observed.fmt_time(at(t)), "phase": "Training", "cause": EVICTED,
                                          "step": 40 * i}
         assert ("Warning", "Preempted") in [(e.type, e.reason) for e in d.events]
         o = apply(o, d)
@@ -1328,7 +1328,7 @@ def test_a_preempted_runs_job_still_there_at_readmission_is_deleted_first():
 def test_kueue_not_installed_says_so_and_provisions():
     o = queued()
     o = apply(o, phases.decide(o, Observed(), at(0), TUN))
-    d = phases.decide(o, Observed(cluster(0), queue=phases.QueueObs(installed=False)), at(2), TUN)
+    d = phases.decide(o, Observed(cluster(0), queue=observed.QueueObs(installed=False)), at(2), TUN)
     assert d.phase == "Provisioning" and "Kueue not installed" in d.status["message"]
     assert cond(d, c.Condition.ADMITTED)["reason"] == "KueueNotInstalled"
     assert ("Warning", "KueueNotInstalled") in [(e.type, e.reason) for e in d.events]

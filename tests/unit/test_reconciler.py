@@ -1,18 +1,21 @@
-"""handlers.Controller.reconcile with a fake API: actions before the single status write,
+"""tpuft.reconciler.Reconciler with a fake API: actions before the single status write,
 admission rejections, transient errors, index misses confirmed with a GET."""
 from __future__ import annotations
 
 import pytest
 
-from tests.factories import NAME, NS, FakeKube, Lifecycle, controller, indexed, tft
-from tpuft import handlers, phases
+import dataclasses
+
+from tests.factories import NAME, NS, FakeKube, Lifecycle, indexed, kids, reconciler, snap, tft
 from tpuft.kube import KubeError, Rejected
+from tpuft.observed import IndexedChild
+from tpuft.settings import Settings
 
 def test_first_reconcile_acts_then_writes_status_once():
     kube = FakeKube(tft())
-    ctl = controller(kube)
+    ctl = reconciler(kube)
     stale = indexed(kube)
-    requeue = ctl.reconcile((NS, NAME), stale, [], [])
+    requeue = ctl.reconcile((NS, NAME), snap(stale))
     writes = kube.ops("patch_status")
     assert len(writes) == 1
     creates = kube.ops("create")
@@ -24,24 +27,24 @@ def test_first_reconcile_acts_then_writes_status_once():
     kube.log.clear()
     # Neither index has caught up: our own status write is overlaid, the cluster is confirmed
     # with a GET; nothing is created, written or announced twice.
-    ctl.reconcile((NS, NAME), stale, [], [])
+    ctl.reconcile((NS, NAME), snap(stale))
     assert ("get", "RayCluster", f"{NAME}-ray") in kube.log
     assert kube.ops("create", "patch_status", "event") == []
     # Caught up: no request at all (the slice's pods, listed for a stall's cause, are reused
     # for TPUFT_POD_LIST_SECONDS)
     kube.log.clear()
-    cluster = phases.IndexedChild(f"{NAME}-ray", {}, suspend=False, deleting=False)
-    ctl.reconcile((NS, NAME), indexed(kube), [cluster], [])
+    cluster = IndexedChild(f"{NAME}-ray", {}, suspend=False, deleting=False)
+    ctl.reconcile((NS, NAME), snap(indexed(kube), [cluster]))
     assert kube.log == [] and ctl.ledger.written((NS, NAME)) is None
-    ctl.pod_list_seconds = 0
-    ctl.reconcile((NS, NAME), indexed(kube), [cluster], [])
+    ctl.settings = dataclasses.replace(ctl.settings, pod_list_seconds=0)
+    ctl.reconcile((NS, NAME), snap(indexed(kube), [cluster]))
     assert kube.log == [("slice_pods", f"{NAME}-ray")]
 
 
 def test_admission_rejection_becomes_the_status():
     kube = FakeKube(tft())
     kube.fail[("RayCluster", f"{NAME}-ray")] = Rejected("RayCluster", f"{NAME}-ray", "denied: numOfHosts", 403)
-    controller(kube).reconcile((NS, NAME), indexed(kube), [], [])
+    reconciler(kube).reconcile((NS, NAME), snap(indexed(kube)))
     st = kube.objects[("TPUFinetune", NAME)]["status"]
     assert st["phase"] == "Failed" and st["reason"] == "AdmissionRejected" and "denied: numOfHosts" in st["message"]
     assert len(kube.ops("patch_status")) == 1 and ("event", "Warning", "AdmissionRejected") in kube.log
@@ -50,34 +53,34 @@ def test_admission_rejection_becomes_the_status():
 def test_transient_error_is_recorded_once_and_raised():
     kube = FakeKube(tft())
     kube.fail[("RayCluster", f"{NAME}-ray")] = KubeError("create RayCluster team-a/ft-ray: HTTP 500: etcd timeout")
-    ctl = controller(kube)
+    ctl = reconciler(kube)
     stale = indexed(kube)
     for _ in range(2):
         with pytest.raises(KubeError):
-            ctl.reconcile((NS, NAME), stale, [], [])
+            ctl.reconcile((NS, NAME), snap(stale))
     st = kube.objects[("TPUFinetune", NAME)]["status"]
     assert st["phase"] == "Pending" and "etcd timeout" in st["message"]
     assert len(kube.ops("patch_status")) == 1
     assert [x for x in kube.log if x[0] == "event"] == [("event", "Warning", "ReconcileError")]
     del kube.fail[("RayCluster", f"{NAME}-ray")]
-    ctl.reconcile((NS, NAME), indexed(kube), [], [])
+    ctl.reconcile((NS, NAME), snap(indexed(kube)))
     assert kube.objects[("TPUFinetune", NAME)]["status"]["phase"] == "Provisioning"
 
 
 def test_gone_object_is_forgotten():
     kube = FakeKube(None)
-    assert controller(kube).reconcile((NS, NAME), None, [], []) is None
+    assert reconciler(kube).reconcile((NS, NAME), snap(None)) is None
     assert kube.ops("create", "patch_status", "event") == []
 
 
 def test_deleting_children_in_the_index_count_as_absent():
     kube = FakeKube(tft())
-    ctl = controller(kube)
-    ctl.reconcile((NS, NAME), indexed(kube), [], [])
+    ctl = reconciler(kube)
+    ctl.reconcile((NS, NAME), snap(indexed(kube)))
     obj = kube.objects[("TPUFinetune", NAME)]
-    entry = phases.IndexedChild(f"{NAME}-ray", {}, suspend=False, deleting=True)
+    entry = IndexedChild(f"{NAME}-ray", {}, suspend=False, deleting=True)
     del kube.objects[("RayCluster", f"{NAME}-ray")]
-    observed = ctl.observe(obj, [entry], [])
+    observed = ctl.observe(obj, kids([entry], []))
     assert observed.cluster is None
 
 
@@ -85,17 +88,17 @@ def test_a_previous_objects_children_are_not_taken_for_its_own():
     """Delete and re-create a TPUFinetune of the same name: until the garbage collector removes
     the old RayCluster and RayJobs (same names), they belong to the old UID and count as absent."""
     kube = FakeKube(tft())
-    ctl = controller(kube)
-    ctl.reconcile((NS, NAME), indexed(kube), [], [])
+    ctl = reconciler(kube)
+    ctl.reconcile((NS, NAME), snap(indexed(kube)))
     obj = kube.objects[("TPUFinetune", NAME)]
-    old_cluster = phases.IndexedChild(f"{NAME}-ray", {"state": "ready"}, owner_uid="uid-of-the-deleted-object")
-    old_job = phases.IndexedChild(f"{NAME}-verify", {"jobStatus": "FAILED"}, owner_uid="uid-of-the-deleted-object")
+    old_cluster = IndexedChild(f"{NAME}-ray", {"state": "ready"}, owner_uid="uid-of-the-deleted-object")
+    old_job = IndexedChild(f"{NAME}-verify", {"jobStatus": "FAILED"}, owner_uid="uid-of-the-deleted-object")
     kube.objects[("RayCluster", f"{NAME}-ray")]["metadata"]["ownerReferences"] = [
         {"kind": "TPUFinetune", "uid": "uid-of-the-deleted-object"}]
-    observed = ctl.observe(obj, [old_cluster], [old_job])
+    observed = ctl.observe(obj, kids([old_cluster], [old_job]))
     assert observed.cluster is None and observed.jobs == {}
-    own = phases.IndexedChild(f"{NAME}-ray", {"state": "ready"}, owner_uid=obj["metadata"]["uid"])
-    assert ctl.observe(obj, [own], []).cluster is not None
+    own = IndexedChild(f"{NAME}-ray", {"state": "ready"}, owner_uid=obj["metadata"]["uid"])
+    assert ctl.observe(obj, kids([own], [])).cluster is not None
 
 
 def test_rayjobs_on_their_way_out_are_confirmed_with_a_get_while_there_is_a_cluster():
@@ -103,65 +106,24 @@ def test_rayjobs_on_their_way_out_are_confirmed_with_a_get_while_there_is_a_clus
     RayCluster (phases._release); the index may keep one forever after a re-list, so each is
     confirmed with a GET, and only while there is a RayCluster it could hold."""
     kube = FakeKube(tft())
-    ctl = controller(kube)
-    ctl.reconcile((NS, NAME), indexed(kube), [], [])
+    ctl = reconciler(kube)
+    ctl.reconcile((NS, NAME), snap(indexed(kube)))
     obj = kube.objects[("TPUFinetune", NAME)]
-    cluster = phases.IndexedChild(f"{NAME}-ray", {})
-    going = phases.IndexedChild(f"{NAME}-verify", {"jobStatus": "SUCCEEDED"}, deleting=True)
+    cluster = IndexedChild(f"{NAME}-ray", {})
+    going = IndexedChild(f"{NAME}-verify", {"jobStatus": "SUCCEEDED"}, deleting=True)
     kube.objects[("RayJob", f"{NAME}-verify")] = {"metadata": {"name": f"{NAME}-verify"}}
-    observed = ctl.observe(obj, [cluster], [going])
+    observed = ctl.observe(obj, kids([cluster], [going]))
     assert observed.jobs_deleting == (f"{NAME}-verify",) and observed.jobs == {}
     assert ("get", "RayJob", f"{NAME}-verify") in kube.log
     del kube.objects[("RayJob", f"{NAME}-verify")]   # gone; the index has not caught up
-    assert ctl.observe(obj, [cluster], [going]).jobs_deleting == ()
+    assert ctl.observe(obj, kids([cluster], [going])).jobs_deleting == ()
     ctl.ledger.deleted_child((NS, NAME), "RayJob", f"{NAME}-train")   # deleted by us, the index still shows it
     kube.objects[("RayJob", f"{NAME}-train")] = {"metadata": {"name": f"{NAME}-train"}}
-    assert ctl.observe(obj, [cluster], [phases.IndexedChild(f"{NAME}-train", {})]).jobs_deleting == (f"{NAME}-train",)
+    assert ctl.observe(obj, kids([cluster], [IndexedChild(f"{NAME}-train", {})])).jobs_deleting == (f"{NAME}-train",)
     del kube.objects[("RayCluster", f"{NAME}-ray")]
     kube.log.clear()
-    assert ctl.observe(obj, [], [going]).jobs_deleting == ()   # no cluster: nothing to hold, no GET for it
+    assert ctl.observe(obj, kids([], [going])).jobs_deleting == ()   # no cluster: nothing to hold, no GET for it
     assert ("get", "RayJob", f"{NAME}-verify") not in kube.log
-
-
-def test_grace_periods_come_from_the_environment(monkeypatch):
-    monkeypatch.setenv("TPUFT_RAYJOB_GRACE_SECONDS", "5")
-    monkeypatch.delenv("TPUFT_VERIFY_GRACE_SECONDS", raising=False)
-    assert handlers._tunables() == phases.Tunables(rayjob_grace_seconds=5.0)
-    monkeypatch.setenv("TPUFT_VERIFY_GRACE_SECONDS", "1")
-    assert handlers._tunables() == phases.Tunables(verify_grace_seconds=1.0, rayjob_grace_seconds=5.0)
-    monkeypatch.setenv("TPUFT_RESUBMIT_BACKOFF_SECONDS", "0")
-    assert handlers._tunables().resubmit_backoff_seconds == 0.0
-
-
-def test_the_index_records_the_owner():
-    meta = {"ownerReferences": [{"kind": "TPUFinetune", "uid": "u-1", "controller": True}]}
-    entry = handlers.rayclusters_by_owner(namespace=NS, name=f"{NAME}-ray", labels={"tpufinetune.dev/name": NAME},
-                                          spec={}, status={}, meta=meta)
-    assert entry[(NS, NAME)].owner_uid == "u-1"
-
-
-def test_the_index_keeps_typed_children():
-    meta = {"generation": 3, "deletionTimestamp": "2026-01-01T00:00:00Z"}
-    entry = handlers.rayjobs_by_owner(namespace=NS, name=f"{NAME}-verify", labels={"tpufinetune.dev/name": NAME},
-                                      spec={"suspend": True}, status={"jobStatus": "RUNNING"}, meta=meta)
-    assert entry == {(NS, NAME): phases.IndexedChild(f"{NAME}-verify", {"jobStatus": "RUNNING"}, suspend=True,
-                                                     deleting=True, generation=3)}
-
-
-def test_operator_state_lives_in_kopfs_memo():
-    import asyncio
-
-    import kopf
-
-    memo = kopf.Memo()
-    assert handlers.probe(memo=memo) == {"queued": 0, "busy": 0}
-    asyncio.run(handlers.tpufinetune_event(type="ADDED", namespace=NS, name=NAME, memo=memo))  # no controller yet
-    memo["controller"] = ctl = controller(FakeKube(tft()))
-    asyncio.run(handlers.tpufinetune_event(type="ADDED", namespace=NS, name=NAME, memo=memo))
-    asyncio.run(handlers.rayjob_event(namespace=NS, labels={"tpufinetune.dev/name": "other"}, memo=memo))
-    assert handlers.probe(memo=memo) == {"queued": 2, "busy": 0} and ctl.queued == {(NS, NAME), (NS, "other")}
-    asyncio.run(handlers.cleanup(memo=memo))
-    assert "controller" not in memo
 
 
 # --- whole lifecycles against a fake API (tests.factories.Lifecycle; KubeRay's part by
@@ -215,7 +177,7 @@ def test_training_retries_then_fails():
 def test_lost_submissions_are_resubmitted_as_fresh_rayjobs():
     """KubeRay fails a RayJob whose submitter completed while the dashboard knew no job of it:
     a fresh verify job, then the next training attempt, neither spending training.maxJobRetries."""
-    tft = Lifecycle(phases.Tunables(verify_grace_seconds=1, resubmit_backoff_seconds=0))
+    tft = Lifecycle(Settings(verify_grace_seconds=1, resubmit_backoff_seconds=0))
     kuberay = tft.kuberay
     verifying(tft)
     kuberay.job_lost(f"{NAME}-verify")
@@ -280,13 +242,12 @@ UNSCHEDULABLE = {"conditions": [{"type": "PodScheduled", "status": "False", "rea
 
 def test_a_stuck_slice_says_the_schedulers_reason_while_provisioning_and_at_the_deadline():
     kube = FakeKube(tft())
-    ctl = controller(kube)
-    ctl.pod_list_seconds = 0
-    ctl.reconcile((NS, NAME), indexed(kube), [], [])
-    cluster = phases.IndexedChild(f"{NAME}-ray", {}, suspend=False, deleting=False, uid="rc-1")
+    ctl = reconciler(kube, pod_list_seconds=0)
+    ctl.reconcile((NS, NAME), snap(indexed(kube)))
+    cluster = IndexedChild(f"{NAME}-ray", {}, suspend=False, deleting=False, uid="rc-1")
     kube.pods = [pod(f"{NAME}-ray-worker-a", "rc-1", **UNSCHEDULABLE)]
     for _ in range(3):   # resyncs: one write and one event for the cause, however often it is seen
-        ctl.reconcile((NS, NAME), indexed(kube), [cluster], [])
+        ctl.reconcile((NS, NAME), snap(indexed(kube), [cluster]))
     st = kube.objects[("TPUFinetune", NAME)]["status"]
     assert st["phase"] == "Provisioning"
     assert (f"pod {NAME}-ray-worker-a cannot be scheduled: the scheduler says: 0/8 nodes are available"
@@ -294,19 +255,18 @@ def test_a_stuck_slice_says_the_schedulers_reason_while_provisioning_and_at_the_
     assert kube.ops("event").count(("event", "Warning", "SliceBlocked")) == 1
     assert len(kube.ops("patch_status")) == 2   # Provisioning, then the cause
     st["phaseTransitionTime"] = "2000-01-01T00:00:00Z"   # the deadline has long passed
-    ctl.reconcile((NS, NAME), indexed(kube), [cluster], [])
+    ctl.reconcile((NS, NAME), snap(indexed(kube), [cluster]))
     st = kube.objects[("TPUFinetune", NAME)]["status"]
     assert st["reason"] == "ProvisioningTimeout" and "the scheduler says: 0/8 nodes are available" in st["message"]
 
 
 def test_pods_of_another_cluster_are_not_this_slices_cause():
     kube = FakeKube(tft())
-    ctl = controller(kube)
-    ctl.pod_list_seconds = 0
-    ctl.reconcile((NS, NAME), indexed(kube), [], [])
-    cluster = phases.IndexedChild(f"{NAME}-ray", {}, uid="rc-1")
+    ctl = reconciler(kube, pod_list_seconds=0)
+    ctl.reconcile((NS, NAME), snap(indexed(kube)))
+    cluster = IndexedChild(f"{NAME}-ray", {}, uid="rc-1")
     kube.pods = [pod(f"{NAME}-ray-worker-old", "rc-0", **UNSCHEDULABLE)]
-    ctl.reconcile((NS, NAME), indexed(kube), [cluster], [])
+    ctl.reconcile((NS, NAME), snap(indexed(kube), [cluster]))
     assert "cannot be scheduled" not in kube.objects[("TPUFinetune", NAME)]["status"]["message"]
 
 
@@ -314,36 +274,36 @@ def test_a_recreated_object_waits_for_the_deleted_ones_pods_then_creates():
     """Same name, new UID: the deleted object's RayCluster and pods (GC still at work) would be
     taken by KubeRay for the new cluster's (it selects pods by the ray.io/cluster label)."""
     kube = FakeKube(tft())
-    ctl = controller(kube)
-    old = phases.IndexedChild(f"{NAME}-ray", {}, owner_uid="u-0", uid="rc-0")
+    ctl = reconciler(kube)
+    old = IndexedChild(f"{NAME}-ray", {}, owner_uid="u-0", uid="rc-0")
     kube.pods = [pod(f"{NAME}-ray-head-x", "rc-0", phase="Running")]
-    requeue = ctl.reconcile((NS, NAME), indexed(kube), [old], [])
+    requeue = ctl.reconcile((NS, NAME), snap(indexed(kube), [old]))
     st = kube.objects[("TPUFinetune", NAME)]["status"]
     assert kube.ops("create") == [] and st["phase"] == "Pending" and st["reason"] == "WaitingForPrevious"
     assert f"RayCluster {NAME}-ray, pod {NAME}-ray-head-x" in st["message"], st["message"]
     assert requeue is not None and requeue <= 2
-    ctl.reconcile((NS, NAME), indexed(kube), [], [])   # the RayCluster went; its pod has not
+    ctl.reconcile((NS, NAME), snap(indexed(kube)))   # the RayCluster went; its pod has not
     assert kube.ops("create") == [] and len(kube.ops("slice_pods")) == 2   # leftovers: never a reused list
     kube.pods = []
-    ctl.reconcile((NS, NAME), indexed(kube), [], [])
+    ctl.reconcile((NS, NAME), snap(indexed(kube)))
     assert [x[1] for x in kube.ops("create")][-1] == "RayCluster"
     assert kube.objects[("TPUFinetune", NAME)]["status"]["phase"] == "Provisioning"
 
 
 def test_a_listed_slice_is_reused_for_the_interval_then_listed_again(monkeypatch):
     kube = FakeKube(tft())
-    ctl = controller(kube)
+    ctl = reconciler(kube)
     clock = [100.0]
-    monkeypatch.setattr(handlers.time, "monotonic", lambda: clock[0])
-    ctl.reconcile((NS, NAME), indexed(kube), [], [])
-    cluster = phases.IndexedChild(f"{NAME}-ray", {}, uid="rc-1")
+    monkeypatch.setattr("tpuft.reconciler.time.monotonic", lambda: clock[0])
+    ctl.reconcile((NS, NAME), snap(indexed(kube)))
+    cluster = IndexedChild(f"{NAME}-ray", {}, uid="rc-1")
     kube.pods = [pod(f"{NAME}-ray-worker-a", "rc-1", **UNSCHEDULABLE)]
-    clock[0] += ctl.pod_list_seconds - 1
-    ctl.reconcile((NS, NAME), indexed(kube), [cluster], [])
+    clock[0] += ctl.settings.pod_list_seconds - 1
+    ctl.reconcile((NS, NAME), snap(indexed(kube), [cluster]))
     assert len(kube.ops("slice_pods")) == 1
     assert "cannot be scheduled" not in kube.objects[("TPUFinetune", NAME)]["status"]["message"]
     clock[0] += 1
-    ctl.reconcile((NS, NAME), indexed(kube), [cluster], [])
+    ctl.reconcile((NS, NAME), snap(indexed(kube), [cluster]))
     assert len(kube.ops("slice_pods")) == 2
     assert "cannot be scheduled" in kube.objects[("TPUFinetune", NAME)]["status"]["message"]
 
@@ -351,16 +311,15 @@ def test_a_listed_slice_is_reused_for_the_interval_then_listed_again(monkeypatch
 def test_node_pools_are_read_only_for_an_unschedulable_slice_and_shared(monkeypatch):
     kube = FakeKube(tft())
     kube.pools = (("tpu-v6e-slice", "4x4", 4),)
-    ctl = controller(kube)
-    ctl.pod_list_seconds = 0
-    ctl.reconcile((NS, NAME), indexed(kube), [], [])
-    cluster = phases.IndexedChild(f"{NAME}-ray", {}, uid="rc-1")
+    ctl = reconciler(kube, pod_list_seconds=0)
+    ctl.reconcile((NS, NAME), snap(indexed(kube)))
+    cluster = IndexedChild(f"{NAME}-ray", {}, uid="rc-1")
     kube.pods = [pod(f"{NAME}-ray-worker-a", "rc-1", phase="Pending")]
-    ctl.reconcile((NS, NAME), indexed(kube), [cluster], [])
+    ctl.reconcile((NS, NAME), snap(indexed(kube), [cluster]))
     assert kube.ops("node_pools") == []   # nothing unschedulable: no node list
     kube.pods = [pod(f"{NAME}-ray-worker-a", "rc-1", **UNSCHEDULABLE)]
     for _ in range(3):
-        ctl.reconcile((NS, NAME), indexed(kube), [cluster], [])
+        ctl.reconcile((NS, NAME), snap(indexed(kube), [cluster]))
     assert len(kube.ops("node_pools")) == 1   # one list serves POOLS_CACHE_SECONDS
     msg = kube.objects[("TPUFinetune", NAME)]["status"]["message"]
     assert "the scheduler says" in msg and "the tpu-v6e-slice 4x4 pool exists" in msg, msg
