@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 
 venv: $(STAMP)
 
-# Dependencies once per machine (keyed by pyproject.toml's dependency tables), this clone editable in its own .venv:
+# Dependencies once per machine (keyed by pyproject.toml's dependencies and the extras installed), this clone editable in its own .venv:
 # see hack/venv.sh. torch goes in first and pinned, so Ray and transformers never pull another build.
 $(STAMP): pyproject.toml hack/venv.sh
 	PYTHON=$(PYTHON) hack/venv.sh $(VENV) workload,jax,local,test "torch==2.13.*"

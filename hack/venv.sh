@@ -4,20 +4,22 @@
 # The dependencies of `.[EXTRAS]` (torch and its CUDA wheels, Ray, ...: ~4.5 GB, minutes to
 # download, and this machine's egress proxy keeps pip's cache from storing any of it) are
 # installed once per machine into ${TPUFT_CACHE:-~/.cache/tpuft}/venvs/<name>-<key>, keyed by
-# what decides them: pyproject.toml's dependency tables (not its tool settings: a linter rule
-# must not reinstall 4.5 GB), this script and the arguments. VENV itself is the clone's
-# own small venv: it sees those dependencies through one .pth file and holds only this clone,
+# what decides them: pyproject.toml's dependencies and the extras installed (not its tool
+# settings or other extras: a linter rule must not reinstall 4.5 GB), this script and the
+# arguments. VENV itself is the clone's own small venv: it sees those dependencies through one .pth file and holds only this clone,
 # installed editable, so two clones on one machine never run each other's code.
 # A fresh machine takes the same path; it only fills the cache first.
 set -euo pipefail
 venv=$1 extras=$2 torch=${3:-}
 python=${PYTHON:-python3}
 name=$(basename "$venv" | tr -c 'a-zA-Z0-9\n' '-' | sed 's/^-*//')
-requirements=$("$python" -c 'import json, tomllib
+# Only the extras this venv installs: a linter or docs tool added to `lint` must not reinstall the
+# 4.5 GB of the workload's venv.
+requirements=$("$python" -c 'import json, sys, tomllib
 d = tomllib.load(open("pyproject.toml", "rb"))
 p = d["project"]
-print(json.dumps([p.get("requires-python"), p.get("dependencies"), p.get("optional-dependencies"),
-                  d.get("build-system")], sort_keys=True))')
+extras = {e: p.get("optional-dependencies", {}).get(e) for e in sys.argv[1].split(",")}
+print(json.dumps([p.get("requires-python"), p.get("dependencies"), extras, d.get("build-system")], sort_keys=True))' "$extras")
 key=$({ echo "$requirements"; cat "$0"; echo "$extras $torch"; "$python" -VV; } | sha256sum | cut -c1-16)
 root=${TPUFT_CACHE:-$HOME/.cache/tpuft}/venvs
 deps=$root/$name-$key
