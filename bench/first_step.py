@@ -1,5 +1,5 @@
 """Time from `kubectl apply` to the first training step, on the local cluster (`tpuft cluster up`):
-ours (one TPUFinetune) against the seed's manual flow (a hand-written RayCluster,
+ours (one TPUFinetune) against the GKE tutorial's manual flow (a hand-written RayCluster,
 bench/manual/raycluster.yaml, then `ray job submit` of verification and of training), same
 cluster, same image, same requests, same run, alternating.
 
@@ -33,7 +33,7 @@ STEP_LINE = re.compile(r"Epoch \d+/\d+ \| step \d+/\d+")
 POLL_S = 0.5
 RUN_BOUND_S = 600  # one run never waits longer than this, whatever happens
 
-# What the user types for the manual flow: the seed's two `ray job submit` commands with this
+# What the user types for the manual flow: the GKE tutorial's two `ray job submit` commands with this
 # example's settings (checked against our renderer at start, so both flows run the same job).
 MANUAL_VERIFY = ("python -m tpuft_workload verify --accelerator cpu --topology 2 --slices 1 --timeout-seconds 120 "
                  "--log-file /tmp/tpuft-checkpoints/{run}/logs/verify.log")

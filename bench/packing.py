@@ -1,11 +1,11 @@
-"""Benchmark: the seed recipe (pad every example to 512) vs sequence packing, on CPU.
+"""Benchmark: the GKE tutorial's recipe (pad every example to 512) vs sequence packing, on CPU.
 
 Same tiny model (builtin:tiny-llama), same batch size, same number of optimizer steps for
 both recipes; what changes is how many real (non-padding) tokens each step carries.
 Two datasets:
   dolly-mini   the shipped builtin:dolly-mini (short records, median ~60 tokens)
   dolly-shape  synthetic records with a dolly-15k-like length distribution: log-normal,
-               median ~150 tokens, long tail (a few beyond 512, which the seed recipe truncates)
+               median ~150 tokens, long tail (a few beyond 512, which the tutorial's recipe truncates)
 
     .venv/bin/python bench/packing.py [--steps 20] [--batch 4] [--seq 512]
 
@@ -138,7 +138,7 @@ def main() -> None:
                   f"{r['realTokensPerSecond']:>11.1f} {r['paddedTokensPerSecond']:>13.1f} {r['estimatedEpochSeconds']:>8.2f}")
         print(f"{name:<12} {'packed/seed':<16} real tokens/s x{row['realTokensPerSecondRatio']}, "
               f"epoch time /{row['epochSpeedup']} (median {row['medianTokens']} tokens, "
-              f"{row['overSeq']} records > {a.seq} truncated by the seed recipe)")
+              f"{row['overSeq']} records > {a.seq} truncated by the tutorial's recipe)")
     out = {"config": {"steps": a.steps, "batch": a.batch, "seq": a.seq, "records": a.records, "seed": a.seed,
                       "model": "builtin:tiny-llama", "device": "cpu", "torchThreads": torch.get_num_threads(),
                       "machine": _platform.machine(), "python": _platform.python_version(),

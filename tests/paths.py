@@ -13,7 +13,7 @@ KUBERAY_REF = DATA / "kuberay-v1.7.0"
 # apis__networking.k8s.io__v1_openapi.json in kubernetes/kubernetes, the local cluster's version):
 # NetworkPolicy and every schema it refers to, nothing else.
 NETWORK_POLICY_OPENAPI = DATA / "kubernetes-v1.35.3" / "networking.k8s.io_v1_networkpolicy.openapi.json"
-SEED_RAYCLUSTERS = DATA / "seed-000-rayclusters.yaml"
+TUTORIAL_RAYCLUSTERS = DATA / "gke-tutorial-rayclusters.yaml"
 EXAMPLES = REPO / "examples"
 GOLDEN = REPO / "tests" / "golden"
 

@@ -11,8 +11,8 @@ Kueue, so that the node trains it once instead of once per disruption:
 3. our operator's pod is deleted while the resumed training runs (the Deployment starts another,
    which picks the run up), and training still ends;
 4. it then serves with an image that does not exist: the kubelet's pull error is in status while
-   Serving, and the run fails ServeFailed at spec.serve.timeoutSeconds naming it (the seed-004
-   hang, caught and named; the happy path is tests/cluster/test_demo.py).
+   Serving, and the run fails ServeFailed at spec.serve.timeoutSeconds naming it (the serving
+   hang "DEPLOYING forever", caught and named; the happy path is tests/cluster/test_demo.py).
 
 Verification is off: it would run after each of the three starts and prove nothing asserted here
 (re-verification after a resume or replacement is tests/unit/test_phases.py's and

@@ -28,8 +28,8 @@ def test_tpu_node_labels_are_the_operators_node_selectors(accel, topology):
     assert len({n["metadata"]["labels"][pools.POOL_LABEL] for n in nodes}) == 1  # one slice, one node pool
 
 
-def test_seed_worker_requests_fit_a_simulated_host():
-    """The seed's v6e worker asks for 64 CPU and 250Gi: it fits a ct6e-standard-4t as on GKE."""
+def test_the_gke_tutorials_worker_requests_fit_a_simulated_host():
+    """GKE's Ray-on-TPU tutorial's v6e worker asks for 64 CPU and 250Gi: it fits a ct6e-standard-4t as on GKE."""
     node = pools.tpu_nodes(pools.TpuPool("v6e", "4x4"))[0]
     cpu_m = int(node["status"]["allocatable"]["cpu"].rstrip("m"))
     mem_mi = int(node["status"]["allocatable"]["memory"].rstrip("Mi"))

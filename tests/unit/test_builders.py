@@ -1,4 +1,4 @@
-"""Pure translation: golden files per example, the seed's manifests, KubeRay's own schemas,
+"""Pure translation: golden files per example, GKE's tutorial manifests, KubeRay's own schemas,
 and one focused test per option."""
 
 import functools
@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from tests.paths import EXAMPLES, GOLDEN, NETWORK_POLICY_OPENAPI, kuberay_crd
-from tests.seed import missing_from, seed_rayclusters
+from tests.gke_tutorial import missing_from, tutorial_rayclusters
 from tests.factories import MINIMUM, with_
 from tpuft import builders, catalog
 from tpuft.constants import SERVE_API_KEY_ENV, SERVE_DEPLOYMENT_NAME
@@ -48,14 +48,14 @@ def test_golden(path, request):
 
 
 @pytest.mark.parametrize("example,group", [("v6e-4x4.yaml", "v6e-16"), ("tpu7x-2x2x2.yaml", "tpu7x-16")])
-def test_every_field_the_seed_sets_is_present_with_the_seeds_value(example, group):
-    seed = seed_rayclusters()[group]
+def test_every_field_the_gke_tutorial_sets_is_present_with_its_value(example, group):
+    tutorial = tutorial_rayclusters()[group]
     ours = by_kind(render(yaml.safe_load((EXAMPLES / example).read_text())), "RayCluster")[0]
-    seed["metadata"].pop("name")  # our names derive from the TPUFinetune
-    for c in seed["spec"]["headGroupSpec"]["template"]["spec"]["containers"] + \
-            seed["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"]:
-        c.pop("image")  # ${IMAGE_URI} in the seed
-    assert missing_from(seed, ours) == []
+    tutorial["metadata"].pop("name")  # our names derive from the TPUFinetune
+    for c in tutorial["spec"]["headGroupSpec"]["template"]["spec"]["containers"] + \
+            tutorial["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"]:
+        c.pop("image")  # ${IMAGE_URI} in the tutorial
+    assert missing_from(tutorial, ours) == []
 
 
 @functools.cache   # one validator per CRD for the session: building and first use cost seconds
@@ -386,7 +386,7 @@ def test_the_rayservice_validates_and_its_llm_config_reserves_the_whole_slice(ex
     app = serve_config(svc)
     assert app["import_path"] == "ray.serve.llm:build_openai_app"
     llm = app["args"]["llm_configs"][0]
-    # The line seed 004 says is always forgotten: without it the app sits in DEPLOYING forever.
+    # The slice topology line, the one easily forgotten: without it the app sits in DEPLOYING forever.
     assert llm["accelerator_type"] == acc_type and llm["accelerator_config"] == {"kind": "tpu", "topology": topology}
     assert llm["engine_kwargs"]["tensor_parallel_size"] == devices
     group = svc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]

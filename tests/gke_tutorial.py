@@ -1,12 +1,12 @@
-"""The RayCluster manifests of the GKE tutorial seed (tests/data/seed-000-rayclusters.yaml), for golden checks."""
+"""The RayCluster manifests of GKE's Ray-on-TPU tutorial (tests/data/gke-tutorial-rayclusters.yaml), for golden checks."""
 import yaml
 
-from tests.paths import SEED_RAYCLUSTERS
+from tests.paths import TUTORIAL_RAYCLUSTERS
 
 
-def seed_rayclusters() -> dict[str, dict]:
+def tutorial_rayclusters() -> dict[str, dict]:
     """{worker group name: RayCluster dict} for every RayCluster manifest in the tutorial."""
-    docs = yaml.safe_load_all(SEED_RAYCLUSTERS.read_text())
+    docs = yaml.safe_load_all(TUTORIAL_RAYCLUSTERS.read_text())
     return {doc["spec"]["workerGroupSpecs"][0]["groupName"]: doc for doc in docs}
 
 
@@ -29,5 +29,5 @@ def missing_from(expected, actual, path="") -> list[str]:
             else:
                 out += missing_from(e, actual[idx], f"{path}[{idx}]") if idx < len(actual) else [f"{path}[{idx}]: missing"]
     elif str(expected) != str(actual):
-        out.append(f"{path}: seed {expected!r} != ours {actual!r}")
+        out.append(f"{path}: tutorial {expected!r} != ours {actual!r}")
     return out
