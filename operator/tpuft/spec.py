@@ -44,6 +44,8 @@ ENV_SOURCES = ("secretKeyRef", "configMapKeyRef", "fieldRef", "resourceFieldRef"
 _SHELL_CHARS = r"\s;&|`$<>\\'\""
 UNSAFE = re.compile(f"[{_SHELL_CHARS}]")
 SHELL_SAFE = re.compile(f"^[^{_SHELL_CHARS}]+$")
+MAX_STRING_LENGTH = 512        # image, model, dataset name: the CRD's maxLength and the parser's
+MAX_SPLIT_LENGTH = 128
 
 DEFAULTS: dict[str, Any] = {
     "slices": 1,
@@ -295,7 +297,7 @@ class _Reader:
         return value
 
     def string(self, obj: Mapping, key: str, path: str, required: bool = False,
-               default: str | None = None, max_len: int = 512) -> str | None:
+               default: str | None = None, max_len: int = MAX_STRING_LENGTH) -> str | None:
         value = obj.get(key, default)
         if value is None:
             if required:
@@ -492,7 +494,7 @@ def _image_and_model(r: _Reader, spec: Mapping) -> tuple[str | None, str | None,
 def _dataset(r: _Reader, spec: Mapping) -> Dataset:
     ds = r.section(spec, "dataset", "spec.dataset", required=True)
     name = r.string(ds, "name", "spec.dataset.name", required=True)
-    split = r.string(ds, "split", "spec.dataset.split", default=DEFAULTS["dataset.split"], max_len=128)
+    split = r.string(ds, "split", "spec.dataset.split", default=DEFAULTS["dataset.split"], max_len=MAX_SPLIT_LENGTH)
     for p, v in (("spec.dataset.name", name), ("spec.dataset.split", split)):
         if v and UNSAFE.search(v):
             r.fail(p, f"{v!r} must not contain spaces or shell characters")
