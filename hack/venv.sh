@@ -38,8 +38,19 @@ if [ ! -f "$deps/.complete" ]; then
   "$deps/bin/python" -m pip install -q ".[$extras]"
   "$deps/bin/python" -m pip uninstall -q -y tpufinetune-operator
   touch "$deps/.complete"
-  # Older keys of this venv are a dependency change ago: keep the newest two.
-  ls -1dt "$root/$name"-???????????????? 2>/dev/null | tail -n +3 | xargs -r rm -rf
+  # Older keys of this venv are a dependency change ago: keep the newest two, and any that a clone
+  # still links to (several clones of one machine, e.g. git worktrees on different branches, each use
+  # their own key: deleting one breaks that clone's venv behind its make stamp). A clone that used a
+  # key is listed in its .users; a key older than this bookkeeping has none and goes after 2 days.
+  for old in $(ls -1dt "$root/$name"-???????????????? 2>/dev/null | tail -n +3); do
+    used=""
+    if [ -f "$old.users" ]; then
+      while read -r user; do grep -qsF "$old/" "$user"/lib/python3*/site-packages/_tpuft_deps.pth && used=1; done < "$old.users"
+    elif [ -n "$(find "$old" -maxdepth 0 -mmin -2880)" ]; then
+      used=1
+    fi
+    [ -n "$used" ] || rm -rf "$old" "$old.users"
+  done
 else
   echo "[venv] dependencies of .[$extras] from $deps"
 fi
@@ -53,3 +64,4 @@ deps_site=$("$deps/bin/python" -c 'import sysconfig; print(sysconfig.get_path("p
 echo "import site; site.addsitedir('$deps_site')" > "$site/_tpuft_deps.pth"
 "$venv/bin/python" -m pip install -q --upgrade pip   # the bundled one is too old for PEP 660 editables
 "$venv/bin/python" -m pip install -q --no-deps -e .
+grep -qsxF "$(realpath "$venv")" "$deps.users" || realpath "$venv" >> "$deps.users"   # for the pruning above
