@@ -2,7 +2,7 @@
 
 Configuration only (pure functions returning the files' contents) plus `Node`, which writes
 them and starts the three processes. Settings each cost an error in the feasibility probe
-(see the README's "Local cluster" section): cgroup v1 needs `failCgroupV1: false`; runc
+(see docs/local-cluster.md): cgroup v1 needs `failCgroupV1: false`; runc
 without CAP_SYS_RESOURCE needs `restrict_oom_score_adj`; pulls must never leave the machine,
 so every registry resolves to a closed loopback port and images are imported instead.
 """

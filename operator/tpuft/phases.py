@@ -4,7 +4,7 @@ No client, no clock, no randomness: `reconciler.py` gathers the observation, cal
 performs `Decision.actions` (idempotent creates by deterministic name, patches, deletes),
 then writes `Decision.patch` (None when nothing changed) to the status subresource.
 
-Rules worth knowing (see also the README):
+Rules worth knowing (see also docs/concepts.md):
   * The spec is validated first; an invalid spec fails with InvalidSpec and creates nothing.
     A corrected spec restarts the run, as long as nothing was ever created.
   * The spec the children are built from is stored in status.appliedSpec. Every child made

@@ -232,7 +232,7 @@ def _short_run(name: str, checkpoint: dict, serve: bool, split: str) -> dict:
 
 def _check_a_third_run_beside_two_served_models(kubectl) -> None:
     """Issue 34: with two models served on the node (the demo's and a second), a third run trains
-    to Succeeded on the real node (it fits: README "How many runs the local node holds"), never
+    to Succeeded on the real node (it fits: docs/troubleshooting.md#how-many-runs-the-local-node-holds), never
     failing inside Ray because the node was overcommitted."""
     def phase(name: str) -> dict:
         st = json.loads(kubectl("get", "tft", name, "-n", DEMO_NS, "-o", "json", check=True).stdout).get("status") or {}
@@ -281,7 +281,7 @@ def _tpuft_logs(name: str) -> subprocess.CompletedProcess:
 
 # Run in a pod of another namespace: the dashboard's Jobs API, the GCS and the Ray client port of a
 # head, without its token (refused), with a wrong one (refused) and with it (answered: the refusal is
-# auth, not a closed port). No NetworkPolicy is enforced on the local cluster (README "Security"),
+# auth, not a closed port). No NetworkPolicy is enforced on the local cluster (docs/security.md),
 # so the connections themselves are made.
 PROBE = r"""
 import json, os, urllib.error, urllib.request

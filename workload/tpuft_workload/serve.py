@@ -43,13 +43,13 @@ DEPLOYMENT_NAME = SERVE_DEPLOYMENT_NAME
 ROUTE_PREFIX = SERVE_ROUTE_PREFIX
 IMPORT_PATH = SERVE_TRANSFORMERS_IMPORT_PATH
 MAX_TOKENS_DEFAULT = 64
-MAX_BATCH_SIZE_DEFAULT = 16   # bench/serve_latency.py measures it beside max_batch_size 1 (README, Performance)
+MAX_BATCH_SIZE_DEFAULT = 16   # bench/serve_latency.py measures it beside max_batch_size 1 (docs/performance.md)
 # Requests a replica accepts at once (Ray Serve's default is 5): above max_batch_size, so the next
 # batch is already queued in the replica when one ends.
 MAX_ONGOING_REQUESTS = 64
 # The replica's decoding thread shares the GIL with Ray Serve's event loops, which take requests in and
 # send answers out: at Python's default 5 ms switch interval each of their steps waits behind decoding
-# (README, Performance: the same bench at 5 ms, 1 ms and 0.5 ms).
+# (docs/performance.md: the same bench at 5 ms, 1 ms and 0.5 ms).
 GIL_SWITCH_INTERVAL_S = 0.0005
 KEYED_PREFIX = "/v1/"   # the OpenAI routes, behind the API key when one is set
 EXPORT_HINT = ("it must be the Hugging Face export a TPUFinetune's training wrote (status.training.exportedModel): "
