@@ -3,8 +3,8 @@ in handlers.startup), and passed to what needs them. Nothing reads them at impor
 (or a second operator in one process) sets the environment before it starts the operator.
 
 Each field is one variable, TPUFT_ and the field's name in capitals; unset or empty means the default.
-The Settings docstring and README.md's table are generated from the fields (`python -m tpuft.settings`
-prints the table; tests/unit/test_settings.py fails when README.md's copy is stale).
+The Settings docstring and the docs' table (docs/reference/settings.md) are generated from the fields
+(`python -m tpuft.settings` prints the table; tests/unit/test_settings.py fails when the docs' copy is stale).
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def _default(f: dataclasses.Field) -> str:
 
 
 def environment_table() -> str:
-    """README.md's table of the variables (one row per Settings field)."""
+    """docs/reference/settings.md's table of the variables (one row per Settings field)."""
     rows = [f"| `{env_name(f)}` | {_default(f)} | {f.metadata['help']} |" for f in dataclasses.fields(Settings)]
     return "\n".join(["| variable | default | what |", "|---|---|---|", *rows]) + "\n"
 

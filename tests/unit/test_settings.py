@@ -1,5 +1,5 @@
 """tpuft.settings: every runtime knob is one Settings field and one TPUFT_ variable, read at
-startup; README.md's table is generated from the fields."""
+startup; docs/reference/settings.md's table is generated from the fields."""
 from __future__ import annotations
 
 import ast
@@ -55,10 +55,10 @@ def test_the_docstring_lists_every_variable():
         assert f"{env_name(f)} (" in Settings.__doc__ and f.metadata["help"] in Settings.__doc__
 
 
-def test_the_readme_table_is_generated_from_the_fields():
-    readme = (REPO / "README.md").read_text()
-    assert environment_table() in readme, "README.md's table of TPUFT_ variables is stale: paste " \
-                                          "`.venv/bin/python -m tpuft.settings` over it"
+def test_the_docs_table_is_generated_from_the_fields():
+    page = (REPO / "docs" / "reference" / "settings.md").read_text()
+    assert environment_table() in page, "docs/reference/settings.md's table of TPUFT_ variables is stale: paste " \
+                                        "`.venv/bin/python -m tpuft.settings` over it"
 
 
 def test_the_environment_is_read_only_in_tpuft_settings():
