@@ -48,9 +48,10 @@ lint: $(UNIT_STAMP)
 	$(MAKE) --no-print-directory docs
 
 # The docs site (mkdocs.yml, docs/) into site/: --strict fails on a broken link or anchor and on a
-# page left out of nav. mkdocs-material's banner about its end of life is not ours to print in CI.
+# page left out of nav. Not --quiet: it drops the warnings before --strict counts them, and passes.
+# mkdocs-material's banner about its end of life is not ours to print in CI.
 docs: $(UNIT_STAMP)
-	NO_MKDOCS_2_WARNING=1 $(UNIT_PY) -m mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(UNIT_PY) -m mkdocs build --strict
 
 # The dependency venvs stay in ~/.cache/tpuft/venvs (the newest two keys of each are kept).
 clean:
