@@ -114,13 +114,20 @@ def blocking_cause(pods: tuple[PodObs, ...]) -> str | None:
     return cause[1] if cause else None
 
 
-def pool_hint(pools: tuple[tuple[str, str, int], ...], accelerator: str | None, topology: str) -> str:
+def pool_hint(pools: tuple[tuple[str, str, int], ...], accelerator: str | None, topology: str,
+              hosts: int = 1, slices: int = 1) -> str:
     """For a slice the scheduler cannot place: the TPU node pools the cluster has, as
-    (cloud.google.com/gke-tpu-accelerator, cloud.google.com/gke-tpu-topology, nodes) seen on nodes."""
+    (cloud.google.com/gke-tpu-accelerator, cloud.google.com/gke-tpu-topology, nodes) seen on nodes,
+    against the `hosts` per slice x `slices` the object needs."""
     if not pools:
         return f"no node here carries {c.GKE_TPU_ACCELERATOR_SELECTOR} (no TPU node pool)"
     seen = ", ".join(f"{a} {t} ({n} node{'s' if n != 1 else ''})" for a, t, n in sorted(pools))
-    if any(a == accelerator and t == topology for a, t, _ in pools):
+    nodes = sum(n for a, t, n in pools if a == accelerator and t == topology)
+    if nodes and nodes < hosts * slices:
+        return (f"TPU node pools here: {seen}; {slices} slice{'s' if slices != 1 else ''} of {accelerator} {topology} "
+                f"need {hosts * slices} hosts ({hosts} per slice, each slice its own node pool); the cluster has "
+                f"{nodes}: add node pools or lower spec.slices")
+    if nodes:
         return f"TPU node pools here: {seen}; the {accelerator} {topology} pool exists, so it lacks free capacity"
     return f"TPU node pools here: {seen}; none is {accelerator} {topology}"
 

@@ -347,7 +347,7 @@ def _provisioning(d: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed) -> D
     found = blocking(obs.pods)
     cause = found[1] if found else None
     if found and found[0] == Blocker.UNSCHEDULABLE and obs.pools is not None and s.is_tpu:
-        cause = f"{found[1]}; {pool_hint(obs.pools, s.gke_accelerator, s.topology)}"
+        cause = f"{found[1]}; {pool_hint(obs.pools, s.gke_accelerator, s.topology, s.hosts, tft.spec.slices)}"
     if cause:
         progress += f"; {cause}"
         if cause not in (d.prev.get("message") or ""):   # once per new cause, not on every resync

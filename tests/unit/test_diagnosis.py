@@ -98,4 +98,14 @@ def test_leftovers_are_pods_of_any_other_raycluster():
     ((), "no node here carries cloud.google.com/gke-tpu-accelerator (no TPU node pool)"),
 ])
 def test_the_pool_hint_names_what_the_cluster_offers(pools, expected):
-    assert pool_hint(pools, "tpu-v6e-slice", "4x8") == expected
+    assert pool_hint(pools, "tpu-v6e-slice", "4x8", hosts=8) == expected
+
+
+@pytest.mark.parametrize("nodes, slices, expected", [
+    (4, 2, "TPU node pools here: tpu-v6e-slice 4x4 (4 nodes); 2 slices of tpu-v6e-slice 4x4 need 8 hosts "
+           "(4 per slice, each slice its own node pool); the cluster has 4: add node pools or lower spec.slices"),
+    (8, 2, "TPU node pools here: tpu-v6e-slice 4x4 (8 nodes); the tpu-v6e-slice 4x4 pool exists, so it lacks free capacity"),
+    (4, 1, "TPU node pools here: tpu-v6e-slice 4x4 (4 nodes); the tpu-v6e-slice 4x4 pool exists, so it lacks free capacity"),
+])
+def test_the_pool_hint_counts_the_hosts_every_slice_needs(nodes, slices, expected):
+    assert pool_hint((("tpu-v6e-slice", "4x4", nodes),), "tpu-v6e-slice", "4x4", hosts=4, slices=slices) == expected

@@ -1,5 +1,5 @@
-"""Collective verification on 2 real CPU workers (gloo): pass, injected hang, injected failure; and the
-local Ray they run on refuses a client without its token."""
+"""Collective verification on 2 real CPU workers (gloo), as one slice and as two: pass, injected hang,
+injected failure; and the local Ray they run on refuses a client without its token."""
 from __future__ import annotations
 
 import json
@@ -14,9 +14,14 @@ from tpuft_workload import verify
 from tpuft_workload.platform import resolve_target
 
 
-def test_two_cpu_workers_pass_with_the_right_sum_and_parity(ray_cluster):
-    res = verify.run_verification(resolve_target("cpu", "2"), timeout_s=120)
+@pytest.mark.parametrize("topology, slices", [("2", 1), ("1", 2)], ids=["one slice of 2", "two slices of 1"])
+def test_two_cpu_workers_pass_with_the_right_sum_and_parity(ray_cluster, topology, slices):
+    res = verify.run_verification(resolve_target("cpu", topology, slices), timeout_s=120)
     assert res.passed, res.message
+    assert ("inside each of 2 slices and across them" in res.message) == (slices == 2)
+    if slices == 2:   # each slice's own all_reduce (rank+1 of its one rank) and the one across them
+        assert [(r["slice_sum"], r["cross_slice_sum"]) for r in res.per_rank] == [([1.0] * 4, [3.0] * 4),
+                                                                                ([2.0] * 4, [3.0] * 4)]
     assert res.exit_code == 0 and res.ranks == 2 and res.hosts == 1
     assert res.all_reduce_sums == [[3.0] * 4, [3.0] * 4]
     assert res.all_reduce_sum == res.expected_sum == 3.0
@@ -74,12 +79,27 @@ def test_the_local_ray_refuses_a_client_without_its_token(ray_cluster, ray_auth_
         assert cluster_id(gcs_service_pb2.GetClusterIdRequest(), metadata=token, timeout=30).cluster_id
 
 
-def test_a_failing_rank_fails_fast_without_waiting_for_the_timeout(ray_cluster):
+def test_a_failing_rank_fails_fast_without_waiting_for_the_timeout_and_names_its_slice(ray_cluster):
     t0 = time.monotonic()
-    res = verify.run_verification(resolve_target("cpu", "2"), timeout_s=120, fault_spec="fail-rank:0")
+    res = verify.run_verification(resolve_target("cpu", "1", 2), timeout_s=120, fault_spec="fail-rank:1")
     assert not res.passed and not res.timed_out and res.exit_code == verify.EXIT_FAILED
-    assert "rank 0" in res.message and "injected failure" in res.message
+    assert "rank 1 (slice 1)" in res.message and "injected failure" in res.message
     assert time.monotonic() - t0 < 60
+
+
+def _sums(slice_sums, cross_sums):
+    return {r: {"slice_sum": [float(v)] * 4, "cross_slice_sum": [float(w)] * 4} for r, (v, w) in enumerate(zip(slice_sums, cross_sums))}
+
+
+@pytest.mark.parametrize("slice_sums, cross_sums, message", [
+    # two slices of 2 devices: ranks 0,1 | 2,3; inside sums 3 and 7; across (0,2) 4 and (1,3) 6
+    ([3, 3, 7, 7], [4, 6, 4, 6], None),
+    ([3, 3, 7, 6], [4, 6, 4, 6], "inside slice 1: rank 3 (slice 1) got [6.0, 6.0, 6.0, 6.0], expected 7.0"),
+    ([3, 3, 7, 7], [4, 5, 4, 6], "across slices (device 1 of each slice): rank 1 (slice 0) got"),
+])
+def test_a_wrong_sum_names_the_slice_or_the_group_across_slices(slice_sums, cross_sums, message):
+    wrong = verify.slice_mismatch(resolve_target("cpu", "2", 2), _sums(slice_sums, cross_sums))
+    assert (wrong is None) if message is None else (message in wrong)
 
 
 def test_a_tpu_slice_that_never_appears_times_out_within_its_bound(ray_cluster):

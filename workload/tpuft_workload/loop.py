@@ -65,6 +65,7 @@ class TrainConfig:
     cr_name: str
     status_every_s: float
     peak_flops: float | None      # the TPU slice's peak FLOP/s (tpuft.catalog; MFU's denominator), None off TPU
+    slices: int = 1               # > 1: HSDP, parameters replicated across slices (tpuft_workload.model.device_mesh)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

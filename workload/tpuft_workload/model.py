@@ -1,4 +1,4 @@
-"""Load a causal LM + tokenizer (built-in, hub, local or gs://) and shard it with FSDP2.
+"""Load a causal LM + tokenizer (built-in, hub, local or gs://) and shard it with FSDP2 (HSDP across slices).
 
 Weights load on the CPU in fp32 (the optimizer's master copy); FSDP2 moves each decoder
 layer to the device as it shards it, so the full model never sits on one device. On
@@ -105,6 +105,24 @@ def _decoder_layers(model) -> list:
     return layers
 
 
+MESH_DIMS = ("replicate", "shard")  # HSDP's (across slices, inside a slice)
+
+
+def device_mesh(platform: Platform, world: int, slices: int = 1):
+    """FSDP2's mesh. One slice: 1-D, every parameter sharded over all `world` devices. Several: 2-D
+    (replicate = slices, shard = the devices of one slice), i.e. HSDP: parameters shard inside a slice
+    (ICI) and replicate across slices, so only gradients cross the data-center network, once per
+    step. Ranks are slice-major (rank // devices per slice is the slice), as tpuft_workload.verify
+    numbers them."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if slices <= 1:
+        return init_device_mesh(platform.device_type, (world,))
+    if world % slices:
+        raise ValueError(f"{world} workers do not split into {slices} equal slices")
+    return init_device_mesh(platform.device_type, (slices, world // slices), mesh_dim_names=MESH_DIMS)
+
+
 def shard(model, mesh, platform: Platform, device):
     """fully_shard every decoder layer, then the root. Returns the trainable parameters."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -126,6 +144,7 @@ def shard(model, mesh, platform: Platform, device):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored or None)
     model.to(device)  # moves what FSDP does not own (ignored params, buffers)
-    log.info("FSDP2: sharded %d %s layers + root over %d devices", len(layers),
-             type(layers[0]).__name__, mesh.size())
+    how = "x".join(str(n) for n in mesh.shape)
+    log.info("FSDP2: sharded %d %s layers + root over %d devices (%s)", len(layers), type(layers[0]).__name__,
+             mesh.size(), f"HSDP {how}: replicate x shard" if mesh.ndim > 1 else "FSDP")
     return [p for p in model.parameters() if p.requires_grad]

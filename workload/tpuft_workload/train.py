@@ -99,8 +99,6 @@ class _Torch:
 
     def _model(self) -> None:
         import torch
-        from torch.distributed.device_mesh import init_device_mesh
-
         from tpuft_workload import model as modellib
 
         cfg = self.cfg
@@ -109,7 +107,7 @@ class _Torch:
         # counted before sharding: MFU's numerator
         self.flops_per_token = flops_per_token(arch["parameters"], self.model.config.to_dict(), cfg.max_seq_length)
         self.worker.adopt_architecture(arch, self.barrier)
-        mesh = init_device_mesh(self.plat.device_type, (self.world,))
+        mesh = modellib.device_mesh(self.plat, self.world, cfg.slices)
         self.params = modellib.shard(self.model, mesh, self.plat, self.device)
         self.opt = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=0.01)
         self.model.train()
@@ -246,6 +244,7 @@ def prepare(args, target: Target, fault_spec: str = "") -> tuple[str, pipeline.P
         cr_namespace=os.environ.get(ENV_CR_NAMESPACE, ""), cr_name=os.environ.get(ENV_CR_NAME, ""),
         status_every_s=float(os.environ.get("TPUFT_STATUS_EVERY_S", "10")),
         peak_flops=target.shape.peak_flops * target.slices if target.platform.is_tpu else None,
+        slices=target.slices,
     ).as_dict()
     return storage, packed, cfg
 

@@ -3,7 +3,8 @@
 One actor per logical device, placed by a placement group that reserves the whole slice
 (on TPU: ray.util.tpu.slice_placement_group). Each actor joins the process group, runs a
 tensor-parallel feed-forward block with DTensor against a single-device reference built
-from the same seed, and an all_reduce of rank+1 (expected N(N+1)/2).
+from the same seed, and an all_reduce of rank+1 (expected N(N+1)/2). With several slices, the
+same all_reduce inside each slice and across the slices too: a failure names its slice.
 
 Every wait has a deadline derived from --timeout-seconds: a dead host, a missing
 TORCH_TPU_* variable or a hung collective ends as a failed result with a reason, never a
@@ -150,17 +151,60 @@ class CollectiveWorker:
             t = torch.full((4,), float(self.rank + 1), dtype=torch.float32, device=dev)
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
             sums = t.cpu().tolist()
+            inside, across = self._slice_collectives(dist, torch, dev, world_size)
             dist.barrier()
         finally:
             dist.destroy_process_group()
         self._phase = "done"
-        return {"rank": self.rank, "all_reduce_sum": sums, "max_abs_diff": max_abs_diff,
-                "seconds": time.monotonic() - t0}
+        out = {"rank": self.rank, "all_reduce_sum": sums, "max_abs_diff": max_abs_diff,
+               "seconds": time.monotonic() - t0}
+        if inside is not None:
+            out.update(slice_sum=inside, cross_slice_sum=across)
+        return out
+
+    def _slice_collectives(self, dist, torch, dev, world_size: int) -> tuple[list | None, list | None]:
+        """Several slices: an all_reduce of rank+1 inside this rank's slice (ICI), then one across the
+        slices among the ranks at the same place in each (DCN), each over its own subgroup."""
+        slices = self.target.slices
+        if slices <= 1:
+            return None, None
+        per = world_size // slices
+        sums = []
+        for phase, groups in (("all_reduce inside its slice", [[s * per + i for i in range(per)] for s in range(slices)]),
+                              ("all_reduce across slices", [[s * per + i for s in range(slices)] for i in range(per)])):
+            self._phase = phase
+            group, _ = dist.new_subgroups_by_enumeration(groups)
+            t = torch.full((4,), float(self.rank + 1), dtype=torch.float32, device=dev)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+            sums.append(t.cpu().tolist())
+        return sums[0], sums[1]
 
 
 def tpu_rank(shape, slice_index: int, worker_id: int, local_device: int) -> int:
     """Global rank of a TPU device: slices, then hosts (TPU_WORKER_ID), then local device id."""
     return slice_index * shape.devices + worker_id * shape.devices_per_host + local_device
+
+
+def _who(target: Target, rank: int) -> str:
+    """'rank 3', or 'rank 3 (slice 1)' when there are several slices (ranks are slice-major)."""
+    return f"rank {rank} (slice {rank // target.shape.devices})" if target.slices > 1 else f"rank {rank}"
+
+
+def slice_mismatch(target: Target, results: dict[int, dict]) -> str | None:
+    """Which slice's (or which cross-slice group's) all_reduce came out wrong, or None."""
+    if target.slices <= 1:
+        return None
+    per, slices = target.shape.devices, target.slices
+    checks = [(f"inside slice {s}", "slice_sum", [s * per + i for i in range(per)]) for s in range(slices)]
+    checks += [(f"across slices (device {i} of each slice)", "cross_slice_sum", [s * per + i for s in range(slices)])
+               for i in range(per)]
+    for where, key, ranks in checks:
+        want = float(sum(r + 1 for r in ranks))
+        bad = [r for r in ranks if any(v != want for v in results[r][key])]
+        if bad:
+            return (f"all_reduce mismatch {where}: {_who(target, bad[0])} got {results[bad[0]][key]}, "
+                    f"expected {want}")
+    return None
 
 
 def _slice_index(bundle_index: int, devices_per_slice: int) -> int:
@@ -321,22 +365,26 @@ def run_verification(target: Target, timeout_s: float, fault_spec: str = "") -> 
         if failed:
             r, e = sorted(failed.items())[0]
             kind = "timeout: " if "timed out" in str(e).lower() else ""
-            return done(f"{kind}{len(failed)} of {n} ranks failed; rank {r}: {_first_line(e)}",
+            return done(f"{kind}{len(failed)} of {n} ranks failed; {_who(target, r)}: {_first_line(e)}",
                         timed_out=bool(kind))
         if pending:
             where_ = _phases(workers, pending)
-            stuck = ", ".join(f"rank {rank_of[i]} on {infos[i]['hostname']}: {where_[i]}" for i in pending[:16])
+            stuck = ", ".join(f"{_who(target, rank_of[i])} on {infos[i]['hostname']}: {where_[i]}" for i in pending[:16])
             return done(f"timeout: {len(pending)} of {n} ranks did not finish the collectives within "
                         f"{timeout_s:.0f}s ({stuck})", timed_out=True)
         bad_sum = [r for r in range(n) if any(v != expected for v in res.all_reduce_sums[r])]
         if bad_sum:
             return done(f"all_reduce mismatch: ranks {bad_sum[:16]} got {res.all_reduce_sums[bad_sum[0]]}, "
                         f"expected {expected}")
+        wrong = slice_mismatch(target, results)
+        if wrong:
+            return done(wrong)
         if res.max_abs_diff is None or res.max_abs_diff > PARITY_TOLERANCE:
             return done(f"tensor-parallel parity failed: max abs diff {res.max_abs_diff} > {PARITY_TOLERANCE}")
         res.passed = True
+        slices = f"; inside each of {target.slices} slices and across them" if target.slices > 1 else ""
         return done(f"all {n} ranks on {res.hosts} hosts verified DTensor TP parity "
-                    f"(max_abs_diff={res.max_abs_diff:.3g}) and all_reduce sum = {expected}")
+                    f"(max_abs_diff={res.max_abs_diff:.3g}) and all_reduce sum = {expected}{slices}")
     except Exception as e:  # noqa: BLE001 - the result, not a traceback, is the contract
         log.exception("verification crashed")
         return done(f"verification error: {_first_line(e)}")
