@@ -160,3 +160,58 @@ def test_the_serve_app_answers_with_a_jax_written_export(tokenizer, tmp_path):
                                       "max_tokens": 8, "temperature": 0})
     reply = asyncio.run(engine.answer(request))
     assert 0 < reply.completion_tokens <= 8 and reply.text.strip()
+
+
+_TWO_SLICES = """
+import json, os, sys
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+from functools import partial
+import jax, numpy as np, optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+from tpuft_workload import data, jax_model as jm, jax_train as jt, pipeline, tiny
+
+tok = tiny.build_tokenizer()
+_, mcfg, host = jt.load_weights(tiny.BUILTIN_MODEL, tok, 0)
+blocks = data.build_blocks(tok, data.load_records(tiny.BUILTIN_DATASET, "train[:40]"), 64, True)[:8]
+rows = pipeline.rows_of(blocks, np)
+rows = {**jm.inputs_from_rows(rows, True), "n_real": rows["n_real"].astype("int32")}   # as _Jax.step
+out = {}
+for slices in (1, 2):
+    mesh = jt.build_mesh(jax, slices)
+    params = {n: jt._put(jax, a, NamedSharding(mesh, jt.param_spec(a.shape, mesh.shape["fsdp"])))
+              for n, a in host.items()}
+    tx = optax.adamw(1e-2)
+    opt = tx.init(params)
+    batch = {k: jt._put(jax, v, NamedSharding(mesh, P(jt.MESH_AXES))) for k, v in rows.items()}
+    step = jax.jit(partial(jt._train_step, tx, mcfg, None))
+    losses = []
+    for _ in range(3):
+        params, opt, loss, _, _ = step(params, opt, batch)
+        losses.append(float(loss))
+    out[slices] = {"mesh": dict(mesh.shape), "losses": losses}
+try:
+    jt.build_mesh(jax, 3)
+except ValueError as e:
+    out["refused"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_two_cpu_slices_make_a_data_by_fsdp_mesh_that_trains_like_one_slice():
+    """slices: 2 on four CPU devices (which carry no slice_index): mesh (data, fsdp) = (2, 2), the
+    parameters sharded over 2, and the same losses as one slice of 4 (one jit over the same global
+    batch). In a process of its own: the device count is fixed when JAX first starts."""
+    import json
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _TWO_SLICES], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["1"]["mesh"] == {"data": 1, "fsdp": 4} and out["2"]["mesh"] == {"data": 2, "fsdp": 2}
+    one, two = out["1"]["losses"], out["2"]["losses"]
+    assert one[-1] < one[0]
+    assert two == pytest.approx(one, rel=REL_TOL)
+    assert out["refused"] == "4 JAX devices do not split into 3 equal slices"

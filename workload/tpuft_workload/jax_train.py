@@ -95,18 +95,24 @@ def init_jax(platform_kind: str, rank: int, world: int):
     return jax
 
 
-def build_mesh(jax):
+def build_mesh(jax, slices: int = 1):
     """(data, fsdp) = (slices, devices per slice): parameters shard inside a slice (ICI), batches
-    over everything; across slices only gradients travel (DCN)."""
+    over everything; across slices only gradients travel (DCN). TPU devices know their slice
+    (`slice_index`); devices that do not (a CPU or GPU rehearsal of `slices`) are split slice-major,
+    as the workers' ranks are."""
     import numpy as np
     from jax.sharding import Mesh
 
     devices = jax.devices()
-    slices = len({getattr(d, "slice_index", 0) for d in devices})
-    if slices > 1:
+    found = len({getattr(d, "slice_index", 0) for d in devices})
+    if found > 1:
         from jax.experimental import mesh_utils
 
-        grid = mesh_utils.create_hybrid_device_mesh((1, len(devices) // slices), (slices, 1), devices)
+        grid = mesh_utils.create_hybrid_device_mesh((1, len(devices) // found), (found, 1), devices)
+    elif slices > 1:
+        if len(devices) % slices:
+            raise ValueError(f"{len(devices)} JAX devices do not split into {slices} equal slices")
+        grid = np.array(devices).reshape(slices, len(devices) // slices)
     else:
         grid = np.array(devices).reshape(1, len(devices))
     return Mesh(grid, MESH_AXES)
@@ -234,7 +240,7 @@ class _Jax:
         arch = jax_checkpoint.architecture(jm.hf_class(self.hf_config), host)
         self.flops_per_token = flops_per_token(arch["parameters"], self.hf_config, cfg.max_seq_length)   # MFU's
         self.worker.adopt_architecture(arch, self.barrier)
-        self.mesh = build_mesh(jax)
+        self.mesh = build_mesh(jax, cfg.slices)
         self.params = {n: _put(jax, a, self._sharding(a)) for n, a in host.items()}
         self.tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(cfg.learning_rate, weight_decay=0.01))
         # Every leaf placed explicitly: the moments like their parameters; the step count, left to
