@@ -493,7 +493,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     sub.add_parser("tools", help=f"build/fetch every binary ({', '.join(TOOLS)}) into the cache; prints paths")
     up = sub.add_parser("up", help="start the local cluster (idempotent: repairs what died)")
     up.add_argument("--tpu-pool", action="append", default=[], metavar="ACCEL:TOPOLOGY[:SLICES]",
-                    help="add a simulated TPU node pool (default pools: v6e:4x4 and tpu7x:2x2x2)")
+                    help="add a simulated TPU node pool (default pools: v6e:4x4:2 and tpu7x:2x2x2)")
     up.add_argument("--no-operator", action="store_true", help="leave our operator out (run it from your editor)")
     up.add_argument("--no-kueue", action="store_true",
                     help="leave Kueue out (its CRDs and queues stay if an earlier `up` installed them)")

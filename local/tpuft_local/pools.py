@@ -67,7 +67,8 @@ class TpuPool:
         return f"{self.accelerator}-{self.topology}"
 
 
-DEFAULT_POOLS = (TpuPool("v6e", "4x4"), TpuPool("tpu7x", "2x2x2"))
+# Two v6e 4x4 slices (GKE: one node pool each), so a `slices: 2` run is placed on the real scheduler.
+DEFAULT_POOLS = (TpuPool("v6e", "4x4", 2), TpuPool("tpu7x", "2x2x2"))
 
 
 def gke_allocatable(m: Machine) -> tuple[str, str]:

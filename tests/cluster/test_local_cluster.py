@@ -1,7 +1,7 @@
 """The local cluster is real where it says so: a Ready kubelet on containerd, KubeRay's own
-controllers creating the pods, the real scheduler placing a v6e slice on the simulated v6e pool,
-the TPU webhook stand-in admitting through the API server, and guard rules that keep the pods'
-traffic on the machine."""
+controllers creating the pods, the real scheduler placing a v6e slice on a simulated v6e pool (and
+two slices on two pools), the TPU webhook stand-in admitting through the API server, and guard rules
+that keep the pods' traffic on the machine."""
 from __future__ import annotations
 
 import copy
@@ -40,7 +40,7 @@ def test_simulated_pools_look_like_gke_tpu_node_pools(cluster_kubectl):
         by_shape.setdefault((lbl.get("cloud.google.com/gke-tpu-accelerator"),
                              lbl.get("cloud.google.com/gke-tpu-topology"),
                              lbl["node.kubernetes.io/instance-type"]), []).append(n)
-    assert len(by_shape[("tpu-v6e-slice", "4x4", "ct6e-standard-4t")]) == 4
+    assert len(by_shape[("tpu-v6e-slice", "4x4", "ct6e-standard-4t")]) == 8   # two slices, a node pool each
     assert len(by_shape[("tpu7x", "2x2x2", "tpu7x-standard-4t")]) == 2
     assert len(by_shape[(None, None, pools.CPU_POOL_MACHINE)]) == 1
     for n in by_shape[("tpu-v6e-slice", "4x4", "ct6e-standard-4t")]:
@@ -122,7 +122,8 @@ def _watch_the_rehearsal(kubectl, ns: str, name: str) -> None:
         return pods if len(pods) == 4 and all(p["spec"].get("nodeName") for p in pods) else None
 
     pods = wait_until(workers, timeout=300, what="4 KubeRay worker pods placed")
-    assert sorted(p["spec"]["nodeName"] for p in pods) == [f"gke-v6e-4x4-0-{h}" for h in range(4)]
+    pool = pods[0]["spec"]["nodeName"].rsplit("-", 1)[0]   # either v6e pool; all four on that one
+    assert sorted(p["spec"]["nodeName"] for p in pods) == [f"{pool}-{h}" for h in range(4)]
     for p in pods:
         assert p["metadata"]["labels"]["app.kubernetes.io/created-by"] == "kuberay-operator"
         assert p["metadata"]["ownerReferences"][0]["kind"] == "RayCluster"
@@ -214,3 +215,40 @@ def test_an_image_that_does_not_exist_is_named_while_provisioning(cluster_kubect
     events = _json(cluster_kubectl, "get", "events", "-n", cluster_ns, "--field-selector",
                    "involvedObject.name=no-image,reason=SliceBlocked")["items"]
     assert events and "cannot be pulled" in events[0]["message"], events
+
+
+def test_two_slices_land_each_whole_on_its_own_node_pool(cluster_kubectl, cluster_ns):
+    """examples/v6e-4x4x2.yaml's RayCluster (one worker group, replicas 2, numOfHosts 4) on the two
+    simulated v6e 4x4 pools: the real scheduler, with the TPU webhook's per-slice pod affinity on
+    cloud.google.com/gke-nodepool, puts each slice's 4 pods on one pool and the two slices on
+    different pools; each slice has its own TPU_NAME, hostnames and worker ids 0-3."""
+    rendered = subprocess.run([".venv/bin/tpuft", "render", str(EXAMPLES / "v6e-4x4x2.yaml")], capture_output=True,
+                              text=True, check=True, cwd=REPO).stdout
+    rc = next(d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "RayCluster")
+    rc["metadata"] = {"name": "two-slices"}
+    cluster_kubectl("apply", "-n", cluster_ns, "-f", "-", input=json.dumps(rc), check=True)
+
+    def placed():
+        res = cluster_kubectl("get", "pods", "-n", cluster_ns, "-l", "ray.io/cluster=two-slices,ray.io/node-type=worker",
+                              "-o", "json")
+        pods = json.loads(res.stdout)["items"] if res.returncode == 0 else []
+        return pods if len(pods) == 8 and all(p["spec"].get("nodeName") for p in pods) else None
+
+    try:
+        pods = wait_until(placed, timeout=300, what="8 worker pods of two v6e 4x4 slices placed")
+        nodes = {n["metadata"]["name"]: n["metadata"]["labels"][pools.POOL_LABEL]
+                 for n in _json(cluster_kubectl, "get", "nodes", "-l", "type=kwok")["items"]}
+        slices: dict[str, list[tuple[str, dict]]] = {}
+        for p in pods:
+            env = {e["name"]: e.get("value") for e in p["spec"]["containers"][0].get("env", [])}
+            slices.setdefault(env["TPU_NAME"], []).append((nodes[p["spec"]["nodeName"]], env))
+        assert len(slices) == 2 and all(len(members) == 4 for members in slices.values()), slices.keys()
+        pools_used = [{pool for pool, _ in members} for members in slices.values()]
+        assert all(len(used) == 1 for used in pools_used), pools_used          # each slice whole on one pool
+        assert sorted(next(iter(u)) for u in pools_used) == ["v6e-4x4-0", "v6e-4x4-1"]   # never sharing one
+        for members in slices.values():
+            assert sorted(env["TPU_WORKER_ID"] for _, env in members) == ["0", "1", "2", "3"]
+            assert len({env["TPU_WORKER_HOSTNAMES"] for _, env in members}) == 1
+        assert len({members[0][1]["TPU_WORKER_HOSTNAMES"] for members in slices.values()}) == 2
+    finally:
+        cluster_kubectl("delete", "raycluster", "two-slices", "-n", cluster_ns, "--wait=false")

@@ -5,11 +5,13 @@ from tpuft import catalog
 from tpuft_local import pools
 
 
-def test_default_pools_are_one_v6e_4x4_and_one_tpu7x_2x2x2():
+def test_default_pools_are_two_v6e_4x4_slices_and_one_tpu7x_2x2x2():
     nodes = pools.all_nodes(pools.DEFAULT_POOLS)
     shapes = [(n["metadata"]["labels"].get("cloud.google.com/gke-tpu-topology"),
                n["metadata"]["labels"]["node.kubernetes.io/instance-type"]) for n in nodes]
-    assert shapes.count(("4x4", "ct6e-standard-4t")) == 4
+    assert shapes.count(("4x4", "ct6e-standard-4t")) == 8
+    v6e = [n["metadata"]["labels"][pools.POOL_LABEL] for n in nodes if n["metadata"]["name"].startswith("gke-v6e")]
+    assert sorted(set(v6e)) == ["v6e-4x4-0", "v6e-4x4-1"] and v6e.count("v6e-4x4-0") == 4   # one pool per slice
     assert shapes.count(("2x2x2", "tpu7x-standard-4t")) == 2
     assert shapes.count((None, pools.CPU_POOL_MACHINE)) == 1
 
