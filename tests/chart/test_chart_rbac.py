@@ -133,3 +133,15 @@ def test_bindings_point_at_the_operator_service_account(render):
             assert b["subjects"] == [{"kind": "ServiceAccount", "name": sa["name"], "namespace": sa["namespace"]}], mode
             target = objs.one(b["roleRef"]["kind"], b["roleRef"]["name"], b["metadata"].get("namespace"))
             assert target["metadata"]["name"] == b["metadata"]["name"]
+
+
+def test_every_child_kind_the_operator_watches_is_granted_what_the_reconciler_does(render):
+    """A child kind added to tpuft.observed.CHILD_KINDS (a table row plus its builder) needs its RBAC
+    row too: kopf lists and watches it for the index, the reconciler GETs what the index lacks,
+    creates it and deletes it."""
+    from tpuft.observed import CHILD_KINDS
+
+    granted = flatten(rbac_rules(render())[("ClusterRole", FULLNAME, "")])
+    for kind in CHILD_KINDS:
+        verbs = granted.get((kind.group, kind.plural), set())
+        assert {"get", "list", "watch", "create", "delete"} <= verbs, (kind.kind, verbs)
