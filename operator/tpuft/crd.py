@@ -16,7 +16,7 @@ from tpuft.builders import RAY_VERSION_PIN
 from tpuft import constants as c
 from tpuft.spec import (CHECKPOINT_VOLUME_SOURCES, CONFIG_KEY, DEFAULTS, DNS_LABEL, DNS_SUBDOMAIN, ENV_NAME, ENV_SOURCES,
                         LABEL_VALUE, LEARNING_RATE_MAX, LIMITS, MAX_MAP_ENTRIES, MAX_NAME_LENGTH,
-                        MAX_QUALIFIED_NAME_LENGTH, MAX_QUANTITY_LENGTH, MAX_SPLIT_LENGTH, MAX_STRING_LENGTH, QUALIFIED_NAME, QUANTITY, SHELL_SAFE,
+                        MAX_DNS_SUBDOMAIN_LENGTH, MAX_LABEL_LENGTH, MAX_PATH_LENGTH, MAX_QUALIFIED_NAME_LENGTH, MAX_QUANTITY_LENGTH, MAX_SPLIT_LENGTH, MAX_STRING_LENGTH, QUALIFIED_NAME, QUANTITY, SHELL_SAFE,
                         STORAGE_PATH, TOLERATION_EFFECTS, TOLERATION_OPERATORS, either)
 
 RAY_MINOR = ".".join(RAY_VERSION_PIN.split(".")[:2])   # "2.60": the image needs this Ray line
@@ -51,9 +51,9 @@ def _obj(description: str, properties: dict, required: list[str] | None = None, 
 def _qualified_keys() -> dict:
     """CEL rule: every map key is a Kubernetes qualified name (label, annotation or resource name)."""
     return {"rule": f"self.all(k, k.size() <= {MAX_QUALIFIED_NAME_LENGTH} && k.matches(r'{QUALIFIED_NAME.pattern}') "
-                    "&& (!k.contains('/') || k.indexOf('/') <= 253))",
+                    f"&& (!k.contains('/') || k.indexOf('/') <= {MAX_DNS_SUBDOMAIN_LENGTH}))",
             "message": "keys must be Kubernetes qualified names: an optional DNS subdomain prefix and '/', then at "
-                       "most 63 of [-A-Za-z0-9_.], starting and ending alphanumeric"}
+                       f"most {MAX_LABEL_LENGTH} of [-A-Za-z0-9_.], starting and ending alphanumeric"}
 
 
 def _reserved_keys(reserved: c.Reserved) -> dict:
@@ -72,7 +72,7 @@ def _string_map(description: str, label_values: bool = False, reserved: c.Reserv
     names (and none of `reserved`); with label_values, values are label values."""
     values: dict = {"type": "string"}
     if label_values:
-        values.update(maxLength=63, pattern=LABEL_VALUE.pattern)
+        values.update(maxLength=MAX_LABEL_LENGTH, pattern=LABEL_VALUE.pattern)
     rules = [_qualified_keys()] + ([_reserved_keys(reserved)] if reserved is not None else [])
     return {"type": "object", "description": description, "additionalProperties": values,
             "maxProperties": MAX_MAP_ENTRIES, "x-kubernetes-validations": rules}
@@ -269,7 +269,7 @@ def _training() -> dict:
 
 def _storage_path(description: str) -> dict:
     """storagePath and resumeFrom: the parser's STORAGE_PATH, as a CEL rule."""
-    return _p("string", description, minLength=1, maxLength=1024, **{"x-kubernetes-validations": [{
+    return _p("string", description, minLength=1, maxLength=MAX_PATH_LENGTH, **{"x-kubernetes-validations": [{
         "rule": f"self.matches(r'{STORAGE_PATH.pattern}')",
         "message": "must be gs://BUCKET/PATH, s3://BUCKET/PATH or an absolute path"}]})
 
@@ -295,9 +295,9 @@ def _secret_ref(description: str, default_key: str | None = None) -> dict:
     # No schema default for the key: the parser applies it (spec._secret_ref), so DEFAULTS stays the
     # list of what the API server defaults on a bare spec.
     key = _p("string", "Key within the Secret" + (f" (default {default_key})." if default_key else "."),
-             minLength=1, maxLength=253, pattern=CONFIG_KEY.pattern)
+             minLength=1, maxLength=MAX_DNS_SUBDOMAIN_LENGTH, pattern=CONFIG_KEY.pattern)
     return _obj(description, {
-        "name": _p("string", "Secret name in the TPUFinetune's namespace.", minLength=1, maxLength=253,
+        "name": _p("string", "Secret name in the TPUFinetune's namespace.", minLength=1, maxLength=MAX_DNS_SUBDOMAIN_LENGTH,
                    pattern=DNS_SUBDOMAIN.pattern),
         "key": key,
     }, required=["name"] if default_key else ["name", "key"])
@@ -382,7 +382,7 @@ def _scheduling() -> dict:
     return _obj("Capacity and placement.", {
         "spot": _p("boolean", "Run workers on Spot VMs (node selector cloud.google.com/gke-spot)."),
         "reservation": _p("string", "Consume this specific GKE reservation (becomes a node selector value).",
-                          maxLength=63, pattern=LABEL_VALUE.pattern),
+                          maxLength=MAX_LABEL_LENGTH, pattern=LABEL_VALUE.pattern),
         "nodeSelector": _string_map("Extra node selector for workers; the TPU selectors always win.",
                                     label_values=True),
         "tolerations": {"type": "array", "description": "Extra tolerations for worker pods.",
@@ -394,7 +394,7 @@ def _scheduling() -> dict:
                                          enum=list(TOLERATION_EFFECTS)),
                             "tolerationSeconds": _p("integer", "For NoExecute: seconds to stay bound."),
                         })},
-        "priorityClassName": _p("string", "PriorityClass for the Ray pods.", maxLength=253,
+        "priorityClassName": _p("string", "PriorityClass for the Ray pods.", maxLength=MAX_DNS_SUBDOMAIN_LENGTH,
                                 pattern=DNS_SUBDOMAIN.pattern),
     }, **{"x-kubernetes-validations": [{  # type: ignore[arg-type]  # mypy fits this ** to `required` too
         "rule": "!(has(self.spot) && self.spot && has(self.reservation))",
@@ -660,7 +660,7 @@ def crd() -> dict:
                         # reports violations on metadata.name itself.
                         "metadata": {"type": "object", "properties": {"name": _p(
                             "string", f"A DNS label of at most {MAX_NAME_LENGTH} characters: child names (RayCluster, "
-                            "RayJobs, pods) add suffixes and must fit in 63.", maxLength=MAX_NAME_LENGTH,
+                            f"RayJobs, pods) add suffixes and must fit in {MAX_LABEL_LENGTH}.", maxLength=MAX_NAME_LENGTH,
                             pattern=DNS_LABEL.pattern)}},
                         "spec": spec_schema(),
                         "status": status_schema(),

@@ -32,7 +32,10 @@ ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")
 QUALIFIED_NAME = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
                             r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
-MAX_QUALIFIED_NAME_LENGTH = 317  # 253 (DNS subdomain prefix) + "/" + 63
+MAX_LABEL_LENGTH = 63             # a label value, a qualified name's name part, a DNS label
+MAX_DNS_SUBDOMAIN_LENGTH = 253    # object names, a qualified name's prefix
+MAX_PATH_LENGTH = 1024            # storagePath, resumeFrom
+MAX_QUALIFIED_NAME_LENGTH = MAX_DNS_SUBDOMAIN_LENGTH + 1 + MAX_LABEL_LENGTH   # prefix "/" name
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 CONFIG_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 MAX_MAP_ENTRIES = 64
@@ -343,13 +346,13 @@ class _Reader:
                 self.fail(path, f"has {len(value)} entries; at most {MAX_MAP_ENTRIES}")
             bad = [k for k in value if keys is not None and (
                 len(k) > MAX_QUALIFIED_NAME_LENGTH or not keys.fullmatch(k)
-                or len(k.rpartition("/")[0]) > 253)]
+                or len(k.rpartition("/")[0]) > MAX_DNS_SUBDOMAIN_LENGTH)]
             if bad:
-                self.fail(path, f"keys must be Kubernetes qualified names (optional DNS prefix/, then at most 63 "
+                self.fail(path, f"keys must be Kubernetes qualified names (optional DNS prefix/, then at most {MAX_LABEL_LENGTH} "
                           f"of [-A-Za-z0-9_.]); got {bad[0]!r}")
             for k, v in value.items():
                 if values is not None and not values.fullmatch(v):
-                    self.fail(f"{path}.{k}", f"{v!r} is not a valid label value (at most 63 of [-A-Za-z0-9_.], "
+                    self.fail(f"{path}.{k}", f"{v!r} is not a valid label value (at most {MAX_LABEL_LENGTH} of [-A-Za-z0-9_.], "
                               "starting and ending alphanumeric)")
         for k in value:
             why = reserved.why(k) if reserved is not None else None
@@ -540,11 +543,11 @@ def _framework(r: _Reader, tr: Mapping) -> str:
 
 def _checkpoint(r: _Reader, spec: Mapping) -> Checkpoint:
     ck = r.section(spec, "checkpoint", "spec.checkpoint", required=True)
-    storage = r.string(ck, "storagePath", "spec.checkpoint.storagePath", required=True, max_len=1024)
+    storage = r.string(ck, "storagePath", "spec.checkpoint.storagePath", required=True, max_len=MAX_PATH_LENGTH)
     if storage and not STORAGE_PATH.fullmatch(storage):
         r.fail("spec.checkpoint.storagePath",
                f"{storage!r} must be gs://BUCKET/PATH, s3://BUCKET/PATH or an absolute path on a mounted volume")
-    resume_from = r.string(ck, "resumeFrom", "spec.checkpoint.resumeFrom", max_len=1024)
+    resume_from = r.string(ck, "resumeFrom", "spec.checkpoint.resumeFrom", max_len=MAX_PATH_LENGTH)
     if resume_from is not None and not STORAGE_PATH.fullmatch(resume_from):
         r.fail("spec.checkpoint.resumeFrom",
                f"{resume_from!r} must be gs://BUCKET/PATH, s3://BUCKET/PATH or an absolute path on a mounted volume "
@@ -566,8 +569,8 @@ def _secret_ref(r: _Reader, obj: Mapping, field_name: str, path: str,
     if obj.get(field_name) is None:
         return None
     hs = r.section(obj, field_name, path)
-    name = r.string(hs, "name", f"{path}.name", required=True, max_len=253)
-    key = r.string(hs, "key", f"{path}.key", required=default_key is None, max_len=253)
+    name = r.string(hs, "name", f"{path}.name", required=True, max_len=MAX_DNS_SUBDOMAIN_LENGTH)
+    key = r.string(hs, "key", f"{path}.key", required=default_key is None, max_len=MAX_DNS_SUBDOMAIN_LENGTH)
     if key is None:   # left out or null: the default (a wrong type is already a problem)
         key = default_key
     if name and not DNS_SUBDOMAIN.fullmatch(name):
@@ -689,7 +692,7 @@ def _scheduling(r: _Reader, spec: Mapping) -> Scheduling:
     if not isinstance(spot, bool):
         r.fail("spec.scheduling.spot", f"must be true or false (got {spot!r})")
         spot = False
-    reservation = r.string(sc, "reservation", "spec.scheduling.reservation", max_len=63)
+    reservation = r.string(sc, "reservation", "spec.scheduling.reservation", max_len=MAX_LABEL_LENGTH)
     if reservation and not LABEL_VALUE.fullmatch(reservation):  # it becomes a node selector value
         r.fail("spec.scheduling.reservation", f"{reservation!r} is not a GKE reservation name")
     if spot and reservation is not None:  # as the CRD's rule: has(reservation), even when empty
@@ -703,7 +706,7 @@ def _scheduling(r: _Reader, spec: Mapping) -> Scheduling:
             if t.get(k) is not None and t.get(k) not in allowed:
                 r.fail(f"spec.scheduling.tolerations[{i}].{k}", f"must be one of {', '.join(allowed)} (got {t.get(k)!r})")
     node_selector = r.str_map(sc, "nodeSelector", "spec.scheduling.nodeSelector", QUALIFIED_NAME, LABEL_VALUE)
-    priority = r.string(sc, "priorityClassName", "spec.scheduling.priorityClassName", max_len=253)
+    priority = r.string(sc, "priorityClassName", "spec.scheduling.priorityClassName", max_len=MAX_DNS_SUBDOMAIN_LENGTH)
     if priority and not DNS_SUBDOMAIN.fullmatch(priority):
         r.fail("spec.scheduling.priorityClassName", f"{priority!r} is not a PriorityClass name")
     return Scheduling(spot=spot, reservation=reservation, node_selector=node_selector,
