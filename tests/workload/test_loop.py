@@ -4,6 +4,7 @@ tests/workload/test_train.py and test_jax_train.py."""
 from __future__ import annotations
 
 import json
+import math
 from functools import partial
 
 import pytest
@@ -190,3 +191,12 @@ def test_reports_and_checkpoints_are_not_training_time():
     assert (m["loss"], m["grad_norm"], m["seconds"]) == (2.0, 1.5, 5.0)   # steps summed over 2 ranks
     assert (m["tokens_per_s"], m["padded_tokens_per_s"], m["step_time_s"]) == (100.0, 400 / 3, 1.5)
     assert m["pad_fraction"] == 0.25
+
+
+def test_the_window_loss_is_the_mean_of_the_steps_that_scored():
+    """A rank whose rows held no labelled token reports no loss for that step (scored 0); the window's
+    loss is the mean over the rest, not NaN and not pulled down by a zero; none scored: NaN."""
+    m = loop.window_metrics(loss_sum=6.0, grad_norm_sum=4.0, steps=4, real=300, padded=400, wall=5.0,
+                            excluded=0.0, local_steps=2, scored=3)
+    assert (m["loss"], m["grad_norm"]) == (2.0, 1.0)
+    assert math.isnan(loop.window_metrics(0.0, 4.0, 4, 0, 400, 5.0, 0.0, 2, scored=0)["loss"])

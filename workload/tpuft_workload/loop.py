@@ -12,6 +12,7 @@ test_loop.py drives `Run` with a fake backend.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -81,10 +82,14 @@ class TrainConfig:
 class Step:
     """One optimizer step's numbers. loss, real and grad_norm may stay on the device (no sync per
     step) until a window's `Backend.totals`."""
-    loss: Any        # mean loss of the step (torch: this rank's; JAX: global)
+    loss: Any        # mean loss of the step (torch: this rank's; JAX: global); 0 when not `scored`
     real: Any        # real (unpadded) tokens
     padded: int      # tokens including padding, counted like `real`
     grad_norm: Any   # the global gradient norm before clipping
+    # 1 when `loss` counts in the window's mean, 0 when this rank's rows held no labelled token (a
+    # packed row of prompt only): its mean loss is 0/0 (NaN; its gradient is zero) and would make
+    # the whole window's reported loss NaN.
+    scored: Any = 1
 
 
 class Backend(Protocol):
@@ -183,12 +188,15 @@ class Worker:
 # ---- reports ---------------------------------------------------------------------------------------
 
 def window_metrics(loss_sum: float, grad_norm_sum: float, steps: float, real: float, padded: float,
-                   wall: float, excluded: float, local_steps: int) -> dict:
-    """A report window's metrics from its sums over the ranks (`steps` too: a mean over them):
-    reports and checkpoints (`excluded` seconds) are not training time."""
+                   wall: float, excluded: float, local_steps: int, scored: float | None = None) -> dict:
+    """A report window's metrics from its sums over the ranks (`steps` too: a mean over them; the
+    loss a mean over the `scored` steps, all of them when None): reports and checkpoints
+    (`excluded` seconds) are not training time."""
     secs = max(wall - excluded, 1e-9)
+    scored = steps if scored is None else scored
     # every rank holds the same (global) gradient norm: summed over ranks like the steps
-    return {"loss": loss_sum / max(steps, 1), "grad_norm": grad_norm_sum / max(steps, 1), "seconds": wall,
+    return {"loss": loss_sum / scored if scored else math.nan, "grad_norm": grad_norm_sum / max(steps, 1),
+            "seconds": wall,
             "tokens_per_s": real / secs, "padded_tokens_per_s": padded / secs,
             "step_time_s": secs / max(local_steps, 1),
             "pad_fraction": 1.0 - real / padded if padded else 0.0}
@@ -200,6 +208,7 @@ class Window:
     def __init__(self, totals: Callable[[list], list[float]]):
         self.totals = totals
         self.loss: Any = 0
+        self.scored: Any = 0
         self.grad_norm: Any = 0
         self.real: Any = 0
         self.steps = 0
@@ -209,6 +218,7 @@ class Window:
 
     def add(self, s: Step) -> None:
         self.loss = self.loss + s.loss
+        self.scored = self.scored + s.scored
         self.grad_norm = self.grad_norm + s.grad_norm
         self.steps += 1
         self.real = self.real + s.real
@@ -216,10 +226,10 @@ class Window:
 
     def reduce(self) -> dict:
         """Collective (torch): loss averaged across ranks, tokens summed across ranks, per wall second."""
-        loss, steps, real, padded, grad_norm = self.totals([self.loss, self.steps, self.real, self.padded,
-                                                            self.grad_norm])
+        loss, steps, real, padded, grad_norm, scored = self.totals([self.loss, self.steps, self.real, self.padded,
+                                                                    self.grad_norm, self.scored])
         return window_metrics(loss, grad_norm, steps, real, padded, time.perf_counter() - self.t0,
-                              self.excluded, self.steps)
+                              self.excluded, self.steps, scored)
 
 
 def status_metrics(m: dict) -> dict:

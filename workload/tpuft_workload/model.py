@@ -105,6 +105,17 @@ def _decoder_layers(model) -> list:
     return layers
 
 
+def scored_loss(loss, labels):
+    """(loss, 1.0) for a step whose rows hold a labelled token, (0.0, 0.0) for one whose rows hold none
+    (a packed row of prompt only): its loss is 0/0, NaN (its gradient zero), and is left out of the
+    reported mean (tpuft_workload.loop.Step.scored). A row's first label is never predicted (the loss
+    shifts labels by one). A NaN from a diverging run still shows."""
+    import torch
+
+    scored = (labels[:, 1:] != -100).any()
+    return torch.where(scored, loss, torch.zeros_like(loss)), scored.float()
+
+
 MESH_DIMS = ("replicate", "shard")  # HSDP's (across slices, inside a slice)
 
 

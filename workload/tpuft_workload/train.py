@@ -120,6 +120,8 @@ class _Torch:
         and real tokens (the window sums them over the ranks), the global gradient norm."""
         import torch
 
+        from tpuft_workload import model as modellib
+
         # packed rows restart position_ids per example (block-diagonal attention); padded rows mask
         keys = ("input_ids", "labels", "position_ids" if self.cfg.packing else "attention_mask")
         inputs = {k: batch[k].to(self.device) for k in keys}
@@ -130,7 +132,9 @@ class _Torch:
             grad_norm = grad_norm.full_tensor()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return loop.Step(loss=out.loss.detach().float(), real=int(batch["n_real"].sum()),
+        loss, scored = modellib.scored_loss(out.loss.detach().float(), inputs["labels"])
+        return loop.Step(loss=loss, scored=scored,
+                         real=int(batch["n_real"].sum()),
                          padded=self.cfg.batch_size_per_device * self.cfg.max_seq_length,
                          grad_norm=grad_norm.detach().float())
 
