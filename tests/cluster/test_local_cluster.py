@@ -218,18 +218,17 @@ def test_an_image_that_does_not_exist_is_named_while_provisioning(cluster_kubect
 
 
 def test_two_slices_land_each_whole_on_its_own_node_pool(cluster_kubectl, cluster_ns):
-    """examples/v6e-4x4x2.yaml's RayCluster (one worker group, replicas 2, numOfHosts 4) on the two
-    simulated v6e 4x4 pools: the real scheduler, with the TPU webhook's per-slice pod affinity on
-    cloud.google.com/gke-nodepool, puts each slice's 4 pods on one pool and the two slices on
-    different pools; each slice has its own TPU_NAME, hostnames and worker ids 0-3."""
-    rendered = subprocess.run([".venv/bin/tpuft", "render", str(EXAMPLES / "v6e-4x4x2.yaml")], capture_output=True,
-                              text=True, check=True, cwd=REPO).stdout
-    rc = next(d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "RayCluster")
-    rc["metadata"] = {"name": "two-slices"}
-    cluster_kubectl("apply", "-n", cluster_ns, "-f", "-", input=json.dumps(rc), check=True)
+    """examples/v6e-4x4x2.yaml applied (the operator renders one worker group, replicas 2,
+    numOfHosts 4) on the two simulated v6e 4x4 pools: the real scheduler, with the TPU webhook's
+    per-slice pod affinity on cloud.google.com/gke-nodepool, puts each slice's 4 pods on one pool
+    and the two slices on different pools; each slice has its own TPU_NAME, hostnames and worker
+    ids 0-3."""
+    doc = yaml.safe_load((EXAMPLES / "v6e-4x4x2.yaml").read_text())
+    doc["metadata"]["name"] = "two-slices"
+    cluster_kubectl("apply", "-n", cluster_ns, "-f", "-", input=json.dumps(doc), check=True)
 
     def placed():
-        res = cluster_kubectl("get", "pods", "-n", cluster_ns, "-l", "ray.io/cluster=two-slices,ray.io/node-type=worker",
+        res = cluster_kubectl("get", "pods", "-n", cluster_ns, "-l", "ray.io/cluster=two-slices-ray,ray.io/node-type=worker",
                               "-o", "json")
         pods = json.loads(res.stdout)["items"] if res.returncode == 0 else []
         return pods if len(pods) == 8 and all(p["spec"].get("nodeName") for p in pods) else None
@@ -251,4 +250,4 @@ def test_two_slices_land_each_whole_on_its_own_node_pool(cluster_kubectl, cluste
             assert len({env["TPU_WORKER_HOSTNAMES"] for _, env in members}) == 1
         assert len({members[0][1]["TPU_WORKER_HOSTNAMES"] for members in slices.values()}) == 2
     finally:
-        cluster_kubectl("delete", "raycluster", "two-slices", "-n", cluster_ns, "--wait=false")
+        cluster_kubectl("delete", "tft", "two-slices", "-n", cluster_ns, "--ignore-not-found", "--wait=false")

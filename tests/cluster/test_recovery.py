@@ -30,12 +30,15 @@ def _node_copy(node: dict, name: str) -> dict:
 
 def test_a_simulated_tpu_node_deleted_under_the_slice_is_replaced_then_a_second_loss_ends_slice_lost(
         cluster_kubectl, cluster_ns):
-    """A v6e 4x4 slice on the simulated pool, one of its nodes deleted (as a GKE node lost): the
-    garbage collector removes the pod, KubeRay recreates it on the pool's spare node, and our
+    """A v6e 4x4 slice on the simulated pool (the first of the two, pinned), one of its nodes deleted
+    (as a GKE node lost): the garbage collector removes the pod, KubeRay recreates it on the pool's
+    spare node (a slice's pods share one node pool: the TPU webhook's affinity), and our
     operator replaces the slice and goes back through verification. A second node lost, with
     maxSliceReplacements 1 spent, ends Failed/SliceLost with the history. (Nothing executes on
     simulated hosts: verification would end at its deadline, long after this test.)"""
-    selector = "cloud.google.com/gke-tpu-accelerator=tpu-v6e-slice,cloud.google.com/gke-tpu-topology=4x4"
+    pool_name = "v6e-4x4-0"
+    selector = ("cloud.google.com/gke-tpu-accelerator=tpu-v6e-slice,cloud.google.com/gke-tpu-topology=4x4,"
+                f"cloud.google.com/gke-nodepool={pool_name}")
     nodes = json.loads(cluster_kubectl("get", "nodes", "-l", selector, "-o", "json", check=True).stdout)["items"]
     spare = _node_copy(nodes[0], "gke-v6e-spare")
     cluster_kubectl("apply", "-f", "-", input=json.dumps(spare), check=True)
@@ -46,6 +49,7 @@ def test_a_simulated_tpu_node_deleted_under_the_slice_is_replaced_then_a_second_
         doc["spec"]["verification"]["timeoutSeconds"] = 600
         doc["spec"]["provisioningTimeoutSeconds"] = 300
         doc["spec"]["recovery"] = {"maxSliceReplacements": 1}
+        doc["spec"]["scheduling"] = {"nodeSelector": {"cloud.google.com/gke-nodepool": pool_name}}   # where the spare is
         cluster_kubectl("apply", "-n", cluster_ns, "-f", "-", input=json.dumps(doc), check=True)
         wait_until(lambda: _status(cluster_kubectl, cluster_ns, "swap").get("phase") == "VerifyingCollectives",
                    timeout=240, interval=2, what="the slice up and verifying")
