@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_slice_args(v)
     v.add_argument("--timeout-seconds", type=_positive_float, default=float(D["verification.timeoutSeconds"]),
                    help=f"hard bound on the whole check, placement included (default {D['verification.timeoutSeconds']})")
+    v.add_argument("--collective-timeout-seconds", type=_positive_float, default=None,
+                   help="bound on the collectives alone, counted once every worker has started "
+                        "(default: what is left of --timeout-seconds)")
 
     t = sub.add_parser("train", help="fine-tune a causal LM with Ray Train (TorchTrainer + FSDP2, or JaxTrainer)")
     _add_slice_args(t)
@@ -147,7 +150,8 @@ def _run(args: argparse.Namespace, target: Target) -> int:
         from tpuft_workload import verify
 
         _ray_init()
-        res = verify.run_verification(target, args.timeout_seconds, faults.from_env())
+        res = verify.run_verification(target, args.timeout_seconds, faults.from_env(),
+                                       args.collective_timeout_seconds)
         verify.print_result(res)
         StatusReporter().verification(res.to_status())
         return res.exit_code

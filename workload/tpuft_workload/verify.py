@@ -298,8 +298,14 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {tail[-1] if tail else ''}"[:400]
 
 
-def run_verification(target: Target, timeout_s: float, fault_spec: str = "") -> VerifyResult:
-    """Run the whole check against the connected Ray cluster. Never raises; never hangs."""
+def run_verification(target: Target, timeout_s: float, fault_spec: str = "",
+                     collective_timeout_s: float | None = None) -> VerifyResult:
+    """Run the whole check against the connected Ray cluster. Never raises; never hangs.
+
+    `timeout_s` bounds the whole check. `collective_timeout_s`, when given, bounds the collectives
+    once every worker has started: start-up waits on pods, images and imports, a collective only on
+    the slice itself, so a hung rank is named in seconds even where starting took minutes.
+    """
     start = time.monotonic()
     deadline = _Deadline(timeout_s)
     n = target.world_size
@@ -351,6 +357,9 @@ def run_verification(target: Target, timeout_s: float, fault_spec: str = "") -> 
                         "disagree with the slice layout; check the TPU webhook injected them per host")
         by_rank = {d["rank"]: (i, d) for i, d in enumerate(infos)}
         master = by_rank[0][1]
+        bound = timeout_s
+        if collective_timeout_s is not None and collective_timeout_s < deadline.left():
+            deadline, bound = _Deadline(collective_timeout_s), collective_timeout_s
         # +5 s: the driver deadline fires first and can still ask each stuck rank where it is.
         refs = [workers[i].run.remote(master["node_ip"], master["port"], n, deadline.left() + 5)
                 for i in range(n)]
@@ -371,7 +380,7 @@ def run_verification(target: Target, timeout_s: float, fault_spec: str = "") -> 
             where_ = _phases(workers, pending)
             stuck = ", ".join(f"{_who(target, rank_of[i])} on {infos[i]['hostname']}: {where_[i]}" for i in pending[:16])
             return done(f"timeout: {len(pending)} of {n} ranks did not finish the collectives within "
-                        f"{timeout_s:.0f}s ({stuck})", timed_out=True)
+                        f"{bound:.0f}s ({stuck})", timed_out=True)
         bad_sum = [r for r in range(n) if any(v != expected for v in res.all_reduce_sums[r])]
         if bad_sum:
             return done(f"all_reduce mismatch: ranks {bad_sum[:16]} got {res.all_reduce_sums[bad_sum[0]]}, "
