@@ -158,6 +158,29 @@ def test_a_stop_on_an_epochs_last_step_is_that_epochs_checkpoint(make_run):
     assert "epoch_loss" in backend.saved[-1][2]
 
 
+def test_a_stop_on_the_runs_last_step_finishes_the_run(make_run, tmp_path):
+    """Seen in a clean-clone CI run: a SIGTERM agreed on step 44 of 44 saved a stop, and every
+    resubmission then resumed with nothing left, exported, and read the stop back as its result."""
+    backend = FakeBackend(stop_at=TOTAL)
+    run, _ = make_run(backend)
+    assert run.train() is False
+    run.finish()
+    assert _steps(backend.saved) == [3, 6, 7, 9, 12, 14] and "stopped" not in backend.saved[-1][2]
+    assert json.loads((tmp_path / loop.SUMMARY).read_text())["step"] == TOTAL
+
+
+@pytest.mark.parametrize("metrics, early", [
+    ({"step": 10, "total_steps": 14}, False),
+    ({"step": 10, "total_steps": 14, "stopped": "SIGTERM"}, True),
+    ({"step": 14, "total_steps": 14, "stopped": "SIGTERM"}, False),   # resumed at the end: finished
+    ({"step": 14, "stopped": "SIGTERM"}, True),                       # no total: trust the stop
+], ids=["finished", "stopped mid-run", "stopped on the last step", "no total"])
+def test_the_driver_reports_a_stop_only_with_steps_left(metrics, early):
+    from tpuft_workload import train
+
+    assert train.stopped_early(metrics) is early
+
+
 def test_a_resume_skips_the_batches_trained_and_continues_the_curve(make_run):
     history = [{"step": 9, "loss": 1.1, "tokensPerSecond": 5.0}]
     state = {"step": 9, "path": "/runs/a/checkpoint_step_0000009", "metrics": {"loss": 1.1, "history": history}}

@@ -376,7 +376,10 @@ class Run:
             self.step += 1
             for w in (win, epoch_win):
                 w.add(s)
-            stop = self.backend.stop_agreed(self.step)
+            # Every rank takes part in the agreement (a collective); a stop on the run's last step is
+            # moot: the step is trained, so the run finishes (export) instead of saving a stop that a
+            # resubmitted run would find with nothing left to train.
+            stop = self.backend.stop_agreed(self.step) and self.step < self.total_steps
             if i == spe - 1:  # the end of the epoch reports (and saves) below
                 break
             save = stop or (bool(every_ckpt) and self.step % every_ckpt == 0)

@@ -306,11 +306,21 @@ def run_training(args, target: Target, fault_spec: str = "", build=None) -> int:
         return _failed(f"{type(e).__name__}: {msg[-1] if msg else ''}"[:500])
     seconds = round(time.monotonic() - t0, 1)
     metrics = result.metrics or {}
-    if metrics.get("stopped"):
+    if stopped_early(metrics):
         return _stopped_result(cfg, metrics, seconds)
     body = {"succeeded": True, "seconds": seconds, **ckptlib.read_json(ckptlib.join(cfg["run_dir"], SUMMARY))}
     print(f"{RESULT_PREFIX} {json.dumps(body)}", flush=True)
     return 0
+
+
+def stopped_early(metrics: dict) -> bool:
+    """The newest checkpoint is a stop's with steps left. Result.metrics are the newest checkpoint's,
+    maybe an earlier submission's: a run resumed at its last step (a stop saved there by an older
+    release) trains nothing, exports and has finished."""
+    if not metrics.get("stopped"):
+        return False
+    total = metrics.get("total_steps")
+    return total is None or int(metrics.get("step", 0)) < int(total)
 
 
 def _stopped_result(cfg: dict, metrics: dict, seconds: float) -> int:
