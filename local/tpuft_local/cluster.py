@@ -37,6 +37,21 @@ from tpuft_local.toolchain import (TOOLS, VERSIONS, ToolchainError, cached_path,
 REPO = Path(__file__).resolve().parents[2]
 
 
+
+APPLY_ATTEMPTS = 3
+APPLY_RETRY_WAIT_S = 5.0
+# kubectl's words for an API server that was too slow or not listening, as opposed to a refusal
+_TRANSIENT = ("Client.Timeout exceeded", "i/o timeout", "connection refused", "TLS handshake timeout",
+              "the server is currently unable to handle the request", "etcdserver: request timed out",
+              "context deadline exceeded", "http2: client connection lost")
+
+
+def transient(kubectl_error: str) -> bool:
+    """kubectl failed because the API server did not answer in time (worth one more try), not because
+    it refused what was sent."""
+    return any(t in kubectl_error for t in _TRANSIENT)
+
+
 class ClusterError(RuntimeError):
     """A component failed; the message names it and its log."""
 
@@ -105,9 +120,23 @@ class LocalCluster:
             raise ClusterError(f"`kubectl {' '.join(args)}` failed: {res.stderr.strip() or res.stdout.strip()}")
         return res
 
-    def apply(self, docs: list[dict]) -> None:
-        self.kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=tpuft-local", "-f", "-",
-                     input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
+    def apply(self, docs: list[dict], attempts: int = APPLY_ATTEMPTS) -> None:
+        self.apply_retrying("--server-side", "--force-conflicts", "--field-manager=tpuft-local", "-f", "-",
+                            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}), attempts=attempts)
+
+    def apply_retrying(self, *args: str, input: str | None = None, attempts: int = APPLY_ATTEMPTS) -> None:
+        """`kubectl apply` (idempotent, so a retry is safe), again while the API server is too slow to
+        answer: one busy beside a whole CI run once left kubectl's schema download without headers for
+        32 s and the cluster did not come up."""
+        for attempt in range(1, attempts + 1):
+            res = self.kubectl("apply", *args, check=False, input=input)
+            if res.returncode == 0:
+                return
+            error = res.stderr.strip() or res.stdout.strip()
+            if attempt == attempts or not transient(error):
+                raise ClusterError(f"`kubectl apply {' '.join(args)}` failed (attempt {attempt} of {attempts}): {error}")
+            say(f"kubectl apply: the API server did not answer in time (attempt {attempt} of {attempts}); again")
+            time.sleep(APPLY_RETRY_WAIT_S)
 
     def _start(self, name: str, argv: list[str], ready, timeout: float = 90, env: dict | None = None) -> None:
         comp = next(c for c in NODE_COMPONENTS if c.name == name)
@@ -298,7 +327,7 @@ class LocalCluster:
             f"--tls-cert-file={crt}", f"--tls-private-key-file={key}"],
             lambda: True, timeout=10)
         nodes = pools.all_nodes(self.tpu_pools)
-        self.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": nodes}))
+        self.apply_retrying("-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": nodes}))
         names = [n["metadata"]["name"] for n in nodes]
         try:
             procs.wait_for(lambda: all(self._node_ready(n) for n in names), "KWOK nodes", 90, self.logs / "kwok.log")
@@ -313,7 +342,7 @@ class LocalCluster:
     def _kuberay(self) -> None:
         crds = kuberay_crd_dir()
         self.cp.install_crds(sorted(crds.glob("*.yaml")))
-        self.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crds.parent.parent / "rbac" / "role.yaml"))
+        self.apply_retrying("--server-side", "--force-conflicts", "-f", str(crds.parent.parent / "rbac" / "role.yaml"))
         kubeconfig = self._client_kubeconfig("kuberay-operator", addons.KUBERAY_USER)
         probe = free_port()
         self._start("kuberay-operator", [

@@ -1,0 +1,53 @@
+"""tpuft_local.cluster's pure parts: which kubectl failures `cluster up` tries again."""
+from __future__ import annotations
+
+import subprocess
+from functools import partial
+from types import SimpleNamespace
+
+import pytest
+
+from tpuft_local import cluster
+
+OPENAPI_TIMEOUT = ('error: error validating "STDIN": error validating data: Get "https://10.201.0.1:32867/openapi/v2'
+                   '?timeout=32s": net/http: request canceled (Client.Timeout exceeded while awaiting headers)')
+REFUSED = 'Error from server (Invalid): error when creating "STDIN": Namespace "Bad_Name" is invalid'
+
+
+class FakeKubectl:
+    def __init__(self, errors: list[str]):
+        self.errors, self.calls = list(errors), 0
+
+    def __call__(self, *args, check=True, input=None):
+        self.calls += 1
+        err = self.errors.pop(0) if self.errors else ""
+        return subprocess.CompletedProcess(args, 1 if err else 0, "", err)
+
+
+@pytest.fixture
+def no_wait(monkeypatch):
+    monkeypatch.setattr(cluster.time, "sleep", lambda s: None)
+
+
+@pytest.mark.parametrize("errors, calls", [
+    ([], 1),
+    ([OPENAPI_TIMEOUT], 2),                       # seen in a clean-clone CI run (2026-12-04)
+    ([OPENAPI_TIMEOUT, OPENAPI_TIMEOUT], 3),
+], ids=["first time", "once slow", "twice slow"])
+def test_apply_tries_again_while_the_api_server_is_slow(no_wait, errors, calls):
+    fake = SimpleNamespace(kubectl=FakeKubectl(errors))
+    fake.apply_retrying = partial(cluster.LocalCluster.apply_retrying, fake)
+    cluster.LocalCluster.apply(fake, [{"kind": "Namespace"}])
+    assert fake.kubectl.calls == calls
+
+
+@pytest.mark.parametrize("errors, calls", [
+    ([REFUSED], 1),                                # a refusal is final: no retry
+    ([OPENAPI_TIMEOUT] * 3, 3),                    # bounded
+], ids=["refused", "slow every time"])
+def test_apply_gives_up_on_a_refusal_at_once_and_on_slowness_after_its_attempts(no_wait, errors, calls):
+    fake = SimpleNamespace(kubectl=FakeKubectl(errors))
+    fake.apply_retrying = partial(cluster.LocalCluster.apply_retrying, fake)
+    with pytest.raises(cluster.ClusterError, match=f"attempt {calls} of 3"):
+        cluster.LocalCluster.apply(fake, [{"kind": "Namespace"}])
+    assert fake.kubectl.calls == calls
