@@ -36,8 +36,6 @@ from tpuft_local.toolchain import (TOOLS, VERSIONS, ToolchainError, cached_path,
 
 REPO = Path(__file__).resolve().parents[2]
 
-
-
 APPLY_ATTEMPTS = 3
 APPLY_RETRY_WAIT_S = 5.0
 # kubectl's words for an API server that was too slow or not listening, as opposed to a refusal
@@ -120,9 +118,9 @@ class LocalCluster:
             raise ClusterError(f"`kubectl {' '.join(args)}` failed: {res.stderr.strip() or res.stdout.strip()}")
         return res
 
-    def apply(self, docs: list[dict], attempts: int = APPLY_ATTEMPTS) -> None:
+    def apply(self, docs: list[dict]) -> None:
         self.apply_retrying("--server-side", "--force-conflicts", "--field-manager=tpuft-local", "-f", "-",
-                            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}), attempts=attempts)
+                            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
 
     def apply_retrying(self, *args: str, input: str | None = None, attempts: int = APPLY_ATTEMPTS) -> None:
         """`kubectl apply` (idempotent, so a retry is safe), again while the API server is too slow to

@@ -29,14 +29,20 @@ def no_wait(monkeypatch):
     monkeypatch.setattr(cluster.time, "sleep", lambda s: None)
 
 
+def _cluster(errors: list[str]) -> SimpleNamespace:
+    """Just what LocalCluster.apply uses: kubectl (answering `errors` in turn) and apply_retrying."""
+    fake = SimpleNamespace(kubectl=FakeKubectl(errors))
+    fake.apply_retrying = partial(cluster.LocalCluster.apply_retrying, fake)
+    return fake
+
+
 @pytest.mark.parametrize("errors, calls", [
     ([], 1),
     ([OPENAPI_TIMEOUT], 2),                       # seen in a clean-clone CI run (2026-12-04)
     ([OPENAPI_TIMEOUT, OPENAPI_TIMEOUT], 3),
 ], ids=["first time", "once slow", "twice slow"])
 def test_apply_tries_again_while_the_api_server_is_slow(no_wait, errors, calls):
-    fake = SimpleNamespace(kubectl=FakeKubectl(errors))
-    fake.apply_retrying = partial(cluster.LocalCluster.apply_retrying, fake)
+    fake = _cluster(errors)
     cluster.LocalCluster.apply(fake, [{"kind": "Namespace"}])
     assert fake.kubectl.calls == calls
 
@@ -46,8 +52,7 @@ def test_apply_tries_again_while_the_api_server_is_slow(no_wait, errors, calls):
     ([OPENAPI_TIMEOUT] * 3, 3),                    # bounded
 ], ids=["refused", "slow every time"])
 def test_apply_gives_up_on_a_refusal_at_once_and_on_slowness_after_its_attempts(no_wait, errors, calls):
-    fake = SimpleNamespace(kubectl=FakeKubectl(errors))
-    fake.apply_retrying = partial(cluster.LocalCluster.apply_retrying, fake)
+    fake = _cluster(errors)
     with pytest.raises(cluster.ClusterError, match=f"attempt {calls} of 3"):
         cluster.LocalCluster.apply(fake, [{"kind": "Namespace"}])
     assert fake.kubectl.calls == calls
