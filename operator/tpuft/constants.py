@@ -309,6 +309,23 @@ class TrainingFramework(str, enum.Enum):
     JAX = "jax"          # JaxTrainer, one worker per host (tpuft_workload.jax_train)
 
 
+class TrainingMethod(str, enum.Enum):
+    """spec.training.method: which weights a run trains."""
+    FULL = "full"    # every weight: FSDP2 shards weights, gradients and AdamW state
+    LORA = "lora"    # low-rank adapters beside the frozen, sharded base (PEFT; tpuft_workload.lora)
+
+
+# spec.training.lora.targetModules when left out, by the model's Hugging Face `model_type`: the
+# attention and MLP projections (PEFT matches these names as the last part of a module's path).
+# The workload resolves it on the driver, before any worker starts; docs/lora.md lists it.
+_LLAMA_STYLE_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_DEFAULT_TARGET_MODULES: dict[str, tuple[str, ...]] = {
+    model_type: _LLAMA_STYLE_PROJECTIONS
+    for model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gemma3_text",
+                       "gemma4", "gemma4_text")
+}
+
+
 class EventType(str, enum.Enum):
     NORMAL = "Normal"
     WARNING = "Warning"
@@ -345,6 +362,8 @@ class TrainingStatus(str, enum.Enum):
     RESUMED_FROM_STEP = "resumedFromStep"
     MESSAGE = "message"
     EXPORTED_MODEL = "exportedModel"
+    TRAINABLE_PARAMETERS = "trainableParameters"   # what the optimizer updates (LoRA: the adapters only)
+    TOTAL_PARAMETERS = "totalParameters"           # the model's, adapters included
     MFU = "mfu"            # model FLOPs utilisation (tpuft_workload.report.mfu); absent without a catalog peak
     HISTORY = "history"    # at most HISTORY_MAX_POINTS HistoryPoint objects, oldest first
     UPDATED_AT = "updatedAt"

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from tpuft import catalog
 from tpuft.constants import (API_VERSION, KIND, RESERVED_ANNOTATIONS, RESERVED_ENV, RESERVED_LABELS,
                              SERVE_API_KEY_SECRET_KEY, TPU_RESOURCE, DatasetFormat, ImagePullPolicy, Reserved,
-                             ServeEngine, TrainingFramework)
+                             ServeEngine, TrainingFramework, TrainingMethod)
 
 # Children are named "{name}-{suffix}" (longest suffix "-workload", plus "-train-r99" for
 # retries and resubmissions, "-verify-r3"); KubeRay derives pod and service names from those and
@@ -62,6 +62,11 @@ DEFAULTS: dict[str, Any] = {
     "training.maxFailures": 1,
     "training.maxJobRetries": 0,
     "training.framework": TrainingFramework.TORCH.value,
+    "training.method": TrainingMethod.FULL.value,
+    "training.lora.rank": 16,
+    "training.lora.alpha": 32,
+    "training.lora.dropout": 0.05,
+    "export.merge": False,
     "checkpoint.everySteps": 0,
     "checkpoint.keep": 1,
     "verification.enabled": True,
@@ -83,6 +88,8 @@ LIMITS: dict[str, tuple[float, float]] = {
     "training.reportEverySteps": (1, 100000),
     "training.maxFailures": (0, 100),
     "training.maxJobRetries": (0, 20),
+    "training.lora.rank": (1, 1024),     # and a power of two
+    "training.lora.alpha": (1, 8192),
     "checkpoint.everySteps": (0, 10_000_000),
     "checkpoint.keep": (1, 100),
     "verification.timeoutSeconds": (10, 86400),
