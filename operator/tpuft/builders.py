@@ -318,7 +318,30 @@ def train_entrypoint(tft: TPUFinetune) -> str:
         args += ["--framework", tr.framework]
     if ck.resume_from:
         args += ["--resume-from", ck.resume_from]
-    return shlex.join(args)
+    return shlex.join(args + _lora_args(tft))
+
+
+def _lora_args(tft: TPUFinetune) -> list[str]:
+    """The workload's LoRA flags; none for a full fine-tune (its entrypoint stays as it was)."""
+    lo = tft.spec.training.lora
+    if lo is None:
+        return []
+    args = ["--method", c.TrainingMethod.LORA.value, "--lora-rank", str(lo.rank), "--lora-alpha", str(lo.alpha),
+            "--lora-dropout", repr(lo.dropout)]
+    if lo.target_modules:
+        args += ["--lora-target-modules", ",".join(lo.target_modules)]
+    if merges(tft):
+        args.append("--merge-export")
+    return args
+
+
+def merges(tft: TPUFinetune) -> bool:
+    """Whether a LoRA run also exports merged weights: asked for (spec.export.merge), or needed by
+    vLLM, which serves them (one model per object; Ray Serve LLM's per-request adapters are
+    `base:adapter` ids beside the base's own, not wired here: docs/lora.md)."""
+    sv = tft.spec.serve
+    return tft.spec.training.lora is not None and (
+        tft.spec.export.merge or (sv is not None and sv.engine == c.ServeEngine.VLLM))
 
 
 def _rayjob(tft: TPUFinetune, name: str, component: c.Component, entrypoint: str,
@@ -444,6 +467,8 @@ def llm_config(tft: TPUFinetune, model_source: str) -> dict:
     engine: dict = {"tensor_parallel_size": s.devices if s.is_tpu else 1}
     if sv.max_model_length:
         engine["max_model_len"] = sv.max_model_length
+    if merges(tft):   # the adapter's sibling: vLLM serves the merged weights
+        model_source = "/".join([model_source.rstrip("/").rpartition("/")[0], c.EXPORT_MERGED_DIR])
     out: dict = {"model_loading_config": {"model_id": tft.meta.name, "model_source": model_source},
                  "engine_kwargs": engine, "deployment_config": serve_replicas(sv.replicas)}
     if s.is_tpu:

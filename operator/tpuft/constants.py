@@ -142,6 +142,9 @@ LOST_SUBMISSION_BACKOFF_SECONDS = 10.0
 # A run's Hugging Face export: {storagePath}/{run name}/export (tpuft_workload.checkpoint writes
 # it; the RayService serves it from there).
 EXPORT_DIR = "export"
+# With spec.training.method lora, EXPORT_DIR holds the PEFT adapter; spec.export.merge (and serving
+# with vLLM, which serves merged weights) also writes the base with the adapters merged in here.
+EXPORT_MERGED_DIR = "export-merged"
 # The drivers' logs, {storagePath}/{run name}/logs/{verify,train}.log (tpuft_workload.driver_log tees
 # them there; `tpuft logs` reads them once the head is gone), and rank 0's TensorBoard event files,
 # {storagePath}/{run name}/tensorboard (tpuft_workload.metrics_log).

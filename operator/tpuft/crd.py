@@ -17,7 +17,7 @@ from tpuft import constants as c
 from tpuft.spec import (CHECKPOINT_VOLUME_SOURCES, CONFIG_KEY, DEFAULTS, DNS_LABEL, DNS_SUBDOMAIN, ENV_NAME, ENV_SOURCES,
                         LABEL_VALUE, LEARNING_RATE_MAX, LIMITS, MAX_MAP_ENTRIES, MAX_NAME_LENGTH,
                         MAX_DNS_SUBDOMAIN_LENGTH, MAX_LABEL_LENGTH, MAX_PATH_LENGTH, MAX_QUALIFIED_NAME_LENGTH, MAX_QUANTITY_LENGTH, MAX_SPLIT_LENGTH, MAX_STRING_LENGTH, QUALIFIED_NAME, QUANTITY, SHELL_SAFE,
-                        STORAGE_PATH, TOLERATION_EFFECTS, TOLERATION_OPERATORS, either)
+                        LORA_DEFAULTS, LORA_MAX_TARGET_MODULES, LORA_MODULE, STORAGE_PATH, TOLERATION_EFFECTS, TOLERATION_OPERATORS, either)
 
 RAY_MINOR = ".".join(RAY_VERSION_PIN.split(".")[:2])   # "2.60": the image needs this Ray line
 
@@ -34,8 +34,8 @@ def _p(type_: str, description: str, **extra) -> dict:
 def _int(description: str, key: str, **extra) -> dict:
     lo, hi = LIMITS[key]
     out = _p("integer", description, minimum=int(lo), maximum=int(hi))
-    if key in DEFAULTS:
-        out["default"] = DEFAULTS[key]
+    if key in DEFAULTS or key in LORA_DEFAULTS:
+        out["default"] = DEFAULTS[key] if key in DEFAULTS else LORA_DEFAULTS[key]
     out.update(extra)
     return out
 
@@ -171,6 +171,7 @@ def spec_schema() -> dict:
             "dataset": _dataset(),
             "training": _training(),
             "checkpoint": _checkpoint(),
+            "export": _export(),
             "hfTokenSecret": _secret_ref("Secret holding a Hugging Face token. Passed to pods only by secretKeyRef; "
                                          "the operator never reads it."),
             "verification": _verification(),
@@ -199,7 +200,7 @@ def spec_schema() -> dict:
             "env": _env(),
         },
         required=["accelerator", "topology", "image", "model", "dataset", "checkpoint"],
-        **{"x-kubernetes-validations": [*_topology_rules(), *_serve_rules()]},
+        **{"x-kubernetes-validations": [*_topology_rules(), *_serve_rules(), EXPORT_MERGE_RULE]},
     )
 
 
@@ -264,7 +265,51 @@ def _training() -> dict:
                         "per host, parameters and optimizer state sharded over the slice's devices; Orbax "
                         "checkpoints, the same Hugging Face export.",
                         default=DEFAULTS["training.framework"], enum=[f.value for f in c.TrainingFramework]),
+        "method": _p("string", "full: every weight is trained. lora: low-rank adapters (PEFT) beside the frozen, "
+                     "sharded base; gradients, optimizer state and checkpoints hold the adapters only, and the export "
+                     "is a PEFT adapter folder. lora runs on framework torch only.",
+                     default=DEFAULTS["training.method"], enum=[m.value for m in c.TrainingMethod]),
+        "lora": _lora(),
+    }, default={}, **{"x-kubernetes-validations": [
+        {"rule": "!has(self.lora) || (has(self.method) && self.method == 'lora')",
+         "message": "training.lora is set but training.method is not lora: set method: lora, or remove it",
+         "fieldPath": ".lora", "reason": "FieldValueInvalid"},
+        {"rule": "!(has(self.method) && self.method == 'lora') || !has(self.framework) || self.framework == 'torch'",
+         "message": "training.method lora runs on framework torch only (JAX LoRA is not implemented)",
+         "fieldPath": ".method", "reason": "FieldValueInvalid"}]})
+
+
+def _lora() -> dict:
+    rank_lo, rank_hi = LIMITS["training.lora.rank"]
+    ranks = [1 << i for i in range(int(rank_hi).bit_length()) if rank_lo <= 1 << i <= rank_hi]
+    return _obj("LoRA's adapters (with method: lora).", {
+        "rank": _p("integer", "The adapters' rank r: a power of two, at most the smallest dimension of a targeted "
+                   "layer.", default=LORA_DEFAULTS["training.lora.rank"], enum=ranks),
+        "alpha": _int("The adapters' scale is alpha / rank.", "training.lora.alpha"),
+        "dropout": _p("number", "Dropout on the adapters' input.", default=LORA_DEFAULTS["training.lora.dropout"],
+                      minimum=0, exclusiveMaximum=True, maximum=1),
+        "targetModules": {"type": "array", "minItems": 1, "maxItems": LORA_MAX_TARGET_MODULES,
+                          "x-kubernetes-list-type": "set",
+                          "description": "Linear layers to adapt, by name (the last part of the module path). Default "
+                                         "per model_type: the attention and MLP projections "
+                                         f"({', '.join(c.LORA_DEFAULT_TARGET_MODULES['llama'])}).",
+                          "items": {"type": "string", "pattern": LORA_MODULE.pattern, "maxLength": 128}},
+    })
+
+
+def _export() -> dict:
+    return _obj("What the run exports besides its checkpoints (status.training.exportedModel).", {
+        "merge": _p("boolean", "With training.method lora: also write the base with the adapters merged in, as "
+                    "full Hugging Face weights (export-merged beside the adapter).", default=DEFAULTS["export.merge"]),
     }, default={})
+
+
+# The parser's rule that merge needs LoRA, as CEL on spec (it reads two sections).
+EXPORT_MERGE_RULE = {
+    "rule": "!(has(self.export) && has(self.export.merge) && self.export.merge) || "
+            "(has(self.training) && has(self.training.method) && self.training.method == 'lora')",
+    "message": "export.merge merges LoRA adapters into the base: it needs training.method lora",
+    "fieldPath": ".export.merge", "reason": "FieldValueInvalid"}
 
 
 def _storage_path(description: str) -> dict:
@@ -601,7 +646,10 @@ def training_fields() -> dict:
         t.RESUMED_FROM_STEP: integer("Step of that checkpoint."),
         t.MESSAGE: _p("string", "Workload detail, e.g. nothing left to do after resuming at the last step, "
                       "or why spec.checkpoint.resumeFrom was refused."),
-        t.EXPORTED_MODEL: _p("string", "Hugging Face format export of the final model."),
+        t.EXPORTED_MODEL: _p("string", "Hugging Face format export of the final model (with method lora: a PEFT "
+                             "adapter folder)."),
+        t.TRAINABLE_PARAMETERS: integer("Parameters the optimizer updates (lora: the adapters only)."),
+        t.TOTAL_PARAMETERS: integer("The model's parameters, adapters included."),
         t.MFU: num("Model FLOPs utilisation, 0 to 1: (6N + 12·L·H·Q·T) FLOPs per token (PaLM's: N parameters, L "
                    "layers, H·Q heads x head dim, T maxSeqLength) x tokensPerSecond / the slice's peak bf16 FLOP/s "
                    "(the catalog's: per TPU chip x chips, per listed GPU x GPUs); absent on CPU and on a GPU the "

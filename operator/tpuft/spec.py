@@ -63,9 +63,6 @@ DEFAULTS: dict[str, Any] = {
     "training.maxJobRetries": 0,
     "training.framework": TrainingFramework.TORCH.value,
     "training.method": TrainingMethod.FULL.value,
-    "training.lora.rank": 16,
-    "training.lora.alpha": 32,
-    "training.lora.dropout": 0.05,
     "export.merge": False,
     "checkpoint.everySteps": 0,
     "checkpoint.keep": 1,
@@ -78,6 +75,14 @@ DEFAULTS: dict[str, Any] = {
     "serve.enabled": False,
     "serve.replicas": 1,
     "serve.timeoutSeconds": 1800,
+}
+
+# Defaults inside spec.training.lora, an object the API server defaults only when it is there (its
+# presence asks for LoRA's settings): DEFAULTS stays exactly what a bare object is given.
+LORA_DEFAULTS: dict[str, Any] = {
+    "training.lora.rank": 16,
+    "training.lora.alpha": 32,
+    "training.lora.dropout": 0.05,
 }
 
 LIMITS: dict[str, tuple[float, float]] = {
@@ -162,6 +167,25 @@ class Training:
     max_failures: int       # Ray Train FailureConfig: worker restarts inside one job
     max_job_retries: int    # operator resubmissions of a failed training RayJob (preemption)
     framework: str = DEFAULTS["training.framework"]   # constants.TrainingFramework value
+    method: str = DEFAULTS["training.method"]          # constants.TrainingMethod value
+    lora: Lora | None = None                           # set exactly when method is lora
+
+
+@dataclass(frozen=True)
+class Lora:
+    """spec.training.lora: the adapters PEFT adds beside each targeted linear layer."""
+    rank: int
+    alpha: int
+    dropout: float
+    # Module names (the last part of a path, as PEFT matches them); empty: the default for the
+    # model's model_type (constants.LORA_DEFAULT_TARGET_MODULES), resolved by the workload's driver.
+    target_modules: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Export:
+    """spec.export: what the run writes besides its checkpoints."""
+    merge: bool = DEFAULTS["export.merge"]   # LoRA: also merged full weights beside the adapter
 
 
 @dataclass(frozen=True)
@@ -268,6 +292,7 @@ class Spec:
     annotations: Mapping[str, str]
     env: tuple[Mapping[str, Any], ...]
     serve: Serve | None = None   # None: spec.serve absent or not enabled
+    export: Export = Export()
     queue_timeout_seconds: int | None = None   # None: wait for Kueue's admission as long as it takes
 
     @property
@@ -325,11 +350,12 @@ class _Reader:
         return value
 
     def integer(self, obj: Mapping, key: str, path: str, dkey: str) -> int:
-        value = obj[key] if key in obj else DEFAULTS[dkey]
+        default = DEFAULTS[dkey] if dkey in DEFAULTS else LORA_DEFAULTS[dkey]
+        value = obj[key] if key in obj else default
         lo, hi = LIMITS[dkey]
         if isinstance(value, bool) or not isinstance(value, int):
             self.fail(path, f"must be an integer (got {value!r})")
-            return int(DEFAULTS[dkey])
+            return int(default)
         if not lo <= value <= hi:
             self.fail(path, f"must be between {int(lo)} and {int(hi)} (got {value})")
         return value
@@ -421,6 +447,7 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
     dataset = _dataset(r, spec)
     training = _training(r, spec)
     checkpoint = _checkpoint(r, spec)
+    export = _export(r, spec, training)
     hf = _secret_ref(r, spec, "hfTokenSecret", "spec.hfTokenSecret")
     verification = _verification(r, spec)
     recovery = _recovery(r, spec)
@@ -445,7 +472,7 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
         recovery=recovery,
         provisioning_timeout_seconds=provisioning_timeout, suspend=suspend, ttl_seconds_after_finished=ttl,
         resources=resources, scheduling=scheduling, labels=labels, annotations=annotations, env=env, serve=serve,
-        queue_timeout_seconds=queue_timeout))
+        export=export, queue_timeout_seconds=queue_timeout))
 
 
 def _metadata(r: _Reader, obj: Mapping) -> tuple[ObjectMeta, str]:
@@ -536,7 +563,9 @@ def _training(r: _Reader, spec: Mapping) -> Training:
         report_every_steps=integer("reportEverySteps"),
         max_failures=integer("maxFailures"),
         max_job_retries=integer("maxJobRetries"),
-        framework=_framework(r, tr),
+        framework=(framework := _framework(r, tr)),
+        method=(method := _method(r, tr, framework)),
+        lora=_lora(r, tr, method),
     )
 
 
@@ -546,6 +575,67 @@ def _framework(r: _Reader, tr: Mapping) -> str:
     if fw is not None and fw not in names:
         r.fail("spec.training.framework", f"must be one of {', '.join(names)} (got {fw!r})")
     return fw if fw in names else DEFAULTS["training.framework"]
+
+
+def _method(r: _Reader, tr: Mapping, framework: str) -> str:
+    method = r.string(tr, "method", "spec.training.method", default=DEFAULTS["training.method"])
+    names = [m.value for m in TrainingMethod]
+    if method is not None and method not in names:
+        r.fail("spec.training.method", f"must be one of {', '.join(names)} (got {method!r})")
+        return DEFAULTS["training.method"]
+    if method == TrainingMethod.LORA.value and framework != TrainingFramework.TORCH.value:
+        r.fail("spec.training.method", f"lora runs on framework torch only (got framework {framework}): JAX LoRA is "
+               "not implemented; set spec.training.framework: torch, or method: full")
+    return method or DEFAULTS["training.method"]
+
+
+LORA_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+LORA_MAX_TARGET_MODULES = 32
+
+
+def _lora(r: _Reader, tr: Mapping, method: str) -> Lora | None:
+    """spec.training.lora: read only with method lora (and refused without it, not ignored)."""
+    if method != TrainingMethod.LORA.value:
+        if tr.get("lora") is not None:
+            r.fail("spec.training.lora", f"is set but spec.training.method is {method}: set method: lora, or remove it")
+        return None
+    lo = r.section(tr, "lora", "spec.training.lora")
+    rank = r.integer(lo, "rank", "spec.training.lora.rank", "training.lora.rank")
+    if rank > 0 and rank & (rank - 1):
+        r.fail("spec.training.lora.rank", f"must be a power of two (1, 2, 4, ... 1024; got {rank})")
+    dropout = lo.get("dropout", LORA_DEFAULTS["training.lora.dropout"])
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        r.fail("spec.training.lora.dropout", f"must be a number in [0, 1) (got {dropout!r})")
+        dropout = LORA_DEFAULTS["training.lora.dropout"]
+    return Lora(rank=rank, alpha=r.integer(lo, "alpha", "spec.training.lora.alpha", "training.lora.alpha"),
+                dropout=float(dropout), target_modules=_target_modules(r, lo))
+
+
+def _target_modules(r: _Reader, lo: Mapping) -> tuple[str, ...]:
+    path, value = "spec.training.lora.targetModules", lo.get("targetModules")
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+        r.fail(path, "must be a non-empty list of module names such as [q_proj, v_proj] (leave it out for the "
+               "model's attention and MLP projections)")
+        return ()
+    bad = [v for v in value if not LORA_MODULE.fullmatch(v)]
+    if bad:
+        r.fail(path, f"{bad[0]!r} is not a module name (letters, digits and _, as in q_proj)")
+    if len(set(value)) != len(value):
+        r.fail(path, f"names {sorted({v for v in value if value.count(v) > 1})[0]!r} more than once")
+    if len(value) > LORA_MAX_TARGET_MODULES:
+        r.fail(path, f"has {len(value)} names; at most {LORA_MAX_TARGET_MODULES}")
+    return tuple(value)
+
+
+def _export(r: _Reader, spec: Mapping, training: Training) -> Export:
+    ex = r.section(spec, "export", "spec.export")
+    merge = r.boolean(ex, "merge", "spec.export.merge", "export.merge")
+    if merge and training.method != TrainingMethod.LORA.value:
+        r.fail("spec.export.merge", f"merges LoRA adapters into the base; a {training.method} fine-tune already "
+               "exports full weights: remove it, or set spec.training.method: lora")
+    return Export(merge=merge)
 
 
 def _checkpoint(r: _Reader, spec: Mapping) -> Checkpoint:

@@ -4,8 +4,8 @@
   generation x every offered topology, every accelerator spelling, int quantities, env valueFrom, ...)
   are accepted by a server-side create, and tpuft.spec.parse accepts what the server stored and
   derives the same Spec as from the local document (the server applies tpuft.spec.DEFAULTS exactly).
-- INVALID: 214 invalid TPUFinetunes (test_table_counts checks these numbers and prints them).
-  212 are rejected at admission (HTTP 422) with an error naming the field, and tpuft.spec.parse
+- INVALID: 223 invalid TPUFinetunes (test_table_counts checks these numbers and prints them).
+  221 are rejected at admission (HTTP 422) with an error naming the field, and tpuft.spec.parse
   rejects each of them with the same field too (server and parser agree row by row).
   2 rows are PARSER-ONLY, marked PARSER_ONLY in the table: the CRD cannot express them because the
   API server refuses the request before schema validation (HTTP 400: a wrong apiVersion; metadata
@@ -275,6 +275,19 @@ INVALID = [
     row("kind-mismatch", ("kind", "RayJob"), "kind"),
     row("spec-missing", ("spec", DELETE), "spec"),
     row("spec-string", ("spec", "x"), "spec"),
+    # --- LoRA (spec.training.method, spec.training.lora, spec.export.merge) ---
+    row("method-unknown", ("spec.training.method", "qlora"), "spec.training.method"),
+    row("lora-with-jax", ("spec.training", {"method": "lora", "framework": "jax"}), "spec.training.method"),
+    row("lora-with-method-full", ("spec.training.lora", {"rank": 8}), "spec.training.lora"),
+    row("lora-rank-not-power-of-two", ("spec.training", {"method": "lora", "lora": {"rank": 12}}),
+        "spec.training.lora.rank"),
+    row("lora-dropout-1", ("spec.training", {"method": "lora", "lora": {"dropout": 1}}), "spec.training.lora.dropout"),
+    row("lora-alpha-0", ("spec.training", {"method": "lora", "lora": {"alpha": 0}}), "spec.training.lora.alpha"),
+    row("lora-target-dotted", ("spec.training", {"method": "lora", "lora": {"targetModules": ["a.q_proj"]}}),
+        "spec.training.lora.targetModules"),
+    row("lora-target-twice", ("spec.training", {"method": "lora", "lora": {"targetModules": ["q_proj", "q_proj"]}}),
+        "spec.training.lora.targetModules"),
+    row("export-merge-without-lora", ("spec.export.merge", True), "spec.export.merge"),
     # --- parser-only: the server refuses these before schema validation (HTTP 400) ---
     row("api-version-v1", ("apiVersion", "tpufinetune.dev/v1"), "apiVersion", PARSER_ONLY),
     row("metadata-list", ("metadata", ["gemma4-dolly"]), "metadata", PARSER_ONLY),
@@ -290,7 +303,7 @@ COUNTS = {
     "admission": sum(1 for p in INVALID if p.values[2] == ADMISSION),
     "parser_only": sum(1 for p in INVALID if p.values[2] == PARSER_ONLY),
 }
-DOCUMENTED_COUNTS = {"total": 214, "admission": 212, "parser_only": 2}  # as the module docstring says
+DOCUMENTED_COUNTS = {"total": 223, "admission": 221, "parser_only": 2}  # as the module docstring says
 
 
 # --- helpers ------------------------------------------------------------------------------------
@@ -444,6 +457,10 @@ EDGE_VALID = [
         ("serve-transformers-training-image", [("spec.serve", {"enabled": True, "engine": "transformers"})]),
         ("serve-replicas-autoscaled", [("spec.serve", {"enabled": True, "image": "v:1", "replicas": {"min": 1, "max": 3}})]),
         ("serve-disabled-no-image", [("spec.serve", {"enabled": False})]),
+        ("lora-defaults", [("spec.training", {"method": "lora"})]),
+        ("lora-all-fields-merged", [("spec.training", {"method": "lora", "lora": {
+            "rank": 1024, "alpha": 8192, "dropout": 0, "targetModules": ["q_proj", "v_proj"]}}),
+            ("spec.export", {"merge": True})]),
     ]
 ]
 

@@ -13,7 +13,7 @@ from tests.paths import EXAMPLES, GOLDEN, NETWORK_POLICY_OPENAPI, kuberay_crd
 from tests.gke_tutorial import missing_from, tutorial_rayclusters
 from tests.factories import MINIMUM, with_
 from tpuft import builders, catalog
-from tpuft.constants import SERVE_API_KEY_ENV, SERVE_DEPLOYMENT_NAME
+from tpuft.constants import SERVE_API_KEY_ENV, SERVE_DEPLOYMENT_NAME, ServeArg
 from tpuft.spec import parse
 
 EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml"))
@@ -353,6 +353,33 @@ def test_jax_training_job_runs_one_jax_worker_per_host(example, hosts):
 def test_torch_entrypoint_is_unchanged_by_the_framework_field():
     assert "--framework" not in _train_args(MINIMUM)
     assert _train_args(with_("spec.training", {"framework": "torch"})) == _train_args(MINIMUM)
+    assert _train_args(with_("spec.training", {"method": "full"})) == _train_args(MINIMUM)
+
+
+LORA = {"method": "lora", "lora": {"rank": 8, "alpha": 16, "targetModules": ["q_proj", "v_proj"]}}
+
+
+def test_lora_settings_reach_the_workload_as_its_own_cli_reads_them():
+    from tpuft_workload import __main__ as workload_cli
+
+    args, _ = workload_cli.parse_args(_train_args(with_("spec.training", LORA))[3:])
+    assert (args.method, args.lora_rank, args.lora_alpha, args.lora_dropout) == ("lora", 8, 16, 0.05)
+    assert list(args.lora_target_modules) == ["q_proj", "v_proj"] and not args.merge_export
+    merged = with_("spec.export", {"merge": True}, base=with_("spec.training", LORA))
+    assert workload_cli.parse_args(_train_args(merged)[3:])[0].merge_export
+
+
+@pytest.mark.parametrize("engine,merged", [("vllm", True), ("transformers", False)])
+def test_a_lora_run_is_served_as_its_engine_loads_it(engine, merged):
+    """transformers serves the adapter folder on its base; vLLM serves the merged weights, which
+    the run then always writes (one model per object: docs/lora.md)."""
+    doc = with_("spec.serve", {"enabled": True, "image": "vllm:1", "engine": engine},
+                base=with_("spec.training", LORA))
+    assert ("--merge-export" in _train_args(doc)) is merged
+    app = yaml.safe_load(by_kind(render(doc), "RayService")[0]["spec"]["serveConfigV2"])["applications"][0]
+    source = (app["args"]["llm_configs"][0]["model_loading_config"]["model_source"] if engine == "vllm"
+              else app["args"][ServeArg.MODEL_SOURCE.value])
+    assert source.endswith("/export-merged" if merged else "/export"), source
 
 
 # --- the RayService (spec.serve) ----------------------------------------------------------------------

@@ -5,7 +5,7 @@ import yaml
 from tests.factories import DELETE, MINIMUM, with_
 from tpuft import constants as c
 from tpuft import spec as spec_mod
-from tpuft.spec import MAX_NAME_LENGTH, ServeReplicas, SpecError, parse
+from tpuft.spec import MAX_NAME_LENGTH, Lora, ServeReplicas, SpecError, parse
 
 
 def test_minimum_spec_is_accepted_exactly_as_written():
@@ -33,6 +33,16 @@ def test_defaults_match_the_documented_ones():
     assert s.hf_token_secret is None and s.suspend is False
     assert s.num_workers == 16  # 8 chips x 2 chiplets
     assert s.training.framework == "torch"
+
+
+def test_lora_is_parsed_with_its_defaults_and_the_export_merge():
+    t = parse(with_("spec.training", {"method": "lora"})).spec.training
+    assert (t.method, t.lora) == ("lora", Lora(rank=16, alpha=32, dropout=0.05, target_modules=()))
+    doc = with_("spec.training", {"method": "lora", "lora": {"rank": 8, "alpha": 16, "dropout": 0,
+                                                             "targetModules": ["q_proj", "v_proj"]}})
+    got = parse(with_("spec.export", {"merge": True}, base=doc)).spec
+    assert got.training.lora == Lora(rank=8, alpha=16, dropout=0.0, target_modules=("q_proj", "v_proj"))
+    assert got.export.merge and parse(MINIMUM).spec.training.lora is None
 
 
 def test_jax_framework_is_parsed():
@@ -147,6 +157,20 @@ BAD = [
     ("spec", DELETE, "spec", "is required"),
     ("spec.training.framework", "flax", "spec.training.framework", "torch, jax"),
     ("spec.training.framework", 1, "spec.training.framework", "must be a string"),
+    ("spec.training", {"method": "qlora"}, "spec.training.method", "full, lora"),
+    ("spec.training", {"method": "lora", "framework": "jax"}, "spec.training.method", "framework torch only"),
+    ("spec.training", {"lora": {"rank": 8}}, "spec.training.lora", "method is full"),
+    ("spec.training", {"method": "lora", "lora": {"rank": 12}}, "spec.training.lora.rank", "power of two"),
+    ("spec.training", {"method": "lora", "lora": {"rank": 2048}}, "spec.training.lora.rank", "between 1 and 1024"),
+    ("spec.training", {"method": "lora", "lora": {"alpha": 0}}, "spec.training.lora.alpha", "between 1 and"),
+    ("spec.training", {"method": "lora", "lora": {"dropout": 1}}, "spec.training.lora.dropout", "[0, 1)"),
+    ("spec.training", {"method": "lora", "lora": {"targetModules": []}}, "spec.training.lora.targetModules",
+     "non-empty list"),
+    ("spec.training", {"method": "lora", "lora": {"targetModules": ["self_attn.q_proj"]}},
+     "spec.training.lora.targetModules", "not a module name"),
+    ("spec.training", {"method": "lora", "lora": {"targetModules": ["q_proj", "q_proj"]}},
+     "spec.training.lora.targetModules", "more than once"),
+    ("spec.export", {"merge": True}, "spec.export.merge", "set spec.training.method: lora"),
 ]
 
 
