@@ -67,6 +67,7 @@ class Generation:
     chips_per_host: int
     devices_per_chip: int          # TPU7x: 2 chiplets (TensorCores) per chip
     peak_bf16_tflops: float        # peak dense bf16 compute per chip (MFU's denominator)
+    hbm_gb: float                  # HBM per chip, GB (what fits: bench/lora_fit.py)
     topologies: tuple[str, ...]    # shapes GKE offers
     single_host: dict[str, str]    # topology -> machine type, for shapes on one VM
     aliases: tuple[str, ...]
@@ -82,6 +83,7 @@ GENERATIONS: tuple[Generation, ...] = (
         name="v4", product="TPU v4", ray_accelerator_type="TPU-V4", ray_version="v4",
         gke_accelerator="tpu-v4-podslice", machine_type="ct4p-hightpu-4t", dims=3,
         chips_per_host=4, devices_per_chip=1, peak_bf16_tflops=275,   # docs.cloud.google.com/tpu/docs/v4: 275 TFLOPs bf16 per chip
+        hbm_gb=32,   # docs.cloud.google.com/tpu/docs/v4: 32 GiB HBM2 per chip
         topologies=_shapes("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8",
                            "8x8x8", "8x8x12", "8x8x16", "8x16x16", "16x16x16"),
         single_host={"2x2x1": "ct4p-hightpu-4t"},
@@ -92,6 +94,7 @@ GENERATIONS: tuple[Generation, ...] = (
         name="v5e", product="TPU v5e", ray_accelerator_type="TPU-V5LITEPOD", ray_version="v5litepod",
         gke_accelerator="tpu-v5-lite-podslice", machine_type="ct5lp-hightpu-4t", dims=2,
         chips_per_host=4, devices_per_chip=1, peak_bf16_tflops=197,   # docs.cloud.google.com/tpu/docs/v5e: 197 TFLOPs bf16 per chip
+        hbm_gb=16,   # docs.cloud.google.com/tpu/docs/v5e: 16 GB HBM2 per chip
         topologies=_shapes("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
         single_host={"1x1": "ct5lp-hightpu-1t", "2x2": "ct5lp-hightpu-4t", "2x4": "ct5lp-hightpu-8t"},
         worker=PodSize("24", "96Gi", "48Gi"),
@@ -101,6 +104,7 @@ GENERATIONS: tuple[Generation, ...] = (
         name="v5p", product="TPU v5p", ray_accelerator_type="TPU-V5P", ray_version="v5p",
         gke_accelerator="tpu-v5p-slice", machine_type="ct5p-hightpu-4t", dims=3,
         chips_per_host=4, devices_per_chip=1, peak_bf16_tflops=459,   # docs.cloud.google.com/tpu/docs/v5p: 459 TFLOPs bf16 per chip
+        hbm_gb=95,   # docs.cloud.google.com/tpu/docs/v5p: 95 GB HBM2e per chip
         topologies=_shapes("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8",
                            "8x8x8", "8x8x16", "8x16x16", "16x16x16", "16x16x24"),
         single_host={"2x2x1": "ct5p-hightpu-4t"},
@@ -111,6 +115,7 @@ GENERATIONS: tuple[Generation, ...] = (
         name="v6e", product="TPU v6e", ray_accelerator_type="TPU-V6E", ray_version="v6e",
         gke_accelerator="tpu-v6e-slice", machine_type="ct6e-standard-4t", dims=2,
         chips_per_host=4, devices_per_chip=1, peak_bf16_tflops=918,   # docs.cloud.google.com/tpu/docs/v6e: 918 TFLOPs bf16 per chip
+        hbm_gb=32,   # docs.cloud.google.com/tpu/docs/v6e: 32 GB HBM per chip
         topologies=_shapes("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
         single_host={"1x1": "ct6e-standard-1t", "2x2": "ct6e-standard-4t", "2x4": "ct6e-standard-8t"},
         worker=PodSize("64", "200Gi", "100Gi", from_reference=True),
@@ -120,6 +125,7 @@ GENERATIONS: tuple[Generation, ...] = (
         name="tpu7x", product="TPU7x", ray_accelerator_type="TPU-V7X", ray_version="v7x",
         gke_accelerator="tpu7x", machine_type="tpu7x-standard-4t", dims=3,
         chips_per_host=4, devices_per_chip=2, peak_bf16_tflops=2307,  # docs.cloud.google.com/tpu/docs/tpu7x: 2307 bf16 (4614 fp8) per chip
+        hbm_gb=192,   # docs.cloud.google.com/tpu/docs/tpu7x: 192 GB HBM per chip
         topologies=_shapes("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8",
                            "8x8x8", "8x8x16", "8x16x16", "16x16x16"),
         single_host={"2x2x1": "tpu7x-standard-4t"},
