@@ -2,9 +2,9 @@
 
 Summary (seed 9, TPUFT_CHAOS_SEED overrides; 2:00-3:10 for the module on 2 noisy cores incl. the
 25-40 s control plane start; the proxy test is 40 s unless a key backs off the full 60 s):
-  test_sigkill_chaos      20 concurrent lifecycles (6 Succeeded, 2 Succeeded with
-                          ttlSecondsAfterFinished 1 so the RayCluster is deleted, 4 Failed/
-                          VerificationFailed, 4 Failed/ProvisioningTimeout, 4 Succeeded after 1
+  test_sigkill_chaos      12 concurrent lifecycles (4 Succeeded, 1 Succeeded with
+                          ttlSecondsAfterFinished 1 so the RayCluster is deleted, 2 Failed/
+                          VerificationFailed, 3 Failed/ProvisioningTimeout, 2 Succeeded after 1
                           training retry via spec.training.maxJobRetries) while the operator (a real `kopf run`
                           subprocess) is SIGKILLed 5 times and restarted. Each kill comes at a seeded
                           random moment 0-2.5 s after that run's first status write; >= 3 of the 5
@@ -29,7 +29,7 @@ Summary (seed 9, TPUFT_CHAOS_SEED overrides; 2:00-3:10 for the module on 2 noisy
 
 End checks, both lifecycle tests: every TPUFinetune in its expected terminal phase with its
 expected reason (and trainingAttempts); exactly the expected children per object (RayCluster,
-RayJobs, workload ServiceAccount/Role/RoleBinding: 110 for 20 objects, 55 for 10), each with a
+RayJobs, workload ServiceAccount/Role/RoleBinding: 65 for 12 objects, 55 for 10), each with a
 single controller ownerReference to its TPUFinetune, and no other RayCluster/RayJob/Role/
 RoleBinding in the namespace; no status regression (a watch records every (phase, reason) each
 object shows: the sequence never goes backwards in Pending < Provisioning < VerifyingCollectives
@@ -175,7 +175,8 @@ KILLS = 5
 def test_sigkill_chaos(kubeconfig, kube_api, namespace, tmp_path):
     seed = int(os.environ.get("TPUFT_CHAOS_SEED", "9"))
     rng = random.Random(seed)
-    scripts = make_scripts({"ok": 6, "ttl": 2, "verifyfail": 4, "timeout": 4, "retry": 4})
+    # 12, not the 20 it once had: the same kinds and kills at two thirds of the CPU (CI's budget)
+    scripts = make_scripts({"ok": 4, "ttl": 1, "verifyfail": 2, "timeout": 3, "retry": 2})
     op = OperatorProcess(kubeconfig, namespace, tmp_path / "operator.log")
     recorder = PhaseRecorder(kubeconfig, namespace)
     player = Player(kubeconfig, namespace, scripts, seed)
@@ -209,7 +210,7 @@ def test_sigkill_chaos(kubeconfig, kube_api, namespace, tmp_path):
                    "wall_s": round(time.monotonic() - began, 1)})
     print("\nCOUNTS test_sigkill_chaos:", json.dumps(counts))
     assert op.kills == KILLS and op.starts == KILLS + 1
-    assert counts["lifecycles"] == 20
+    assert counts["lifecycles"] == 12
     # The kills landed mid-lifecycle, in runs that were changing things.
     assert sum(1 for b, r in zip(busy_at_kill, reconciles_before_kill) if b > 0 and r > 0) >= 3, \
         (busy_at_kill, reconciles_before_kill)

@@ -12,8 +12,9 @@ One object's run meets, in order, the disruptions a run meets on a slice:
    as tensorboardX does), and the export loads with AutoModelForCausalLM.from_pretrained and generates.
 Then whose checkpoints a run resumes: its own object's only, unless spec.checkpoint.resumeFrom says
 otherwise (continued on purpose, or refused naming the field). A re-created object (same name and
-storagePath, another UID) training from step 0 and leaving the first one's files untouched is the
-demo's second run, through the operator's own run names (tests/cluster/test_demo.py). The real API
+storagePath, another UID) trains from step 0 and leaves the first one's files untouched: its run
+name is another (tests/unit/test_builders.py::test_run_directory_belongs_to_one_object), and a run
+resumes only its own directory or resumeFrom (below). The real API
 server keeping every status key the workload writes: tests/integration/test_status_roundtrip.py.
 (`killed_run`, tests/workload/conftest.py, is that run up to its stop; the JAX path's tests start
 from the same fixture.)
@@ -157,8 +158,7 @@ def test_resume_from_an_earlier_run_continues_it_into_this_objects_directory(fir
 
 
 def test_resumed_at_the_last_step_keeps_the_completed_runs_metrics(first_object, tiny_train):
-    """A finished run resubmitted retrains nothing (here through resumeFrom at its last checkpoint;
-    the JAX path through the RayJob's CLI in tests/cluster/test_demo.py)."""
+    """A finished run resubmitted retrains nothing (here through resumeFrom at its last checkpoint)."""
     storage, first = first_object["storage"], first_object["run_dir"]
     done = first_object["retry"].body
     run = _run(tiny_train, storage, "uid-d", resume_from=first / f"checkpoint_step_{TOTAL:07d}")
