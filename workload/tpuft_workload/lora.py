@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from tpuft.constants import LORA_DEFAULT_TARGET_MODULES, TrainingMethod
 from tpuft_workload import checkpoint as ckptlib
