@@ -176,7 +176,7 @@ def test_the_adapters_train_and_only_they_get_gradients(trained):
     # every adapter of every targeted layer: 2 layers x 7 projections x (A, B)
     assert len(trained.with_grad) == 2 * 7 * 2
     trainable, total = trained.counts
-    assert 0 < trainable < total / 10
+    assert 0 < trainable < total / 5   # the tiny model's rank 8 is a seventh of it; a real model's, under 1%
 
 
 def test_the_checkpoint_holds_the_adapters_only_and_restores_exactly(trained):
@@ -186,8 +186,9 @@ def test_the_checkpoint_holds_the_adapters_only_and_restores_exactly(trained):
     model_keys = [k for k in keys if k.startswith("model.")]
     assert model_keys and all("lora_" in k for k in model_keys), model_keys[:5]
     size = sum(f.stat().st_size for f in trained.ckpt.iterdir())
-    # a full checkpoint holds the base's fp32 weights (and twice as much of AdamW's moments)
-    assert size < 4 * trained.counts[1] / 4
+    # a full checkpoint holds every fp32 weight and twice as much of AdamW's moments
+    full = 3 * 4 * trained.counts[1]
+    assert size < full / 4, (size, full)
 
     m, opt = trained.model, trained.opt
     m.train()
