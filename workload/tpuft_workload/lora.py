@@ -175,6 +175,11 @@ def export(model, tokenizer, settings: LoraSettings, model_ref: str, run_dir: st
         tokenizer.save_pretrained(tmp)
         ckptlib.upload_dir(tmp, dest)
     if merge:
+        # merge_and_unload adds the adapters into the base layers' weights in place: copies of those
+        # (a gathered tensor can be the training model's own storage, e.g. on one CPU worker)
+        for name, p in fresh.named_parameters():
+            if ".base_layer." in name:
+                p.data = p.data.clone()
         _save_folder(fresh.merge_and_unload(), tokenizer, ckptlib.join(run_dir, MERGED_DIR))
     return dest
 
