@@ -212,7 +212,9 @@ def _run(args: argparse.Namespace, target: Target) -> int:
 def _refused_method(args: argparse.Namespace) -> str:
     """Why spec.training.method cannot run on this framework ("" when it can)."""
     if args.method == TrainingMethod.LORA.value and args.framework == TrainingFramework.JAX.value:
-        return "spec.training.method: lora runs on framework torch only (JAX LoRA is not implemented)"
+        from tpuft_workload.lora import JAX_REFUSAL
+
+        return JAX_REFUSAL
     return ""
 
 

@@ -34,6 +34,10 @@ ADAPTER_CONFIG = "adapter_config.json"   # what marks a PEFT adapter folder (pef
 PEFT_PREFIX = "base_model.model."        # PeftModelForCausalLM's path to the base model's modules
 
 
+# JAX trains full weights only (docs/lora.md); the operator's parser refuses the pair as well.
+JAX_REFUSAL = f"{METHOD_FIELD}: lora runs on framework torch only (JAX LoRA is not implemented)"
+
+
 class LoraError(ValueError):
     """spec.training.lora cannot be used with spec.model; the message names the field."""
 

@@ -227,23 +227,13 @@ def prepare(args, target: Target, fault_spec: str = "") -> tuple[str, pipeline.P
     """What any trainer needs, before any worker starts: (storage path, the packed dataset, the
     workers' TrainConfig as a dict). ResumeError / DataError / LoraError for a resume point, data or
     LoRA settings that cannot be used."""
-    from tpuft.constants import ENV_CR_NAME, ENV_CR_NAMESPACE, TrainingFramework, TrainingMethod
+    from tpuft.constants import ENV_CR_NAME, ENV_CR_NAMESPACE
 
     storage = args.storage_path if "://" in args.storage_path else os.path.abspath(args.storage_path)
     run_dir = ckptlib.join(storage, args.run_name)
-    # Checked before any worker starts: it exists, tpuft wrote it and (torch; the JAX path's on its
-    # workers) for spec.model's architecture. The workers check the architecture again.
+    # Checked before any worker starts: it exists and tpuft wrote it (then _model_checks)
     resume_from, resume_manifest = ckptlib.resolve_resume(args.resume_from) if args.resume_from else ("", {})
-    lora = None
-    if args.framework == TrainingFramework.TORCH.value and (resume_from or args.method == TrainingMethod.LORA.value):
-        from tpuft_workload import model as modellib
-
-        meta = modellib.meta_model(args.model)
-        if args.method == TrainingMethod.LORA.value:   # LoraError naming the field, before any worker starts
-            lora = loralib.resolve(meta, args.lora_rank, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
-        if resume_from:
-            ckptlib.check_architecture(resume_from, resume_manifest, ckptlib.architecture(meta), args.model)
-            loralib.check_resume(resume_from, resume_manifest, lora)
+    lora = _model_checks(args, resume_from, resume_manifest)
     packed = pipeline.build(args.dataset, args.dataset_split, args.dataset_format, args.model,
                             args.max_seq_length, args.packing)
     if datalib.steps_per_epoch(packed.rows, target.world_size, args.batch_size_per_device) == 0:
@@ -266,6 +256,29 @@ def prepare(args, target: Target, fault_spec: str = "") -> tuple[str, pipeline.P
         slices=target.slices, lora=lora, merge_export=bool(lora and args.merge_export),
     ).as_dict()
     return storage, packed, cfg
+
+
+def _model_checks(args, resume_from: str, resume_manifest: dict) -> loralib.LoraSettings | None:
+    """On the meta model, before any worker starts (torch; the JAX path checks the architecture on
+    its workers): the LoRA settings resolved (LoraError naming the field), and the resume point
+    written for spec.model's architecture and for this method (ResumeError). The workers check the
+    resume point again."""
+    from tpuft.constants import TrainingFramework, TrainingMethod
+
+    lora = args.method == TrainingMethod.LORA.value
+    if lora and args.framework != TrainingFramework.TORCH.value:
+        raise loralib.LoraError(loralib.JAX_REFUSAL)   # __main__ refuses it first; a direct caller too
+    if args.framework != TrainingFramework.TORCH.value or not (resume_from or lora):
+        return None
+    from tpuft_workload import model as modellib
+
+    meta = modellib.meta_model(args.model)
+    settings = loralib.resolve(meta, args.lora_rank, args.lora_alpha, args.lora_dropout,
+                               args.lora_target_modules) if lora else None
+    if resume_from:
+        ckptlib.check_architecture(resume_from, resume_manifest, ckptlib.architecture(meta), args.model)
+        loralib.check_resume(resume_from, resume_manifest, settings)
+    return settings
 
 
 def run_config(args, storage: str):
