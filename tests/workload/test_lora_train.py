@@ -28,7 +28,7 @@ def test_a_killed_lora_run_resumes_from_its_adapter_checkpoint_and_exports_an_ad
     history = run.patches[-1]["history"]
     assert history[-1]["loss"] < history[0]["loss"], history   # the adapters learned
     trainable, total = run.body["trainableParameters"], run.body["totalParameters"]
-    assert 0 < trainable < total / 10
+    assert 0 < trainable < total / 5   # rank 8 on the tiny model: a seventh of it
     final = run.patches[-1]
     assert (final["trainableParameters"], final["totalParameters"]) == (trainable, total)
     manifest = json.loads((run.run_dir / checkpoint.RUN_MANIFEST).read_text())
