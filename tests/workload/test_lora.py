@@ -223,6 +223,32 @@ def test_the_export_is_an_adapter_folder_peft_loads_on_the_base_it_names(trained
     assert_export_generates(str(export))
 
 
+def test_a_folder_models_export_names_it_and_gathers_the_adapters_only(tmp_path):
+    """spec.model a path (or hub name, gs:// URI): adapter_config.json points at it; no base/ is
+    written, and without spec.export.merge no export-merged/ either."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tok = tiny.build_tokenizer()
+    source = tmp_path / "hub-model"
+    tiny.build_model(len(tok), seed=3).save_pretrained(source)
+    tok.save_pretrained(source)
+    m = lora.wrap(modellib.load_model(str(source), tok, CPU, seed=0), SETTINGS).eval()
+    with torch.no_grad():   # adapters that change the output (lora_B starts at zero)
+        for name, p in m.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)
+    run = tmp_path / "run"
+    assert lora.export(m, tok, SETTINGS, str(source), str(run), rank=0) == str(run / "export")
+    assert sorted(os.listdir(run)) == ["export"]
+    config = json.loads((run / "export" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(source)
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(source)), str(run / "export"))
+    batch = tiny_batch(tok)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.eval()(**batch).logits, m(**batch).logits, rtol=1e-4, atol=1e-5)
+
+
 def test_the_merged_export_equals_base_plus_adapters(trained):
     from transformers import AutoModelForCausalLM
 
