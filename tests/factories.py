@@ -343,16 +343,27 @@ def tensorboard_scalars(logdir) -> tuple[int, dict[str, list[tuple[int, float]]]
 
 
 def assert_export_generates(export) -> None:
-    """A training run's export folder loads with transformers' Auto classes and generates real words
-    (not only special tokens) for a prompt in the training format."""
+    """A training run's export folder loads and generates real words (not only special tokens) for a
+    prompt in the training format: with transformers' Auto classes, or (a LoRA run's adapter folder)
+    with peft's PeftModel on the base its adapter_config.json names."""
+    import json
     import os
+    from pathlib import Path
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tpuft_workload.data import format_prompt
 
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(export))
-    model = AutoModelForCausalLM.from_pretrained(export)
+    files = set(os.listdir(export))
+    if "adapter_config.json" in files:
+        from peft import PeftModel
+
+        assert {"adapter_model.safetensors", "tokenizer.json"} <= files
+        base = json.loads((Path(export) / "adapter_config.json").read_text())["base_model_name_or_path"]
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), export)
+    else:
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= files
+        model = AutoModelForCausalLM.from_pretrained(export)
     tok = AutoTokenizer.from_pretrained(export)
     ids = tok(format_prompt({"instruction": "Tell me about the cow."}), return_tensors="pt")
     out = model.generate(input_ids=ids["input_ids"], max_new_tokens=12, do_sample=False)
@@ -361,14 +372,28 @@ def assert_export_generates(export) -> None:
     assert tok.decode(new, skip_special_tokens=True).strip()
 
 
+def tiny_batch(tok, rows: int = 2) -> dict:
+    """A packed batch of the built-in data (64 tokens a row) for one in-process step."""
+    from tpuft_workload import data
+
+    blocks = data.build_blocks(tok, data.load_records("builtin:dolly-mini", "train[:16]"), 64, packing=True)
+    return data.collate(blocks, list(range(rows)))
+
+
 # tests/workload's tiny training run: the built-in model and data on 2 CPU workers; train[:80] packs
 # into 62 rows, 7 steps of 2 workers x 4 rows an epoch (both frameworks).
 TINY_EPOCHS, TINY_STEPS_PER_EPOCH, TINY_CKPT_EVERY = 2, 7, 3
 
 
+# tiny_train_argv's flags of a LoRA run (spec.training.method: lora): rank 8 on every default target,
+# a learning rate LoRA's few parameters need to move the loss within the tiny run's 14 steps.
+TINY_LORA_FLAGS = {"method": "lora", "lora_rank": 8, "lora_alpha": 16, "learning_rate": 2e-2}
+
+
 def tiny_train_argv(framework: str, storage, run_name: str, **flags) -> list[str]:
     """`python -m tpuft_workload train`'s arguments for the tiny run (reports only with checkpoints);
-    `flags` add or override (resume_from=x: --resume-from x)."""
+    `flags` add or override (resume_from=x: --resume-from x; merge_export=True: --merge-export;
+    a list: a comma list, lora_target_modules=["q_proj", "v_proj"])."""
     argv = ["train", "--framework", framework, "--accelerator", "cpu", "--topology", "2",
             "--model", "builtin:tiny-llama", "--dataset", "builtin:dolly-mini", "--dataset-split", "train[:80]",
             "--epochs", str(TINY_EPOCHS), "--batch-size-per-device", "4", "--max-seq-length", "128",
@@ -376,5 +401,9 @@ def tiny_train_argv(framework: str, storage, run_name: str, **flags) -> list[str
             "--report-every-steps", "100", "--checkpoint-every-steps", str(TINY_CKPT_EVERY),
             "--keep-checkpoints", "20", "--max-failures", "1"]
     for k, v in flags.items():
-        argv += [f"--{k.replace('_', '-')}", str(v)]
+        flag = f"--{k.replace('_', '-')}"
+        if isinstance(v, bool):   # a switch
+            argv += [flag] if v else []
+        else:
+            argv += [flag, ",".join(v) if isinstance(v, (list, tuple)) else str(v)]
     return argv

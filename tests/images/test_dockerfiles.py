@@ -139,6 +139,7 @@ WORKLOAD_MODULE_SOURCES = {
     "jax": "jax", "ml_dtypes": "jax", "optax": "optax", "orbax": "orbax-checkpoint",
     "fastapi": "ray", "pydantic": "ray",   # ray's `serve` extra (tpuft_workload.serve, chat_api)
     "tensorboardX": "ray",   # ray's `train` extra (tpuft_workload.metrics_log)
+    "peft": "peft",   # spec.training.method: lora (tpuft_workload.lora, serve)
 }
 
 

@@ -27,6 +27,11 @@ FLAG_DEFAULTS = {
     "keep_checkpoints": "checkpoint.keep",
     "max_failures": "training.maxFailures",
     "report_every_steps": "training.reportEverySteps",
+    "method": "training.method",
+    "lora_rank": "training.lora.rank",
+    "lora_alpha": "training.lora.alpha",
+    "lora_dropout": "training.lora.dropout",
+    "merge_export": "export.merge",
 }
 
 

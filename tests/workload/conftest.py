@@ -27,6 +27,7 @@ import json
 import os
 import secrets
 import shutil
+import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -163,6 +164,21 @@ def ray_cluster(status_recorder):
         lock.close()
 
 
+@pytest.fixture(scope="module")
+def world_of_one():
+    """This process as a torch.distributed world of 1 over gloo (no Ray) and its 1-device CPU mesh:
+    FSDP2, DCP and the export as a training worker runs them (tests/workload/test_model.py, test_lora.py)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
 NS = "ns"
 
 
@@ -221,9 +237,10 @@ def tiny_train(status_recorder, ray_cluster):
 @pytest.fixture(scope="module")
 def killed_run(request, tiny_train, tmp_path_factory) -> TrainRun:
     """The requesting module's tiny run (its FRAMEWORK, as object NS/its NAME, run name
-    NS-NAME-uid-a) with rank 1 killed hard before step its KILL_STEP (and its MORE_FAULTS, if any):
-    Ray Train's FailureConfig restarts the group once, from the newest committed checkpoint."""
+    NS-NAME-uid-a) with rank 1 killed hard before step its KILL_STEP (and its MORE_FAULTS, if any), its
+    FLAGS (tiny_train_argv's), if any: Ray Train's FailureConfig restarts the group once, from the
+    newest committed checkpoint."""
     mod = request.module
     fault = ",".join(f for f in (f"kill-rank:1:step:{mod.KILL_STEP}", getattr(mod, "MORE_FAULTS", "")) if f)
     storage = tmp_path_factory.mktemp("storage")
-    return tiny_train(mod.FRAMEWORK, storage, f"{NS}-{mod.NAME}-uid-a", mod.NAME, fault)
+    return tiny_train(mod.FRAMEWORK, storage, f"{NS}-{mod.NAME}-uid-a", mod.NAME, fault, **getattr(mod, "FLAGS", {}))

@@ -1,5 +1,6 @@
 """The non-built-in model path, FSDP2 sharding, DCP save/restore and the HF export, in one
-process (a world of 1 over gloo, no Ray): what every training worker does around its loop."""
+process (a world of 1 over gloo, no Ray, conftest's `world_of_one`): what every training worker
+does around its loop."""
 from __future__ import annotations
 
 import socket
@@ -8,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.factories import tiny_batch
 from tpuft_workload import checkpoint, data, model as modellib, tiny
 from tpuft_workload.platform import PLATFORMS
 
@@ -24,24 +26,6 @@ def hub_like_dir(tmp_path_factory):
     return str(d)
 
 
-@pytest.fixture(scope="module")
-def world_of_one():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    yield init_device_mesh("cpu", (1,))
-    dist.destroy_process_group()
-
-
-def _batch(tok):
-    recs = data.load_records("builtin:dolly-mini", "train[:16]")
-    blocks = data.build_blocks(tok, recs, 64, packing=True)
-    return data.collate(blocks, [0, 1])
-
-
 def test_load_shard_checkpoint_export_roundtrip(hub_like_dir, world_of_one, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -53,7 +37,7 @@ def test_load_shard_checkpoint_export_roundtrip(hub_like_dir, world_of_one, tmp_
     params = modellib.shard(m, world_of_one, CPU, torch.device("cpu"))
     assert type(m).__name__.startswith("FSDP")                 # fully_shard wrapped the root
     opt = torch.optim.AdamW(params, lr=1e-2)
-    batch = _batch(tok)
+    batch = tiny_batch(tok)
 
     def step():
         m(**batch).loss.backward()

@@ -14,7 +14,7 @@ import sys
 from tpuft.catalog import CatalogError
 from tpuft.spec import DEFAULTS as D  # one source: a flag left out means what the field left out means
 
-from tpuft.constants import DatasetFormat, TrainingFramework
+from tpuft.constants import DatasetFormat, TrainingFramework, TrainingMethod
 from tpuft_workload.platform import Target, resolve_target
 
 EXIT_USAGE = 2
@@ -39,6 +39,37 @@ def _positive_float(v: str) -> float:
     if not x > 0:
         raise argparse.ArgumentTypeError(f"must be > 0 (got {v})")
     return x
+
+
+def _dropout(v: str) -> float:
+    x = float(v)
+    if not 0 <= x < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 0 and < 1 (got {v})")
+    return x
+
+
+def _names(v: str) -> tuple[str, ...]:
+    """a,b,c -> ("a", "b", "c"); empty: ()"""
+    return tuple(n.strip() for n in v.split(",") if n.strip())
+
+
+def _add_lora_args(t: argparse.ArgumentParser) -> None:
+    """spec.training.method and spec.training.lora (tpuft_workload.lora); the lora flags and
+    --merge-export mean something with --method lora only."""
+    t.add_argument("--method", choices=[m.value for m in TrainingMethod], default=D["training.method"],
+                   help="full: every weight; lora: low-rank adapters beside the frozen base "
+                        f"(default {D['training.method']})")
+    t.add_argument("--lora-rank", type=_positive_int, default=D["training.lora.rank"],
+                   help=f"the adapters' rank (default {D['training.lora.rank']})")
+    t.add_argument("--lora-alpha", type=_positive_int, default=D["training.lora.alpha"],
+                   help=f"their scale is alpha / rank (default {D['training.lora.alpha']})")
+    t.add_argument("--lora-dropout", type=_dropout, default=D["training.lora.dropout"],
+                   help=f"dropout on the adapters' input, 0 <= x < 1 (default {D['training.lora.dropout']})")
+    t.add_argument("--lora-target-modules", type=_names, default=(),
+                   help="comma-separated linear layers to adapt (default: the model_type's, "
+                        "tpuft.constants.LORA_DEFAULT_TARGET_MODULES)")
+    t.add_argument("--merge-export", action="store_true", default=D["export.merge"],
+                   help="also write the merged full weights to {run}/export-merged")
 
 
 def _add_slice_args(p: argparse.ArgumentParser) -> None:
@@ -100,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--framework", choices=[f.value for f in TrainingFramework], default=D["training.framework"],
                    help="torch: TorchTrainer + FSDP2, one worker per device; jax: JaxTrainer, one worker per "
                         f"host (default {D['training.framework']})")
+    _add_lora_args(t)
     t.add_argument("--seed", type=int, default=42)
     return parser
 
@@ -156,6 +188,9 @@ def _run(args: argparse.Namespace, target: Target) -> int:
         StatusReporter().verification(res.to_status())
         return res.exit_code
 
+    refusal = _refused_method(args)
+    if refusal:
+        return _refuse(refusal)
     from tpuft_workload import checkpoint, train
 
     try:  # before Ray and any worker: a bad storage path fails in seconds, with its name
@@ -165,14 +200,32 @@ def _run(args: argparse.Namespace, target: Target) -> int:
             jax_checkpoint.check_storage(args.storage_path)
         checkpoint.check_writable(checkpoint.join(args.storage_path, args.run_name))
     except checkpoint.StorageError as e:
-        print(f"{train.RESULT_PREFIX} " + json.dumps({"succeeded": False, "error": str(e)}), flush=True)
-        return 1
+        return _refuse(str(e))
     _ray_init()
     if args.framework == TrainingFramework.JAX.value:
         from tpuft_workload import jax_train  # the torch path never imports jax
 
         return jax_train.run_training(args, target, faults.from_env())
     return train.run_training(args, target, faults.from_env())
+
+
+def _refused_method(args: argparse.Namespace) -> str:
+    """Why spec.training.method cannot run on this framework ("" when it can)."""
+    if args.method == TrainingMethod.LORA.value and args.framework == TrainingFramework.JAX.value:
+        from tpuft_workload.lora import JAX_REFUSAL
+
+        return JAX_REFUSAL
+    return ""
+
+
+def _refuse(error: str) -> int:
+    """A run refused before Ray starts: the result line (and the status message, when reporting)."""
+    from tpuft_workload.report import StatusReporter
+    from tpuft_workload.train import RESULT_PREFIX
+
+    StatusReporter().training(message=error)
+    print(f"{RESULT_PREFIX} " + json.dumps({"succeeded": False, "error": error}), flush=True)
+    return 1
 
 
 if __name__ == "__main__":

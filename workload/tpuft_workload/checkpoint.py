@@ -20,24 +20,32 @@ from tpuft.constants import EXPORT_DIR  # noqa: F401  (one source: the operator'
 TRAIN_STATE = "train_state.json"
 
 
-def _state(model, optimizer):
+def _options(trainable_only: bool):
+    """LoRA (trainable_only): the frozen base is left out, saved and loaded alike: it is the model
+    source's and never changes, so a checkpoint holds the adapters and their optimizer state."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, strict=False) if trainable_only else None
+
+
+def _state(model, optimizer, trainable_only: bool = False):
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = get_state_dict(model, optimizer, options=_options(trainable_only))
     return {"model": msd, "optim": osd}
 
 
-def save(model, optimizer, train_state: dict, directory: str, rank: int) -> None:
+def save(model, optimizer, train_state: dict, directory: str, rank: int, trainable_only: bool = False) -> None:
     """Collective: every rank must call it with its own (local) directory."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_state(model, optimizer), checkpoint_id=directory)
+    dcp.save(_state(model, optimizer, trainable_only), checkpoint_id=directory)
     if rank == 0:
         with open(os.path.join(directory, TRAIN_STATE), "w") as f:
             json.dump(train_state, f)
 
 
-def load(model, optimizer, directory: str) -> dict:
+def load(model, optimizer, directory: str, trainable_only: bool = False) -> dict:
     """Collective: restore model + optimizer shards in place; returns train_state."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -45,9 +53,10 @@ def load(model, optimizer, directory: str) -> dict:
     path = os.path.join(directory, TRAIN_STATE)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{directory} has no {TRAIN_STATE}: not a checkpoint written by tpuft_workload")
-    state = _state(model, optimizer)
+    state = _state(model, optimizer, trainable_only)
     dcp.load(state, checkpoint_id=directory)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_options(trainable_only))
     with open(path) as f:
         return json.load(f)
 
@@ -132,25 +141,29 @@ def download_dir(uri: str, local_dir: str) -> None:
 
 
 def export_hf(model, tokenizer, dest_uri: str, rank: int, dtype=None) -> str | None:
-    """Collective: gather the full weights to rank 0's CPU and save a from_pretrained() folder.
-
-    Rank 0 rebuilds the architecture on the meta device (no second copy of random weights),
-    assigns the gathered tensors, and writes safetensors + config + tokenizer to dest_uri.
-    Returns dest_uri on rank 0, None elsewhere.
-    """
-    import torch
+    """Collective: gather the full weights to rank 0's CPU and save a from_pretrained() folder
+    (`save_hf`). Returns dest_uri on rank 0, None elsewhere."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from transformers import AutoModelForCausalLM
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return None
-    config = model.config
+    save_hf(model.config, full, tokenizer, dest_uri, dtype)
+    return dest_uri
+
+
+def save_hf(config, state: dict, tokenizer, dest_uri: str, dtype=None) -> None:
+    """`state` (full tensors on the CPU) as a from_pretrained() folder at dest_uri: the architecture
+    rebuilt on the meta device (no second copy of random weights), the tensors assigned, then
+    safetensors + config + tokenizer written."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
         fresh = AutoModelForCausalLM.from_config(config)
     if dtype is not None:
-        full = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in full.items()}
-    missing, unexpected = fresh.load_state_dict(full, strict=False, assign=True)
+        state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
+    missing, unexpected = fresh.load_state_dict(state, strict=False, assign=True)
     fresh.tie_weights()
     still_meta = [n for n, p in fresh.named_parameters() if p.is_meta]
     if still_meta or unexpected:
@@ -160,7 +173,6 @@ def export_hf(model, tokenizer, dest_uri: str, rank: int, dtype=None) -> str | N
         fresh.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         upload_dir(tmp, dest_uri)
-    return dest_uri
 
 
 # ---- commit markers and fallback discovery -------------------------------------------------

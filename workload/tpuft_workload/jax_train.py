@@ -240,6 +240,7 @@ class _Jax:
         arch = jax_checkpoint.architecture(jm.hf_class(self.hf_config), host)
         self.flops_per_token = flops_per_token(arch["parameters"], self.hf_config, cfg.max_seq_length)   # MFU's
         self.worker.adopt_architecture(arch, self.barrier)
+        self.parameter_counts = (arch["parameters"], arch["parameters"])   # full fine-tuning only (trainable, total)
         self.mesh = build_mesh(jax, cfg.slices)
         self.params = {n: _put(jax, a, self._sharding(a)) for n, a in host.items()}
         self.tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(cfg.learning_rate, weight_decay=0.01))

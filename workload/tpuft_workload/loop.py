@@ -18,9 +18,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
+from tpuft.constants import TrainingStatus
 from tpuft_workload import checkpoint as ckptlib
 from tpuft_workload import faults as faultlib
 from tpuft_workload import preemption
+from tpuft_workload.lora import LoraSettings, check_resume, training_manifest
 from tpuft_workload.metrics_log import Prometheus, TensorBoard
 from tpuft_workload.report import BackgroundReporter, StatusReporter, Throttle, add_point, mfu
 
@@ -67,13 +69,16 @@ class TrainConfig:
     status_every_s: float
     peak_flops: float | None      # the TPU slice's peak FLOP/s (tpuft.catalog; MFU's denominator), None off TPU
     slices: int = 1               # > 1: HSDP, parameters replicated across slices (tpuft_workload.model.device_mesh)
+    lora: LoraSettings | None = None   # spec.training.method: lora, resolved by the driver (None: full)
+    merge_export: bool = False    # spec.export.merge: LoRA's merged full weights beside the adapter export
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
-        return cls(**d)
+        lora = d.get("lora")
+        return cls(**{**d, "lora": LoraSettings.from_dict(lora) if lora else None})
 
 
 # ---- what a framework does -----------------------------------------------------------------------
@@ -97,6 +102,9 @@ class Backend(Protocol):
     steps_per_epoch: int          # global batches in one pass over the data
     flops_per_token: float        # MFU's numerator (report.flops_per_token)
     peak_flops: float | None      # MFU's denominator; None: no MFU
+    # (trainable, total) parameters, status.training's trainableParameters and totalParameters; a
+    # backend without it reports neither
+    parameter_counts: tuple[int, int]
 
     def batches(self, epoch: int, skip: int) -> Iterator[Any]:
         """This worker's batches of `epoch`, the first `skip` (trained before a resume) left out."""
@@ -161,11 +169,13 @@ class Worker:
 
     def adopt_architecture(self, arch: dict, barrier: Callable[[], None]) -> None:
         """The model's architecture, before it is sharded: refused (ResumeError, in status) when
-        --resume-from's is another; rank 0 records it in the run's manifest."""
+        --resume-from's is another, or holds other weights (full or LoRA, the adapters' shape); rank 0
+        records it and the method in the run's manifest."""
         cfg = self.cfg
         if cfg.resume_from:
             try:
                 ckptlib.check_architecture(cfg.resume_from, cfg.resume_manifest, arch, cfg.model)
+                check_resume(cfg.resume_from, cfg.resume_manifest, cfg.lora)
             except ckptlib.ResumeError as e:
                 if self.rank == 0:
                     self.reporter.training(message=str(e))
@@ -177,7 +187,7 @@ class Worker:
         if self.rank == 0:
             ckptlib.write_run_manifest(cfg.run_dir, {
                 "model": cfg.model, "architecture": arch, "namespace": cfg.cr_namespace,
-                "name": cfg.cr_name, "resumeFrom": cfg.resume_from or None})
+                "name": cfg.cr_name, "resumeFrom": cfg.resume_from or None, "training": training_manifest(cfg.lora)})
 
     def say(self, msg: str) -> None:
         """A line from rank 0 only."""
@@ -296,6 +306,9 @@ class Run:
         self.last_metrics: dict = {}  # status.training metrics of the latest report, restored with a checkpoint
         self.tensorboard = TensorBoard(cfg.run_dir, enabled=False)   # rank 0's opens once restored (train)
         self.prometheus = Prometheus(enabled=False)
+        counts = getattr(backend, "parameter_counts", None)
+        self.parameters = {TrainingStatus.TRAINABLE_PARAMETERS.value: counts[0],
+                           TrainingStatus.TOTAL_PARAMETERS.value: counts[1]} if counts else {}
 
     # --- restore ------------------------------------------------------------------------------------
     def restore(self) -> None:
@@ -317,7 +330,7 @@ class Run:
     def status(self, force: bool, **fields) -> None:
         """status.training of the TPUFinetune (rank 0, throttled unless forced)."""
         if self.rank == 0 and self.reporter.enabled and self.throttle.ready(force):
-            self.reporter.training(epochs=self.cfg.epochs, totalSteps=self.total_steps, **fields)
+            self.reporter.training(epochs=self.cfg.epochs, totalSteps=self.total_steps, **self.parameters, **fields)
 
     def record(self, m: dict) -> None:
         """One report's metrics (a Window.reduce() result): status.training's keys, with MFU (when
@@ -430,7 +443,7 @@ class Run:
         exported = self.backend.export()
         metrics = {k: v for k, v in self.last_metrics.items() if k != "history"}
         summary = {"step": self.step, "totalSteps": self.total_steps, "resumedFromStep": self.resumed_from,
-                   "lastCheckpoint": self.last_ckpt, "exportedModel": exported, **metrics,
+                   "lastCheckpoint": self.last_ckpt, "exportedModel": exported, **self.parameters, **metrics,
                    **({"resumedFrom": self.source, "message": self.message} if self.source else {})}
         if self.rank == 0:
             say(f"[tpuft] exported Hugging Face model to {exported}")

@@ -37,7 +37,7 @@ from ray import serve
 
 from tpuft.constants import (SERVE_API_KEY_ENV, SERVE_CHAT_PATH, SERVE_COMPLETIONS_PATH, SERVE_DEPLOYMENT_NAME,
                              SERVE_MODELS_PATH, SERVE_ROUTE_PREFIX, SERVE_TRANSFORMERS_IMPORT_PATH, ServeArg)
-from tpuft_workload import batching, chat_api
+from tpuft_workload import batching, chat_api, lora
 
 DEPLOYMENT_NAME = SERVE_DEPLOYMENT_NAME
 ROUTE_PREFIX = SERVE_ROUTE_PREFIX
@@ -81,19 +81,51 @@ def _positive_int(args: dict, key: ServeArg, default: int | None, most: int | No
 
 
 def _check_export(model_source: str) -> None:
-    """A local export folder must hold config.json and weights; a URI (gs://...) is checked by the
-    replica when it downloads it."""
+    """A local export folder must hold config.json and weights, or (spec.training.method: lora) be a
+    PEFT adapter folder naming its base; a URI (gs://...) is checked by the replica when it
+    downloads it."""
     if "://" in model_source:
         return
     path = Path(model_source)
     if not path.is_dir():
         raise ServeArgsError(f"serve arg {ServeArg.MODEL_SOURCE.value}: {model_source} is not a folder; {EXPORT_HINT}")
+    if lora.is_adapter_folder(model_source):
+        _check_adapter(path)
+        return
     missing = [what for what, globs in (("config.json", ["config.json"]),
                                         ("weights (*.safetensors)", ["*.safetensors", "*.bin"]))
                if not any(next(path.glob(g), None) for g in globs)]
     if missing:
         raise ServeArgsError(f"serve arg {ServeArg.MODEL_SOURCE.value}: {model_source} has no "
                              f"{' and no '.join(missing)}; {EXPORT_HINT}")
+
+
+def _check_adapter(path: Path) -> None:
+    """An adapter folder: its weights, and a base to load them on (a local base must exist here)."""
+    where = f"serve arg {ServeArg.MODEL_SOURCE.value}: {path} is a LoRA adapter folder"
+    if not any(next(path.glob(g), None) for g in ("adapter_model.safetensors", "adapter_model.bin")):
+        raise ServeArgsError(f"{where} without adapter_model.safetensors; {EXPORT_HINT}")
+    base = lora.base_of(str(path))
+    if not base:
+        raise ServeArgsError(f"{where} whose {lora.ADAPTER_CONFIG} names no base_model_name_or_path; {EXPORT_HINT}")
+    if base.startswith("/") and not Path(base).is_dir():
+        raise ServeArgsError(f"{where} on base {base}, which is not a folder here; {EXPORT_HINT}")
+
+
+def load_causal_lm(path: str, dtype):
+    """The export's model: a from_pretrained() folder, or a LoRA adapter folder applied to its base
+    (base_model_name_or_path: a path, gs:// URI or hub name) and merged into it, so serving runs
+    one plain model at the base's speed."""
+    from transformers import AutoModelForCausalLM
+
+    from tpuft_workload.model import _local_copy
+
+    if not lora.is_adapter_folder(path):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(_local_copy(lora.base_of(path)), dtype=dtype)
+    return PeftModel.from_pretrained(base, path).merge_and_unload()
 
 
 def parse_args(args: dict) -> ServeArgs:
@@ -131,11 +163,11 @@ def model_len(requested: int | None, config) -> int:
 
 
 class Engine:
-    """Tokenizer + model from the export; requests are generated in batches by a batching.Batcher."""
+    """Tokenizer + model from the export (a LoRA export: its base with the adapters merged); requests are generated in batches by a batching.Batcher."""
 
     def __init__(self, args: ServeArgs):
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         from tpuft_workload.model import _local_copy
 
@@ -144,7 +176,7 @@ class Engine:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device).eval()
+        self.model = load_causal_lm(path, dtype).to(self.device).eval()
         self.max_model_len = model_len(args.max_model_len, self.model.config)
         self.max_tokens_default = args.max_tokens_default
         eos = self.model.generation_config.eos_token_id

@@ -30,6 +30,7 @@ import ray.train
 
 from tpuft_workload import checkpoint as ckptlib
 from tpuft_workload import data as datalib
+from tpuft_workload import lora as loralib
 from tpuft_workload import loop, pipeline, preemption
 from tpuft_workload.loop import SUMMARY, TrainConfig
 from tpuft_workload.platform import PLATFORMS, Target, load_backend
@@ -103,12 +104,17 @@ class _Torch:
 
         cfg = self.cfg
         self.model = modellib.load_model(cfg.model, self.tokenizer, self.plat, cfg.seed)
-        arch = ckptlib.architecture(self.model)
+        arch = ckptlib.architecture(self.model)   # the base's: what a resume point must match
         # counted before sharding: MFU's numerator
         self.flops_per_token = flops_per_token(arch["parameters"], self.model.config.to_dict(), cfg.max_seq_length)
         self.worker.adopt_architecture(arch, self.barrier)
+        if cfg.lora:   # before sharding: FSDP2 shards the frozen base and the adapters alike
+            self.model = loralib.wrap(self.model, cfg.lora)
         mesh = modellib.device_mesh(self.plat, self.world, cfg.slices)
-        self.params = modellib.shard(self.model, mesh, self.plat, self.device)
+        self.params = modellib.shard(self.model, mesh, self.plat, self.device)   # LoRA: the adapters
+        self.parameter_counts = loralib.parameter_counts(self.model)
+        self.worker.say(f"[tpuft] training {self.parameter_counts[0]:,} of {self.parameter_counts[1]:,} parameters"
+                        + (f" (LoRA rank {cfg.lora.rank} on {','.join(cfg.lora.target_modules)})" if cfg.lora else ""))
         self.opt = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=0.01)
         self.model.train()
 
@@ -163,7 +169,7 @@ class _Torch:
         from ray.train import Checkpoint
 
         with tempfile.TemporaryDirectory() as tmp:
-            ckptlib.save(self.model, self.opt, train_state, tmp, self.rank)
+            ckptlib.save(self.model, self.opt, train_state, tmp, self.rank, trainable_only=bool(self.cfg.lora))
             ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp), checkpoint_dir_name=name)
         loop.commit(self, self.rank, path)
 
@@ -182,15 +188,19 @@ class _Torch:
         if ckpt is None:
             return None
         with ckpt.as_directory() as d:
-            state = ckptlib.load(self.model, self.opt, d)
+            state = ckptlib.load(self.model, self.opt, d, trainable_only=bool(cfg.lora))
         return latest or ckpt.path, state
 
     def export(self) -> str | None:
         import torch
 
         # bf16 export on accelerators (the dtype the model trains in); fp32 on CPU
-        return ckptlib.export_hf(self.model, self.tokenizer, self.cfg.export_uri, self.rank,
-                                 dtype=torch.bfloat16 if self.plat.mixed_precision else None)
+        dtype = torch.bfloat16 if self.plat.mixed_precision else None
+        cfg = self.cfg
+        if cfg.lora:
+            return loralib.export(self.model, self.tokenizer, cfg.lora, cfg.model, cfg.run_dir, self.rank,
+                                  merge=cfg.merge_export, dtype=dtype)
+        return ckptlib.export_hf(self.model, self.tokenizer, cfg.export_uri, self.rank, dtype=dtype)
 
 
 def scaling_config(target: Target, per_host: bool = False):
@@ -215,20 +225,15 @@ def scaling_config(target: Target, per_host: bool = False):
 
 def prepare(args, target: Target, fault_spec: str = "") -> tuple[str, pipeline.Packed, dict]:
     """What any trainer needs, before any worker starts: (storage path, the packed dataset, the
-    workers' TrainConfig as a dict). ResumeError / DataError for a resume point or data that
-    cannot be used."""
-    from tpuft.constants import ENV_CR_NAME, ENV_CR_NAMESPACE, TrainingFramework
+    workers' TrainConfig as a dict). ResumeError / DataError / LoraError for a resume point, data or
+    LoRA settings that cannot be used."""
+    from tpuft.constants import ENV_CR_NAME, ENV_CR_NAMESPACE
 
     storage = args.storage_path if "://" in args.storage_path else os.path.abspath(args.storage_path)
     run_dir = ckptlib.join(storage, args.run_name)
-    # Checked before any worker starts: it exists, tpuft wrote it and (torch; the JAX path's on its
-    # workers) for spec.model's architecture. The workers check the architecture again.
+    # Checked before any worker starts: it exists and tpuft wrote it (then _model_checks)
     resume_from, resume_manifest = ckptlib.resolve_resume(args.resume_from) if args.resume_from else ("", {})
-    if resume_from and args.framework == TrainingFramework.TORCH.value:
-        from tpuft_workload import model as modellib
-
-        ckptlib.check_architecture(resume_from, resume_manifest, ckptlib.architecture(modellib.meta_model(args.model)),
-                                   args.model)
+    lora = _model_checks(args, resume_from, resume_manifest)
     packed = pipeline.build(args.dataset, args.dataset_split, args.dataset_format, args.model,
                             args.max_seq_length, args.packing)
     if datalib.steps_per_epoch(packed.rows, target.world_size, args.batch_size_per_device) == 0:
@@ -248,9 +253,32 @@ def prepare(args, target: Target, fault_spec: str = "") -> tuple[str, pipeline.P
         cr_namespace=os.environ.get(ENV_CR_NAMESPACE, ""), cr_name=os.environ.get(ENV_CR_NAME, ""),
         status_every_s=float(os.environ.get("TPUFT_STATUS_EVERY_S", "10")),
         peak_flops=target.shape.peak_flops * target.slices if target.platform.is_tpu else None,
-        slices=target.slices,
+        slices=target.slices, lora=lora, merge_export=bool(lora and args.merge_export),
     ).as_dict()
     return storage, packed, cfg
+
+
+def _model_checks(args, resume_from: str, resume_manifest: dict) -> loralib.LoraSettings | None:
+    """On the meta model, before any worker starts (torch; the JAX path checks the architecture on
+    its workers): the LoRA settings resolved (LoraError naming the field), and the resume point
+    written for spec.model's architecture and for this method (ResumeError). The workers check the
+    resume point again."""
+    from tpuft.constants import TrainingFramework, TrainingMethod
+
+    lora = args.method == TrainingMethod.LORA.value
+    if lora and args.framework != TrainingFramework.TORCH.value:
+        raise loralib.LoraError(loralib.JAX_REFUSAL)   # __main__ refuses it first; a direct caller too
+    if args.framework != TrainingFramework.TORCH.value or not (resume_from or lora):
+        return None
+    from tpuft_workload import model as modellib
+
+    meta = modellib.meta_model(args.model)
+    settings = loralib.resolve(meta, args.lora_rank, args.lora_alpha, args.lora_dropout,
+                               args.lora_target_modules) if lora else None
+    if resume_from:
+        ckptlib.check_architecture(resume_from, resume_manifest, ckptlib.architecture(meta), args.model)
+        loralib.check_resume(resume_from, resume_manifest, settings)
+    return settings
 
 
 def run_config(args, storage: str):
@@ -289,7 +317,7 @@ def run_training(args, target: Target, fault_spec: str = "", build=None) -> int:
     """Build (`build`: build_trainer, or jax_train.build_trainer), fit, print the result line."""
     try:
         trainer, cfg = (build or build_trainer)(args, target, fault_spec)
-    except (ckptlib.ResumeError, pipeline.DataError) as e:
+    except (ckptlib.ResumeError, pipeline.DataError, loralib.LoraError) as e:
         StatusReporter().training(message=str(e))
         log.error("%s", e)
         return _failed(str(e))
