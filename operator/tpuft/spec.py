@@ -350,12 +350,12 @@ class _Reader:
         return value
 
     def integer(self, obj: Mapping, key: str, path: str, dkey: str) -> int:
-        default = DEFAULTS[dkey] if dkey in DEFAULTS else LORA_DEFAULTS[dkey]
+        default = DEFAULTS.get(dkey, LORA_DEFAULTS.get(dkey))   # None: optional, read only when set
         value = obj[key] if key in obj else default
         lo, hi = LIMITS[dkey]
         if isinstance(value, bool) or not isinstance(value, int):
             self.fail(path, f"must be an integer (got {value!r})")
-            return int(default)
+            return int(default if default is not None else lo)
         if not lo <= value <= hi:
             self.fail(path, f"must be between {int(lo)} and {int(hi)} (got {value})")
         return value

@@ -8,7 +8,7 @@ import inspect
 
 from tpuft import crd
 from tpuft.constants import TrainingStatus, VerificationStatus
-from tpuft.spec import DEFAULTS
+from tpuft.spec import DEFAULTS, LORA_DEFAULTS
 from tpuft_local import demo
 from tpuft_workload import __main__ as workload_cli
 from tpuft_workload.report import TRAINING_KEYS, VERIFICATION_KEYS
@@ -39,7 +39,7 @@ def test_workload_cli_defaults_are_the_spec_defaults():
     args, _ = workload_cli.parse_args(["train", "--accelerator", "cpu", "--topology", "2", "--model", "m",
                                        "--dataset", "d", "--storage-path", "/tmp/x", "--run-name", "r"])
     got = {dest: getattr(args, dest) for dest in FLAG_DEFAULTS}
-    assert got == {dest: DEFAULTS[key] for dest, key in FLAG_DEFAULTS.items()}
+    assert got == {dest: {**DEFAULTS, **LORA_DEFAULTS}[key] for dest, key in FLAG_DEFAULTS.items()}
     assert (args.keep_checkpoints, args.max_failures) == (1, 1)  # were 2 and 0 (issue 18)
     verify, _ = workload_cli.parse_args(["verify", "--accelerator", "cpu", "--topology", "2"])
     assert verify.timeout_seconds == DEFAULTS["verification.timeoutSeconds"] and verify.slices == DEFAULTS["slices"]

@@ -13,6 +13,7 @@ import sys
 
 from tpuft.catalog import CatalogError
 from tpuft.spec import DEFAULTS as D  # one source: a flag left out means what the field left out means
+from tpuft.spec import LORA_DEFAULTS as LD  # spec.training.lora's, once the object is there
 
 from tpuft.constants import DatasetFormat, TrainingFramework, TrainingMethod
 from tpuft_workload.platform import Target, resolve_target
@@ -59,12 +60,12 @@ def _add_lora_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--method", choices=[m.value for m in TrainingMethod], default=D["training.method"],
                    help="full: every weight; lora: low-rank adapters beside the frozen base "
                         f"(default {D['training.method']})")
-    t.add_argument("--lora-rank", type=_positive_int, default=D["training.lora.rank"],
-                   help=f"the adapters' rank (default {D['training.lora.rank']})")
-    t.add_argument("--lora-alpha", type=_positive_int, default=D["training.lora.alpha"],
-                   help=f"their scale is alpha / rank (default {D['training.lora.alpha']})")
-    t.add_argument("--lora-dropout", type=_dropout, default=D["training.lora.dropout"],
-                   help=f"dropout on the adapters' input, 0 <= x < 1 (default {D['training.lora.dropout']})")
+    t.add_argument("--lora-rank", type=_positive_int, default=LD["training.lora.rank"],
+                   help=f"the adapters' rank (default {LD['training.lora.rank']})")
+    t.add_argument("--lora-alpha", type=_positive_int, default=LD["training.lora.alpha"],
+                   help=f"their scale is alpha / rank (default {LD['training.lora.alpha']})")
+    t.add_argument("--lora-dropout", type=_dropout, default=LD["training.lora.dropout"],
+                   help=f"dropout on the adapters' input, 0 <= x < 1 (default {LD['training.lora.dropout']})")
     t.add_argument("--lora-target-modules", type=_names, default=(),
                    help="comma-separated linear layers to adapt (default: the model_type's, "
                         "tpuft.constants.LORA_DEFAULT_TARGET_MODULES)")

@@ -17,7 +17,7 @@ import json
 import tempfile
 from dataclasses import dataclass
 
-from tpuft.constants import LORA_DEFAULT_TARGET_MODULES, TrainingMethod
+from tpuft.constants import EXPORT_MERGED_DIR, LORA_DEFAULT_TARGET_MODULES, TrainingMethod
 from tpuft_workload import checkpoint as ckptlib
 from tpuft_workload.tiny import BUILTIN_MODEL
 
@@ -29,7 +29,7 @@ LORA_FIELD = "spec.training.lora"
 # built in code (builtin:tiny-llama has no folder to point adapter_config.json at), and the merged
 # full weights (spec.export.merge).
 BASE_DIR = "base"
-MERGED_DIR = "export-merged"
+MERGED_DIR = EXPORT_MERGED_DIR   # one source: the operator's vLLM RayService serves it
 ADAPTER_CONFIG = "adapter_config.json"   # what marks a PEFT adapter folder (peft.utils.CONFIG_NAME)
 PEFT_PREFIX = "base_model.model."        # PeftModelForCausalLM's path to the base model's modules
 
