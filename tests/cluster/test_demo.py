@@ -198,10 +198,11 @@ def _check_logs_and_exec(kubectl) -> None:
     assert out.returncode == 0 and out.stdout.strip() == "exec-ok", (out.stdout, out.stderr)
 
 
-def _short_run(name: str, checkpoint: dict, serve: bool, split: str, framework: str = "torch") -> dict:
-    """examples/local-cpu.yaml, one epoch of `split`, no verification, the demo's checkpoint claim
-    (its namespace refuses hostPath)."""
-    doc = yaml.safe_load((EXAMPLES / "local-cpu.yaml").read_text())
+def _short_run(name: str, checkpoint: dict, serve: bool, split: str, framework: str = "torch",
+               example: str = "local-cpu.yaml") -> dict:
+    """`example`, one epoch of `split`, no verification, the demo's checkpoint claim (its namespace
+    refuses hostPath)."""
+    doc = yaml.safe_load((EXAMPLES / example).read_text())
     doc["metadata"] = {"name": name, "namespace": DEMO_NS}
     doc["spec"]["training"]["epochs"] = 1
     doc["spec"]["training"]["framework"] = framework
@@ -218,7 +219,8 @@ def _short_run(name: str, checkpoint: dict, serve: bool, split: str, framework: 
 def _check_a_third_run_beside_two_served_models(kubectl) -> None:
     """Issue 34: with two models served on the node (the demo's and a second), a third run trains
     to Succeeded on the real node (it fits: docs/troubleshooting.md#how-many-runs-the-local-node-holds), never
-    failing inside Ray because the node was overcommitted."""
+    failing inside Ray because the node was overcommitted. The second is examples/local-cpu-lora.yaml
+    (issue 30): its adapters trained over the frozen base, served on it, answering as its own model."""
     def phase(name: str) -> dict:
         st = json.loads(kubectl("get", "tft", name, "-n", DEMO_NS, "-o", "json", check=True).stdout).get("status") or {}
         assert st.get("phase") != "Failed", (name, st)
@@ -226,8 +228,11 @@ def _check_a_third_run_beside_two_served_models(kubectl) -> None:
 
     checkpoint = json.loads(kubectl("get", "tft", "local-cpu", "-n", DEMO_NS, "-o", "json",
                                     check=True).stdout)["spec"]["checkpoint"]
-    kubectl("apply", "-f", "-", input=json.dumps(_short_run("second", checkpoint, serve=True, split="train[:48]")), check=True)
-    wait_until(lambda: serving_ready(phase("second")), timeout=900, interval=3, what="a second served model")
+    kubectl("apply", "-f", "-", input=json.dumps(_short_run("second", checkpoint, serve=True, split="train[:48]",
+                                                            example="local-cpu-lora.yaml")), check=True)
+    lora = wait_until(lambda: serving_ready(st := phase("second")) and st, timeout=900, interval=3,
+                      what="a second served model")
+    _check_lora(lora)
     assert phase("local-cpu")["phase"] == "Serving"
     kubectl("apply", "-f", "-", input=json.dumps(_short_run("third", checkpoint, serve=False, split=JAX_SPLIT,
                                                             framework="jax")), check=True)
@@ -255,6 +260,21 @@ def _check_a_third_run_beside_two_served_models(kubectl) -> None:
         [(p["metadata"]["name"], p["spec"].get("nodeName")) for p in pods]   # never the simulated node
     assert phase("local-cpu")["phase"] == phase("second")["phase"] == "Serving"
     _check_jax(json.loads(kubectl("get", "tft", "third", "-n", DEMO_NS, "-o", "json", check=True).stdout))
+
+
+def _check_lora(status: dict) -> None:
+    """The LoRA run: the adapters only trained, its export a PEFT adapter folder, and the served
+    model (its base with the adapter applied) answering under the object's name."""
+    from tpuft import chat_cli
+    from tpuft_local.toolchain import tool_path
+
+    training = status["training"]
+    assert 0 < training["trainableParameters"] < training["totalParameters"] / 5, training
+    export = Path(training["exportedModel"])
+    assert (export / "adapter_config.json").is_file() and (export / "adapter_model.safetensors").is_file()
+    assert status["serving"]["modelSource"] == str(export)
+    model, answer = chat_cli.ask(tool_path("kubectl"), DEMO_NS, "second", "What is Ray Serve?", max_tokens=8)
+    assert model == "second" and answer.strip(), answer
 
 
 def _tpuft_logs(name: str) -> subprocess.CompletedProcess:
