@@ -7,7 +7,8 @@ attention with grouped KV heads, gated MLP, norms), HBM per chip from the catalo
 Bytes per parameter, as tpuft_workload trains:
   full  16: fp32 master weights (4), fp32 gradients (4), AdamW's two fp32 moments (8); the bf16
         compute copy of a layer is gathered one layer at a time (counted in the reserve below).
-  lora   2 per frozen base weight (bf16: no gradient, no optimizer state) + 16 per adapter weight.
+  lora   4 per frozen base weight (fp32, as the workload loads it: no gradient, no optimizer state;
+        holding it in bf16, 2, is not done yet) + 16 per adapter weight.
 Assumption, stated: activations, the gathered layer and XLA's workspace take RESERVE of each chip's
 HBM (batch 4 x 512 tokens per device, the CRD's defaults; a long maxSeqLength needs more).
 
@@ -69,7 +70,7 @@ MODELS = (
     Model("Gemma 3 27B", 262208, 5376, 21504, 62, 32, 16, 128, True),
 )
 SLICES = (("v5e", "2x4"), ("v6e", "2x4"), ("v6e", "4x4"), ("tpu7x", "2x2x2"))
-FULL_BYTES, FROZEN_BYTES, TRAINED_BYTES = 16, 2, 16
+FULL_BYTES, FROZEN_BYTES, TRAINED_BYTES = 16, 4, 16
 
 
 def per_chip_gb(model: Model, method: str, rank: int, chips: int) -> float:

@@ -270,7 +270,7 @@ def _training() -> dict:
                      "is a PEFT adapter folder. lora runs on framework torch only.",
                      default=DEFAULTS["training.method"], enum=[m.value for m in c.TrainingMethod]),
         "lora": _lora(),
-    }, default={}, **{"x-kubernetes-validations": [
+    }, default={}, **{"x-kubernetes-validations": [  # type: ignore[arg-type]  # as in _scheduling
         {"rule": "!has(self.lora) || (has(self.method) && self.method == 'lora')",
          "message": "training.lora is set but training.method is not lora: set method: lora, or remove it",
          "fieldPath": ".lora", "reason": "FieldValueInvalid"},

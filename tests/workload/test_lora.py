@@ -17,7 +17,7 @@ import torch
 
 from tests.factories import assert_export_generates, tiny_batch, tiny_train_argv
 from tpuft.constants import LORA_DEFAULT_TARGET_MODULES
-from tpuft.spec import DEFAULTS
+from tpuft.spec import DEFAULTS, LORA_DEFAULTS
 from tpuft_workload import __main__ as cli
 from tpuft_workload import checkpoint, lora, model as modellib, tiny
 from tpuft_workload.platform import PLATFORMS
@@ -94,8 +94,8 @@ def test_a_resume_point_must_hold_the_weights_this_run_trains(training, ours, re
 def test_the_lora_flags_default_to_the_specs_defaults(tmp_path):
     args, _ = cli.parse_args(tiny_train_argv("torch", tmp_path, "r"))
     assert (args.method, args.lora_rank, args.lora_alpha, args.lora_dropout, args.lora_target_modules,
-            args.merge_export) == (DEFAULTS["training.method"], DEFAULTS["training.lora.rank"],
-                                   DEFAULTS["training.lora.alpha"], DEFAULTS["training.lora.dropout"], (),
+            args.merge_export) == (DEFAULTS["training.method"], LORA_DEFAULTS["training.lora.rank"],
+                                   LORA_DEFAULTS["training.lora.alpha"], LORA_DEFAULTS["training.lora.dropout"], (),
                                    DEFAULTS["export.merge"])
     args, _ = cli.parse_args(tiny_train_argv("torch", tmp_path, "r", method="lora", lora_rank=4, lora_alpha=8,
                                              lora_dropout=0, lora_target_modules=["q_proj", "v_proj"],
