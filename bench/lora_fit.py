@@ -92,9 +92,8 @@ def table(rank: int, reserve: float) -> dict:
             chips = shape.chips
             budget = catalog.generation(shape.generation).hbm_gb * (1 - reserve)
             key = f"{shape.generation} {shape.topology}"
-            row["fits"][key] = {meth: {"gbPerChip": round(per_chip_gb(m, meth, rank, chips), 2),
-                                       "fits": per_chip_gb(m, meth, rank, chips) <= budget}
-                                for meth in ("full", "lora")}
+            need = {meth: per_chip_gb(m, meth, rank, chips) for meth in ("full", "lora")}
+            row["fits"][key] = {meth: {"gbPerChip": round(gb, 2), "fits": gb <= budget} for meth, gb in need.items()}
         rows.append(row)
     return {"rank": rank, "reserve": reserve, "bytesPerParameter": {"full": FULL_BYTES, "frozen": FROZEN_BYTES,
                                                                   "adapter": TRAINED_BYTES},

@@ -17,7 +17,7 @@ from tpuft import constants as c
 from tpuft.spec import (CHECKPOINT_VOLUME_SOURCES, CONFIG_KEY, DEFAULTS, DNS_LABEL, DNS_SUBDOMAIN, ENV_NAME, ENV_SOURCES,
                         LABEL_VALUE, LEARNING_RATE_MAX, LIMITS, MAX_MAP_ENTRIES, MAX_NAME_LENGTH,
                         MAX_DNS_SUBDOMAIN_LENGTH, MAX_LABEL_LENGTH, MAX_PATH_LENGTH, MAX_QUALIFIED_NAME_LENGTH, MAX_QUANTITY_LENGTH, MAX_SPLIT_LENGTH, MAX_STRING_LENGTH, QUALIFIED_NAME, QUANTITY, SHELL_SAFE,
-                        LORA_DEFAULTS, LORA_MAX_TARGET_MODULES, LORA_MODULE, STORAGE_PATH, TOLERATION_EFFECTS, TOLERATION_OPERATORS, either)
+                        LORA_DEFAULTS, LORA_MAX_TARGET_MODULES, default_of, LORA_MODULE, STORAGE_PATH, TOLERATION_EFFECTS, TOLERATION_OPERATORS, either)
 
 RAY_MINOR = ".".join(RAY_VERSION_PIN.split(".")[:2])   # "2.60": the image needs this Ray line
 
@@ -34,8 +34,8 @@ def _p(type_: str, description: str, **extra) -> dict:
 def _int(description: str, key: str, **extra) -> dict:
     lo, hi = LIMITS[key]
     out = _p("integer", description, minimum=int(lo), maximum=int(hi))
-    if key in DEFAULTS or key in LORA_DEFAULTS:
-        out["default"] = DEFAULTS[key] if key in DEFAULTS else LORA_DEFAULTS[key]
+    if default_of(key) is not None:
+        out["default"] = default_of(key)
     out.update(extra)
     return out
 

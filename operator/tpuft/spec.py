@@ -85,6 +85,13 @@ LORA_DEFAULTS: dict[str, Any] = {
     "training.lora.dropout": 0.05,
 }
 
+
+
+def default_of(key: str) -> Any:
+    """The API server's default for a dotted spec key: DEFAULTS', else LORA_DEFAULTS' (None: no default)."""
+    return DEFAULTS.get(key, LORA_DEFAULTS.get(key))
+
+
 LIMITS: dict[str, tuple[float, float]] = {
     "slices": (1, 64),
     "training.epochs": (1, 1000),
@@ -350,7 +357,7 @@ class _Reader:
         return value
 
     def integer(self, obj: Mapping, key: str, path: str, dkey: str) -> int:
-        default = DEFAULTS.get(dkey, LORA_DEFAULTS.get(dkey))   # None: optional, read only when set
+        default = default_of(dkey)   # None: optional, read only when set
         value = obj[key] if key in obj else default
         lo, hi = LIMITS[dkey]
         if isinstance(value, bool) or not isinstance(value, int):
