@@ -20,6 +20,7 @@ TRAINING = {
     TrainingStatus.LAST_CHECKPOINT: "/ckpt/run/checkpoint_step_0000020",
     TrainingStatus.RESUMED_FROM: "/ckpt/run/checkpoint_step_0000010", TrainingStatus.RESUMED_FROM_STEP: 10,
     TrainingStatus.MESSAGE: "resumed", TrainingStatus.EXPORTED_MODEL: "/ckpt/run/export",
+    TrainingStatus.TRAINABLE_PARAMETERS: 524288, TrainingStatus.TOTAL_PARAMETERS: 10174976,
     TrainingStatus.MFU: 0.375,
     TrainingStatus.HISTORY: [{"step": 10, "loss": 2.5, "tokensPerSecond": 90.5},
                              {"step": 20, "loss": 1.5, "tokensPerSecond": 100.5}],
