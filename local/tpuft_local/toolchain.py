@@ -36,6 +36,12 @@ KUBERAY_VERSION = "v1.6.2"  # must match hack/kuberay/go.mod; v1.7.0 is 403 at t
 KUBERAY_MODULE = "github.com/ray-project/kuberay/ray-operator"
 KUEUE_VERSION = "v0.17.0"  # must match hack/kueue/go.mod
 KUEUE_MODULE = "sigs.k8s.io/kueue"
+ARGOCD_VERSION = "v3.6.1"  # must match hack/argocd/go.mod
+ARGOCD_MODULE = "github.com/argoproj/argo-cd/v3"
+ARGOCD_GO = "go1.27.3"  # argo-cd v3.6 needs Go 1.27: the go command fetches this toolchain from the module proxy
+# hack/argocd's binary runs the component its name says, as Argo CD's own image does (one binary,
+# a link per component): the links keep the two processes apart for `status` and `down`.
+ARGOCD_COMMANDS = ("argocd-application-controller", "argocd-repo-server")
 # The control plane's commands, then the node's: one `go build` compiles all six.
 K8S_TOOLS = ("kube-apiserver", "kubectl", "kube-controller-manager", "kube-scheduler", "kubelet", "kube-proxy")
 CONTROL_PLANE_TOOLS = ("etcd", "kube-apiserver", "kubectl", "kube-controller-manager", "helm")
@@ -44,13 +50,17 @@ GO_INSTALLS = {
     "coredns": (f"github.com/coredns/coredns@{COREDNS_VERSION}", "0"),
     "kwok": (f"sigs.k8s.io/kwok/cmd/kwok@{KWOK_VERSION}", "0"),
 }
-TOOLS = ("etcd", *K8S_TOOLS, "helm", *GO_INSTALLS, "kuberay-operator", "kueue")
+TOOLS = ("etcd", *K8S_TOOLS, "helm", *GO_INSTALLS, "kuberay-operator", "kueue", "argocd-local")
+# Built only for what asks for them (`cluster up --argocd`, the Argo CD health checks), not by every `up`.
+OPTIONAL_TOOLS = ("argocd-local",)
 VERSIONS = {"etcd": ETCD_VERSION, "helm": HELM_VERSION, "coredns": COREDNS_VERSION, "kwok": KWOK_VERSION,
-            "kuberay-operator": KUBERAY_VERSION, "kueue": KUEUE_VERSION, **{t: K8S_VERSION for t in K8S_TOOLS}}
+            "kuberay-operator": KUBERAY_VERSION, "kueue": KUEUE_VERSION, "argocd-local": ARGOCD_VERSION,
+            **{t: K8S_VERSION for t in K8S_TOOLS}}
 REPO_ROOT = Path(__file__).resolve().parents[2]
 K8S_MODULE_DIR = REPO_ROOT / "hack" / "k8s"
 KUBERAY_MODULE_DIR = REPO_ROOT / "hack" / "kuberay"
 KUEUE_MODULE_DIR = REPO_ROOT / "hack" / "kueue"
+ARGOCD_MODULE_DIR = REPO_ROOT / "hack" / "argocd"
 
 
 class ToolchainError(RuntimeError):
@@ -111,6 +121,8 @@ def ensure_tools(tools=CONTROL_PLANE_TOOLS) -> dict[str, str]:
                 _build_kuberay()
             if "kueue" in missing:
                 _build_kueue()
+            if "argocd-local" in missing:
+                _build_argocd()
     return {t: tool_path(t, build=False) for t in tools}
 
 
@@ -254,9 +266,36 @@ def _build_kueue() -> None:
     _install(out / "kueue", "kueue", move=True)
 
 
-def _module_dir(module: str, version: str, wrapper: Path) -> Path:
+def _build_argocd() -> None:
+    out = cache_dir() / "build" / f"argocd-{ARGOCD_VERSION}"
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [_go(), "build", "-trimpath", "-ldflags=-s -w", "-o", str(out / "argocd-local"), "."]
+    _run_logged(cmd, f"Argo CD {ARGOCD_VERSION} (application controller, repo server)",
+                cache_dir() / "logs" / f"build-argocd-{ARGOCD_VERSION}.log", ARGOCD_MODULE_DIR,
+                {**_go_env(), "GOTOOLCHAIN": ARGOCD_GO})
+    _install(out / "argocd-local", "argocd-local", move=True)
+    for name in ARGOCD_COMMANDS:
+        link = cached_path("argocd-local").parent / name
+        link.unlink(missing_ok=True)
+        link.symlink_to("argocd-local")
+
+
+def argocd_command(name: str) -> str:
+    """The path that runs Argo CD's component `name` (one of ARGOCD_COMMANDS), building it if needed."""
+    return str(Path(tool_path("argocd-local")).parent / name)
+
+
+def argocd_manifests_dir() -> Path:
+    """Argo CD's own manifests (crds/, cluster-rbac/, base/config/), from the module it is built from."""
+    base = _module_dir(ARGOCD_MODULE, ARGOCD_VERSION, ARGOCD_MODULE_DIR, go_toolchain=ARGOCD_GO)
+    if not (base / "manifests" / "crds").is_dir():
+        raise ToolchainError(f"{base}/manifests/crds is missing: the Argo CD module at {base} has no CRDs")
+    return base / "manifests"
+
+
+def _module_dir(module: str, version: str, wrapper: Path, go_toolchain: str = "") -> Path:
     """Where the Go module cache holds `module` (the one a wrapper module builds), fetched if not."""
-    env = _go_env()
+    env = {**_go_env(), "GOTOOLCHAIN": go_toolchain} if go_toolchain else _go_env()
     res = subprocess.run([_go(), "list", "-m", "-f", "{{.Dir}}", module], cwd=wrapper,
                          env=env, capture_output=True, text=True)
     if res.returncode == 0 and res.stdout.strip():

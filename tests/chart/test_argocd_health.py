@@ -1,8 +1,13 @@
-"""charts/tpufinetune-operator/argocd/health.lua, run with Lua 5.1 (Argo CD uses gopher-lua,
-a Lua 5.1 implementation) over the TPUFinetune fixtures in fixtures/argocd/."""
+"""charts/tpufinetune-operator/argocd/health.lua over the TPUFinetune fixtures in fixtures/argocd/:
+run with Lua 5.1 (lupa; Argo CD uses gopher-lua, a Lua 5.1 implementation) for the fast cases, and
+every fixture also judged by Argo CD's own code (hack/argocd's `health`: argocd-cm read by Argo CD's
+SettingsManager, then gitops-engine's health.GetResourceHealth, as its controller calls it)."""
 from __future__ import annotations
 
 from pathlib import Path
+
+import json
+import subprocess
 
 import jsonschema
 import pytest
@@ -91,3 +96,41 @@ def test_argocd_readme_embeds_the_configmap_key():
     readme = (CHART / "argocd" / "README.md").read_text()
     assert "resource.customizations.health.tpufinetune.dev_TPUFinetune: |" in readme
     assert "ServerSideApply=true" in readme
+
+
+def _readme_configmap() -> dict:
+    """argocd-cm as the chart's argocd/README.md shows it, health.lua pasted where it says."""
+    readme = (CHART / "argocd" / "README.md").read_text()
+    block = next(b.split("\n", 1)[1] for b in readme.split("```yaml")[1:] if "kind: ConfigMap" in b.split("```")[0])
+    cm = yaml.safe_load(block.split("```")[0])
+    (key,) = cm["data"]
+    cm["data"][key] = (CHART / "argocd" / "health.lua").read_text()
+    return cm
+
+
+def test_argo_cds_own_health_code_agrees_with_every_fixture(tmp_path):
+    from tpuft_local.toolchain import tool_path   # built by `tpuft cluster tools` (the lane's first tier)
+
+    cm = tmp_path / "argocd-cm.yaml"
+    cm.write_text(yaml.safe_dump(_readme_configmap()))
+    res = subprocess.run([tool_path("argocd-local"), "health", str(cm), *map(str, FIXTURES)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    got = {Path(v["file"]).stem: v for v in map(json.loads, res.stdout.splitlines())}
+    want = {f.stem: yaml.safe_load(f.read_text())["expect"] for f in FIXTURES}
+    assert {k: (v.get("status"), v.get("message"), v.get("error")) for k, v in got.items()} == \
+        {k: (e["health"], e["message"], None) for k, e in want.items()}
+
+
+def test_argo_cd_sees_no_health_without_the_readmes_labels(tmp_path):
+    """Argo CD finds argocd-cm only by its app.kubernetes.io/part-of label: without it the object
+    has no health at all (what a user who drops the README's labels sees)."""
+    from tpuft_local.toolchain import tool_path
+
+    doc = _readme_configmap()
+    del doc["metadata"]["labels"]["app.kubernetes.io/part-of"]
+    cm = tmp_path / "argocd-cm.yaml"
+    cm.write_text(yaml.safe_dump(doc))
+    res = subprocess.run([tool_path("argocd-local"), "health", str(cm), str(FIXTURES[0])],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and 'configmap "argocd-cm" not found' in res.stderr, (res.stdout, res.stderr)
