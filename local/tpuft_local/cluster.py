@@ -31,8 +31,9 @@ from tpuft_local import addons, host, node, pools, procs
 from tpuft_local.console import say
 from tpuft_local.controlplane import ControlPlane, ControlPlaneError, free_port
 from tpuft_local.network import Network, NetworkError, from_env
-from tpuft_local.toolchain import (TOOLS, VERSIONS, ToolchainError, cached_path, ensure_tools, kuberay_crd_dir,
-                                   kueue_config_dir, tool_path)
+from tpuft_local.toolchain import (ARGOCD_COMMANDS, OPTIONAL_TOOLS, TOOLS, VERSIONS, ToolchainError, argocd_command,
+                                   argocd_manifests_dir, cached_path, ensure_tools, kuberay_crd_dir, kueue_config_dir,
+                                   tool_path)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -71,15 +72,24 @@ NODE_COMPONENTS = (
     Component("tpu-webhook", "tpuft_local.tpu_webhook"), Component("kueue", "kueue"),
     Component("tpufinetune-operator", "kopf"),
 )
+# Started by `up --argocd` only (after our operator), stopped first by `down`.
+ARGOCD_COMPONENTS = (
+    Component("redis", "redis-server"), Component("git-daemon", "git-daemon"),
+    Component("argocd-repo-server", "argocd-repo-server"),
+    Component("argocd-application-controller", "argocd-application-controller"),
+)
 KUEUE_OFF = "kueue.off"   # in the state dir: the last `up` was --no-kueue (status does not expect it)
+ARGOCD_ON = "argocd.on"   # in the state dir: the last `up` had --argocd (a plain `up` keeps it)
 
 
 class LocalCluster:
     def __init__(self, state_dir: Path | None = None, *, net: Network | None = None, tpu_pools=pools.DEFAULT_POOLS,
-                 operator: str = "helm", die_with_parent: bool = False, kueue: bool | None = None):
+                 operator: str = "helm", die_with_parent: bool = False, kueue: bool | None = None,
+                 argocd: bool | None = None):
         self.state = Path(state_dir or default_state_dir()).resolve()
         # None: as the last `up` left it (status, down); True/False: `up` with or without Kueue
         self.kueue = kueue if kueue is not None else not (self.state / KUEUE_OFF).exists()
+        self.argocd = argocd if argocd is not None else (self.state / ARGOCD_ON).exists()
         self.net = net or from_env(dict(os.environ))
         self.tpu_pools = tuple(tpu_pools)
         self.operator_mode = operator  # "helm" | "source" | "none"
@@ -106,6 +116,8 @@ class LocalCluster:
         for comp in NODE_COMPONENTS:
             if comp.name != "kueue" or self.kueue:
                 out[comp.name] = self.pid(comp)
+        for comp in ARGOCD_COMPONENTS if self.argocd else ():
+            out[comp.name] = self.pid(comp)
         return out
 
     @property
@@ -137,7 +149,7 @@ class LocalCluster:
             time.sleep(APPLY_RETRY_WAIT_S)
 
     def _start(self, name: str, argv: list[str], ready, timeout: float = 90, env: dict | None = None) -> None:
-        comp = next(c for c in NODE_COMPONENTS if c.name == name)
+        comp = _comp(name)
         if self.pid(comp) is not None:
             return
         log = self.logs / f"{name}.log"
@@ -183,13 +195,14 @@ class LocalCluster:
         self._load_images(built, only=("workload", "operator"))
         self._wait_node_lists([built[n].ref for n in ("workload", "operator") if n in built])
         self._operator()
+        self._argocd()
         say(f"cluster up in {time.monotonic() - t0:.0f} s; kubeconfig: {self.kubeconfig}")
         return self
 
     def _tools_and_images(self, images: bool) -> dict:
         """The Go builds (CPU) and the image builds (mostly downloads and disk) at the same time:
         on a cold machine they are the two long steps, and neither needs the other."""
-        tools = [t for t in TOOLS if t != "kueue" or self.kueue]
+        tools = [t for t in TOOLS if (t != "kueue" or self.kueue) and (t not in OPTIONAL_TOOLS or self.argocd)]
         if not images:
             ensure_tools(tools)
             return {}
@@ -418,9 +431,90 @@ class LocalCluster:
             f"--liveness=http://127.0.0.1:{port}/healthz", "--log-format=plain"],
             lambda: procs.http_ok(f"http://127.0.0.1:{port}/healthz"), timeout=90, env=env)
 
+    def _argocd(self) -> None:
+        """Argo CD (tpuft_local.argocd): its CRDs, RBAC and config, Redis, the git daemon, the repo
+        server and the application controller, all host processes on loopback."""
+        from tpuft_local import argocd
+        on = self.state / ARGOCD_ON
+        if not self.argocd:
+            on.unlink(missing_ok=True)
+            self._stop_argocd()
+            return
+        on.touch()
+        host.ensure_packages(self.journal, argocd.PACKAGES)
+        manifests = argocd_manifests_dir()
+        self.cp.install_crds(argocd.crd_files(manifests))
+        self.apply(argocd.config(manifests, argocd.HEALTH_LUA.read_text()))
+        self.apply(argocd.rbac(manifests))
+        work = self.state / "argocd"
+        bin_dir = work / "bin"   # links named for each component, so `status` and `down` tell them apart
+        bin_dir.mkdir(parents=True, exist_ok=True)
+        for name in ARGOCD_COMMANDS:
+            link = bin_dir / name
+            if not link.is_symlink() or os.readlink(link) != argocd_command(name):
+                link.unlink(missing_ok=True)
+                link.symlink_to(argocd_command(name))
+        # ... and Argo CD's git-verify-wrapper.sh, which its image puts on PATH: the repo server runs
+        # it on every revision (no signature is no error). Copied: the module cache's files are 0444.
+        wrapper = bin_dir / argocd.VERIFY_WRAPPER
+        wrapper.unlink(missing_ok=True)
+        shutil.copyfile(manifests.parent / "hack" / argocd.VERIFY_WRAPPER, wrapper)
+        wrapper.chmod(0o755)
+        redis_port, git_port, repo_port, metrics = (self._port(f"argocd-{p}.port") for p in
+                                                    ("redis", "git", "repo-server", "metrics"))
+        (work / "redis").mkdir(exist_ok=True)
+        (work / "redis.conf").write_text(argocd.redis_config(work / "redis", redis_port))
+        self._start("redis", ["redis-server", str(work / "redis.conf")], lambda: argocd.redis_ok(redis_port), timeout=30)
+        argocd.init_repo(work / "git")
+        self._start("git-daemon", argocd.git_daemon_argv(work / "git", git_port), lambda: argocd.tcp_ok(git_port),
+                    timeout=30)
+        tmp = work / "tmp"   # the repo server's checkouts
+        tmp.mkdir(exist_ok=True)
+        # Its askpass socket (a fixed /tmp path by default) under the state dir too; no GnuPG.
+        env = dict(os.environ, **argocd.component_env(), TMPDIR=str(tmp), ARGOCD_GPG_ENABLED="false",
+                   ARGOCD_ASK_PASS_SOCK=str(work / "ask-pass.sock"), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+        self._start("argocd-repo-server", [
+            str(bin_dir / "argocd-repo-server"), "--address=127.0.0.1", f"--port={repo_port}", "--disable-tls",
+            "--client-ca-path=",   # no mTLS: plaintext on loopback (its default path would demand TLS)
+            f"--redis=127.0.0.1:{redis_port}", "--metrics-address=127.0.0.1", f"--metrics-port={free_port()}",
+            "--logformat=text"], lambda: argocd.tcp_ok(repo_port), timeout=120, env=env)
+        kubeconfig = self._client_kubeconfig("argocd-application-controller", argocd.USER)
+        # Its metrics server (and /healthz) binds 0.0.0.0: Argo CD hard-codes that address.
+        self._start("argocd-application-controller", [
+            str(bin_dir / "argocd-application-controller"), f"--kubeconfig={kubeconfig}",
+            f"--namespace={argocd.NAMESPACE}", f"--repo-server=127.0.0.1:{repo_port}", "--repo-server-plaintext",
+            f"--redis=127.0.0.1:{redis_port}", f"--metrics-port={metrics}", "--logformat=text",
+            # each resource's health in the Application's status (Argo CD 3 keeps it only in Redis
+            # by default, for its API server, which is not run here)
+            "--persist-resource-health"],
+            lambda: procs.http_ok(f"http://127.0.0.1:{metrics}/healthz"), timeout=120,
+            env=dict(env, ARGOCD_FAKE_IN_CLUSTER="true", KUBECONFIG=str(kubeconfig)))
+
+    def ensure_argocd(self) -> tuple[Path, str]:
+        """Argo CD running (started now if the last `up` had no --argocd); returns the git repository
+        it syncs from: its path (to publish to: tpuft_local.argocd.publish) and its URL (for Applications)."""
+        from tpuft_local import argocd
+        if not self.argocd or any(self.pid_of(comp.name) is None for comp in ARGOCD_COMPONENTS):
+            self.argocd = True
+            self._argocd()
+        return (self.state / "argocd" / "git" / argocd.REPO_NAME,
+                argocd.repo_url(int((self.state / "argocd-git.port").read_text())))
+
+    def _port(self, name: str) -> int:
+        """A loopback port kept in the state dir, so a restarted component listens where it did."""
+        path = self.state / name
+        port = int(path.read_text()) if path.exists() else free_port()
+        path.write_text(str(port))
+        return port
+
+    def _stop_argocd(self) -> None:
+        for comp in reversed(ARGOCD_COMPONENTS):
+            self._stop(comp.name)
+
     # ----- down ----------------------------------------------------------------------------------------
     def down(self, keep_packages: bool = False, purge: bool = False) -> list[str]:
         """Stop everything this state dir started, by PID, and undo the host changes."""
+        self._stop_argocd()
         for name in ("tpufinetune-operator", "kueue", "kuberay-operator", "tpu-webhook"):
             self._stop(name)
         self.cp.stop_component("kube-controller-manager")  # nothing may recreate the pods we delete
@@ -472,11 +566,11 @@ class LocalCluster:
     # ----- status --------------------------------------------------------------------------------------
     def status_lines(self) -> tuple[list[str], bool]:
         pids = self.component_pids()
-        lines = [f"{name:<24} {'pid ' + str(pid) if pid else 'not running'}" for name, pid in pids.items()]
+        lines = [f"{name:<30} {'pid ' + str(pid) if pid else 'not running'}" for name, pid in pids.items()]
         ok = all(pid for name, pid in pids.items() if name != "tpufinetune-operator") and self.cp.ready()
         if ok and not pids.get("tpufinetune-operator"):
             from tpuft_local import chart
-            lines[-1] = f"{'tpufinetune-operator':<24} {chart.describe(self)}"
+            lines[list(pids).index("tpufinetune-operator")] = f"{'tpufinetune-operator':<30} {chart.describe(self)}"
         if ok:
             res = self.cp.kubectl("get", "nodes", "-o", "json")
             nodes = json.loads(res.stdout).get("items", []) if res.returncode == 0 else []
@@ -499,7 +593,7 @@ class LocalCluster:
 
 
 def _comp(name: str) -> Component:
-    return next(c for c in NODE_COMPONENTS if c.name == name)
+    return next(c for c in (*NODE_COMPONENTS, *ARGOCD_COMPONENTS) if c.name == name)
 
 
 def _https_ok(url: str, ca: Path) -> bool:
@@ -524,6 +618,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--no-operator", action="store_true", help="leave our operator out (run it from your editor)")
     up.add_argument("--no-kueue", action="store_true",
                     help="leave Kueue out (its CRDs and queues stay if an earlier `up` installed them)")
+    up.add_argument("--argocd", action=argparse.BooleanOptionalAction, default=None,
+                    help="run Argo CD's application controller and repo server, Redis and a git daemon "
+                         "(default: as the last `up`; its first build takes minutes)")
     up.add_argument("--operator-from-source", action="store_true",
                     help="run our operator as a host process from this checkout instead of helm-installing its image")
     down = sub.add_parser("down", help="stop everything and undo the host changes")
@@ -548,7 +645,8 @@ def run_cluster(args: argparse.Namespace) -> int:
         mode = "none" if getattr(args, "no_operator", False) else (
             "source" if getattr(args, "operator_from_source", False) else "helm")
         kueue = (not args.no_kueue) if args.action == "up" else None
-        cl = LocalCluster(args.state_dir, tpu_pools=_pools(args), operator=mode, kueue=kueue)
+        cl = LocalCluster(args.state_dir, tpu_pools=_pools(args), operator=mode, kueue=kueue,
+                          argocd=getattr(args, "argocd", None))
         if args.action == "tools":
             for tool, path in ensure_tools(TOOLS).items():
                 print(f"{tool:<24} {VERSIONS[tool]:<8} {path}")

@@ -94,8 +94,9 @@ def require_root() -> None:
 
 
 # ----- packages ----------------------------------------------------------------------------------
-def ensure_packages(journal: Journal) -> None:
-    missing = [p for p, f in PACKAGES.items() if not Path(f).exists()]
+def ensure_packages(journal: Journal, packages: dict[str, str] = PACKAGES) -> None:
+    """Install the Debian packages of `packages` (package -> a file it installs) that are missing."""
+    missing = [p for p, f in packages.items() if not Path(f).exists()]
     if not missing:
         return
     say(f"installing Debian packages: {' '.join(missing)} (apt-get; recorded for `tpuft cluster down`)")

@@ -37,12 +37,13 @@ def cmdline(pid: int) -> list[str] | None:
 
 
 def find(marker: str, match) -> list[int]:
-    """PIDs whose argv mentions `marker` and for which `match(argv)` is true."""
+    """PIDs whose argv (the program's path included: a component may run from a link under the
+    state dir) mentions `marker` and for which `match(argv)` is true."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():
             argv = cmdline(int(entry.name))
-            if argv and any(marker in a for a in argv[1:]) and match(argv):
+            if argv and any(marker in a for a in argv) and match(argv):
                 found.append(int(entry.name))
     return sorted(found)
 
