@@ -18,8 +18,10 @@
                   slices, which mostly wait; the CLI; the operator's image), then the image tests;
      integration  integration and chart (their own control planes; not niced: they bound the
                   operator's reaction times), then the workload modules that start no Ray, niced;
-     workload     the rest of the workload tier (real Ray and torch): the longest lane, not niced
-                  (and its Ray workers at niceness 0: tests/workload/conftest.py says why).
+     workload     the rest of the workload tier (real Ray and torch), not niced (and its Ray
+                  workers at niceness 0: tests/workload/conftest.py says why).
+   The workload tier and the real node's tests never run at the same time (CPU_HEAVY): the
+   workload tier goes first, the real node's tests wait for it.
 3. `down`: tests/cluster/test_zz_down.py, after every lane, whenever the cluster came up (after
    an `up` that failed, `tpuft cluster down --keep-packages`, so the host is left as it was).
 
@@ -30,6 +32,7 @@ and the 30 slowest tests of the whole run. Exit status: 0 only if every tier pas
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import re
 import subprocess
@@ -55,10 +58,19 @@ class Tier:
     pytest: bool = True
     nice: int = 0
     needs_cluster: bool = False    # starts once `cluster up` has succeeded
+    exclusive: str = ""            # tiers naming the same group never run at the same time (CPU_HEAVY)
 
 
-def _pytest(name: str, *args: str, nice: int = 0, needs_cluster: bool = False) -> Tier:
-    return Tier(name, args, nice=nice, needs_cluster=needs_cluster)
+def _pytest(name: str, *args: str, nice: int = 0, needs_cluster: bool = False, exclusive: str = "") -> Tier:
+    return Tier(name, args, nice=nice, needs_cluster=needs_cluster, exclusive=exclusive)
+
+
+# The Ray tier and the real node's tests each keep both cores busy (torch and Ray workers; Ray
+# clusters in pods). Side by side they thrashed: 1634 s and 1574 s in a warm clean-clone run of
+# 2026-12-04, against 545 s and 722 s when each overlapped only the lighter lanes (a cold run of
+# 2026-12-05). One after the other (the Ray tier first: it needs no cluster) they end sooner.
+CPU_HEAVY = "cpu-heavy"
+_GROUPS: dict[str, threading.Lock] = {}
 
 
 # The fast tiers, two pytest processes side by side on the 2 cores (about 50 s of tests each; one
@@ -91,7 +103,7 @@ WORKLOAD_WITHOUT_RAY = ("tests/workload/test_jax_model.py", "tests/workload/test
                         "tests/workload/test_preemption.py", "tests/workload/test_loop.py",
                         "tests/workload/test_lora.py")
 LANES: dict[str, list[Tier]] = {
-    "cluster": [LEFTOVERS, _pytest("real node", *REAL_NODE, *REAL_NODE_FILES)],
+    "cluster": [LEFTOVERS, _pytest("real node", *REAL_NODE, *REAL_NODE_FILES, exclusive=CPU_HEAVY)],
     "simulated": [_pytest("cluster (simulated)", "-m", "cluster and not real_node", "tests/cluster", *WITHOUT_DOWN,
                           needs_cluster=True),
                   _pytest("images", "tests/images/test_images.py", needs_cluster=True)],
@@ -106,7 +118,8 @@ LANES: dict[str, list[Tier]] = {
     # processes, and at 15 (CPU weight 36) these workers got a fifth of the CPU they need (a killed
     # run 544 s that takes 101 s alone; one passed pytest's 900 s timeout at 19). Its Ray driver,
     # raylet and GCS at 0 also keep ray.init inside Ray's 30 s startup window (missed twice at nice 10).
-    "workload": [_pytest("workload", "tests/workload", *(f"--ignore={f}" for f in WORKLOAD_WITHOUT_RAY))],
+    "workload": [_pytest("workload", "tests/workload", *(f"--ignore={f}" for f in WORKLOAD_WITHOUT_RAY),
+                         exclusive=CPU_HEAVY)],
 }
 # The cluster is ready for the tiers marked needs_cluster once CLUSTER_UP (beside the fast tiers)
 # and then LEFTOVERS (first in the cluster lane) have passed.
@@ -136,10 +149,13 @@ def _run(tier: Tier, logs: Path) -> Result:
         argv, junit = list(tier.argv), None
     if tier.nice:
         argv = ["nice", "-n", str(tier.nice), *argv]
-    _say(f"start {tier.name}: {' '.join(argv[argv.index('-m') + 1:] if '-m' in argv else argv)}  (log {log})")
-    start = time.monotonic()
-    with open(log, "w") as out:
-        rc = subprocess.run(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+    group = _GROUPS.setdefault(tier.exclusive, threading.Lock()) if tier.exclusive else contextlib.nullcontext()
+    with group:
+        _say(f"start {tier.name}: {' '.join(argv[argv.index('-m') + 1:] if '-m' in argv else argv)}  (log {log})")
+        start = time.monotonic()
+        with open(log, "w") as out:
+            rc = subprocess.run(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL).returncode
     res = Result(tier, time.monotonic() - start, rc, log, junit if junit and junit.exists() else None)
     _say(f"{'ok  ' if rc == 0 else 'FAIL'} {tier.name}: {res.seconds:.0f} s (exit {rc})")
     return res

@@ -108,3 +108,32 @@ def test_an_up_that_failed_skips_every_tier_needing_the_cluster_and_keeps_the_pa
 def test_all_green_runs_every_tier_once_then_down(monkeypatch, tmp_path):
     ran = _orchestrate(monkeypatch, tmp_path, set())
     assert sorted(ran) == sorted(t.name for t in lanes.all_tiers()) and ran[-1] == lanes.DOWN.name
+
+
+def test_the_two_cpu_heavy_tiers_never_overlap(monkeypatch, tmp_path):
+    """The Ray tier and the real node's tests take the same group lock: one runs, then the other."""
+    import threading
+    import time as _time
+
+    heavy = [t for t in lanes.all_tiers() if t.exclusive == lanes.CPU_HEAVY]
+    assert sorted(t.name for t in heavy) == ["real node", "workload"]
+    running, overlaps = set(), []
+    guard = threading.Lock()
+
+    def fake_subprocess_run(argv, **kw):
+        name = next(t.name for t in heavy if list(t.argv)[-1] == argv[-1])
+        with guard:
+            overlaps.append(bool(running))
+            running.add(name)
+        _time.sleep(0.2)
+        with guard:
+            running.discard(name)
+        return lanes.subprocess.CompletedProcess(argv, 0)
+
+    monkeypatch.setattr(lanes.subprocess, "run", fake_subprocess_run)
+    threads = [threading.Thread(target=lanes._run, args=(t, tmp_path)) for t in heavy]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert overlaps == [False, False]
