@@ -101,8 +101,10 @@ def tcp_ok(port: int) -> bool:
 
 
 def git_daemon_argv(base: Path, port: int) -> list[str]:
-    """`git daemon` serving the repositories under `base`, read-only, on loopback."""
-    return ["git", "daemon", "--export-all", f"--base-path={base}", "--listen=127.0.0.1", f"--port={port}",
+    """`git daemon` serving the repositories under `base`, read-only, on loopback: git's own
+    git-daemon program (`git daemon` would run it as a child, a second process to stop)."""
+    exec_path = subprocess.run(["git", "--exec-path"], capture_output=True, text=True, check=True).stdout.strip()
+    return [str(Path(exec_path) / "git-daemon"), "--export-all", f"--base-path={base}", "--listen=127.0.0.1", f"--port={port}",
             "--reuseaddr", str(base)]
 
 
