@@ -9,6 +9,9 @@
    as in the CPU example, Serving with the model ready), then a summary; a served model answers
    one chat message (what `tpuft chat` does), printed.
 
+`--gitops` commits the object to the local cluster's git repository and lets Argo CD sync it
+(tpuft_local.demo_gitops), printing Argo CD's sync and health beside the phases.
+
 `--rehearse-tpu` applies examples/v6e-4x4.yaml instead: KubeRay places the slice's 4 workers on
 the 4 simulated v6e nodes and reports the RayCluster ready, the operator starts verification,
 and since nothing executes on simulated hosts the run ends at the verification deadline.
@@ -71,6 +74,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rehearse-tpu", action="store_true",
                    help="apply examples/v6e-4x4.yaml: 4 workers on the simulated v6e pool; ends at the "
                         "verification deadline, since nothing runs on simulated hosts")
+    p.add_argument("--gitops", action="store_true",
+                   help="through Argo CD: commit the object to the local cluster's git repository, an Application "
+                        "syncs it (starts `tpuft cluster up --argocd`); prints Argo CD's sync and health")
     p.add_argument("--result", type=Path, default=None, help="write the final status and the loss history as JSON")
     p.add_argument("--state-dir", type=Path, default=None,
                    help="the local cluster's state (default: ${TPUFT_HOME:-~/.tpuft}/cluster)")
@@ -155,17 +161,25 @@ def _chat(obj: dict, kubeconfig: str, clock: Clock) -> dict:
     return {"prompt": DEMO_PROMPT, "model": model, "answer": answer}
 
 
+def _prepare(api_client, manifest: dict, namespace: str, clock: Clock) -> None:
+    """What the object needs beside it: its namespace, its API key Secret, its checkpoint claim."""
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    core = client.CoreV1Api(api_client)
+    with contextlib.suppress(ApiException):   # already there: left as it is, labels included
+        core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace, labels=PSA_LABELS)))
+    manifest["metadata"]["namespace"] = namespace
+    _ensure_api_key(core, manifest, namespace, clock)
+    _hostpath_as_claim(core, manifest, namespace, clock)
+
+
 def _apply(api_client, manifest: dict, namespace: str, clock: Clock) -> tuple[str, datetime]:
     from kubernetes import client
     from kubernetes.client.rest import ApiException
 
-    core, custom = client.CoreV1Api(api_client), client.CustomObjectsApi(api_client)
-    with contextlib.suppress(ApiException):   # already there: left as it is, labels included
-        core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace, labels=PSA_LABELS)))
+    custom = client.CustomObjectsApi(api_client)
     name = manifest["metadata"]["name"]
-    manifest["metadata"]["namespace"] = namespace
-    _ensure_api_key(core, manifest, namespace, clock)
-    _hostpath_as_claim(core, manifest, namespace, clock)
     try:
         custom.delete_namespaced_custom_object(c.GROUP, c.VERSION, namespace, c.PLURAL, name)
         print(f"{clock.stamp()}       deleted the previous {namespace}/{name}; waiting for it to go", flush=True)
@@ -276,7 +290,7 @@ def _cluster(args, clock: Clock):
         _step(clock, 1, f"using the cluster in {kubeconfig}")
         return kubeconfig, None
     from tpuft_local.cluster import ClusterError, LocalCluster
-    cluster = LocalCluster(args.state_dir)
+    cluster = LocalCluster(args.state_dir, argocd=True if args.gitops else None)
     _step(clock, 1, f"local cluster (tpuft cluster up) in {cluster.state}: real node, KubeRay, simulated TPU "
                     "pools, our operator from its image via helm")
     try:
@@ -324,23 +338,45 @@ class Placement:
 def run_demo(args: argparse.Namespace) -> int:
     clock, cluster = Clock(), None
     try:
+        if args.gitops and args.use_kubeconfig:
+            raise DemoError("--gitops uses the local cluster's Argo CD and git repository; drop --use-kubeconfig")
         manifest = _manifest(args)
         kubeconfig, cluster = _cluster(args, clock)
         from kubernetes import client, config
 
         api_client = config.new_client_from_config(config_file=kubeconfig)
-        _step(clock, 2, f"kubectl apply -f {_example(args)} (namespace {args.namespace})")
-        name, created = _apply(api_client, manifest, args.namespace, clock)
-        _step(clock, 3, "watching status: our operator -> KubeRay -> the kubelet")
+        custom, view = client.CustomObjectsApi(api_client), None
+        if args.gitops:
+            from tpuft_local import demo_gitops
+            _step(clock, 2, f"git commit {_example(args).name} to the local repository; Argo CD syncs it "
+                            f"(namespace {args.namespace})")
+            _prepare(api_client, manifest, args.namespace, clock)
+            def say(text: str) -> None:
+                print(f"{clock.stamp()}       {text}", flush=True)
+            try:
+                name, created = demo_gitops.apply(custom, cluster, manifest, args.namespace, say)
+            except demo_gitops.GitopsError as e:
+                raise DemoError(str(e)) from None
+            view = demo_gitops.ArgoView(custom, demo_gitops.app_name(args.namespace, name), say)
+        else:
+            _step(clock, 2, f"kubectl apply -f {_example(args)} (namespace {args.namespace})")
+            _prepare(api_client, manifest, args.namespace, clock)
+            name, created = _apply(api_client, manifest, args.namespace, clock)
+        _step(clock, 3, "watching status: our operator -> KubeRay -> the kubelet" + (" (and Argo CD)" if view else ""))
         placement = Placement(client.CoreV1Api(api_client), args.namespace, clock, created)
-        final, losses = stream(client.CustomObjectsApi(api_client), args.namespace, name, clock, args.timeout,
-                               on_poll=placement.poll)
+        polls = [placement.poll, *([view.poll] if view else [])]
+        final, losses = stream(custom, args.namespace, name, clock, args.timeout,
+                               on_poll=lambda: [poll() for poll in polls])
         code = _summary(final, losses, placement, clock)
+        if view is not None:   # Argo CD's own verdict on the phase the run ended in
+            view.settle("Healthy" if code == 0 else "Degraded")
         exchange = _chat(final, kubeconfig, clock) if code == 0 and serving_ready(final.get("status") or {}) else None
         if args.result:
             args.result.parent.mkdir(parents=True, exist_ok=True)
             args.result.write_text(json.dumps({"object": final, "epochLosses": losses, "chat": exchange,
-                                               "placement": placement.placed}, indent=2, default=str))
+                                               "placement": placement.placed,
+                                               "argocd": {"history": view.history, "final": view.last} if view else None},
+                                              indent=2, default=str))
         return code
     except DemoError as e:
         print(f"{clock.stamp()} demo failed: {e}", file=sys.stderr, flush=True)

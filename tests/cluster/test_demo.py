@@ -6,10 +6,10 @@ training RayCluster is released, KubeRay's RayService runs Ray Serve with the wo
 transformers app, the demo's chat exchange answers with the fine-tuned model, /v1/models lists it,
 and Argo CD's health check calls the object Healthy (issue 14).
 
-The second served model comes from git through Argo CD (issue 31): committed to the local
-repository, synced by Argo CD's own controller, which must call it Synced and Healthy once Serving
-and never OutOfSync while the operator writes its status (tests/cluster/test_argocd.py has the
-rest of the GitOps path on simulated slices).
+The second served model comes from git through Argo CD (issue 31): `tpuft demo --gitops` commits it
+to the local repository and Argo CD's own controller syncs it; Argo CD must call it Synced and
+Healthy once Serving, and never OutOfSync while the operator writes its status
+(tests/cluster/test_argocd.py has the rest of the GitOps path, on simulated slices).
 
 With the demo's model served, a second served model and a third run share the node (issue 34):
 the third is examples/local-cpu.yaml with training.framework jax (JaxTrainer's 2 CPU workers, Orbax
@@ -36,7 +36,7 @@ from tests.cluster_fixtures import assert_nothing_left_failed, clear_namespace, 
 from tests.paths import EXAMPLES, REPO
 from tests.waiting import wait_until
 from tpuft.observed import serving_ready
-from tpuft_local import argocd, node
+from tpuft_local import argocd, demo_gitops, node
 
 def phases_in_order(epochs: int, verified: bool, served: bool) -> list[str]:
     return ["phase Provisioning", *(["phase VerifyingCollectives", "verification: passed"] if verified else []),
@@ -65,14 +65,12 @@ def demo_namespace(cluster_kubectl, request):
 
 
 @pytest.fixture
-def second_through_argocd(local_cluster, cluster_kubectl):
-    """(repo, Application) syncing apps/<DEMO_NS>/ of the local git repository into the demo's
-    namespace; the Application is deleted before the namespace is cleared (or it would put back
-    what the clearing deletes)."""
-    repo, url = local_cluster.ensure_argocd()
-    app = argocd.application(f"{DEMO_NS}-second", url, f"apps/{DEMO_NS}", DEMO_NS)
-    yield repo, app
-    cluster_kubectl("delete", "application", app["metadata"]["name"], "-n", argocd.NAMESPACE, "--ignore-not-found")
+def gitops_cleanup(cluster_kubectl):
+    """`tpuft demo --gitops` leaves its Application for the user; it is deleted here before the
+    namespace is cleared (or Argo CD would put back what the clearing deletes)."""
+    yield
+    cluster_kubectl("delete", "application", demo_gitops.app_name(DEMO_NS, "second"), "-n", argocd.NAMESPACE,
+                    "--ignore-not-found")
 
 
 def _demo(tmp_path: Path, ns: str, tag: str, *extra: str,
@@ -136,7 +134,7 @@ def _check_jax(obj: dict) -> None:
 @pytest.mark.timeout(2400)   # the demo to a served model, then two more runs
 @pytest.mark.parametrize("demo_namespace", [DEMO_NS], indirect=True, ids=[DEMO_NS])
 def test_demo_serves_what_it_trained_beside_a_second_model_and_a_jax_run(local_cluster, cluster_kubectl, demo_namespace,
-                                                                          second_through_argocd, tmp_path, monkeypatch):
+                                                                          gitops_cleanup, tmp_path, monkeypatch):
     storage = tmp_path / "checkpoints"
     demo, final = _demo(tmp_path, DEMO_NS, "demo", "--storage-path", str(storage))
     _check_succeeded(demo, final, storage, cluster_kubectl)
@@ -155,7 +153,7 @@ def test_demo_serves_what_it_trained_beside_a_second_model_and_a_jax_run(local_c
     _check_chat_and_models()
     _check_the_ray_head_wants_its_token(cluster_kubectl, "local-cpu-serve")
     _check_logs_and_exec(cluster_kubectl)
-    _check_a_third_run_beside_two_served_models(cluster_kubectl, *second_through_argocd)
+    _check_a_third_run_beside_two_served_models(cluster_kubectl, tmp_path)
 
 
 def _check_chat_and_models():
@@ -232,7 +230,7 @@ def _short_run(name: str, checkpoint: dict, serve: bool, split: str, framework: 
     return doc
 
 
-def _check_a_third_run_beside_two_served_models(kubectl, repo: Path, app: dict) -> None:
+def _check_a_third_run_beside_two_served_models(kubectl, tmp_path: Path) -> None:
     """Issue 34: with two models served on the node (the demo's and a second), a third run trains
     to Succeeded on the real node (it fits: docs/troubleshooting.md#how-many-runs-the-local-node-holds), never
     failing inside Ray because the node was overcommitted. The second is examples/local-cpu-lora.yaml
@@ -244,19 +242,15 @@ def _check_a_third_run_beside_two_served_models(kubectl, repo: Path, app: dict) 
 
     checkpoint = json.loads(kubectl("get", "tft", "local-cpu", "-n", DEMO_NS, "-o", "json",
                                     check=True).stdout)["spec"]["checkpoint"]
-    second = _short_run("second", checkpoint, serve=True, split="train[:48]", example="local-cpu-lora.yaml")
-    argocd.publish(repo, {f"apps/{DEMO_NS}/second.yaml": yaml.safe_dump(second)}, "a second served model")
-    kubectl("apply", "-f", "-", input=json.dumps(app), check=True)
-    syncs = []
-
-    def served() -> dict | None:
-        res = kubectl("get", "application", app["metadata"]["name"], "-n", argocd.NAMESPACE, "-o", "json")
-        syncs.append(argocd.summary(json.loads(res.stdout)).get("sync") if res.returncode == 0 else None)
-        return kubectl("get", "tft", "second", "-n", DEMO_NS).returncode == 0 and serving_ready(st := phase("second")) \
-            and st
-    lora = wait_until(served, timeout=900, interval=3, what="a second served model, synced by Argo CD")
+    example = tmp_path / "second.yaml"
+    example.write_text(yaml.safe_dump(_short_run("second", checkpoint, serve=True, split="train[:48]",
+                                                 example="local-cpu-lora.yaml")))
+    demo, final = _demo(tmp_path, DEMO_NS, "second", "--gitops", "--example", str(example))
+    assert demo.returncode == 0 and "Argo CD: Synced, Progressing" in demo.stdout, demo.stdout[-3000:]
+    lora = final["object"]["status"]
+    assert serving_ready(lora), lora
     _check_lora(lora)
-    _check_argo_cd_calls_it_healthy(kubectl, app, syncs)
+    _check_argo_cd_calls_it_healthy(kubectl, final["argocd"])
     assert phase("local-cpu")["phase"] == "Serving"
     kubectl("apply", "-f", "-", input=json.dumps(_short_run("third", checkpoint, serve=False, split=JAX_SPLIT,
                                                             framework="jax")), check=True)
@@ -286,18 +280,18 @@ def _check_a_third_run_beside_two_served_models(kubectl, repo: Path, app: dict) 
     _check_jax(json.loads(kubectl("get", "tft", "third", "-n", DEMO_NS, "-o", "json", check=True).stdout))
 
 
-def _check_argo_cd_calls_it_healthy(kubectl, app: dict, syncs: list) -> None:
-    """Argo CD's own view of the second model: synced from git, Healthy once Serving (our health
-    check from argocd-cm, run by Argo CD), and never OutOfSync while the operator wrote its status."""
-    def healthy() -> dict | None:
-        res = kubectl("get", "application", app["metadata"]["name"], "-n", argocd.NAMESPACE, "-o", "json", check=True)
-        s = argocd.summary(json.loads(res.stdout))
-        syncs.append(s["sync"])
-        return s["sync"] == "Synced" and s["health"] == "Healthy" and s
-    st = wait_until(healthy, timeout=120, interval=2, what="Argo CD to call the second model Healthy")
-    assert st["resources"]["TPUFinetune/second"]["health"] == "Healthy", st
-    first = next(i for i, x in enumerate(syncs) if x == "Synced")
-    assert set(syncs[first:]) == {"Synced"}, syncs   # no drift
+def _check_argo_cd_calls_it_healthy(kubectl, seen: dict) -> None:
+    """Argo CD's own view of the second model, as `tpuft demo --gitops` watched it: synced from git,
+    Healthy once Serving (our health check from argocd-cm, run by Argo CD), and never OutOfSync
+    while the operator wrote its status; the Application says the same now."""
+    history = [tuple(x) for x in seen["history"]]
+    first = next(i for i, (sync, _) in enumerate(history) if sync == "Synced")
+    assert {sync for sync, _ in history[first:]} == {"Synced"}, history   # no drift
+    assert ("Synced", "Progressing") in history and history[-1] == ("Synced", "Healthy"), history
+    res = kubectl("get", "application", demo_gitops.app_name(DEMO_NS, "second"), "-n", argocd.NAMESPACE, "-o", "json",
+                  check=True)
+    st = argocd.summary(json.loads(res.stdout))
+    assert st["sync"] == "Synced" and st["resources"]["TPUFinetune/second"]["health"] == "Healthy", st
 
 
 def _check_lora(status: dict) -> None:
