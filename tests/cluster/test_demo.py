@@ -202,9 +202,13 @@ def _check_chat_and_models():
 
 def _check_logs_and_exec(kubectl) -> None:
     """The first things a user types at a running pod: `kubectl logs` and `kubectl exec` (both go
-    from the API server to the kubelet; `kubectl port-forward` is what `tpuft chat` used above)."""
-    (head,) = json.loads(kubectl("get", "pods", "-n", DEMO_NS, "-l", "ray.io/node-type=head", "-o", "json",
-                                 check=True).stdout)["items"]
+    from the API server to the kubelet; `kubectl port-forward` is what `tpuft chat` used above), on
+    the serving cluster's head (the training cluster's may still be on its way out: it is released
+    while serving starts)."""
+    svc = json.loads(kubectl("get", "rayservice", "local-cpu-serve", "-n", DEMO_NS, "-o", "json", check=True).stdout)
+    cluster = svc["status"]["activeServiceStatus"]["rayClusterName"]
+    (head,) = json.loads(kubectl("get", "pods", "-n", DEMO_NS, "-l", f"ray.io/node-type=head,ray.io/cluster={cluster}",
+                                 "-o", "json", check=True).stdout)["items"]
     name = head["metadata"]["name"]
     logs = kubectl("logs", name, "-n", DEMO_NS, "-c", "ray-head", "--tail=50")
     assert logs.returncode == 0 and logs.stdout.strip(), logs.stderr
