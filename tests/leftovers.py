@@ -16,6 +16,16 @@ from tests.cluster_fixtures import PODS_GONE_S, RAY_POD_LABEL, RUN_KINDS
 from tests.waiting import wait_until
 
 
+APPLICATIONS = "applications.argoproj.io"   # Argo CD's (`cluster up --argocd`): each would sync its runs back
+
+
+def applications(kubectl) -> list[str]:
+    """`namespace/name` of every Argo CD Application (none when Argo CD's CRD is not installed)."""
+    res = kubectl("get", APPLICATIONS, "-A", "--ignore-not-found", "-o",
+                  "jsonpath={range .items[*]}{.metadata.namespace}/{.metadata.name}{'\\n'}{end}")
+    return [line for line in res.stdout.splitlines() if line.strip()] if res.returncode == 0 else []
+
+
 def leftovers(kubectl) -> list[str]:
     """`namespace/kind/name` of every run object on the cluster."""
     res = kubectl("get", RUN_KINDS, "-A", "--ignore-not-found", "-o",
@@ -29,7 +39,13 @@ def ray_pods(kubectl) -> list[str]:
 
 
 def clear(kubectl, say=print, wait_s: float = PODS_GONE_S) -> None:
-    """Delete every run object and wait (bounded: AssertionError past `wait_s`) for KubeRay's pods to go."""
+    """Delete every Argo CD Application (first: it would put its runs back; ours carry no finalizer,
+    so its objects stay for the next step) and every run object, and wait (bounded: AssertionError
+    past `wait_s`) for KubeRay's pods to go."""
+    for app in applications(kubectl):
+        say(f"deleting Application {app} (left by an earlier session)")
+        ns, name = app.split("/", 1)
+        kubectl("delete", APPLICATIONS, name, "-n", ns, "--ignore-not-found", check=True)
     found = leftovers(kubectl)
     for item in found:
         say(f"deleting {item} (left by an earlier session)")

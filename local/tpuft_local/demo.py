@@ -354,10 +354,9 @@ def run_demo(args: argparse.Namespace) -> int:
             def say(text: str) -> None:
                 print(f"{clock.stamp()}       {text}", flush=True)
             try:
-                name, created = demo_gitops.apply(custom, cluster, manifest, args.namespace, say)
+                name, created, view = demo_gitops.apply(custom, cluster, manifest, args.namespace, say)
             except demo_gitops.GitopsError as e:
                 raise DemoError(str(e)) from None
-            view = demo_gitops.ArgoView(custom, demo_gitops.app_name(args.namespace, name), say)
         else:
             _step(clock, 2, f"kubectl apply -f {_example(args)} (namespace {args.namespace})")
             _prepare(api_client, manifest, args.namespace, clock)

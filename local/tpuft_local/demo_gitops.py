@@ -36,10 +36,10 @@ def folder(namespace: str, name: str) -> str:
     return f"demo/{namespace}/{name}"
 
 
-def apply(custom, cluster, manifest: dict, namespace: str, say) -> tuple[str, datetime]:
+def apply(custom, cluster, manifest: dict, namespace: str, say) -> tuple[str, datetime, "ArgoView"]:
     """Commit `manifest` (already prepared for `namespace`) and let Argo CD create it; returns its
-    name and creation time. An earlier demo's Application and object of the same name are deleted
-    first (the demo starts a run afresh)."""
+    name, its creation time and the view of its Application (to go on watching). An earlier demo's
+    Application and object of the same name are deleted first (the demo starts a run afresh)."""
     from kubernetes.client.rest import ApiException
 
     name = manifest["metadata"]["name"]
@@ -59,7 +59,7 @@ def apply(custom, cluster, manifest: dict, namespace: str, say) -> tuple[str, da
         view.poll()
         try:
             obj = custom.get_namespaced_custom_object(c.GROUP, c.VERSION, namespace, c.PLURAL, name)
-            return name, parse_time(obj["metadata"]["creationTimestamp"])
+            return name, parse_time(obj["metadata"]["creationTimestamp"]), view
         except ApiException as e:
             if e.status != 404:
                 raise GitopsError(f"cannot read {namespace}/{name}: {e.reason}") from None

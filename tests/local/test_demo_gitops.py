@@ -56,8 +56,8 @@ def _cluster(repo):
 def test_the_manifest_is_committed_and_an_application_syncs_its_folder(repo, monkeypatch):
     monkeypatch.setattr(demo_gitops.time, "sleep", lambda s: None)
     custom, said = FakeCustom(appears_after=2), []
-    name, created = demo_gitops.apply(custom, _cluster(repo), MANIFEST, "ns", said.append)
-    assert name == "m" and created.year == 2026
+    name, created, view = demo_gitops.apply(custom, _cluster(repo), MANIFEST, "ns", said.append)
+    assert name == "m" and created.year == 2026 and view.name == "demo-ns-m"
     committed = subprocess.run(["git", "--git-dir", str(repo), "show", "main:demo/ns/m/m.yaml"],
                                capture_output=True, text=True, check=True).stdout
     assert yaml.safe_load(committed) == MANIFEST
