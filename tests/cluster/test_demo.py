@@ -81,7 +81,7 @@ def _demo(tmp_path: Path, ns: str, tag: str, *extra: str,
 
 
 def _check_succeeded(proc, final, storage: Path, kubectl, epochs: int = 3, verified: bool = True,
-                     served: bool = True) -> list[float]:
+                     served: bool = True, ns: str = DEMO_NS, expected_sum: int = 3) -> list[float]:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     positions = [out.find(marker) for marker in phases_in_order(epochs, verified, served)]
@@ -100,7 +100,7 @@ def _check_succeeded(proc, final, storage: Path, kubectl, epochs: int = 3, verif
         assert status["phase"] == "Succeeded" and "serving" not in status and final["chat"] is None, status
     if verified:
         assert status["verification"]["passed"] is True
-        assert status["verification"]["allReduceSum"] == status["verification"]["expectedSum"] == 3
+        assert status["verification"]["allReduceSum"] == status["verification"]["expectedSum"] == expected_sum
     # KubeRay's pods ran on the real node (not a simulated host).
     assert final["placement"] and all(not p["simulated"] for p in final["placement"].values()), final["placement"]
     losses = final["epochLosses"]
@@ -112,7 +112,7 @@ def _check_succeeded(proc, final, storage: Path, kubectl, epochs: int = 3, verif
     assert os.path.isfile(os.path.join(export, "config.json"))
     assert any(f.endswith(".safetensors") for f in os.listdir(export))
     # A run that succeeded leaves nothing Failed behind (no submitter Job, pod or RayJob; issue 24).
-    assert_nothing_left_failed(kubectl, DEMO_NS)
+    assert_nothing_left_failed(kubectl, ns)
     return losses
 
 
@@ -154,6 +154,27 @@ def test_demo_serves_what_it_trained_beside_a_second_model_and_a_jax_run(local_c
     _check_the_ray_head_wants_its_token(cluster_kubectl, "local-cpu-serve")
     _check_logs_and_exec(cluster_kubectl)
     _check_a_third_run_beside_two_served_models(cluster_kubectl, tmp_path)
+
+
+# examples/local-cpu-2slices.yaml's namespace: its own, so the demo test's is cleared before it runs.
+TWO_SLICES_NS = "e2e-2slices"
+
+
+@pytest.mark.real_node
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("demo_namespace", [TWO_SLICES_NS], indirect=True, ids=[TWO_SLICES_NS])
+def test_the_two_slice_example_runs_through_the_demo_to_serving(cluster_kubectl, demo_namespace, tmp_path):
+    """Issue 29: `tpuft demo --example examples/local-cpu-2slices.yaml`, as a user runs it: 4 CPU
+    workers as two slices on the real node, the collectives verified inside each slice and across
+    them, HSDP training, the export served and answering."""
+    storage = tmp_path / "checkpoints"
+    demo, final = _demo(tmp_path, TWO_SLICES_NS, "2slices", "--example", str(EXAMPLES / "local-cpu-2slices.yaml"),
+                        "--storage-path", str(storage))
+    _check_succeeded(demo, final, storage, cluster_kubectl, epochs=2, ns=TWO_SLICES_NS, expected_sum=10)
+    ver = final["object"]["status"]["verification"]
+    assert ver["ranks"] == ver["hosts"] == 4 and "inside each of 2 slices and across them" in ver["message"], ver
+    trainers = [n for n in final["placement"] if "-workers-worker-" in n and "-serve-" not in n]
+    assert len(trainers) == 4, final["placement"]
 
 
 def _check_chat_and_models():
