@@ -91,9 +91,11 @@ def test_argo_cd_syncs_judges_and_prunes_tpufinetunes_from_git(gitops, cluster_k
     st = wait_until(lambda: (s := status()).get("sync") == "Synced"
                     and _resource(s, "slice").get("health") == "Suspended" and s,
                     timeout=180, interval=2, what="Argo CD to show the slice Suspended")
-    rc = json.loads(cluster_kubectl("get", "raycluster", "-n", cluster_ns, "-l",
-                                    f"{c.LABEL_NAME}=slice", "-o", "json", check=True).stdout)["items"]
-    assert rc and all(r["spec"].get("suspend") for r in rc), [r["spec"].get("suspend") for r in rc]
+    # (the RayCluster is patched once its verify RayJob is gone: phases.py's _suspend)
+    wait_until(lambda: (rc := json.loads(cluster_kubectl("get", "raycluster", "-n", cluster_ns, "-l",
+                                                         f"{c.LABEL_NAME}=slice", "-o", "json", check=True).stdout
+                                         )["items"]) and all(r["spec"].get("suspend") for r in rc),
+               timeout=120, interval=2, what="the slice's RayCluster suspended")
     revision = st["revision"]
 
     # 3. Bad objects in git (a topology v6e has not; a field the CRD has not): the sync fails with
