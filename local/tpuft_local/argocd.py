@@ -36,7 +36,6 @@ ENV_FROM_CM = {"ARGOCD_RECONCILIATION_TIMEOUT": "timeout.reconciliation",
 REPO_NAME = "tpuft.git"
 VERIFY_WRAPPER = "git-verify-wrapper.sh"   # in argo-cd's hack/, on PATH in its image
 IN_CLUSTER = "https://kubernetes.default.svc"   # Argo CD's name for the cluster it runs in
-PART_OF = {"app.kubernetes.io/part-of": "argocd"}   # how Argo CD's SettingsManager finds its ConfigMaps
 MANAGED = {"app.kubernetes.io/managed-by": "tpuft-local"}
 GIT = ["git", "-c", "user.name=tpuft", "-c", "user.email=tpuft@localhost", "-c", "init.defaultBranch=main"]
 
@@ -177,8 +176,3 @@ def summary(app: dict) -> dict:
                                                                "health": (r.get("health") or {}).get("status"),
                                                                "message": (r.get("health") or {}).get("message")}
                           for r in status.get("resources") or []}}
-
-
-def dumps(docs: list[dict]) -> str:
-    return "".join("---\n" + yaml.safe_dump(d, sort_keys=False) for d in docs) if docs else ""
-

@@ -369,9 +369,7 @@ class LocalCluster:
         from tpuft_local import tpu_webhook
         kubeconfig = self._client_kubeconfig("tpu-webhook", addons.WEBHOOK_USER)
         crt, key = tpu_webhook.mint_serving_cert(self.cp.pki, self.net.gateway)
-        port_file = self.state / "tpu-webhook.port"
-        port = int(port_file.read_text()) if port_file.exists() else free_port()
-        port_file.write_text(str(port))
+        port = self._port("tpu-webhook.port")
         url = f"https://{self.net.gateway}:{port}"
         self._start("tpu-webhook", [sys.executable, "-m", "tpuft_local.tpu_webhook", f"--listen={self.net.gateway}:{port}",
                                     f"--cert={crt}", f"--key={key}", f"--kubeconfig={kubeconfig}"],
@@ -400,9 +398,7 @@ class LocalCluster:
         certs.mkdir(exist_ok=True)
         shutil.copyfile(crt, certs / "tls.crt")
         shutil.copyfile(key, certs / "tls.key")
-        port_file = self.state / "kueue-webhook.port"
-        port = int(port_file.read_text()) if port_file.exists() else free_port()
-        port_file.write_text(str(port))
+        port = self._port("kueue-webhook.port")
         health = free_port()
         config = self.state / "kueue-config.yaml"
         config.write_text(json.dumps(kueue.configuration(self.net.gateway, port, certs, health)))
