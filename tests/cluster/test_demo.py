@@ -62,6 +62,8 @@ def demo_namespace(cluster_kubectl, request):
     cluster_kubectl("delete", "namespace", ns, "--ignore-not-found", "--wait=true", timeout=300)
     yield ns
     clear_namespace(cluster_kubectl, ns)
+    # Not waited for; gone by the next session (whose setup above would wait some 10 s for it).
+    cluster_kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found")
 
 
 @pytest.fixture

@@ -36,7 +36,12 @@ def test_operator_pod_runs_from_the_image_entrypoint_on_the_real_node(operator_p
     assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
     assert operator_pod["spec"]["securityContext"]["runAsUser"] == 65532
     (status,) = operator_pod["status"]["containerStatuses"]
-    assert status["ready"] is True and status["restartCount"] == 0
+    assert status["ready"] is True
+    # The operator never ended on its own. A restart after the node lost its container (the machine
+    # stopped with the cluster up, then `tpuft cluster up` again) is containerd's exit 255, reason
+    # Unknown: a CI run met one (the pod kept in etcd, restarted by the kubelet).
+    lost = status.get("lastState", {}).get("terminated") or {}
+    assert status["restartCount"] == 0 or (lost.get("exitCode"), lost.get("reason")) == (255, "Unknown"), status
 
 
 def test_operator_serves_metrics_in_the_pod(local_cluster, operator_pod):

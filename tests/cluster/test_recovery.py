@@ -1,7 +1,8 @@
-"""A host lost under a slice on the simulated v6e pool: a node deleted under the slice is replaced on
-a spare, and a second loss past spec.recovery.maxSliceReplacements ends SliceLost. (A host lost
-mid-training on the real node, resumed from its checkpoint, is in tests/cluster/test_lifecycle.py's
-one run through every disruption.)"""
+"""A host lost under one slice of two on the simulated v6e pools (issue 29): only that slice's pods
+are replaced, on a spare node of its own pool, the run is verified again, and a second loss past
+spec.recovery.maxSliceReplacements ends SliceLost. (A host lost mid-training on the real node,
+resumed from its checkpoint, is in tests/cluster/test_lifecycle.py's one run through every
+disruption; the resume after a replacement, whatever the slice count, is tests/unit/test_phases.py's.)"""
 from __future__ import annotations
 
 import json
@@ -28,58 +29,74 @@ def _node_copy(node: dict, name: str) -> dict:
             "status": {"capacity": node["status"]["capacity"], "allocatable": node["status"]["allocatable"]}}
 
 
-def test_a_simulated_tpu_node_deleted_under_the_slice_is_replaced_then_a_second_loss_ends_slice_lost(
+def _workers(kubectl, ns: str, name: str) -> dict[str, dict]:
+    """The live worker pods by name: node, uid and the slice the TPU webhook stand-in gave it."""
+    pods = json.loads(kubectl("get", "pods", "-n", ns, "-l", f"ray.io/cluster={name}-ray,ray.io/node-type=worker",
+                              "-o", "json", check=True).stdout)["items"]
+    return {p["metadata"]["name"]: {"node": p["spec"].get("nodeName", ""), "uid": p["metadata"]["uid"],
+                                    "slice": next(e.get("value") for e in p["spec"]["containers"][0].get("env", [])
+                                                  if e["name"] == "TPU_NAME")}
+            for p in pods if not p["metadata"].get("deletionTimestamp")}
+
+
+def test_a_host_lost_in_one_of_two_slices_replaces_only_that_slice_then_a_second_loss_ends_slice_lost(
         cluster_kubectl, cluster_ns):
-    """A v6e 4x4 slice on the simulated pool (the first of the two, pinned), one of its nodes deleted
-    (as a GKE node lost): the garbage collector removes the pod, KubeRay recreates it on the pool's
-    spare node (a slice's pods share one node pool: the TPU webhook's affinity), and our
-    operator replaces the slice and goes back through verification. A second node lost, with
-    maxSliceReplacements 1 spent, ends Failed/SliceLost with the history. (Nothing executes on
-    simulated hosts: verification would end at its deadline, long after this test.)"""
-    pool_name = "v6e-4x4-0"
-    selector = ("cloud.google.com/gke-tpu-accelerator=tpu-v6e-slice,cloud.google.com/gke-tpu-topology=4x4,"
-                f"cloud.google.com/gke-nodepool={pool_name}")
-    nodes = json.loads(cluster_kubectl("get", "nodes", "-l", selector, "-o", "json", check=True).stdout)["items"]
-    spare = _node_copy(nodes[0], "gke-v6e-spare")
-    cluster_kubectl("apply", "-f", "-", input=json.dumps(spare), check=True)
+    """examples/v6e-4x4x2.yaml on the two simulated v6e 4x4 pools, each with a spare node; one node
+    under a slice deleted (as a GKE node lost): the garbage collector removes its pod, KubeRay
+    recreates it, the TPU webhook's per-slice affinity puts it on the spare of that slice's pool, the
+    other slice's pods are left as they were, and our operator replaces the slice and goes back
+    through verification. A second node lost, with maxSliceReplacements 1 spent, ends
+    Failed/SliceLost with the history. (Nothing executes on simulated hosts: verification would end
+    at its deadline, long after this test.)"""
+    pools = {}
+    for pool in ("v6e-4x4-0", "v6e-4x4-1"):
+        pools[pool] = json.loads(cluster_kubectl("get", "nodes", "-l", f"cloud.google.com/gke-nodepool={pool}", "-o",
+                                                 "json", check=True).stdout)["items"]
+    spares = {f"gke-v6e-spare-{i}": nodes[0] for i, nodes in enumerate(pools.values())}
+    for name, like in spares.items():
+        cluster_kubectl("apply", "-f", "-", input=json.dumps(_node_copy(like, name)), check=True)
+    pool_of = {n["metadata"]["name"]: pool for pool, nodes in pools.items() for n in nodes}
+    pool_of.update({name: like["metadata"]["labels"]["cloud.google.com/gke-nodepool"] for name, like in spares.items()})
     saved: list[dict] = []
     try:
-        doc = yaml.safe_load((EXAMPLES / "v6e-4x4.yaml").read_text())
+        doc = yaml.safe_load((EXAMPLES / "v6e-4x4x2.yaml").read_text())
         doc["metadata"]["name"] = "swap"
-        doc["spec"]["verification"]["timeoutSeconds"] = 600
         doc["spec"]["provisioningTimeoutSeconds"] = 300
         doc["spec"]["recovery"] = {"maxSliceReplacements": 1}
-        doc["spec"]["scheduling"] = {"nodeSelector": {"cloud.google.com/gke-nodepool": pool_name}}   # where the spare is
         cluster_kubectl("apply", "-n", cluster_ns, "-f", "-", input=json.dumps(doc), check=True)
         wait_until(lambda: _status(cluster_kubectl, cluster_ns, "swap").get("phase") == "VerifyingCollectives",
-                   timeout=240, interval=2, what="the slice up and verifying")
-
-        def workers() -> dict[str, str]:
-            pods = json.loads(cluster_kubectl("get", "pods", "-n", cluster_ns, "-l",
-                                              "ray.io/cluster=swap-ray,ray.io/node-type=worker", "-o", "json",
-                                              check=True).stdout)["items"]
-            return {p["metadata"]["name"]: p["spec"].get("nodeName", "") for p in pods
-                    if not p["metadata"].get("deletionTimestamp")}
+                   timeout=240, interval=2, what="both slices up and verifying")
 
         def lose(node_name: str) -> None:
-            saved.append(next((n for n in nodes if n["metadata"]["name"] == node_name), spare))
+            saved.append(next(n for nodes in pools.values() for n in nodes if n["metadata"]["name"] == node_name)
+                         if node_name not in spares else spares[node_name])
             cluster_kubectl("delete", "node", node_name, "--wait=false", check=True)
 
-        before = workers()
-        pool = {n["metadata"]["name"] for n in nodes} | {"gke-v6e-spare"}
-        (free,) = pool - set(before.values())   # 5 nodes, 4 hosts: one is the spare, whichever it is
-        victim = sorted(before.values())[0]
-        lose(victim)
+        before = _workers(cluster_kubectl, cluster_ns, "swap")
+        assert len(before) == 8 and len({w["slice"] for w in before.values()}) == 2, before
+        victim_pod, victim = sorted(before.items())[0]
+        hit, pool = victim["slice"], pool_of[victim["node"]]
+        (spare,) = [name for name in spares if pool_of[name] == pool]
+        lose(victim["node"])
         st = wait_until(lambda: (s := _status(cluster_kubectl, cluster_ns, "swap")).get("recovery") and s,
                         timeout=240, interval=2, what="the lost host seen")
         (loss,) = st["recovery"]["history"]
-        assert loss["phase"] == "VerifyingCollectives" and loss["hosts"] == 4 and loss["hostsReady"] < 4, loss
+        assert loss["phase"] == "VerifyingCollectives" and loss["hosts"] == 8 and loss["hostsReady"] < 8, loss
         wait_until(lambda: (s := _status(cluster_kubectl, cluster_ns, "swap")).get("phase") == "VerifyingCollectives"
                    and s["recovery"]["sliceReplacements"] == 1, timeout=240, interval=2, what="verification again")
-        after = workers()
-        assert len(after) == 4 and set(after.values()) == set(before.values()) - {victim} | {free}, (before, after)
+        after = _workers(cluster_kubectl, cluster_ns, "swap")
+        untouched = {k: v for k, v in before.items() if v["slice"] != hit}
+        # the other slice's 4 pods are the same pods on the same nodes
+        assert {k: v for k, v in after.items() if v["slice"] != hit} == untouched, (before, after)
+        replaced = {k: v for k, v in after.items() if v["slice"] == hit}
+        # the lost slice is whole again, on its own pool: the lost node's place taken by that pool's spare
+        assert len(replaced) == 4 and victim_pod not in replaced, (before, after)
+        assert {v["node"] for v in replaced.values()} == (
+            {v["node"] for v in before.values() if v["slice"] == hit} - {victim["node"]} | {spare}), (before, after)
 
-        lose(sorted(after.values())[0])   # no spare left, and no replacement allowed
+        # again in that slice: its pool has no free node now (the other pool's spare would take a pod
+        # of the other slice back at once, before the operator saw it gone), and no replacement is left
+        lose(sorted(v["node"] for v in replaced.values())[0])
         st = wait_until(lambda: (s := _status(cluster_kubectl, cluster_ns, "swap")).get("phase") == "Failed" and s,
                         timeout=240, interval=2, what="SliceLost")
         assert st["reason"] == "SliceLost" and "maxSliceReplacements=1" in st["message"], st
@@ -87,6 +104,6 @@ def test_a_simulated_tpu_node_deleted_under_the_slice_is_replaced_then_a_second_
     finally:
         cluster_kubectl("delete", "tft", "swap", "-n", cluster_ns, "--ignore-not-found", "--wait=false")
         for node in saved:
-            if node is not spare:
+            if node["metadata"]["name"] not in spares:
                 cluster_kubectl("apply", "-f", "-", input=json.dumps(_node_copy(node, node["metadata"]["name"])))
-        cluster_kubectl("delete", "node", "gke-v6e-spare", "--ignore-not-found", "--wait=false")
+        cluster_kubectl("delete", "node", *spares, "--ignore-not-found", "--wait=false")

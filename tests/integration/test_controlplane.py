@@ -25,6 +25,16 @@ def test_readyz_and_kubectl(control_plane, kubectl):
     assert "default" in kubectl("get", "namespaces", "-o", "name", check=True).stdout
 
 
+def test_a_streaming_list_is_refused_at_once_so_clients_list_and_watch(kubectl):
+    """etcd 3.5.1 cannot serve WatchList's streaming lists; the API server runs with the gate off
+    (controlplane.APISERVER_FEATURE_GATES) and refuses one outright. With the gate on it accepted the
+    watch and ended it with an error, and KWOK's client-go asked again and again: its simulated pods
+    started and went 20-40 s late."""
+    res = kubectl("get", "--raw", "/api/v1/namespaces/default/pods?watch=1&sendInitialEvents=true"
+                  "&resourceVersionMatch=NotOlderThan&allowWatchBookmarks=true", timeout=30)
+    assert res.returncode != 0 and "sendInitialEvents" in res.stderr, (res.stdout[-500:], res.stderr[-500:])
+
+
 def test_all_tools_are_cached_and_run():
     paths = toolchain.ensure_tools()
     for tool, path in paths.items():

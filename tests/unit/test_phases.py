@@ -64,17 +64,18 @@ def kinds(d: observed.Decision) -> list[tuple[str, str, str]]:
     return [(a.op, a.kind, a.name) for a in d.actions]
 
 
-def run_to(o: dict, phase: Phase, t: float = 0) -> dict:
-    """Drive a fresh object through the happy path up to `phase` (at time t for every step)."""
+def run_to(o: dict, phase: Phase, t: float = 0, hosts: int = 4) -> dict:
+    """Drive a fresh object through the happy path up to `phase` (at time t for every step);
+    `hosts`: its worker hosts, over every slice."""
     n = names(o)
     o = apply(o, phases.decide(o, Observed(), at(t), TUN))
     if phase == Phase.PROVISIONING:
         return o
-    o = apply(o, phases.decide(o, Observed(cluster(4, provisioned=True)), at(t), TUN))
+    o = apply(o, phases.decide(o, Observed(cluster(hosts, hosts, provisioned=True)), at(t), TUN))
     if phase == Phase.VERIFYING:
         return o
     if o["status"]["phase"] == Phase.VERIFYING.value:
-        o = apply(o, phases.decide(o, Observed(cluster(4, provisioned=True),
+        o = apply(o, phases.decide(o, Observed(cluster(hosts, hosts, provisioned=True),
                                                {n.verify_job: job(n.verify_job, "SUCCEEDED", "Complete")}), at(t), TUN))
     assert o["status"]["phase"] == phase.value
     return o
@@ -579,35 +580,40 @@ def test_timeouts_never_fire_early_when_the_phase_starts_mid_second():
 
 
 # --- a lost host: replace the slice, verify again, resume -------------------------------------------
-def lost(ready: int = 3) -> ClusterObs:
+def lost(ready: int = 3, hosts: int = 4) -> ClusterObs:
     """KubeRay's status once a worker pod is gone: RayClusterProvisioned stays True."""
-    return cluster(ready, provisioned=True)
+    return cluster(ready, hosts, provisioned=True)
 
 
-def test_a_host_lost_in_training_replaces_the_slice_then_verifies_and_resumes_the_same_attempt():
-    o = run_to(make(), Phase.TRAINING)
+@pytest.mark.parametrize("slices", [1, 2])
+def test_a_host_lost_in_training_replaces_the_slice_then_verifies_and_resumes_the_same_attempt(slices):
+    """One slice, or one host of one of two (issue 29): the whole run is verified again and resumes."""
+    hosts = 4 * slices
+    o = run_to(make(slices=slices), Phase.TRAINING, hosts=hosts)
     n = names(o)
     o["status"]["training"] = {"step": 40, "loss": 1.2}
     train = n.train_attempt(0)
-    d = phases.decide(o, Observed(lost(3), {train: job(train)}), at(100), TUN)
+    d = phases.decide(o, Observed(lost(hosts - 1, hosts), {train: job(train)}), at(100), TUN)
     assert d.phase == "Provisioning" and d.status["reason"] == "ReplacingSlice"
     assert kinds(d) == [("delete", "RayJob", train)]
     assert d.status["phaseTransitionTime"] == observed.fmt_time(at(100))   # a fresh provisioning deadline
     rec = d.status["recovery"]
     assert rec["sliceReplacements"] == 1
-    assert rec["history"] == [{"time": observed.fmt_time(at(100)), "phase": "Training", "cause": "3/4 worker hosts ready",
-                               "hostsReady": 3, "hosts": 4, "step": 40}]
+    assert rec["history"] == [{"time": observed.fmt_time(at(100)), "phase": "Training",
+                               "cause": f"{hosts - 1}/{hosts} worker hosts ready", "hostsReady": hosts - 1,
+                               "hosts": hosts, "step": 40}]
     assert [(e.type, e.reason) for e in d.events] == [("Warning", "ReplacingSlice")]   # one, a Warning
     assert cond(d, c.Condition.SLICE_PROVISIONED)["status"] == "False"
     o = apply(o, d)
-    waiting = phases.decide(o, Observed(lost(3)), at(110), TUN)   # still coming back
+    waiting = phases.decide(o, Observed(lost(hosts - 1, hosts)), at(110), TUN)   # still coming back
     assert waiting.phase == "Provisioning" and waiting.status["reason"] == "ReplacingSlice"
     assert "replacing the slice (1 of 2)" in waiting.status["message"] and waiting.actions == ()
     o = apply(o, waiting)
-    d = phases.decide(o, Observed(lost(4)), at(120), TUN)   # whole again
+    d = phases.decide(o, Observed(lost(hosts, hosts)), at(120), TUN)   # whole again
     assert d.phase == "VerifyingCollectives" and kinds(d) == [("create", "RayJob", n.verify_job)]
     o = apply(o, d)
-    d = phases.decide(o, Observed(lost(4), {n.verify_job: job(n.verify_job, "SUCCEEDED", "Complete")}), at(130), TUN)
+    d = phases.decide(o, Observed(lost(hosts, hosts), {n.verify_job: job(n.verify_job, "SUCCEEDED", "Complete")}),
+                      at(130), TUN)
     assert d.phase == "Training" and kinds(d) == [("create", "RayJob", train)]   # same attempt: it resumes
     assert d.status["trainingAttempts"] == 1 and d.status["recovery"]["sliceReplacements"] == 1
 
