@@ -96,7 +96,7 @@ def clear_namespace(kubectl, ns: str, timeout: float = PODS_GONE_S) -> None:
         if res.returncode != 0 or not res.stdout.strip():
             return True
         # Their runs are deleted, nothing is left to save: a second delete shortens the grace period
-        # (a Ray container's PID 1 is bash, which ignores SIGTERM: 30 s per serving pod otherwise).
+        # (a serving cluster's `ray start` outlived its 30 s and was killed: 30 s per test otherwise).
         kubectl("delete", "pods", "-n", ns, "-l", RAY_POD_LABEL, "--grace-period=1", "--wait=false",
                 "--ignore-not-found")
         return False
