@@ -174,15 +174,14 @@ def _prepare(api_client, manifest: dict, namespace: str, clock: Clock) -> None:
     _hostpath_as_claim(core, manifest, namespace, clock)
 
 
-def _apply(api_client, manifest: dict, namespace: str, clock: Clock) -> tuple[str, datetime]:
-    from kubernetes import client
+def delete_previous(custom, namespace: str, name: str, say) -> None:
+    """The demo starts a fresh run: an earlier object of the same name is deleted and waited for
+    (60 s at most), by `tpuft demo` and `tpuft demo --gitops` alike."""
     from kubernetes.client.rest import ApiException
 
-    custom = client.CustomObjectsApi(api_client)
-    name = manifest["metadata"]["name"]
     try:
         custom.delete_namespaced_custom_object(c.GROUP, c.VERSION, namespace, c.PLURAL, name)
-        print(f"{clock.stamp()}       deleted the previous {namespace}/{name}; waiting for it to go", flush=True)
+        say(f"deleted the previous {namespace}/{name}; waiting for it to go")
         end = time.monotonic() + 60
         while time.monotonic() < end:
             custom.get_namespaced_custom_object(c.GROUP, c.VERSION, namespace, c.PLURAL, name)
@@ -190,6 +189,15 @@ def _apply(api_client, manifest: dict, namespace: str, clock: Clock) -> tuple[st
     except ApiException as e:
         if e.status != 404:
             raise DemoError(f"cannot replace {namespace}/{name}: {e.reason}") from None
+
+
+def _apply(api_client, manifest: dict, namespace: str, clock: Clock) -> tuple[str, datetime]:
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    custom = client.CustomObjectsApi(api_client)
+    name = manifest["metadata"]["name"]
+    delete_previous(custom, namespace, name, lambda text: print(f"{clock.stamp()}       {text}", flush=True))
     try:
         created = custom.create_namespaced_custom_object(c.GROUP, c.VERSION, namespace, c.PLURAL, manifest)
     except ApiException as e:

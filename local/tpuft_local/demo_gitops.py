@@ -17,7 +17,7 @@ import yaml
 
 from tpuft import constants as c
 from tpuft.observed import parse_time
-from tpuft_local import argocd
+from tpuft_local import argocd, demo
 
 APPS = ("argoproj.io", "v1alpha1", argocd.NAMESPACE, "applications")
 SYNC_WAIT_S = 180     # the commit to the object existing: Argo CD polls git every 15 s here
@@ -47,7 +47,7 @@ def apply(custom, cluster, manifest: dict, namespace: str, say) -> tuple[str, da
     app = argocd.application(app_name(namespace, name), url, folder(namespace, name), namespace)
     with contextlib.suppress(ApiException):   # no earlier Application: nothing to delete
         custom.delete_namespaced_custom_object(*APPS, app["metadata"]["name"])
-    _delete_object(custom, namespace, name, say)
+    demo.delete_previous(custom, namespace, name, say)   # after its Application: Argo CD would put it back
     revision = argocd.publish(repo, {f"{folder(namespace, name)}/{name}.yaml": yaml.safe_dump(manifest, sort_keys=False)},
                               f"tpuft demo: {namespace}/{name}")
     custom.create_namespaced_custom_object(*APPS, app)
@@ -68,24 +68,6 @@ def apply(custom, cluster, manifest: dict, namespace: str, say) -> tuple[str, da
     raise GitopsError(f"Argo CD did not create {namespace}/{name} within {SYNC_WAIT_S}s: sync {last.get('sync')}, "
                       f"operation {last.get('operation')}: {last.get('operationMessage') or last.get('conditions')}; "
                       f"kubectl get application {app['metadata']['name']} -n {argocd.NAMESPACE} -o yaml")
-
-
-def _delete_object(custom, namespace: str, name: str, say) -> None:
-    from kubernetes.client.rest import ApiException
-    try:
-        custom.delete_namespaced_custom_object(c.GROUP, c.VERSION, namespace, c.PLURAL, name)
-    except ApiException as e:
-        if e.status == 404:
-            return
-        raise GitopsError(f"cannot replace {namespace}/{name}: {e.reason}") from None
-    say(f"deleted the previous {namespace}/{name}; waiting for it to go")
-    end = time.monotonic() + 60
-    while time.monotonic() < end:
-        try:
-            custom.get_namespaced_custom_object(c.GROUP, c.VERSION, namespace, c.PLURAL, name)
-        except ApiException:
-            return
-        time.sleep(0.5)
 
 
 class ArgoView:
