@@ -41,22 +41,18 @@ def _workers(kubectl, ns: str, name: str) -> dict[str, dict]:
 
 def test_a_host_lost_in_one_of_two_slices_replaces_only_that_slice_then_a_second_loss_ends_slice_lost(
         cluster_kubectl, cluster_ns):
-    """examples/v6e-4x4x2.yaml on the two simulated v6e 4x4 pools, each with a spare node; one node
-    under a slice deleted (as a GKE node lost): the garbage collector removes its pod, KubeRay
-    recreates it, the TPU webhook's per-slice affinity puts it on the spare of that slice's pool, the
-    other slice's pods are left as they were, and our operator replaces the slice and goes back
-    through verification. A second node lost, with maxSliceReplacements 1 spent, ends
-    Failed/SliceLost with the history. (Nothing executes on simulated hosts: verification would end
-    at its deadline, long after this test.)"""
-    pools = {}
-    for pool in ("v6e-4x4-0", "v6e-4x4-1"):
-        pools[pool] = json.loads(cluster_kubectl("get", "nodes", "-l", f"cloud.google.com/gke-nodepool={pool}", "-o",
-                                                 "json", check=True).stdout)["items"]
-    spares = {f"gke-v6e-spare-{i}": nodes[0] for i, nodes in enumerate(pools.values())}
-    for name, like in spares.items():
-        cluster_kubectl("apply", "-f", "-", input=json.dumps(_node_copy(like, name)), check=True)
+    """examples/v6e-4x4x2.yaml on the two simulated v6e 4x4 pools; one node under a slice deleted (as
+    a GKE node lost): the garbage collector removes its pod, KubeRay recreates it, Pending (its
+    pool is full), our operator stops the jobs and waits for the slice; a node then joins that pool
+    (as GKE's repair brings one), the TPU webhook's per-slice affinity puts the pod there, the other
+    slice's pods are left as they were, and the run goes back through verification. A second node
+    lost, with maxSliceReplacements 1 spent, ends Failed/SliceLost with the history. (Nothing
+    executes on simulated hosts: verification would end at its deadline, long after this test.)"""
+    pools = {pool: json.loads(cluster_kubectl("get", "nodes", "-l", f"cloud.google.com/gke-nodepool={pool}", "-o",
+                                              "json", check=True).stdout)["items"]
+             for pool in ("v6e-4x4-0", "v6e-4x4-1")}
     pool_of = {n["metadata"]["name"]: pool for pool, nodes in pools.items() for n in nodes}
-    pool_of.update({name: like["metadata"]["labels"]["cloud.google.com/gke-nodepool"] for name, like in spares.items()})
+    spare = "gke-v6e-spare"
     saved: list[dict] = []
     try:
         doc = yaml.safe_load((EXAMPLES / "v6e-4x4x2.yaml").read_text())
@@ -68,20 +64,21 @@ def test_a_host_lost_in_one_of_two_slices_replaces_only_that_slice_then_a_second
                    timeout=240, interval=2, what="both slices up and verifying")
 
         def lose(node_name: str) -> None:
-            saved.append(next(n for nodes in pools.values() for n in nodes if n["metadata"]["name"] == node_name)
-                         if node_name not in spares else spares[node_name])
+            saved.append(next(n for nodes in pools.values() for n in nodes if n["metadata"]["name"] == node_name))
             cluster_kubectl("delete", "node", node_name, "--wait=false", check=True)
 
         before = _workers(cluster_kubectl, cluster_ns, "swap")
         assert len(before) == 8 and len({w["slice"] for w in before.values()}) == 2, before
         victim_pod, victim = sorted(before.items())[0]
-        hit, pool = victim["slice"], pool_of[victim["node"]]
-        (spare,) = [name for name in spares if pool_of[name] == pool]
+        hit = victim["slice"]
         lose(victim["node"])
         st = wait_until(lambda: (s := _status(cluster_kubectl, cluster_ns, "swap")).get("recovery") and s,
                         timeout=240, interval=2, what="the lost host seen")
         (loss,) = st["recovery"]["history"]
         assert loss["phase"] == "VerifyingCollectives" and loss["hosts"] == 8 and loss["hostsReady"] < 8, loss
+        assert st["phase"] == "Provisioning" and st["reason"] == "ReplacingSlice", st
+        # a node joins the lost node's pool
+        cluster_kubectl("apply", "-f", "-", input=json.dumps(_node_copy(saved[0], spare)), check=True)
         wait_until(lambda: (s := _status(cluster_kubectl, cluster_ns, "swap")).get("phase") == "VerifyingCollectives"
                    and s["recovery"]["sliceReplacements"] == 1, timeout=240, interval=2, what="verification again")
         after = _workers(cluster_kubectl, cluster_ns, "swap")
@@ -89,14 +86,13 @@ def test_a_host_lost_in_one_of_two_slices_replaces_only_that_slice_then_a_second
         # the other slice's 4 pods are the same pods on the same nodes
         assert {k: v for k, v in after.items() if v["slice"] != hit} == untouched, (before, after)
         replaced = {k: v for k, v in after.items() if v["slice"] == hit}
-        # the lost slice is whole again, on its own pool: the lost node's place taken by that pool's spare
+        # the lost slice is whole again, on its own pool: the lost node's place taken by the new one
         assert len(replaced) == 4 and victim_pod not in replaced, (before, after)
         assert {v["node"] for v in replaced.values()} == (
             {v["node"] for v in before.values() if v["slice"] == hit} - {victim["node"]} | {spare}), (before, after)
+        assert pool_of[victim["node"]] == pool_of[next(v["node"] for v in replaced.values() if v["node"] != spare)]
 
-        # again in that slice: its pool has no free node now (the other pool's spare would take a pod
-        # of the other slice back at once, before the operator saw it gone), and no replacement is left
-        lose(sorted(v["node"] for v in replaced.values())[0])
+        lose(sorted(v["node"] for v in untouched.values())[0])   # the other slice: no replacement left
         st = wait_until(lambda: (s := _status(cluster_kubectl, cluster_ns, "swap")).get("phase") == "Failed" and s,
                         timeout=240, interval=2, what="SliceLost")
         assert st["reason"] == "SliceLost" and "maxSliceReplacements=1" in st["message"], st
@@ -104,6 +100,5 @@ def test_a_host_lost_in_one_of_two_slices_replaces_only_that_slice_then_a_second
     finally:
         cluster_kubectl("delete", "tft", "swap", "-n", cluster_ns, "--ignore-not-found", "--wait=false")
         for node in saved:
-            if node["metadata"]["name"] not in spares:
-                cluster_kubectl("apply", "-f", "-", input=json.dumps(_node_copy(node, node["metadata"]["name"])))
-        cluster_kubectl("delete", "node", *spares, "--ignore-not-found", "--wait=false")
+            cluster_kubectl("apply", "-f", "-", input=json.dumps(_node_copy(node, node["metadata"]["name"])))
+        cluster_kubectl("delete", "node", spare, "--ignore-not-found", "--wait=false")
