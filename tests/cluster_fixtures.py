@@ -91,15 +91,15 @@ PODS_GONE_S = 420
 def clear_namespace(kubectl, ns: str, timeout: float = PODS_GONE_S) -> None:
     kubectl("delete", RUN_KINDS, "--all", "-n", ns, "--wait=false", "--ignore-not-found")
 
+    # Their runs are deleted, nothing is left to save: the pods go with a 1 s grace period, deleted
+    # before the garbage collector deletes them with theirs (a serving pod's `ray start` used all
+    # of its 30 s, a training pod's preStop hook 60 s; the kubelet does not shorten a grace period
+    # it has begun).
     def gone() -> bool:
-        res = kubectl("get", "pods", "-n", ns, "-l", RAY_POD_LABEL, "-o", "name")
-        if res.returncode != 0 or not res.stdout.strip():
-            return True
-        # Their runs are deleted, nothing is left to save: a second delete shortens the grace period
-        # (a serving cluster's `ray start` outlived its 30 s and was killed: 30 s per test otherwise).
         kubectl("delete", "pods", "-n", ns, "-l", RAY_POD_LABEL, "--grace-period=1", "--wait=false",
                 "--ignore-not-found")
-        return False
+        res = kubectl("get", "pods", "-n", ns, "-l", RAY_POD_LABEL, "-o", "name")
+        return res.returncode != 0 or not res.stdout.strip()
     wait_until(gone, timeout=timeout, interval=2, what=f"KubeRay's pods in {ns} to go")
 
 
