@@ -10,6 +10,7 @@ Fixtures:
   cluster_ns     function a fresh namespace, deleted after the test (and its pods gone)
   clear_namespace(kubectl, ns)  delete what a test left in a namespace and wait for its pods to go,
                  so the next test finds the node's CPUs and the simulated TPU hosts free
+  drop_namespace(kubectl, ns)  clear_namespace, then the namespace deleted (not waited for)
   assert_nothing_left_failed(kubectl, ns)  after a run has ended: no Job Failed, no pod Failed, no
                  RayJob whose job has ended while KubeRay still calls its deployment unfinished
   demo_command(ns, result, *extra)  `tpuft demo` as a user runs it, in namespace ns, writing its
@@ -76,8 +77,7 @@ def cluster_ns(request, cluster_kubectl):
     wait_until(lambda: cluster_kubectl("get", "serviceaccount", "default", "-n", name).returncode == 0,
                timeout=90, what=f"serviceaccount default in {name}")
     yield name
-    clear_namespace(cluster_kubectl, name)
-    cluster_kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found")
+    drop_namespace(cluster_kubectl, name)
 
 
 # Everything a run makes hangs off these (owner references): deleting them deletes the rest.
@@ -101,6 +101,13 @@ def clear_namespace(kubectl, ns: str, timeout: float = PODS_GONE_S) -> None:
         res = kubectl("get", "pods", "-n", ns, "-l", RAY_POD_LABEL, "-o", "name")
         return res.returncode != 0 or not res.stdout.strip()
     wait_until(gone, timeout=timeout, interval=2, what=f"KubeRay's pods in {ns} to go")
+
+
+def drop_namespace(kubectl, ns: str) -> None:
+    """clear_namespace, then the namespace deleted, not waited for (gone by the next session, whose
+    setup would otherwise wait some 10 s for it)."""
+    clear_namespace(kubectl, ns)
+    kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found")
 
 
 def demo_command(ns: str, result, *extra: str) -> list[str]:

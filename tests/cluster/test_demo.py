@@ -32,7 +32,7 @@ import pytest
 import yaml
 
 from tests.chart.helmlib import run_health
-from tests.cluster_fixtures import assert_nothing_left_failed, clear_namespace, demo_command
+from tests.cluster_fixtures import assert_nothing_left_failed, demo_command, drop_namespace
 from tests.paths import EXAMPLES, REPO
 from tests.waiting import wait_until
 from tpuft.observed import serving_ready
@@ -61,9 +61,7 @@ def demo_namespace(cluster_kubectl, request):
     # The demo labels a namespace it creates (Pod Security); one left by an earlier run has no labels.
     cluster_kubectl("delete", "namespace", ns, "--ignore-not-found", "--wait=true", timeout=300)
     yield ns
-    clear_namespace(cluster_kubectl, ns)
-    # Not waited for; gone by the next session (whose setup above would wait some 10 s for it).
-    cluster_kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found")
+    drop_namespace(cluster_kubectl, ns)
 
 
 @pytest.fixture

@@ -64,10 +64,15 @@ def kinds(d: observed.Decision) -> list[tuple[str, str, str]]:
     return [(a.op, a.kind, a.name) for a in d.actions]
 
 
-def run_to(o: dict, phase: Phase, t: float = 0, hosts: int = 4) -> dict:
-    """Drive a fresh object through the happy path up to `phase` (at time t for every step);
-    `hosts`: its worker hosts, over every slice."""
-    n = names(o)
+def hosts_of(o: dict) -> int:
+    """Its worker hosts, over every slice."""
+    tft = parse(o)
+    return tft.spec.slice.hosts * tft.spec.slices
+
+
+def run_to(o: dict, phase: Phase, t: float = 0) -> dict:
+    """Drive a fresh object through the happy path up to `phase` (at time t for every step)."""
+    n, hosts = names(o), hosts_of(o)
     o = apply(o, phases.decide(o, Observed(), at(t), TUN))
     if phase == Phase.PROVISIONING:
         return o
@@ -588,8 +593,9 @@ def lost(ready: int = 3, hosts: int = 4) -> ClusterObs:
 @pytest.mark.parametrize("slices", [1, 2])
 def test_a_host_lost_in_training_replaces_the_slice_then_verifies_and_resumes_the_same_attempt(slices):
     """One slice, or one host of one of two (issue 29): the whole run is verified again and resumes."""
-    hosts = 4 * slices
-    o = run_to(make(slices=slices), Phase.TRAINING, hosts=hosts)
+    o = run_to(make(slices=slices), Phase.TRAINING)
+    hosts = hosts_of(o)
+    assert hosts == 4 * slices   # v6e 4x4: 4 hosts a slice
     n = names(o)
     o["status"]["training"] = {"step": 40, "loss": 1.2}
     train = n.train_attempt(0)
