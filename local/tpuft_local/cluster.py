@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import fcntl
 import json
@@ -163,16 +164,23 @@ class LocalCluster:
 
     # ----- up ------------------------------------------------------------------------------------------
     def up(self, images: bool = True) -> "LocalCluster":
+        with self.up_lock():
+            return self._up(images)
+
+    @contextlib.contextmanager
+    def up_lock(self):
+        """One `up` at a time per state dir: two at once (two demos, two test lanes) would both
+        helm-upgrade the operator, and helm refuses the second ("another operation is in progress").
+        Held by whatever must not have `up` repair the cluster meanwhile (it puts back deleted pool
+        nodes: tests/cluster/test_recovery.py)."""
         self.state.mkdir(parents=True, exist_ok=True)
-        # One `up` at a time per state dir: two at once (two demos, two test lanes) would both
-        # helm-upgrade the operator, and helm refuses the second ("another operation is in progress").
         with open(self.state / "up.lock", "w") as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 say(f"another `tpuft cluster up` is running on {self.state}; waiting for it")
                 fcntl.flock(lock, fcntl.LOCK_EX)
-            return self._up(images)
+            yield
 
     def _up(self, images: bool) -> "LocalCluster":
         t0 = time.monotonic()
