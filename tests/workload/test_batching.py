@@ -246,6 +246,26 @@ def test_rows_join_at_the_next_step_and_leave_as_they_end_each_answering_as_alon
     assert max(joined) > 1 and max(joined) <= 4 and len(joined) > 1   # joined in more than one admission
 
 
+def test_the_decoding_loop_records_no_autograd_history(tiny_model, monkeypatch):
+    """Every step runs in inference mode: a batch that never empties under steady load would otherwise
+    keep every step's activations alive through the KV cache."""
+    import torch
+
+    model, tok = tiny_model
+    batcher = _tiny_batcher(tiny_model)
+    real_step, modes = batching.rolling.step, []
+
+    def spy(*args):
+        modes.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+        return real_step(*args)
+    monkeypatch.setattr(batching.rolling, "step", spy)
+
+    async def one():
+        return await batcher.submit(tok("what is a dog")["input_ids"], 6, GREEDY, (), False).answer()
+    assert asyncio.run(one()).completion_tokens > 1
+    assert modes and set(modes) == {(True, False)}
+
+
 def test_a_failed_step_reaches_every_running_client_and_the_next_request_is_served(tiny_model, monkeypatch):
     model, tok = tiny_model
     batcher = _tiny_batcher(tiny_model)

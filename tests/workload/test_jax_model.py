@@ -158,7 +158,10 @@ def test_the_serve_app_answers_with_a_jax_written_export(tokenizer, tmp_path):
     engine = serveapp.Engine(serveapp.parse_args({"model_source": str(tmp_path), "model_id": "jax-tiny"}))
     request = chat_api.parse_request({"model": "jax-tiny", "messages": [{"role": "user", "content": "What is a dog?"}],
                                       "max_tokens": 8, "temperature": 0})
-    reply = asyncio.run(engine.answer(request))
+    try:
+        reply = asyncio.run(engine.answer(request))
+    finally:
+        engine.close()
     assert 0 < reply.completion_tokens <= 8 and reply.text.strip()
 
 

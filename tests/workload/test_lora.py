@@ -267,7 +267,10 @@ def test_the_serving_engine_answers_with_the_adapter_folder(trained):
                                                   "model_id": "lora-tiny"}))
     request = chat_api.parse_request({"model": "lora-tiny", "messages": [{"role": "user", "content": "What is a dog?"}],
                                       "max_tokens": 8, "temperature": 0})
-    reply = asyncio.run(engine.answer(request))
+    try:
+        reply = asyncio.run(engine.answer(request))
+    finally:
+        engine.close()
     assert 0 < reply.completion_tokens <= 8 and reply.text.strip()
 
 

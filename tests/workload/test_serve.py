@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import socket
 
 import pytest
@@ -16,7 +18,7 @@ from tpuft import builders, chat
 from tpuft.constants import (SERVE_API_KEY_ENV, SERVE_APP_NAME, SERVE_CHAT_PATH, SERVE_COMPLETIONS_PATH,
                              SERVE_DEPLOYMENT_NAME, SERVE_MODELS_PATH, SERVE_TRANSFORMERS_IMPORT_PATH, ServeArg)
 from tpuft.spec import parse
-from tpuft_workload import chat_api, checkpoint, data, serve as serveapp, tiny
+from tpuft_workload import chat_api, checkpoint, data, engine_process, serve as serveapp, tiny
 
 MODEL_ID = "tiny-finetuned"
 HELLO = [{"role": "user", "content": "What is a dog?"}]
@@ -35,7 +37,9 @@ def export(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def engine(export):
-    return serveapp.Engine(serveapp.parse_args({"model_source": export, "model_id": MODEL_ID}))
+    engine = serveapp.Engine(serveapp.parse_args({"model_source": export, "model_id": MODEL_ID}))
+    yield engine
+    engine.close()
 
 
 def _req(**kw) -> chat_api.ChatRequest:
@@ -105,7 +109,7 @@ def test_a_missing_or_empty_export_names_the_path_and_training(tmp_path):
 
 
 def test_max_model_len_defaults_to_the_models_positions_and_cannot_exceed_them(engine):
-    config = engine.model.config
+    config = engine.process.ready.config   # the model lives in the engine process
     assert engine.max_model_len == serveapp.model_len(None, config) == config.max_position_embeddings
     assert serveapp.model_len(128, config) == 128
     with pytest.raises(serveapp.ServeArgsError, match="exceeds the model's max_position_embeddings"):
@@ -284,7 +288,7 @@ def test_the_replica_reads_its_api_key_from_its_environment(monkeypatch):
 
 # --- the engine, no Ray --------------------------------------------------------------------
 
-def test_greedy_is_deterministic_stops_at_the_budget_and_is_what_generate_gives(engine):
+def test_greedy_is_deterministic_stops_at_the_budget_and_is_what_generate_gives(engine, export):
     import torch
 
     a, b = (_answer(engine, _req(max_tokens=12, temperature=0)) for _ in range(2))
@@ -292,7 +296,8 @@ def test_greedy_is_deterministic_stops_at_the_budget_and_is_what_generate_gives(
     assert a.text and a == b and a.prompt_tokens == len(ids) and a.completion_tokens <= 12
     assert (a.finish_reason == "length") == (a.completion_tokens == 12)
     # the batcher's hooks change nothing for a greedy row: the model's own generate() says the same
-    out = engine.model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=engine.pad_id)
+    loaded = engine_process.load(export)   # the model as the engine's process loads it
+    out = loaded.model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=loaded.pad_id)
     assert engine.tokenizer.decode(out[0, len(ids):], skip_special_tokens=True).strip() == a.text
 
 
@@ -313,10 +318,13 @@ def test_max_model_len_caps_the_completion(export):
     prompt = len(chat_api.prompt_ids(tiny.build_tokenizer(), _req().messages))
     small = serveapp.Engine(serveapp.parse_args({"model_source": export, "model_id": MODEL_ID,
                                                  "max_model_len": prompt + 3}))
-    done = _answer(small, _req(max_tokens=50, temperature=0))
-    assert done.prompt_tokens + done.completion_tokens <= prompt + 3
-    with pytest.raises(chat_api.ApiError, match="no room for a completion; shorten the messages"):
-        small.submit(_req(messages=HELLO * 3))
+    try:
+        done = _answer(small, _req(max_tokens=50, temperature=0))
+        assert done.prompt_tokens + done.completion_tokens <= prompt + 3
+        with pytest.raises(chat_api.ApiError, match="no room for a completion; shorten the messages"):
+            small.submit(_req(messages=HELLO * 3))
+    finally:
+        small.close()
 
 
 # --- the HTTP app, no Ray: requests straight into its ASGI interface --------------------------
@@ -440,19 +448,45 @@ def test_requests_join_a_running_batch_and_answer_as_alone(engine):
     long = {**bodies[3], "max_tokens": 64}
     alone = [_call(app, "POST", SERVE_CHAT_PATH, body=b)[2]["choices"] for b in bodies]
     long_alone = _call(app, "POST", SERVE_CHAT_PATH, body=long)[2]["choices"]
-    assert engine.batcher.continuous
-    before = len(engine.batcher.batch_sizes)
+    assert engine.process.continuous
+    before = len(engine.process.batch_sizes())
 
     async def together():
         plug = asyncio.create_task(_acall(app, "POST", SERVE_CHAT_PATH, body=long))
-        while len(engine.batcher.batch_sizes) == before:
+        while len(engine.process.batch_sizes()) == before:
             await asyncio.sleep(0.001)
         answers = await asyncio.gather(*(_acall(app, "POST", SERVE_CHAT_PATH, body=b) for b in bodies))
         return [a[2]["choices"] for a in answers], (await plug)[2]["choices"]
     answers, long_answer = asyncio.run(together())
     assert answers == alone and long_answer == long_alone
-    sizes = engine.batcher.batch_sizes[before:]
+    sizes = engine.process.batch_sizes()[before:]
     assert sizes[0] == 1 and max(sizes) == 5   # all four rode beside the long one
+
+
+def test_a_dead_engine_process_fails_its_requests_with_a_500_and_the_health_check(export):
+    """The model's process killed under a request (the kernel's OOM killer, say): that request and every
+    later one get OpenAI's 500, and the replica's health check fails so Serve replaces the replica."""
+    dying = serveapp.Engine(serveapp.parse_args({"model_source": export, "model_id": MODEL_ID}))
+    app, body = _app(dying), {"model": MODEL_ID, "messages": HELLO, "max_tokens": 8, "temperature": 0}
+    dying.check_health()
+    os.kill(dying.process.pid, signal.SIGSTOP)   # the request below is surely pending when it dies
+
+    async def killed_under_a_request():
+        request = asyncio.create_task(_acall(app, "POST", SERVE_CHAT_PATH, body=body))
+        for _ in range(500):
+            if dying.process._pending:
+                break
+            await asyncio.sleep(0.01)
+        os.kill(dying.process.pid, signal.SIGKILL)
+        return await request
+    try:
+        for status, _, error in (asyncio.run(killed_under_a_request()), _call(app, "POST", SERVE_CHAT_PATH, body=body)):
+            assert status == 500 and error["error"]["message"] == (
+                "generation failed: the engine process exited with code -9"), error
+        with pytest.raises(RuntimeError, match="the engine process exited with code -9"):
+            dying.check_health()
+    finally:
+        dying.close()
 
 
 # --- end to end under local Ray Serve --------------------------------------------------------

@@ -12,8 +12,9 @@ The RayService's serveConfigV2 names it by import path and passes `args` (tpuft.
              max_batch_size: 16}
 
 build_app validates the args where the application is built (the head) and fails naming the arg; the
-replica (ChatDeployment, SERVE_DEPLOYMENT_NAME) loads tokenizer and model once, in eval mode: CPU fp32
-without a GPU, bf16 on CUDA. No TPU path: vLLM's TPU engine (Ray Serve LLM) is the way to serve
+replica (ChatDeployment, SERVE_DEPLOYMENT_NAME) loads the tokenizer, and starts the model's own process
+(tpuft_workload.engine_process), which loads the model once, in eval mode: CPU fp32 without a GPU,
+bf16 on CUDA; the replica's health check fails once that process is gone. No TPU path: vLLM's TPU engine (Ray Serve LLM) is the way to serve
 on a slice; this engine is for CPU pods and local runs. A replica generates up to max_batch_size
 concurrent requests together (tpuft_workload.batching: a request joins the running batch at its next
 step where the model's cache allows, tpuft_workload.rolling); 1 generates them one at a time.
@@ -27,7 +28,6 @@ dashboard's health routes.
 # at runtime, so they must be real classes, not strings.
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +37,7 @@ from ray import serve
 
 from tpuft.constants import (SERVE_API_KEY_ENV, SERVE_CHAT_PATH, SERVE_COMPLETIONS_PATH, SERVE_DEPLOYMENT_NAME,
                              SERVE_MODELS_PATH, SERVE_ROUTE_PREFIX, SERVE_TRANSFORMERS_IMPORT_PATH, ServeArg)
-from tpuft_workload import batching, chat_api, lora
+from tpuft_workload import batching, chat_api, engine_process, lora
 
 DEPLOYMENT_NAME = SERVE_DEPLOYMENT_NAME
 ROUTE_PREFIX = SERVE_ROUTE_PREFIX
@@ -47,10 +47,6 @@ MAX_BATCH_SIZE_DEFAULT = 16   # bench/serve_latency.py measures it beside max_ba
 # Requests a replica accepts at once (Ray Serve's default is 5): above max_batch_size, so the next
 # batch is already queued in the replica when one ends.
 MAX_ONGOING_REQUESTS = 64
-# The replica's decoding thread shares the GIL with Ray Serve's event loops, which take requests in and
-# send answers out: at Python's default 5 ms switch interval each of their steps waits behind decoding
-# (docs/performance.md: the same bench at 5 ms, 1 ms and 0.5 ms).
-GIL_SWITCH_INTERVAL_S = 0.0005
 KEYED_PREFIX = "/v1/"   # the OpenAI routes, behind the API key when one is set
 EXPORT_HINT = ("it must be the Hugging Face export a TPUFinetune's training wrote (status.training.exportedModel): "
                "check that training succeeded and exported there")
@@ -112,22 +108,6 @@ def _check_adapter(path: Path) -> None:
         raise ServeArgsError(f"{where} on base {base}, which is not a folder here; {EXPORT_HINT}")
 
 
-def load_causal_lm(path: str, dtype):
-    """The export's model: a from_pretrained() folder, or a LoRA adapter folder applied to its base
-    (base_model_name_or_path: a path, gs:// URI or hub name) and merged into it, so serving runs
-    one plain model at the base's speed."""
-    from transformers import AutoModelForCausalLM
-
-    from tpuft_workload.model import _local_copy
-
-    if not lora.is_adapter_folder(path):
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    from peft import PeftModel
-
-    base = AutoModelForCausalLM.from_pretrained(_local_copy(lora.base_of(path)), dtype=dtype)
-    return PeftModel.from_pretrained(base, path).merge_and_unload()
-
-
 def parse_args(args: dict) -> ServeArgs:
     """Serve config args -> ServeArgs; ServeArgsError names the first arg at fault."""
     if not isinstance(args, dict):
@@ -163,28 +143,20 @@ def model_len(requested: int | None, config) -> int:
 
 
 class Engine:
-    """Tokenizer + model from the export (a LoRA export: its base with the adapters merged); requests are generated in batches by a batching.Batcher."""
+    """The tokenizer here, the model (a LoRA export: its base with the adapters merged) in its own
+    process (tpuft_workload.engine_process), which generates requests in batches."""
 
     def __init__(self, args: ServeArgs):
-        import torch
         from transformers import AutoTokenizer
 
         from tpuft_workload.model import _local_copy
 
         path = _local_copy(args.model_source)   # gs://... -> a local copy, once per host
         _check_export(path)                     # the replica's host may not be the one build_app ran on
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = load_causal_lm(path, dtype).to(self.device).eval()
-        self.max_model_len = model_len(args.max_model_len, self.model.config)
+        self.process = engine_process.EngineProcess(path, args.max_batch_size)
+        self.max_model_len = model_len(args.max_model_len, self.process.ready.config)
         self.max_tokens_default = args.max_tokens_default
-        eos = self.model.generation_config.eos_token_id
-        eos = self.tokenizer.eos_token_id if eos is None else eos
-        self.stop_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.stop_ids)
-        self.batcher = batching.Batcher(self.model, self.tokenizer, self.stop_ids, self.pad_id, args.max_batch_size)
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)   # the replica's process is this engine's
 
     def submit(self, req: chat_api.GenerationRequest) -> batching.Generation:
         """Queue one request (call it on the event loop that reads the answer); ApiError 400 when its
@@ -193,12 +165,20 @@ class Engine:
         budget = chat_api.completion_budget(len(ids), req.requested_tokens(self.max_tokens_default),
                                             self.max_model_len,
                                             "messages" if isinstance(req, chat_api.ChatRequest) else "prompt")
-        return self.batcher.submit(ids, budget, batching.Sampling(req.temperature, req.top_p, req.seed), req.stop,
+        return self.process.submit(ids, budget, batching.Sampling(req.temperature, req.top_p, req.seed), req.stop,
                                    req.stream)
 
     async def answer(self, req: chat_api.GenerationRequest) -> chat_api.Answer:
         """The whole answer to one request."""
         return await self.submit(req).answer()
+
+    def check_health(self) -> None:
+        """Raises once the model's process is gone, so Serve replaces the replica."""
+        if self.process.failure:
+            raise RuntimeError(self.process.failure)
+
+    def close(self) -> None:
+        self.process.close()
 
 
 def _error(e: chat_api.ApiError) -> JSONResponse:
@@ -287,6 +267,9 @@ class ChatDeployment:
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return make_api(self.engine, self.args, self.api_key)
+
+    def check_health(self) -> None:
+        self.engine.check_health()
 
 
 def build_app(args: dict) -> serve.Application:
