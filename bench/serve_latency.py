@@ -153,7 +153,8 @@ def table(engines: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=48, help="counted requests per level, at least 4 per client")
+    ap.add_argument("--requests", type=int, default=200,
+                    help="counted requests per level, at least 4 per client (fewer: the p50 ratios swing by 0.3x)")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3, help="rounds over every engine and level; medians reported")
