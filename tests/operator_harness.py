@@ -184,6 +184,7 @@ class PhaseRecorder(threading.Thread):
         self.custom = client.CustomObjectsApi(self.api_client)
         self.ns = namespace
         self.seen: dict[str, list[tuple[str | None, str | None]]] = collections.defaultdict(list)
+        self.messages: dict[str, list[str | None]] = collections.defaultdict(list)   # status.message, per entry of seen
         self.latest: dict[str, dict] = {}
         self.lock = threading.Lock()
         self.halt = threading.Event()
@@ -196,6 +197,7 @@ class PhaseRecorder(threading.Thread):
             self.latest[name] = st
             if not self.seen[name] or self.seen[name][-1] != entry:
                 self.seen[name].append(entry)
+                self.messages[name].append(st.get("message"))
 
     def run(self) -> None:
         while not self.halt.is_set():
@@ -223,11 +225,12 @@ class PhaseRecorder(threading.Thread):
         out = []
         with self.lock:
             for name, seq in self.seen.items():
-                for (p1, r1), (p2, r2) in zip(seq, seq[1:]):
+                for i, ((p1, r1), (p2, r2)) in enumerate(zip(seq, seq[1:])):
+                    said = self.messages[name][i + 1]   # the operator's own words on the later entry
                     if p1 in TERMINAL and (p2, r2) != (p1, r1):
-                        out.append(f"{name}: terminal {p1}/{r1} changed to {p2}/{r2} ({seq})")
+                        out.append(f"{name}: terminal {p1}/{r1} changed to {p2}/{r2} ({seq}): {said}")
                     elif ORDER.get(p2, -2) < ORDER.get(p1, -2):
-                        out.append(f"{name}: {p1} -> {p2} goes backwards ({seq})")
+                        out.append(f"{name}: {p1} -> {p2} goes backwards ({seq}): {said}")
         return out
 
 

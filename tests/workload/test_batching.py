@@ -26,7 +26,8 @@ class Tokenizer:
 
 class Model:
     """generate() over the padded batch: greedy rows get token 4 + step (EOS from step `eos_at`); each
-    call records its batch and can be held at its start until `gate` opens."""
+    call records its batch and can be held at its start until `gate` opens, and at step `hold_at`
+    until `resume` is set."""
     device = torch.device("cpu")
 
     def __init__(self, eos_at: int = 99, fail: bool = False):
@@ -35,6 +36,8 @@ class Model:
         self.ended: list[list[list[int]]] = []     # each call's rows as generate() returned them
         self.entered, self.gate = threading.Event(), threading.Event()
         self.gate.set()
+        self.hold_at: int | None = None
+        self.resume = threading.Event()
 
     def scores(self, step: int, rows: int):
         scores = torch.zeros(rows, VOCAB)
@@ -48,6 +51,8 @@ class Model:
         if self.fail:
             raise RuntimeError("out of memory")
         for step in range(generation_config.max_new_tokens):
+            if step == self.hold_at:
+                assert self.resume.wait(30)
             scores = logits_processor(ids, self.scores(step, ids.shape[0]))
             ids = torch.cat([ids, scores.argmax(-1, keepdim=True)], dim=-1)
             if stopping_criteria(ids, scores).all():
@@ -124,7 +129,8 @@ def test_a_client_that_leaves_ends_its_row_and_the_batch_goes_on_for_the_others(
 
     async def go():
         model.gate.clear()
-        plug = batcher.submit([1], 1, GREEDY, (), False)
+        model.hold_at = 2   # the second batch waits there until the client has left: no race with its steps
+        plug = batcher.submit([1], 1, GREEDY, (), False)   # one step: never held
         await asyncio.to_thread(model.entered.wait, 30)
         leaving = batcher.submit([1], 50, GREEDY, (), True)
         staying = batcher.submit([1], 5, GREEDY, (), True)
@@ -133,6 +139,7 @@ def test_a_client_that_leaves_ends_its_row_and_the_batch_goes_on_for_the_others(
         events = aiter(leaving)
         await anext(events)
         await events.aclose()   # what Starlette does to a stream whose client disconnected
+        model.resume.set()
         answer = await staying.answer()
         async with asyncio.timeout(30):
             while len(model.ended) < 2:
