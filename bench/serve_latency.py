@@ -20,6 +20,13 @@ Per engine and level (results["engines"][<engine>]["<C>"]; every repeat in resul
   completionTokensPerSecond  usage.completion_tokens summed / wall time
   meanCompletionTokens   usage.completion_tokens per request (below max_tokens when the model ends
                          on EOS: the tiny model is untrained)
+  cpu<Who>MsPerRequest   CPU time (user + system, from /proc) spent during the level per counted
+                         request, by who spent it: Engine (the engine's model process), Replica (its
+                         Serve replica), Proxy (Serve's HTTP proxy), Client (this process: the
+                         client threads, and Ray's driver), Rest (every other process on the machine:
+                         Ray's GCS, raylet and controller, and anything else running)
+  cpuCoresBusy           all of that over the level's wall time (2.0: both cores of the 2-core dev
+                         machine busy the whole level)
 results["vsOneClient"][<engine>]["<C>"]: tokens/s and p50 at C over the same engine's at 1.
 The clients run on the same machine as Ray (they share its cores). Nothing else runs Ray on the
 machine while it runs (the host-wide Ray lock is taken).
@@ -91,7 +98,47 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
-def one_level(url: str, prompts: list[str], concurrency: int, max_tokens: int, timeout: float) -> dict:
+def cpu_seconds() -> dict[int, tuple[str, int, float]]:
+    """pid -> (command line, parent pid, CPU seconds so far) of every process /proc shows."""
+    tick, found = os.sysconf("SC_CLK_TCK"), {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{pid}/cmdline") as f:
+                cmd = f.read().replace("\0", " ")
+        except OSError:   # it ended while we looked
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()   # after "pid (comm) ": state, ppid, ...
+        found[int(pid)] = (cmd, int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    return found
+
+
+def cpu_roles(procs: dict, engine: str) -> dict[int, str]:
+    """pid -> Engine, Replica, Proxy or Client for the processes serving `engine` (its app name)."""
+    roles = {os.getpid(): "Client"}
+    for pid, (cmd, _, _) in procs.items():
+        if cmd.startswith("ray::ProxyActor"):
+            roles[pid] = "Proxy"
+        elif cmd.startswith(f"ray::ServeReplica:{engine}:"):
+            roles[pid] = "Replica"
+    for pid, (cmd, ppid, _) in procs.items():
+        if "tpuft_workload.engine_process" in cmd and roles.get(ppid) == "Replica":
+            roles[pid] = "Engine"
+    return roles
+
+
+def cpu_per_request(before: dict, after: dict, engine: str, requests: int, wall: float) -> dict:
+    roles, spent = cpu_roles(after, engine), dict.fromkeys(("Engine", "Replica", "Proxy", "Client", "Rest"), 0.0)
+    for pid, (_, _, seconds) in after.items():
+        spent[roles.get(pid, "Rest")] += seconds - before.get(pid, ("", 0, 0.0))[2]
+    return {**{f"cpu{who}MsPerRequest": 1000 * s / requests for who, s in spent.items()},
+            "cpuCoresBusy": sum(spent.values()) / wall}
+
+
+def one_level(url: str, prompts: list[str], concurrency: int, max_tokens: int, timeout: float,
+              engine: str | None = None) -> dict:
+    """One closed-loop level; with `engine` (its app name) also where the CPU went (Linux /proc)."""
     import requests
 
     local = threading.local()
@@ -108,14 +155,16 @@ def one_level(url: str, prompts: list[str], concurrency: int, max_tokens: int, t
         return latency, resp.json()["usage"]["completion_tokens"]
 
     with ThreadPoolExecutor(concurrency) as pool:
+        before = cpu_seconds() if engine else {}
         t0 = time.perf_counter()
         done = list(pool.map(call, prompts))
         wall = time.perf_counter() - t0
+        cpu = cpu_per_request(before, cpu_seconds(), engine, len(done), wall) if engine else {}
     latencies = [lat * 1000 for lat, _ in done]
     tokens = sum(n for _, n in done)
     return {"requests": len(done), "p50Ms": statistics.median(latencies), "p99Ms": percentile(latencies, 99),
             "requestsPerSecond": len(done) / wall, "completionTokensPerSecond": tokens / wall,
-            "meanCompletionTokens": tokens / len(done), "wallSeconds": wall}
+            "meanCompletionTokens": tokens / len(done), "wallSeconds": wall, **cpu}
 
 
 def run_apps(export: str, engines: dict[str, int], replicas: int, port: int) -> dict[str, str]:
@@ -149,6 +198,21 @@ def table(engines: dict) -> str:
         cells = [f"{engines[n][c][k]:.1f}" for k in ("p50Ms", "p99Ms", "completionTokensPerSecond") for n in names]
         rows.append(f"| {c} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+CPU_WHO = ("Engine", "Replica", "Proxy", "Client", "Rest")
+
+
+def cpu_table(engines: dict) -> str:
+    """CPU ms per request by process, per engine and level (empty without /proc)."""
+    rows = ["| engine | concurrency | " + " | ".join(f"{w.lower()} ms" for w in CPU_WHO) + " | cores busy |",
+            "|---" * (3 + len(CPU_WHO)) + "|"]
+    for name, by_level in engines.items():
+        for c, m in by_level.items():
+            if "cpuCoresBusy" in m:
+                rows.append(f"| {name} | {c} | " + " | ".join(f"{m[f'cpu{w}MsPerRequest']:.1f}" for w in CPU_WHO)
+                            + f" | {m['cpuCoresBusy']:.2f} |")
+    return "\n".join(rows) if len(rows) > 2 else ""
 
 
 def main() -> int:
@@ -189,7 +253,8 @@ def main() -> int:
                 for c in levels:
                     for name, url in urls.items():
                         one_level(url, instructions(c), c, args.max_tokens, args.timeout)   # warm-up round
-                        r = one_level(url, instructions(max(args.requests, 4 * c)), c, args.max_tokens, args.timeout)
+                        r = one_level(url, instructions(max(args.requests, 4 * c)), c, args.max_tokens, args.timeout,
+                                      engine=name if os.path.isdir("/proc") else None)
                         repeats[name][str(c)].append({k: (round(v, 2) if isinstance(v, float) else v)
                                                       for k, v in r.items()})
                         say(f"repeat {rep + 1} {name} concurrency {c}: {repeats[name][str(c)][-1]}")
@@ -210,6 +275,7 @@ def main() -> int:
                          "ended": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                          "loadAverage": [round(x, 2) for x in os.getloadavg()]}
     print(table(results["engines"]))
+    print(cpu_table(results["engines"]))
     print(json.dumps(results["vsOneClient"]))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
