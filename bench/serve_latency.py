@@ -98,6 +98,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
+CPU_WHO = ("Engine", "Replica", "Proxy", "Client", "Rest")   # cpu_roles' roles, then "Rest"
+
+
 def cpu_seconds() -> dict[int, tuple[str, int, float]]:
     """pid -> (command line, parent pid, CPU seconds so far) of every process /proc shows."""
     tick, found = os.sysconf("SC_CLK_TCK"), {}
@@ -129,7 +132,7 @@ def cpu_roles(procs: dict, engine: str) -> dict[int, str]:
 
 
 def cpu_per_request(before: dict, after: dict, engine: str, requests: int, wall: float) -> dict:
-    roles, spent = cpu_roles(after, engine), dict.fromkeys(("Engine", "Replica", "Proxy", "Client", "Rest"), 0.0)
+    roles, spent = cpu_roles(after, engine), dict.fromkeys(CPU_WHO, 0.0)
     for pid, (_, _, seconds) in after.items():
         spent[roles.get(pid, "Rest")] += seconds - before.get(pid, ("", 0, 0.0))[2]
     return {**{f"cpu{who}MsPerRequest": 1000 * s / requests for who, s in spent.items()},
@@ -198,9 +201,6 @@ def table(engines: dict) -> str:
         cells = [f"{engines[n][c][k]:.1f}" for k in ("p50Ms", "p99Ms", "completionTokensPerSecond") for n in names]
         rows.append(f"| {c} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
-
-
-CPU_WHO = ("Engine", "Replica", "Proxy", "Client", "Rest")
 
 
 def cpu_table(engines: dict) -> str:
