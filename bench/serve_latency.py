@@ -11,8 +11,8 @@ prefix /<engine>) behind one Serve proxy on 127.0.0.1, --replicas replicas each 
 message (a dolly-mini instruction, in order, so prompt lengths vary), `max_tokens` as given,
 temperature 0, not streamed. Per concurrency level C, C client threads send max(--requests, 4*C)
 requests in all, each thread waiting for its answer before sending the next, after C warm-up
-requests that are not counted. The levels run engine after engine (batched first), then again
---repeats times; the figures are medians over the repeats.
+requests that are not counted. Each engine runs its levels back to back (batched first), and the
+whole round again --repeats times; the figures are medians over the repeats.
 
 Per engine and level (results["engines"][<engine>]["<C>"]; every repeat in results["repeats"]):
   p50Ms, p99Ms           request latency as the client sees it (HTTP round trip, proxy included)
@@ -27,7 +27,10 @@ Per engine and level (results["engines"][<engine>]["<C>"]; every repeat in resul
                          Ray's GCS, raylet and controller, and anything else running)
   cpuCoresBusy           all of that over the level's wall time (2.0: both cores of the 2-core dev
                          machine busy the whole level)
-results["vsOneClient"][<engine>]["<C>"]: tokens/s and p50 at C over the same engine's at 1.
+results["vsOneClientPerRepeat"][<engine>]["<C>"]: each repeat's tokens/s and p50 at C over the same
+engine's at 1 in that repeat (one engine's levels run back to back, so both sides of a ratio see the
+host alike: on a shared 2-core host one client's p50 moved by half between repeats);
+results["vsOneClient"][<engine>]["<C>"]: the medians of those.
 The clients run on the same machine as Ray (they share its cores). Nothing else runs Ray on the
 machine while it runs (the host-wide Ray lock is taken).
 """
@@ -192,6 +195,14 @@ def medians(runs: list[dict]) -> dict:
             for k in runs[0]}
 
 
+def paired_ratios(by_level: dict[str, list[dict]]) -> dict[str, dict[str, list[float]]]:
+    """Per level, each repeat's tokens/s and p50 over the same repeat's one client."""
+    return {c: {"tokensPerSecond": [round(r["completionTokensPerSecond"] / one["completionTokensPerSecond"], 2)
+                                    for r, one in zip(runs, by_level["1"])],
+                "p50": [round(r["p50Ms"] / one["p50Ms"], 2) for r, one in zip(runs, by_level["1"])]}
+            for c, runs in by_level.items()}
+
+
 def table(engines: dict) -> str:
     names = list(engines)
     rows = ["| concurrency | " + " | ".join(f"{n} {what}" for what in ("p50 ms", "p99 ms", "completion tokens/s")
@@ -250,8 +261,10 @@ def main() -> int:
             for url in urls.values():
                 one_level(url, instructions(4), 1, args.max_tokens, args.timeout)
             for rep in range(args.repeats):
-                for c in levels:
-                    for name, url in urls.items():
+                # one engine's levels back to back: its ratios compare levels a minute apart, so a
+                # host that speeds up or slows down between repeats moves both sides of a ratio
+                for name, url in urls.items():
+                    for c in levels:
                         one_level(url, instructions(c), c, args.max_tokens, args.timeout)   # warm-up round
                         r = one_level(url, instructions(max(args.requests, 4 * c)), c, args.max_tokens, args.timeout,
                                       engine=name if os.path.isdir("/proc") else None)
@@ -264,10 +277,9 @@ def main() -> int:
             ray.shutdown()
         fcntl.flock(lock, fcntl.LOCK_UN)
     results: dict = {"engines": {n: {c: medians(runs) for c, runs in by_level.items()} for n, by_level in repeats.items()}}
-    results["vsOneClient"] = {
-        n: {c: {"tokensPerSecond": round(m["completionTokensPerSecond"] / by_level["1"]["completionTokensPerSecond"], 2),
-                "p50": round(m["p50Ms"] / by_level["1"]["p50Ms"], 2)} for c, m in by_level.items()}
-        for n, by_level in results["engines"].items() if "1" in by_level}
+    results["vsOneClientPerRepeat"] = {n: paired_ratios(by_level) for n, by_level in repeats.items() if "1" in by_level}
+    results["vsOneClient"] = {n: {c: {k: round(statistics.median(v), 2) for k, v in r.items()} for c, r in by_c.items()}
+                              for n, by_c in results["vsOneClientPerRepeat"].items()}
     results["repeats"] = repeats
     results["config"] = {"model": "builtin:tiny-llama (untrained, seed 0)", "maxTokens": args.max_tokens,
                          "temperature": 0, "replicas": args.replicas, "engines": engines, "repeats": args.repeats,
@@ -276,7 +288,7 @@ def main() -> int:
                          "loadAverage": [round(x, 2) for x in os.getloadavg()]}
     print(table(results["engines"]))
     print(cpu_table(results["engines"]))
-    print(json.dumps(results["vsOneClient"]))
+    print(json.dumps({"vsOneClient": results["vsOneClient"], "perRepeat": results["vsOneClientPerRepeat"]}))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2) + "\n")
