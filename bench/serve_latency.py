@@ -195,11 +195,13 @@ def medians(runs: list[dict]) -> dict:
             for k in runs[0]}
 
 
+RATIOS = {"tokensPerSecond": "completionTokensPerSecond", "p50": "p50Ms"}   # vsOneClient's name -> the level's
+
+
 def paired_ratios(by_level: dict[str, list[dict]]) -> dict[str, dict[str, list[float]]]:
     """Per level, each repeat's tokens/s and p50 over the same repeat's one client."""
-    return {c: {"tokensPerSecond": [round(r["completionTokensPerSecond"] / one["completionTokensPerSecond"], 2)
-                                    for r, one in zip(runs, by_level["1"])],
-                "p50": [round(r["p50Ms"] / one["p50Ms"], 2) for r, one in zip(runs, by_level["1"])]}
+    return {c: {name: [round(r[key] / one[key], 2) for r, one in zip(runs, by_level["1"])]
+                for name, key in RATIOS.items()}
             for c, runs in by_level.items()}
 
 
