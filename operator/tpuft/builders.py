@@ -312,6 +312,12 @@ def train_entrypoint(tft: TPUFinetune) -> str:
             "--log-file", log_path(tft, c.Component.TRAIN)]
     if sp.dataset.format:
         args += ["--dataset-format", sp.dataset.format]
+    if sp.dataset.type:
+        args += ["--dataset-type", sp.dataset.type]
+    for key, column in sp.dataset.columns:
+        args += ["--dataset-column", f"{key}={column}"]
+    if sp.dataset.overlong != DEFAULTS["dataset.overlong"]:
+        args += ["--overlong", sp.dataset.overlong]
     if not tr.packing:
         args.append("--no-packing")
     if tr.framework != DEFAULTS["training.framework"]:   # torch entrypoints stay as they were

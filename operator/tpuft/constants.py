@@ -306,6 +306,24 @@ class DatasetFormat(str, enum.Enum):
     PARQUET = "parquet"
 
 
+class DatasetType(str, enum.Enum):
+    """spec.dataset.type: what a record holds; left out, its columns say (tpuft_workload.records)."""
+    MESSAGES = "messages"                    # {"messages": [{"role", "content"}, ...]}: OpenAI's chat fine-tuning
+    PROMPT_COMPLETION = "promptCompletion"   # {"prompt", "completion"}: one user turn, one answer
+    INSTRUCTION = "instruction"              # dolly (instruction, context, response), alpaca (instruction, input, output)
+    TEXT = "text"                            # {"text"}: every token trained (continued pre-training)
+
+
+# spec.dataset.columns' keys: the column names a record type reads (its values: the user's names).
+DATASET_COLUMN_KEYS = ("messages", "prompt", "completion", "instruction", "input", "response", "text")
+
+
+class Overlong(str, enum.Enum):
+    """spec.dataset.overlong: an example longer than spec.training.maxSeqLength."""
+    TRUNCATE = "truncate"   # its first maxSeqLength tokens are trained (dropped when no answer token is left)
+    DROP = "drop"           # left out
+
+
 class TrainingFramework(str, enum.Enum):
     """spec.training.framework: which Ray Train trainer fine-tunes the model."""
     TORCH = "torch"      # TorchTrainer + FSDP2, one worker per device

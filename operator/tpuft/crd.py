@@ -7,6 +7,7 @@ chart's copy differs. Generating keeps the CEL topology rules and the catalog on
 from __future__ import annotations
 
 import enum
+import json
 import sys
 
 import yaml
@@ -14,7 +15,7 @@ import yaml
 from tpuft import catalog
 from tpuft.builders import RAY_VERSION_PIN
 from tpuft import constants as c
-from tpuft.spec import (CHECKPOINT_VOLUME_SOURCES, CONFIG_KEY, DEFAULTS, DNS_LABEL, DNS_SUBDOMAIN, ENV_NAME, ENV_SOURCES,
+from tpuft.spec import (CHECKPOINT_VOLUME_SOURCES, COLUMN_NAME, CONFIG_KEY, DEFAULTS, DNS_LABEL, DNS_SUBDOMAIN, ENV_NAME, ENV_SOURCES,
                         LABEL_VALUE, LEARNING_RATE_MAX, LIMITS, MAX_MAP_ENTRIES, MAX_NAME_LENGTH,
                         MAX_DNS_SUBDOMAIN_LENGTH, MAX_LABEL_LENGTH, MAX_PATH_LENGTH, MAX_QUALIFIED_NAME_LENGTH, MAX_QUANTITY_LENGTH, MAX_SPLIT_LENGTH, MAX_STRING_LENGTH, QUALIFIED_NAME, QUANTITY, SHELL_SAFE,
                         LORA_DEFAULTS, LORA_MAX_TARGET_MODULES, default_of, LORA_MODULE, STORAGE_PATH, TOLERATION_EFFECTS, TOLERATION_OPERATORS, either)
@@ -237,7 +238,8 @@ def _image_and_model() -> dict:
 
 
 def _dataset() -> dict:
-    return _obj("Instruction dataset in dolly format (instruction, context, response).", {
+    return _obj("Training data: records of chat messages, prompt/completion pairs, instructions (dolly, alpaca) "
+                "or plain text, rendered through the model's chat template as serving renders them.", {
         "name": _shell_safe("Hugging Face dataset id, local path or gs:// URI (builtin:dolly-mini ships with the "
                             "workload).", minLength=1),
         "split": _shell_safe("Split in datasets' slicing syntax, e.g. train[:1024].", MAX_SPLIT_LENGTH,
@@ -245,6 +247,20 @@ def _dataset() -> dict:
         "format": _p("string", "How to read a file whose name does not end in .jsonl, .json or .parquet "
                      "(json: JSON lines; parquet). Leave out for a Hugging Face dataset id.",
                      enum=[f.value for f in c.DatasetFormat]),
+        "type": _p("string", "What a record holds: messages (OpenAI chat fine-tuning: role/content turns), "
+                   "promptCompletion, instruction (dolly instruction/context/response or alpaca "
+                   "instruction/input/output) or text (every token trained). Left out, the columns say.",
+                   enum=[t.value for t in c.DatasetType]),
+        "columns": {"type": "object", "description": "The dataset's own column for a name a record type reads "
+                    f"(keys: {', '.join(c.DATASET_COLUMN_KEYS)}), e.g. {{prompt: question, completion: answer}}.",
+                    "additionalProperties": {"type": "string", "pattern": COLUMN_NAME.pattern},
+                    "maxProperties": len(c.DATASET_COLUMN_KEYS),
+                    "x-kubernetes-validations": [{
+                        "rule": "self.all(k, k in " + json.dumps(list(c.DATASET_COLUMN_KEYS)) + ")",
+                        "message": f"keys must be among {', '.join(c.DATASET_COLUMN_KEYS)}"}]},
+        "overlong": _p("string", "An example longer than training.maxSeqLength: truncate (its first maxSeqLength "
+                       "tokens; dropped when no answer token is left) or drop. Counted in the driver's log.",
+                       default=DEFAULTS["dataset.overlong"], enum=[o.value for o in c.Overlong]),
     }, required=["name"])
 
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from tpuft import catalog
-from tpuft.constants import (API_VERSION, KIND, RESERVED_ANNOTATIONS, RESERVED_ENV, RESERVED_LABELS,
-                             SERVE_API_KEY_SECRET_KEY, TPU_RESOURCE, DatasetFormat, ImagePullPolicy, Reserved,
-                             ServeEngine, TrainingFramework, TrainingMethod)
+from tpuft.constants import (API_VERSION, DATASET_COLUMN_KEYS, KIND, RESERVED_ANNOTATIONS, RESERVED_ENV,
+                             RESERVED_LABELS, SERVE_API_KEY_SECRET_KEY, TPU_RESOURCE, DatasetFormat, DatasetType,
+                             ImagePullPolicy, Overlong, Reserved, ServeEngine, TrainingFramework, TrainingMethod)
 
 # Children are named "{name}-{suffix}" (longest suffix "-workload", plus "-train-r99" for
 # retries and resubmissions, "-verify-r3"); KubeRay derives pod and service names from those and
@@ -38,6 +38,8 @@ MAX_PATH_LENGTH = 1024            # storagePath, resumeFrom
 MAX_QUALIFIED_NAME_LENGTH = MAX_DNS_SUBDOMAIN_LENGTH + 1 + MAX_LABEL_LENGTH   # prefix "/" name
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 CONFIG_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+COLUMN_NAME = re.compile(r"^[A-Za-z0-9_][-._A-Za-z0-9]{0,127}$")   # spec.dataset.columns' values (reach an entrypoint)
+COLUMN_NAME_WORDS = "at most 128 of [-._A-Za-z0-9], not starting with - or ."
 MAX_MAP_ENTRIES = 64
 TOLERATION_OPERATORS = ("Exists", "Equal")
 TOLERATION_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
@@ -53,6 +55,7 @@ MAX_SPLIT_LENGTH = 128
 DEFAULTS: dict[str, Any] = {
     "slices": 1,
     "dataset.split": "train",
+    "dataset.overlong": "truncate",
     "training.epochs": 3,
     "training.batchSizePerDevice": 4,
     "training.maxSeqLength": 512,
@@ -161,6 +164,9 @@ class Dataset:
     name: str
     split: str
     format: str | None = None   # constants.DatasetFormat value; None: the suffix (or a hub name) says
+    type: str | None = None     # constants.DatasetType value; None: the columns say
+    columns: tuple[tuple[str, str], ...] = ()   # (key a record type reads, the dataset's column), sorted
+    overlong: str = "truncate"  # constants.Overlong value
 
 
 @dataclass(frozen=True)
@@ -548,7 +554,28 @@ def _dataset(r: _Reader, spec: Mapping) -> Dataset:
         r.fail("spec.dataset.format", f"must be one of {', '.join(formats)} (got {fmt!r}); leave it out when the "
                "file name ends in .jsonl, .json or .parquet, or for a Hugging Face dataset id")
         fmt = None
-    return Dataset(name or "", split or DEFAULTS["dataset.split"], fmt)
+    kind = _choice(r, ds, "type", "spec.dataset.type", [t.value for t in DatasetType],
+                   "leave it out to have the columns say")
+    overlong = _choice(r, ds, "overlong", "spec.dataset.overlong", [o.value for o in Overlong], "",
+                       DEFAULTS["dataset.overlong"])
+    columns = r.str_map(ds, "columns", "spec.dataset.columns")
+    for key, column in columns.items():
+        if key not in DATASET_COLUMN_KEYS:
+            r.fail(f"spec.dataset.columns.{key}", f"is not a key a record type reads; the keys are "
+                   f"{', '.join(DATASET_COLUMN_KEYS)}")
+        elif not COLUMN_NAME.fullmatch(column):
+            r.fail(f"spec.dataset.columns.{key}", f"{column!r} is not a column name ({COLUMN_NAME_WORDS})")
+    return Dataset(name or "", split or DEFAULTS["dataset.split"], fmt, kind,
+                   tuple(sorted(columns.items())), overlong or DEFAULTS["dataset.overlong"])
+
+
+def _choice(r: _Reader, obj: Mapping, key: str, path: str, allowed: list[str], hint: str,
+            default: str | None = None) -> str | None:
+    value = r.string(obj, key, path, default=default)
+    if value is not None and value not in allowed:
+        r.fail(path, f"must be one of {', '.join(allowed)} (got {value!r})" + (f"; {hint}" if hint else ""))
+        return default
+    return value
 
 
 def _training(r: _Reader, spec: Mapping) -> Training:

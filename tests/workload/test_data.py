@@ -1,10 +1,10 @@
-"""Template, tokenization, packing and per-rank batching: the label rules training relies on."""
+"""Rendering, packing and per-rank batching: the label rules training relies on."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tpuft_workload import data, tiny
+from tpuft_workload import chat_api, data, tiny
 from tpuft_workload.data import IGNORE, Example
 
 EOS, PAD = 99, 0
@@ -24,53 +24,61 @@ def tok():
     return tiny.build_tokenizer()
 
 
-def test_template_includes_context_only_when_present():
-    with_ctx = data.format_example({"instruction": "Sum up.", "context": "Some text.", "response": "Ok."})
-    without = data.format_example({"instruction": "Sum up.", "context": "  ", "response": "Ok."})
-    assert with_ctx[0] == "### Instruction:\nSum up.\n\n### Context:\nSome text.\n\n### Response:\n"
-    assert without[0] == "### Instruction:\nSum up.\n\n### Response:\n"
-    assert with_ctx[1] == without[1] == "Ok."
+def _layout(*columns):
+    return data.recordslib.detect(columns)
 
 
-def test_tokenize_masks_prompt_and_ends_with_eos(tok):
+def test_an_instruction_is_the_user_turn_and_its_context_follows(tok):
+    layout = _layout("instruction", "context", "response")
+    q, c, a = "Tell me about Paris .", "It is in France .", "Paris is the capital of France ."
+    with_ctx = data.example_of(tok, {"instruction": q, "context": c, "response": a}, layout)
+    without = data.example_of(tok, {"instruction": q, "context": "  ", "response": a}, layout)
+    assert tok.decode(with_ctx.input_ids) == f"<s> ### Instruction : {q} {c} ### Response : {a} </s>"
+    assert tok.decode(without.input_ids) == f"<s> ### Instruction : {q} ### Response : {a} </s>"
+
+
+def test_only_the_answer_and_its_eos_are_trained(tok):
     rec = {"instruction": "Tell me about Paris.", "context": "", "response": "Paris is the capital of France."}
-    e = data.tokenize_example(tok, rec)
-    prompt_ids = tok(data.format_prompt(rec))["input_ids"]
+    e = data.example_of(tok, rec, _layout("instruction", "context", "response"))
+    served = chat_api.prompt_ids(tok, [chat_api.Message(role="user", content=rec["instruction"])])
     assert e.input_ids[0] == tok.bos_token_id and e.input_ids[-1] == tok.eos_token_id
-    assert e.labels[:len(prompt_ids)] == [IGNORE] * len(prompt_ids)
-    assert e.labels[len(prompt_ids):] == e.input_ids[len(prompt_ids):]
+    assert e.input_ids[:len(served)] == served            # what the endpoint sends for the question
+    assert e.labels[:len(served)] == [IGNORE] * len(served)
+    assert e.labels[len(served):] == e.input_ids[len(served):]
     assert tok.unk_token_id not in e.input_ids  # the built-in vocabulary covers the shipped data
-    unmasked = data.tokenize_example(tok, rec, mask_prompt=False)
-    assert unmasked.labels[0] == IGNORE and unmasked.labels[1:] == unmasked.input_ids[1:]
 
 
-def test_packing_never_lets_a_label_cross_an_example_boundary():
-    a, b, c = ex(3, [1, 2]), ex(2, [3, 4, 5], start=20), ex(4, [6], start=30)
-    blocks = data.pack_examples([a, b, c], block_len=8, pad_id=PAD)
-    ids = [t for blk in blocks for t in blk.input_ids]
-    labels = [t for blk in blocks for t in blk.labels]
-    pos = [t for blk in blocks for t in blk.position_ids]
-    stream = a.input_ids + b.input_ids + c.input_ids
-    assert ids[:len(stream)] == stream                           # nothing dropped or reordered
-    starts = [0, len(a.input_ids), len(a.input_ids) + len(b.input_ids)]
-    for s in starts:
-        assert labels[s] == IGNORE                               # first token of every example
-        assert pos[s] == 0                                       # positions restart per example
-    assert labels[starts[1] - 1] == EOS and labels[starts[2] - 1] == EOS  # EOS is trained
-    # labels only ever copy the token at the same position (HF shifts internally)
-    assert all(lab in (IGNORE, tid) for lab, tid in zip(labels, ids))
-
-
-def test_padding_only_in_last_block_and_pad_fraction():
-    exs = [ex(3, [1, 2, 3]) for _ in range(5)]                   # 5 x 7 = 35 tokens
+def test_packing_keeps_every_example_whole_and_no_label_crosses_a_boundary():
+    exs = [ex(3, [1, 2]), ex(2, [3, 4, 5], start=20), ex(4, [6], start=30), ex(1, [7, 8, 9, 10, 11], start=40)]
     blocks = data.pack_examples(exs, block_len=8, pad_id=PAD)
-    assert len(blocks) == 5 and all(len(b.input_ids) == 8 for b in blocks)
-    assert [b.n_real for b in blocks] == [8, 8, 8, 8, 3]
-    assert all(PAD not in b.input_ids for b in blocks[:-1])
-    last = blocks[-1]
-    assert last.input_ids[3:] == [PAD] * 5 and last.labels[3:] == [IGNORE] * 5
-    assert last.position_ids[3:] == [0, 1, 2, 3, 4]              # a segment of its own
-    assert data.pad_fraction(blocks) == pytest.approx(5 / 40)
+    whole = {tuple(e.input_ids) for e in exs}
+    found = []
+    for blk in blocks:
+        starts = [j for j, p in enumerate(blk.position_ids[:blk.n_real]) if p == 0] + [blk.n_real]
+        for s, e in zip(starts, starts[1:]):
+            found.append(tuple(blk.input_ids[s:e]))       # every segment is one whole example
+            assert blk.labels[s] == IGNORE                # the first token of each is never a label
+        assert all(lab in (IGNORE, tid) for lab, tid in zip(blk.labels, blk.input_ids))
+        assert blk.labels[blk.n_real:] == [IGNORE] * (8 - blk.n_real)
+    assert sorted(found) == sorted(whole)
+    assert len(blocks) == 4                               # 6, 6, 6 and 7 tokens: no two fit one row of 8
+
+
+def test_best_fit_decreasing_fills_rows_tightly():
+    lengths = [5, 3, 4, 4, 2, 6, 1, 7]                    # 32 tokens
+    rows = data.bin_pack(lengths, 8)
+    assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in r) <= 8 for r in rows)
+    assert len(rows) == 4                                 # 32 tokens in 4 rows of 8: no padding at all
+
+
+def test_overlong_examples_are_truncated_or_dropped_and_counted():
+    short, long, prompt_only = ex(3, [1, 2]), ex(2, list(range(1, 12))), ex(9, [1])
+    kept = data.fit([short, long, prompt_only], 8, "truncate")
+    assert (kept.truncated, kept.dropped) == (1, 1)       # nothing of prompt_only's answer is left in 8 tokens
+    assert [len(e.input_ids) for e in kept.examples] == [6, 8]
+    dropped = data.fit([short, long, prompt_only], 8, "drop")
+    assert (dropped.truncated, dropped.dropped, len(dropped.examples)) == (0, 2, 1)
 
 
 def test_no_packing_is_the_seed_recipe():
@@ -86,10 +94,12 @@ def test_packed_examples_do_not_attend_to_each_other(tok):
     """Logits of example B inside a packed row equal B's logits alone (block-diagonal mask)."""
     model = tiny.build_model(len(tok), seed=0).eval()
     recs = data.load_records("builtin:dolly-mini", "train[:2]")
-    a, b = (data.tokenize_example(tok, r) for r in recs)
+    a, b = (data.example_of(tok, r, _layout(*r)) for r in recs)
     block = data.pack_examples([a, b], len(a.input_ids) + len(b.input_ids), tok.pad_token_id)[0]
+    at = 0 if block.input_ids[:len(b.input_ids)] == b.input_ids else len(a.input_ids)   # the longer one first
+    assert block.input_ids[at:at + len(b.input_ids)] == b.input_ids
     with torch.no_grad():
-        packed = model(**data.collate([block], [0])).logits[0, len(a.input_ids):]
+        packed = model(**data.collate([block], [0])).logits[0, at:at + len(b.input_ids)]
         alone = model(input_ids=torch.tensor([b.input_ids])).logits[0]
     assert torch.allclose(packed, alone, atol=1e-5)
 
@@ -121,7 +131,7 @@ def test_padding_does_not_change_the_loss(tok):
     """--no-packing rows: pads are masked out of attention and loss (same loss as unpadded)."""
     model = tiny.build_model(len(tok), seed=0).eval()
     rec = data.load_records("builtin:dolly-mini", "train[:1]")[0]
-    e = data.tokenize_example(tok, rec)
+    e = data.example_of(tok, rec, _layout(*rec))
     padded = data.pad_examples([e], len(e.input_ids) + 37, tok.pad_token_id)
     with torch.no_grad():
         a = model(**data.collate(padded, [0])).loss
@@ -129,14 +139,10 @@ def test_padding_does_not_change_the_loss(tok):
     assert torch.allclose(a, b, atol=1e-5)
 
 
-def test_local_dataset_files_and_a_clear_error_for_wrong_columns(tmp_path):
+def test_local_dataset_files_load_in_order(tmp_path):
     import json
 
     good = tmp_path / "mine.jsonl"
     good.write_text("".join(json.dumps({"instruction": f"q{i}", "context": "", "response": f"a{i}"}) + "\n"
                             for i in range(5)))
     assert [r["instruction"] for r in data.load_records(str(good), "train[:2]")] == ["q0", "q1"]
-    bad = tmp_path / "other.jsonl"
-    bad.write_text(json.dumps({"prompt": "x", "completion": "y"}) + "\n")
-    with pytest.raises(ValueError, match=r"no \['instruction', 'response'\] columns"):
-        data.load_records(str(bad), "train")

@@ -15,7 +15,8 @@ from tpuft.catalog import CatalogError
 from tpuft.spec import DEFAULTS as D  # one source: a flag left out means what the field left out means
 from tpuft.spec import LORA_DEFAULTS as LD  # spec.training.lora's, once the object is there
 
-from tpuft.constants import DatasetFormat, TrainingFramework, TrainingMethod
+from tpuft.constants import (DATASET_COLUMN_KEYS, DatasetFormat, DatasetType, Overlong, TrainingFramework,
+                             TrainingMethod)
 from tpuft_workload.platform import Target, resolve_target
 
 EXIT_USAGE = 2
@@ -47,6 +48,14 @@ def _dropout(v: str) -> float:
     if not 0 <= x < 1:
         raise argparse.ArgumentTypeError(f"must be >= 0 and < 1 (got {v})")
     return x
+
+
+def _column(v: str) -> tuple[str, str]:
+    key, sep, column = v.partition("=")
+    if not sep or key not in DATASET_COLUMN_KEYS or not column:
+        raise argparse.ArgumentTypeError(f"expected KEY=COLUMN with KEY one of {', '.join(DATASET_COLUMN_KEYS)} "
+                                         f"(got {v!r})")
+    return key, column
 
 
 def _names(v: str) -> tuple[str, ...]:
@@ -107,6 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dataset-split", default=D["dataset.split"], help="datasets split syntax, e.g. 'train[:1024]'")
     t.add_argument("--dataset-format", choices=[f.value for f in DatasetFormat], default=None,
                    help="json (JSON lines) or parquet, when --dataset's suffix does not say")
+    t.add_argument("--dataset-type", choices=[k.value for k in DatasetType], default=None,
+                   help="what a record holds (messages, promptCompletion, instruction, text); detected from the "
+                        "columns when left out")
+    t.add_argument("--dataset-column", dest="dataset_columns", type=_column, action="append", default=[],
+                   metavar="KEY=COLUMN", help=f"read KEY ({', '.join(DATASET_COLUMN_KEYS)}) from the dataset's "
+                                              "COLUMN; repeatable")
+    t.add_argument("--overlong", choices=[o.value for o in Overlong], default=D["dataset.overlong"],
+                   help="an example longer than --max-seq-length: truncate it or drop it "
+                        f"(default {D['dataset.overlong']})")
     t.add_argument("--epochs", type=_positive_int, default=D["training.epochs"])
     t.add_argument("--batch-size-per-device", type=_positive_int, default=D["training.batchSizePerDevice"])
     t.add_argument("--max-seq-length", type=_positive_int, default=D["training.maxSeqLength"])

@@ -1,69 +1,46 @@
-"""Dolly instruction data: template, tokenization, packing, padding.
+"""Training examples: records rendered (tpuft_workload.render), whole examples bin-packed into
+fixed-length rows or padded one per row, and the rows each rank trains on in each epoch.
 
 Pure functions (lists in, lists out) so the label rules are unit-tested without a model. The
-training job runs them inside Ray Data (tpuft_workload.pipeline). `load_records`, `build_blocks`,
-`rank_batches` and `collate` are the per-rank path the workload used before (every rank built
-every row, then took its slice): the reference the pipeline's rows are tested against and the
-baseline of bench/data_pipeline.py.
+training driver runs them (tpuft_workload.pipeline: Ray Data reads and tokenizes, the driver packs);
+`load_records` and `build_blocks` do the same in one process for tests and bench/.
 
 Label rules (HF causal LMs shift internally: the label at position j is predicted from
 positions < j):
-- prompt tokens (template, instruction, context) are -100: we train on the response + EOS;
-- every example ends with EOS, so the model learns to stop;
-- the FIRST token of every example is -100, always. Inside a packed block that token would
-  otherwise be "predicted" from the previous example's EOS; masking it means no label ever
-  crosses from one example into the next;
-- padding is -100 and exists only at the tail of the last packed block.
+- only the trained assistant turns' tokens (their content and the template's turn end) are
+  labels; a text example's every token but its first;
+- the FIRST token of every example is -100, always (the renderer never labels it): inside a
+  packed row it would otherwise be "predicted" from the previous example's last token;
+- padding is -100.
 
-Attention across packed examples: each block carries position_ids that restart at 0 at
-every example start. With no attention_mask, transformers (masking_utils,
-find_packed_sequence_indices) turns such position_ids into a block-diagonal causal mask, so
-an example never attends to the one before it; RoPE positions restart too. An example cut
-at a block edge continues in the next block with continuing positions (it loses the
-context in the previous block; that is the price of zero padding).
+Packing: best-fit decreasing over whole examples (the longest first, each into the row it fills
+most tightly), so no example is ever split across rows; one longer than a row is truncated or
+dropped (spec.dataset.overlong), and the counts are reported. Each row carries position_ids that
+restart at 0 at every example start. With no attention_mask, transformers (masking_utils,
+find_packed_sequence_indices) turns such position_ids into a block-diagonal causal mask, so an
+example never attends to the one before it; RoPE positions restart too.
+
+Order: every epoch a seeded permutation of all rows (`rank_batches`), the same on every rank, each
+rank taking its own slice of each global batch; a resumed epoch skips exactly the batches trained.
 """
 from __future__ import annotations
 
+import bisect
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-IGNORE = -100
+from tpuft.constants import Overlong
+from tpuft_workload import records as recordslib
+from tpuft_workload.render import IGNORE, Example, render, render_text
 
-PROMPT = "### Instruction:\n{instruction}\n\n{context}### Response:\n"
-CONTEXT = "### Context:\n{context}\n\n"
-# Words of the template, for the built-in tokenizer's vocabulary.
-TEMPLATE_WORDS = PROMPT.format(instruction="", context=CONTEXT.format(context=""))
-
-
-def format_prompt(record: dict) -> str:
-    ctx = (record.get("context") or "").strip()
-    return PROMPT.format(instruction=(record.get("instruction") or "").strip(),
-                         context=CONTEXT.format(context=ctx) if ctx else "")
+__all__ = ["IGNORE", "Example"]
 
 
-def format_example(record: dict) -> tuple[str, str]:
-    """(prompt, response) in the dolly template; context only when present."""
-    return format_prompt(record), (record.get("response") or "").strip()
-
-
-@dataclass
-class Example:
-    input_ids: list[int]
-    labels: list[int]
-
-
-def tokenize_example(tokenizer, record: dict, mask_prompt: bool = True) -> Example:
-    """Prompt (with the tokenizer's BOS if it adds one) + response + EOS."""
-    prompt, response = format_example(record)
-    p = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-    r = tokenizer(response, add_special_tokens=False)["input_ids"] if response else []
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        raise ValueError("the tokenizer has no eos_token: packing needs it to separate examples")
-    ids = list(p) + list(r) + [eos]
-    labels = ([IGNORE] * len(p) if mask_prompt else list(p)) + list(r) + [eos]
-    labels[0] = IGNORE  # never trained to predict an example's first token from what precedes it
-    return Example(ids, labels)
+def example_of(tokenizer, record: Mapping, layout: recordslib.Layout, number: int = 1) -> Example:
+    """One record -> token ids and labels (RecordError if it does not fit its layout)."""
+    read = recordslib.read(record, layout, number)
+    return render_text(tokenizer, read) if isinstance(read, str) else render(tokenizer, read)
 
 
 @dataclass
@@ -78,36 +55,77 @@ class Block:
     meta: dict = field(default_factory=dict)
 
 
-def pack_examples(examples: list[Example], block_len: int, pad_id: int) -> list[Block]:
-    """Concatenate examples (each already ends with EOS) and cut into block_len rows.
+@dataclass(frozen=True)
+class Fitted:
+    """Examples that fit a row, and how many did not: cut to the row (`truncated`) or left out
+    (`dropped`: too long under overlong=drop, or nothing trained left after the cut)."""
+    examples: list[Example]
+    truncated: int
+    dropped: int
 
-    Examples are never truncated; only the last block is padded.
-    """
+
+def fit(examples: list[Example], max_len: int, overlong: str = Overlong.TRUNCATE.value) -> Fitted:
+    kept, truncated, dropped = [], 0, 0
+    for ex in examples:
+        if len(ex.input_ids) <= max_len:
+            kept.append(ex)
+            continue
+        cut = Example(ex.input_ids[:max_len], ex.labels[:max_len])
+        if overlong == Overlong.DROP.value or cut.trained == 0:
+            dropped += 1
+        else:
+            kept.append(cut)
+            truncated += 1
+    return Fitted(kept, truncated, dropped)
+
+
+def bin_pack(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Best-fit decreasing: example indices per row, every length <= capacity, no example split.
+    Deterministic: ties keep the examples' order."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []    # (room left, row index), sorted
+    for i in order:
+        need = lengths[i]
+        at = bisect.bisect_left(free, (need, -1))
+        if at < len(free):
+            room, row = free.pop(at)
+            rows[row].append(i)
+            bisect.insort(free, (room - need, row))
+        else:
+            rows.append([i])
+            bisect.insort(free, (capacity - need, len(rows) - 1))
+    return rows
+
+
+def pack_examples(examples: list[Example], block_len: int, pad_id: int) -> list[Block]:
+    """Whole examples (each at most block_len tokens: `fit` first) bin-packed into block_len rows,
+    position_ids restarting per example, the rest of each row padding."""
     if block_len < 2:
         raise ValueError(f"block length must be >= 2 (got {block_len})")
-    ids: list[int] = []
-    labels: list[int] = []
-    pos: list[int] = []
-    for ex in examples:
-        ids.extend(ex.input_ids)
-        labels.extend(ex.labels)
-        pos.extend(range(len(ex.input_ids)))
+    too_long = [len(ex.input_ids) for ex in examples if len(ex.input_ids) > block_len]
+    if too_long:
+        raise ValueError(f"{len(too_long)} example(s) longer than a row of {block_len} tokens: fit() them first")
     blocks = []
-    for s in range(0, len(ids), block_len):
-        b_ids, b_lab, b_pos = ids[s:s + block_len], labels[s:s + block_len], pos[s:s + block_len]
-        n_real = len(b_ids)
+    for members in bin_pack([len(ex.input_ids) for ex in examples], block_len):
+        ids: list[int] = []
+        labels: list[int] = []
+        pos: list[int] = []
+        for i in members:
+            ids.extend(examples[i].input_ids)
+            labels.extend(examples[i].labels)
+            pos.extend(range(len(examples[i].input_ids)))
+        n_real = len(ids)
         pad = block_len - n_real
-        if pad:
-            b_ids = b_ids + [pad_id] * pad
-            b_lab = b_lab + [IGNORE] * pad
-            b_pos = b_pos + list(range(pad))  # its own segment: real tokens never attend to pads
-        blocks.append(Block(b_ids, b_lab, b_pos, None, n_real))
+        # the padding is a segment of its own: real tokens never attend to it
+        blocks.append(Block(ids + [pad_id] * pad, labels + [IGNORE] * pad, pos + list(range(pad)), None, n_real,
+                            {"examples": len(members)}))
     return blocks
 
 
 def pad_examples(examples: list[Example], max_len: int, pad_id: int) -> list[Block]:
-    """Without packing, as the GKE tutorial trains: one example per row, truncated/padded to max_len,
-    attention_mask."""
+    """Without packing, as the GKE tutorial trains: one example per row (at most max_len tokens:
+    `fit` first), padded to max_len, attention_mask."""
     blocks = []
     for ex in examples:
         ids, lab = ex.input_ids[:max_len], ex.labels[:max_len]
@@ -159,36 +177,28 @@ def collate(blocks: list[Block], idxs: list[int]):
     return out
 
 
-def build_blocks(tokenizer, records: list[dict], max_len: int, packing: bool, mask_prompt: bool = True) -> list[Block]:
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    examples = [tokenize_example(tokenizer, r, mask_prompt) for r in records]
-    return pack_examples(examples, max_len, pad_id) if packing else pad_examples(examples, max_len, pad_id)
+def pad_id_of(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-# ---- loading ------------------------------------------------------------------------------
-
-_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+def build_blocks(tokenizer, records: list[dict], max_len: int, packing: bool,
+                 overlong: str = Overlong.TRUNCATE.value) -> list[Block]:
+    """In one process, what the pipeline builds: records (layout detected from the first's keys) ->
+    rows."""
+    layout = recordslib.detect(records[0].keys()) if records else None
+    examples = [example_of(tokenizer, r, layout, n) for n, r in enumerate(records, start=1)]
+    fitted = fit(examples, max_len, overlong).examples
+    pad_id = pad_id_of(tokenizer)
+    return pack_examples(fitted, max_len, pad_id) if packing else pad_examples(fitted, max_len, pad_id)
 
 
 def load_records(dataset: str, split: str = "train") -> list[dict]:
-    """builtin:dolly-mini, a local file/dir, a gs:// file, or a hub name -> list of records.
-
-    `split` uses datasets' split syntax ("train[:64]", "train[10%:20%]").
-    """
+    """builtin:dolly-mini or a local JSON lines / Parquet file -> its records (split in datasets'
+    syntax, "train[:64]"), for tests and bench/."""
     from datasets import load_dataset
 
     from tpuft_workload.tiny import BUILTIN_DATASET, dolly_mini_path
 
-    if dataset == BUILTIN_DATASET:
-        ds = load_dataset("json", data_files={"train": str(dolly_mini_path())}, split=split)
-    else:
-        suffix = next((s for s in _FORMATS if dataset.lower().endswith(s)), None)
-        if suffix is not None:  # a single file, local or remote (gs:// needs gcsfs in the image)
-            ds = load_dataset(_FORMATS[suffix], data_files={"train": dataset}, split=split)
-        else:  # a hub name, or a local/remote directory datasets knows how to read
-            ds = load_dataset(dataset, split=split)
-    missing = {"instruction", "response"} - set(ds.column_names)
-    if missing:
-        raise ValueError(f"dataset {dataset!r} has no {sorted(missing)} columns (found {ds.column_names}); "
-                         "the dolly template needs instruction, response and optionally context")
-    return [dict(r) for r in ds]
+    path = str(dolly_mini_path()) if dataset == BUILTIN_DATASET else dataset
+    kind = "parquet" if path.endswith(".parquet") else "json"
+    return [dict(r) for r in load_dataset(kind, data_files={"train": path}, split=split)]

@@ -48,14 +48,12 @@ def scaling_config(target: Target):
 
 def build_trainer(args, target: Target, fault_spec: str = ""):
     """(JaxTrainer, its train_loop_config as a dict: TrainConfig.as_dict)."""
-    from ray.train import DataConfig
     from ray.train.v2.jax import JaxTrainer
 
     scaling = scaling_config(target)
     storage, packed, cfg = prepare(args, target, fault_spec)
     return JaxTrainer(
-        train_loop_per_worker=train_loop, train_loop_config=cfg, datasets={"train": packed.dataset},
-        dataset_config=DataConfig(datasets_to_split=["train"]), scaling_config=scaling,
+        train_loop_per_worker=train_loop, train_loop_config=cfg, scaling_config=scaling,
         run_config=run_config(args, storage)), cfg
 
 
@@ -136,18 +134,21 @@ def _put(jax, array, sharding):
 
 def _train_step(tx, cfg: jm.ModelConfig, dtype, params, opt_state, batch):
     """One AdamW step on the global batch: the mean loss over every labelled token of every
-    shard (one jit over the mesh: exact data-parallel averaging, FSDP gathers/scatters by XLA)."""
+    shard (one jit over the mesh: exact data-parallel averaging, FSDP gathers/scatters by XLA).
+    Returns (params, opt_state, that mean, the global batch's sums: loss_sum, labelled and real
+    tokens, the gradient norm)."""
     import jax
     import optax
 
     def mean_loss(p):
         total, count = jm.loss_sums(p, cfg, batch, dtype)
-        return total / count.clip(1)
+        return total / count.clip(1), {"loss_sum": total, "labelled": count}
 
-    loss, grads = jax.value_and_grad(mean_loss)(params)
+    (loss, sums), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
+    sums = {**sums, "real": batch["n_real"].sum()}
     # the norm before clip_by_global_norm, as torch's clip_grad_norm_ returns it
-    return optax.apply_updates(params, updates), opt_state, loss, batch["n_real"].sum(), optax.global_norm(grads)
+    return optax.apply_updates(params, updates), opt_state, loss, sums, optax.global_norm(grads)
 
 
 def _model_dir(ref: str) -> str:
@@ -221,14 +222,12 @@ class _Jax:
 
         cfg = self.cfg
         self.tokenizer = modellib.load_tokenizer(cfg.model)
-        self.shard = ray.train.get_dataset_shard("train")
+        self.rows = ray.get(cfg.rows_ref)   # the shared rows, mapped from the node's object store
         # a worker feeds all of its host's devices: batchSizePerDevice rows each
         self.local_batch = cfg.batch_size_per_device * self.jax.local_device_count()
         self.steps_per_epoch = datalib.steps_per_epoch(cfg.rows, self.world, self.local_batch)
-        self.worker.say(f"[tpuft] {cfg.examples} examples -> {cfg.rows} rows of {cfg.max_seq_length} tokens "
-                        f"({'packed' if cfg.packing else 'padded'}, pad fraction {cfg.pad_fraction:.1%}; Ray Data, "
-                        f"tokenized once); {self.steps_per_epoch} steps/epoch x {cfg.epochs} epochs on {self.world} "
-                        f"JAX processes, {self.jax.device_count()} devices")
+        self.worker.say(f"[tpuft] {loop.data_line(cfg)}; {self.steps_per_epoch} steps/epoch x {cfg.epochs} epochs "
+                        f"on {self.world} JAX processes, {self.jax.device_count()} devices")
 
     def _model(self) -> None:
         import optax
@@ -259,16 +258,17 @@ class _Jax:
         return NamedSharding(self.mesh, param_spec(leaf.shape, self.mesh.shape["fsdp"]))
 
     def batches(self, epoch: int, skip: int):
-        return pipeline.numpy_batches(self.shard, self.local_batch, self.cfg.seed, epoch, skip=skip)
+        return pipeline.epoch_batches(self.rows, self.world, self.rank, self.local_batch, self.cfg.seed, epoch,
+                                      skip=skip)
 
     def step(self, rows: dict) -> loop.Step:
-        """One optimizer step on this worker's rows of the global batch: loss, real tokens and
-        gradient norm, global (left on the device)."""
+        """One optimizer step on this worker's rows of the global batch: summed loss, labelled and
+        real tokens and gradient norm, global (left on the device)."""
         local = {**jm.inputs_from_rows(rows, self.cfg.packing), "n_real": rows["n_real"].astype("int32")}
         batch = {k: self.jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in local.items()}
-        self.params, self.opt_state, loss, real, grad_norm = self.step_fn(self.params, self.opt_state, batch)
-        return loop.Step(loss=loss, real=real, padded=self.local_batch * self.world * self.cfg.max_seq_length,
-                         grad_norm=grad_norm)
+        self.params, self.opt_state, _, sums, grad_norm = self.step_fn(self.params, self.opt_state, batch)
+        return loop.Step(loss_sum=sums["loss_sum"], labelled=sums["labelled"], real=sums["real"],
+                         padded=self.local_batch * self.world * self.cfg.max_seq_length, grad_norm=grad_norm)
 
     def totals(self, values: list) -> list[float]:
         """Already global (one program over the mesh): only read off the device."""

@@ -71,6 +71,10 @@ class TrainConfig:
     slices: int = 1               # > 1: HSDP, parameters replicated across slices (tpuft_workload.model.device_mesh)
     lora: LoraSettings | None = None   # spec.training.method: lora, resolved by the driver (None: full)
     merge_export: bool = False    # spec.export.merge: LoRA's merged full weights beside the adapter export
+    record_type: str = "instruction"   # constants.DatasetType value the records were read as
+    truncated: int = 0            # examples cut to max_seq_length
+    dropped: int = 0              # examples left out (spec.dataset.overlong)
+    rows_ref: Any = None          # ray.ObjectRef of the packed rows (tpuft_workload.pipeline.build)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -81,20 +85,28 @@ class TrainConfig:
         return cls(**{**d, "lora": LoraSettings.from_dict(lora) if lora else None})
 
 
+def data_line(cfg: TrainConfig) -> str:
+    """What the run trains on, for the log: examples, rows, packing, and what did not fit."""
+    cut = f", {cfg.truncated} truncated" if cfg.truncated else ""
+    left = f", {cfg.dropped} dropped (longer than {cfg.max_seq_length} tokens)" if cfg.dropped else ""
+    return (f"{cfg.examples} {cfg.record_type} examples{cut}{left} -> {cfg.rows} rows of {cfg.max_seq_length} tokens "
+            f"({'whole examples packed' if cfg.packing else 'padded'}, pad fraction {cfg.pad_fraction:.1%})")
+
+
 # ---- what a framework does -----------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Step:
-    """One optimizer step's numbers. loss, real and grad_norm may stay on the device (no sync per
-    step) until a window's `Backend.totals`."""
-    loss: Any        # mean loss of the step (torch: this rank's; JAX: global); 0 when not `scored`
+    """One optimizer step's numbers (torch: this rank's; JAX: the global batch's). All but padded
+    may stay on the device (no sync per step) until a window's `Backend.totals`. Both frameworks
+    train on the global batch's mean loss per labelled token, and a window reports the same: its
+    summed loss over its labelled tokens, each summed over steps and ranks (rows of prompt only
+    add neither)."""
+    loss_sum: Any    # next-token loss summed over the `labelled` tokens
+    labelled: Any    # tokens the loss scores (labels other than -100, after the shift by one)
     real: Any        # real (unpadded) tokens
     padded: int      # tokens including padding, counted like `real`
     grad_norm: Any   # the global gradient norm before clipping
-    # 1 when `loss` counts in the window's mean, 0 when this rank's rows held no labelled token (a
-    # packed row of prompt only): its mean loss is 0/0 (NaN; its gradient is zero) and would make
-    # the whole window's reported loss NaN.
-    scored: Any = 1
 
 
 class Backend(Protocol):
@@ -197,15 +209,14 @@ class Worker:
 
 # ---- reports ---------------------------------------------------------------------------------------
 
-def window_metrics(loss_sum: float, grad_norm_sum: float, steps: float, real: float, padded: float,
-                   wall: float, excluded: float, local_steps: int, scored: float | None = None) -> dict:
+def window_metrics(loss_sum: float, labelled: float, grad_norm_sum: float, steps: float, real: float,
+                   padded: float, wall: float, excluded: float, local_steps: int) -> dict:
     """A report window's metrics from its sums over the ranks (`steps` too: a mean over them; the
-    loss a mean over the `scored` steps, all of them when None): reports and checkpoints
-    (`excluded` seconds) are not training time."""
+    loss per labelled token, NaN when none was): reports and checkpoints (`excluded` seconds) are
+    not training time."""
     secs = max(wall - excluded, 1e-9)
-    scored = steps if scored is None else scored
     # every rank holds the same (global) gradient norm: summed over ranks like the steps
-    return {"loss": loss_sum / scored if scored else math.nan, "grad_norm": grad_norm_sum / max(steps, 1),
+    return {"loss": loss_sum / labelled if labelled else math.nan, "grad_norm": grad_norm_sum / max(steps, 1),
             "seconds": wall,
             "tokens_per_s": real / secs, "padded_tokens_per_s": padded / secs,
             "step_time_s": secs / max(local_steps, 1),
@@ -217,8 +228,8 @@ class Window:
 
     def __init__(self, totals: Callable[[list], list[float]]):
         self.totals = totals
-        self.loss: Any = 0
-        self.scored: Any = 0
+        self.loss_sum: Any = 0
+        self.labelled: Any = 0
         self.grad_norm: Any = 0
         self.real: Any = 0
         self.steps = 0
@@ -227,19 +238,19 @@ class Window:
         self.excluded = 0.0  # time spent in reports/checkpoints, kept out of the rates
 
     def add(self, s: Step) -> None:
-        self.loss = self.loss + s.loss
-        self.scored = self.scored + s.scored
+        self.loss_sum = self.loss_sum + s.loss_sum
+        self.labelled = self.labelled + s.labelled
         self.grad_norm = self.grad_norm + s.grad_norm
         self.steps += 1
         self.real = self.real + s.real
         self.padded += s.padded
 
     def reduce(self) -> dict:
-        """Collective (torch): loss averaged across ranks, tokens summed across ranks, per wall second."""
-        loss, steps, real, padded, grad_norm, scored = self.totals([self.loss, self.steps, self.real, self.padded,
-                                                                    self.grad_norm, self.scored])
-        return window_metrics(loss, grad_norm, steps, real, padded, time.perf_counter() - self.t0,
-                              self.excluded, self.steps, scored)
+        """Collective (torch): the loss per labelled token and the tokens per wall second, all ranks'."""
+        loss_sum, labelled, steps, real, padded, grad_norm = self.totals(
+            [self.loss_sum, self.labelled, self.steps, self.real, self.padded, self.grad_norm])
+        return window_metrics(loss_sum, labelled, grad_norm, steps, real, padded, time.perf_counter() - self.t0,
+                              self.excluded, self.steps)
 
 
 def status_metrics(m: dict) -> dict:

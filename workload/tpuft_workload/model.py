@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from tpuft_workload.platform import Platform, train_dtypes
+from tpuft_workload.render import with_template
 from tpuft_workload.tiny import BUILTIN_MODEL
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ def load_tokenizer(model_ref: str):
     tok = AutoTokenizer.from_pretrained(_local_copy(model_ref))
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token  # pads are label-masked and sit only at the end of rows
-    return tok
+    return with_template(tok)   # trained and served through the same template
 
 
 def load_model(model_ref: str, tokenizer, platform: Platform, seed: int):
@@ -114,6 +115,33 @@ def scored_loss(loss, labels):
 
     scored = (labels[:, 1:] != -100).any()
     return torch.where(scored, loss, torch.zeros_like(loss)), scored.float()
+
+
+def labelled_tokens(labels):
+    """The tokens the causal-LM loss scores: labels other than -100 after its shift by one (a row's
+    first label is never predicted)."""
+    import torch
+
+    return (labels[:, 1:] != -100).sum(dtype=torch.int32)
+
+
+def token_mean_loss(model, inputs: dict):
+    """Forward and backward of the global batch's mean loss per labelled token, from this rank's
+    `inputs` (labels included), as JAX's step takes it. transformers divides the summed loss by
+    `num_items_in_batch`: here every rank's labelled tokens (one all-reduce SUM on the default
+    group), at least 1 (a global batch of prompts only: loss and gradient 0). FSDP2 averages the
+    gradients over the ranks (HSDP too: it divides by replicate x shard), so the loss backpropagated
+    is the world size times that. Returns (this rank's summed loss, float32, and its labelled
+    tokens): a report window divides the one by the other, each summed over ranks and steps."""
+    import torch.distributed as dist
+
+    labelled = labelled_tokens(inputs["labels"])
+    total = labelled.clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    total = total.clamp(min=1)
+    loss = model(**inputs, num_items_in_batch=total).loss
+    (loss * dist.get_world_size()).backward()
+    return loss.detach().float() * total, labelled
 
 
 MESH_DIMS = ("replicate", "shard")  # HSDP's (across slices, inside a slice)

@@ -1,24 +1,27 @@
-"""Training input through Ray Data: read, apply the template, tokenize and pack ONCE for the
-whole run (CPU tasks, before and outside the accelerator hosts' step loop), then stream disjoint
-shards to the workers (Ray Train's DataConfig splits it; each worker reads
-`get_dataset_shard("train").iter_torch_batches`, or `iter_batches` as numpy on the JAX path).
+"""Training input: Ray Data reads and tokenizes the dataset once for the whole run (CPU tasks, before
+and outside the accelerator hosts' step loop); the driver packs whole examples into rows and puts
+them in Ray's object store once; each worker reads its rows of every global batch from there.
 
 Stages (driver, `build`):
-  read       a builtin, a local or gs:// JSONL / Parquet file (`--dataset-format` when the suffix
+  read       a builtin, a local or gs:// JSONL / Parquet file (`spec.dataset.format` when the suffix
              does not say), or a Hugging Face dataset by name. Plain files with split "train"
              are read by Ray Data itself (streamed, never whole on the driver); split slicing
              ("train[:1024]") and hub datasets go through `datasets` first.
-  check      missing path or missing columns: DataError naming spec.dataset.name and the path,
+  check      the layout (tpuft_workload.records: spec.dataset.type, or detected from the columns,
+             through spec.dataset.columns) and then every record, streamed through the driver:
+             DataError naming spec.dataset.name, the path and the first record that does not fit,
              before any worker exists.
-  tokenize   map_batches over record batches, in parallel (tpuft_workload.data.tokenize_example:
-             the template, prompt masking, EOS).
-  pack       one ordered task over the tokenized examples (tpuft_workload.data.pack_examples /
-             pad_examples): the same rows as every rank used to build for itself, label masking
-             across packed boundaries included. Packing only concatenates and cuts; it is cheap.
-  materialize the rows live in the object store for every epoch; each epoch re-splits them.
+  tokenize   map_batches over record batches, in parallel: each record rendered through the
+             model's chat template (tpuft_workload.render: what serving renders), labels on the
+             trained assistant turns only.
+  pack       on the driver: examples longer than a row truncated or dropped (spec.dataset.overlong,
+             counted), then whole examples bin-packed into max_seq_length rows
+             (tpuft_workload.data.pack_examples) or padded one per row.
+  share      the rows as numpy arrays, `ray.put` once: every worker on a node maps the same copy.
 
-Shapes stay static: every row is max_seq_length long; `drop_last` drops the ragged end of a
-worker's shard (DataConfig splits with equal=True, so every worker runs the same step count).
+Order (`epoch_batches`): every epoch a seeded permutation of all the rows, the same on every rank;
+rank r takes its slice of each global batch; the ragged end is dropped so every rank runs the same
+steps, and a resumed epoch skips exactly the batches already trained.
 """
 from __future__ import annotations
 
@@ -27,8 +30,11 @@ import re
 from dataclasses import dataclass
 
 from tpuft.constants import DatasetFormat as Format
+from tpuft.constants import Overlong
+from tpuft_workload import records as recordslib
 from tpuft_workload import data as datalib
 
+CHECK_BATCH = 4096         # records per batch of the driver's check
 TOKENIZE_BATCH = 256        # records per tokenize task batch
 TOKENIZE_ACTORS_MAX = 8     # tokenizer actors at most (each loads the tokenizer; a TPU host has ~180 CPUs)
 ROW_COLUMNS = ("input_ids", "labels", "position_ids", "attention_mask", "n_real")
@@ -36,7 +42,6 @@ PLAIN_SPLIT = re.compile(r"^[A-Za-z0-9_-]+$")   # a whole split: no slicing, so 
 
 
 SUFFIXES = {".json": Format.JSON, ".jsonl": Format.JSON, ".parquet": Format.PARQUET}
-REQUIRED_COLUMNS = ("instruction", "response")
 
 
 class DataError(ValueError):
@@ -55,6 +60,17 @@ class Source:
     @property
     def is_local(self) -> bool:
         return self.format is not None and "://" not in self.path
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """spec.dataset as the driver reads it (flags of `python -m tpuft_workload train`)."""
+    name: str
+    split: str = "train"
+    format: str | None = None
+    type: str | None = None                     # constants.DatasetType value; None: detected
+    columns: tuple[tuple[str, str], ...] = ()   # spec.dataset.columns' (key, column) pairs
+    overlong: str = Overlong.TRUNCATE.value
 
 
 def resolve(name: str, fmt: str | None = None) -> Source:
@@ -96,45 +112,47 @@ def _read(src: Source, split: str):
     return ray.data.from_arrow(ds.with_format("arrow")[:])
 
 
-def _check_columns(ds, src: Source) -> None:
+def _layout(ds, src: Source, spec: DatasetSpec) -> recordslib.Layout:
     names = list(ds.schema().names) if ds.schema() is not None else []
-    missing = [c for c in REQUIRED_COLUMNS if c not in names]
-    if missing:
-        raise DataError(f"{src.path} has no {missing} column(s) (found {names}); the dolly template needs "
-                        "instruction, response and optionally context")
+    try:
+        return recordslib.detect(names, spec.type, dict(spec.columns))
+    except ValueError as e:
+        raise DataError(f"{src.path}: {e}") from None
+
+
+def _check_records(ds, src: Source, layout: recordslib.Layout) -> int:
+    """Every record read, in file order, on the driver (cheap: no tokenizer); their count."""
+    number = 1
+    try:
+        for batch in ds.iter_batches(batch_size=CHECK_BATCH, batch_format="pyarrow"):
+            rows = batch.to_pylist()
+            recordslib.check(rows, layout, first_number=number)
+            number += len(rows)
+    except recordslib.RecordError as e:
+        raise DataError(f"{src.path}: {e}") from None
+    if number == 1:
+        raise DataError(f"{src.path} has no records")
+    return number - 1
 
 
 class _Tokenize:
     """map_batches stage: one tokenizer per actor, records -> (input_ids, labels) per example."""
 
-    def __init__(self, model: str, mask_prompt: bool):
+    def __init__(self, model: str, layout: recordslib.Layout):
         from tpuft_workload import model as modellib
 
         self.tokenizer = modellib.load_tokenizer(model)
-        self.mask_prompt = mask_prompt
+        self.layout = layout
 
-    def __call__(self, batch: dict) -> dict:
+    def __call__(self, batch) -> dict:
         import numpy as np
 
-        n = len(batch["instruction"])
-        context = batch.get("context")
-        ids, labels = np.empty(n, dtype=object), np.empty(n, dtype=object)
-        for i in range(n):
-            record = {"instruction": batch["instruction"][i], "response": batch["response"][i],
-                      "context": context[i] if context is not None else ""}
-            ex = datalib.tokenize_example(self.tokenizer, record, self.mask_prompt)
-            ids[i], labels[i] = np.asarray(ex.input_ids, dtype=np.int64), np.asarray(ex.labels, dtype=np.int64)
+        records = batch.to_pylist()
+        ids, labels = np.empty(len(records), dtype=object), np.empty(len(records), dtype=object)
+        for i, record in enumerate(records):
+            ex = datalib.example_of(self.tokenizer, record, self.layout)
+            ids[i], labels[i] = np.asarray(ex.input_ids, dtype=np.int32), np.asarray(ex.labels, dtype=np.int32)
         return {"input_ids": ids, "labels": labels}
-
-
-def _pack(batch: dict, max_len: int, packing: bool, pad_id: int) -> dict:
-    """The whole tokenized stream, in order -> fixed-length rows (one task: packing is cheap)."""
-    import numpy as np
-
-    examples = [datalib.Example(list(map(int, i)), list(map(int, lab)))
-                for i, lab in zip(batch["input_ids"], batch["labels"])]
-    blocks = (datalib.pack_examples if packing else datalib.pad_examples)(examples, max_len, pad_id)
-    return rows_of(blocks, np)
 
 
 def rows_of(blocks: list, np) -> dict:
@@ -142,72 +160,71 @@ def rows_of(blocks: list, np) -> dict:
     n_real; the unused one of position_ids / attention_mask is all ones (never read)."""
     n = len(blocks)
     width = len(blocks[0].input_ids) if blocks else 0
-    ones = np.ones((n, width), dtype=np.int64)
+    ones = np.ones((n, width), dtype=np.int32)
     return {
-        "input_ids": np.asarray([b.input_ids for b in blocks], dtype=np.int64).reshape(n, width),
-        "labels": np.asarray([b.labels for b in blocks], dtype=np.int64).reshape(n, width),
-        "position_ids": (np.asarray([b.position_ids for b in blocks], dtype=np.int64).reshape(n, width)
+        "input_ids": np.asarray([b.input_ids for b in blocks], dtype=np.int32).reshape(n, width),
+        "labels": np.asarray([b.labels for b in blocks], dtype=np.int32).reshape(n, width),
+        "position_ids": (np.asarray([b.position_ids for b in blocks], dtype=np.int32).reshape(n, width)
                          if blocks and blocks[0].position_ids is not None else ones),
-        "attention_mask": (np.asarray([b.attention_mask for b in blocks], dtype=np.int64).reshape(n, width)
+        "attention_mask": (np.asarray([b.attention_mask for b in blocks], dtype=np.int32).reshape(n, width)
                            if blocks and blocks[0].attention_mask is not None else ones),
-        "n_real": np.asarray([b.n_real for b in blocks], dtype=np.int64),
+        "n_real": np.asarray([b.n_real for b in blocks], dtype=np.int32),
     }
 
 
 @dataclass(frozen=True)
 class Packed:
-    dataset: object           # a materialized ray.data.Dataset of ROW_COLUMNS
+    ref: object               # ray.ObjectRef of the rows (ROW_COLUMNS as numpy arrays)
     rows: int
-    examples: int
+    examples: int             # records read
     pad_fraction: float
+    type: str                 # the record type trained (constants.DatasetType value)
+    truncated: int            # examples cut to max_len
+    dropped: int              # examples left out (too long, or nothing trained left after the cut)
 
 
-def build(name: str, split: str, fmt: str | None, model: str, max_len: int, packing: bool,
-          mask_prompt: bool = True) -> Packed:
-    """Read, check, tokenize, pack, materialize. DataError for a source that cannot be used."""
+def build(spec: DatasetSpec, model: str, max_len: int, packing: bool) -> Packed:
+    """Read, check, tokenize, pack, share. DataError for a source or a record that cannot be used."""
+    import numpy as np
+    import ray
     from ray.data import DataContext
 
     from tpuft_workload import model as modellib
 
-    DataContext.get_current().execution_options.preserve_order = True   # packing follows the records' order
-    src = resolve(name, fmt)
-    ds = _read(src, split)
-    _check_columns(ds, src)
+    # the same records in the same order on every submission: a resumed run packs the same rows
+    DataContext.get_current().execution_options.preserve_order = True
+    src = resolve(spec.name, spec.format)
+    ds = _read(src, spec.split)
+    layout = _layout(ds, src, spec)
+    count = _check_records(ds, src, layout)
     tokenizer = modellib.load_tokenizer(model)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    examples = ds.map_batches(_Tokenize, fn_constructor_args=(model, mask_prompt), batch_size=TOKENIZE_BATCH,
-                              batch_format="numpy", concurrency=(1, max(1, min(TOKENIZE_ACTORS_MAX, (os.cpu_count() or 2) // 2))),
-                              num_cpus=1)
-    rows = examples.repartition(1).map_batches(_pack, batch_size=None, batch_format="numpy", num_cpus=1,
-                                               fn_kwargs={"max_len": max_len, "packing": packing,
-                                                          "pad_id": pad_id}).materialize()
-    # Read from the materialized block, not by rows.sum(): an aggregate is another execution
-    # (a hash shuffle: 6 s on a 2-core pod, at every training start).
-    real = [int(b["n_real"].sum()) for b in rows.iter_batches(batch_size=None, batch_format="numpy")
-            if len(b["n_real"])]
-    count = rows.count()
-    pad = 1.0 - sum(real) / (count * max_len) if count else 0.0
-    return Packed(rows, count, ds.count(), pad)
+    tokenized = ds.map_batches(_Tokenize, fn_constructor_args=(model, layout), batch_size=TOKENIZE_BATCH,
+                               batch_format="pyarrow",
+                               concurrency=(1, max(1, min(TOKENIZE_ACTORS_MAX, (os.cpu_count() or 2) // 2))),
+                               num_cpus=1)
+    examples = [datalib.Example(i.tolist(), lab.tolist())
+                for batch in tokenized.iter_batches(batch_size=None, batch_format="numpy")
+                for i, lab in zip(batch["input_ids"], batch["labels"])]
+    fitted = datalib.fit(examples, max_len, spec.overlong)
+    pad_id = datalib.pad_id_of(tokenizer)
+    blocks = (datalib.pack_examples if packing else datalib.pad_examples)(fitted.examples, max_len, pad_id)
+    rows = rows_of(blocks, np)
+    real = int(rows["n_real"].sum())
+    pad = 1.0 - real / (len(blocks) * max_len) if blocks else 0.0
+    return Packed(ray.put(rows), len(blocks), count, pad, layout.type.value, fitted.truncated, fitted.dropped)
 
 
-def torch_batches(shard, batch_size: int, seed: int, epoch: int, skip: int = 0):
-    """One epoch of a worker's shard: [batch_size, max_len] LongTensors, the ragged end dropped,
-    shuffled locally with a seed per epoch, prefetched; the first `skip` batches passed over
-    (a resumed epoch)."""
+def epoch_batches(rows, world: int, rank: int, batch_size: int, seed: int, epoch: int, skip: int = 0):
+    """One epoch of this rank's batches from the shared rows (numpy arrays): the epoch's permutation
+    (data.rank_batches), the first `skip` batches passed over (a resumed epoch)."""
+    order = datalib.rank_batches(len(rows["n_real"]), world, rank, batch_size, epoch, seed)
+    for indices in order[skip:]:
+        yield {k: v[indices] for k, v in rows.items()}
+
+
+def torch_batches(rows, world: int, rank: int, batch_size: int, seed: int, epoch: int, skip: int = 0):
+    """epoch_batches as [batch_size, max_len] LongTensors."""
     import torch
 
-    it = shard.iter_torch_batches(batch_size=batch_size, drop_last=True, dtypes=torch.long, prefetch_batches=2,
-                                  local_shuffle_buffer_size=4 * batch_size, local_shuffle_seed=seed * 1000003 + epoch)
-    for i, batch in enumerate(it):
-        if i >= skip:
-            yield batch
-
-
-def numpy_batches(shard, batch_size: int, seed: int, epoch: int, skip: int = 0):
-    """torch_batches' twin for the JAX path: the same rows, order and skipping, as numpy arrays
-    (the worker turns them into global jax.Arrays over its mesh; see jax_train)."""
-    it = shard.iter_batches(batch_size=batch_size, batch_format="numpy", drop_last=True, prefetch_batches=2,
-                            local_shuffle_buffer_size=4 * batch_size, local_shuffle_seed=seed * 1000003 + epoch)
-    for i, batch in enumerate(it):
-        if i >= skip:
-            yield batch
+    for batch in epoch_batches(rows, world, rank, batch_size, seed, epoch, skip):
+        yield {k: torch.from_numpy(v.astype("int64")) for k, v in batch.items()}

@@ -3,7 +3,9 @@
 The tokenizer is a word-level `tokenizers` model whose vocabulary is counted from the
 shipped dolly-mini data plus the prompt template, sorted deterministically (count, then
 word), so every Ray worker builds the identical tokenizer without talking to the others.
-The model is a 2-layer Llama built from a config with a fixed seed (identical on all ranks).
+The model is a 2-layer Llama built from a config with a fixed seed (identical on all ranks). The
+tokenizer carries tpuft_workload.render's DOLLY_TEMPLATE, as any tokenizer without a template is
+given at load.
 """
 from __future__ import annotations
 
@@ -14,31 +16,20 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
+from tpuft_workload.render import DOLLY_TEMPLATE
+
 BUILTIN_MODEL = "builtin:tiny-llama"
 BUILTIN_DATASET = "builtin:dolly-mini"
 
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
 _WORD = re.compile(r"\w+|[^\w\s]+")  # same split as tokenizers' Whitespace pre-tokenizer
 
-# The chat template the exported tokenizer carries, so the served model (tpuft_workload.serve) sees
-# a chat in the training prompt's sections (tpuft_workload.data.PROMPT): a single user message
-# renders exactly as training rendered an instruction. A system message becomes a Context section,
-# an earlier assistant turn a Response section ended by EOS (as every training example is).
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{% if m['role'] == 'system' %}### Context:\n{{ m['content'] }}\n\n"
-    "{% elif m['role'] == 'assistant' %}### Response:\n{{ m['content'] }}{{ eos_token }}\n\n"
-    "{% else %}### Instruction:\n{{ m['content'] }}\n\n{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}### Response:\n{% endif %}"
-)
-
-
 def dolly_mini_path() -> Path:
     return Path(str(resources.files("tpuft_workload") / "data" / "dolly-mini.jsonl"))
 
 
 def _corpus_texts():
-    from tpuft_workload.data import TEMPLATE_WORDS
+    from tpuft_workload.render import TEMPLATE_WORDS
 
     yield TEMPLATE_WORDS
     with open(dolly_mini_path()) as f:
@@ -71,7 +62,7 @@ def build_tokenizer():
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
-                                   unk_token=UNK, model_max_length=1 << 20, chat_template=CHAT_TEMPLATE)
+                                   unk_token=UNK, model_max_length=1 << 20, chat_template=DOLLY_TEMPLATE)
 
 
 def build_model(vocab_size: int, seed: int = 0, hidden: int = 64, layers: int = 2):

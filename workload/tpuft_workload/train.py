@@ -6,15 +6,17 @@ checkpoint, FailureConfig for in-job restarts, CheckpointConfig(num_to_keep). Th
 run name carries the object's UID: a re-created TPUFinetune starts fresh, and continues an
 earlier run only through --resume-from (spec.checkpoint.resumeFrom), checked here first.
 
-Input (tpuft_workload.pipeline, on the driver before any worker starts): Ray Data reads,
-tokenizes and packs the dataset once; the rows are materialized and each epoch Ray Train's
-DataConfig streams disjoint, equal shards to the workers.
+Input (tpuft_workload.pipeline, on the driver before any worker starts): Ray Data reads and
+tokenizes the dataset once, through the model's chat template; the driver packs whole examples into
+rows and puts them in the object store; each epoch every worker takes its slice of each global
+batch of a seeded permutation of the rows.
 
 Workers (`train_loop`): tpuft_workload.loop's run (restore, steps, reports every K steps and at
 epoch ends, checkpoints, then finish or stop on SIGTERM: shared with the JAX path) over this file's
-torch backend (`_Torch`): setup (their dataset shard via `iter_torch_batches`; the model sharded
-with FSDP2), the step, the ranks' stop vote (an all-reduce over gloo), DCP checkpoints (the run's
-own latest, else --resume-from's, restored) and the HF export.
+torch backend (`_Torch`): setup (the shared rows; the model sharded
+with FSDP2), the step (on the global batch's mean loss per labelled token, the JAX path's objective:
+each rank's summed loss over every rank's labelled tokens), the ranks' stop vote (an all-reduce over
+gloo), DCP checkpoints (the run's own latest, else --resume-from's, restored) and the HF export.
 """
 from __future__ import annotations
 
@@ -91,12 +93,10 @@ class _Torch:
 
         cfg = self.cfg
         self.tokenizer = modellib.load_tokenizer(cfg.model)   # for the export
-        self.shard = ray.train.get_dataset_shard("train")
+        self.rows = ray.get(cfg.rows_ref)   # the shared rows, mapped from the node's object store
         self.steps_per_epoch = datalib.steps_per_epoch(cfg.rows, self.world, cfg.batch_size_per_device)
-        self.worker.say(f"[tpuft] {cfg.examples} examples -> {cfg.rows} rows of {cfg.max_seq_length} tokens "
-                        f"({'packed' if cfg.packing else 'padded'}, pad fraction {cfg.pad_fraction:.1%}; Ray Data, "
-                        f"tokenized once); {self.steps_per_epoch} steps/epoch x {cfg.epochs} epochs on {self.world} "
-                        "workers")
+        self.worker.say(f"[tpuft] {loop.data_line(cfg)}; {self.steps_per_epoch} steps/epoch x {cfg.epochs} epochs "
+                        f"on {self.world} workers")
 
     def _model(self) -> None:
         import torch
@@ -119,11 +119,13 @@ class _Torch:
         self.model.train()
 
     def batches(self, epoch: int, skip: int):
-        return pipeline.torch_batches(self.shard, self.cfg.batch_size_per_device, self.cfg.seed, epoch, skip=skip)
+        return pipeline.torch_batches(self.rows, self.world, self.rank, self.cfg.batch_size_per_device,
+                                      self.cfg.seed, epoch, skip=skip)
 
     def step(self, batch: dict) -> loop.Step:
-        """One optimizer step on `batch` (a [batch, max_len] slice of the shard): this rank's loss
-        and real tokens (the window sums them over the ranks), the global gradient norm."""
+        """One optimizer step on `batch` (a [batch, max_len] slice of the shard) on the global batch's
+        mean loss per labelled token (model.token_mean_loss): this rank's summed loss, labelled and
+        real tokens (the window sums them over the ranks), the global gradient norm."""
         import torch
 
         from tpuft_workload import model as modellib
@@ -131,15 +133,13 @@ class _Torch:
         # packed rows restart position_ids per example (block-diagonal attention); padded rows mask
         keys = ("input_ids", "labels", "position_ids" if self.cfg.packing else "attention_mask")
         inputs = {k: batch[k].to(self.device) for k in keys}
-        out = self.model(**inputs)
-        out.loss.backward()
+        loss_sum, labelled = modellib.token_mean_loss(self.model, inputs)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, 1.0)   # the norm before clipping
         if hasattr(grad_norm, "full_tensor"):   # FSDP2: a DTensor
             grad_norm = grad_norm.full_tensor()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        loss, scored = modellib.scored_loss(out.loss.detach().float(), inputs["labels"])
-        return loop.Step(loss=loss, scored=scored,
+        return loop.Step(loss_sum=loss_sum, labelled=labelled,
                          real=int(batch["n_real"].sum()),
                          padded=self.cfg.batch_size_per_device * self.cfg.max_seq_length,
                          grad_norm=grad_norm.detach().float())
@@ -234,8 +234,7 @@ def prepare(args, target: Target, fault_spec: str = "") -> tuple[str, pipeline.P
     # Checked before any worker starts: it exists and tpuft wrote it (then _model_checks)
     resume_from, resume_manifest = ckptlib.resolve_resume(args.resume_from) if args.resume_from else ("", {})
     lora = _model_checks(args, resume_from, resume_manifest)
-    packed = pipeline.build(args.dataset, args.dataset_split, args.dataset_format, args.model,
-                            args.max_seq_length, args.packing)
+    packed = pipeline.build(dataset_spec(args), args.model, args.max_seq_length, args.packing)
     if datalib.steps_per_epoch(packed.rows, target.world_size, args.batch_size_per_device) == 0:
         raise pipeline.DataError(
             f"{packed.rows} training rows cannot fill one global batch of {target.world_size} workers x "
@@ -243,7 +242,8 @@ def prepare(args, target: Target, fault_spec: str = "") -> tuple[str, pipeline.P
             "spec.training.batchSizePerDevice or maxSeqLength, or fewer workers")
     cfg = TrainConfig(
         platform=target.platform.kind, model=args.model, rows=packed.rows, examples=packed.examples,
-        pad_fraction=packed.pad_fraction, epochs=args.epochs, batch_size_per_device=args.batch_size_per_device,
+        pad_fraction=packed.pad_fraction, record_type=packed.type, truncated=packed.truncated,
+        dropped=packed.dropped, epochs=args.epochs, batch_size_per_device=args.batch_size_per_device,
         max_seq_length=args.max_seq_length, learning_rate=args.learning_rate, packing=args.packing,
         checkpoint_every_steps=args.checkpoint_every_steps, report_every_steps=args.report_every_steps,
         seed=args.seed, fault=fault_spec, run_dir=run_dir,
@@ -255,7 +255,14 @@ def prepare(args, target: Target, fault_spec: str = "") -> tuple[str, pipeline.P
         peak_flops=target.shape.peak_flops * target.slices if target.platform.is_tpu else None,
         slices=target.slices, lora=lora, merge_export=bool(lora and args.merge_export),
     ).as_dict()
+    cfg["rows_ref"] = packed.ref   # after as_dict: an ObjectRef is passed to the workers, never copied
     return storage, packed, cfg
+
+
+def dataset_spec(args) -> pipeline.DatasetSpec:
+    """spec.dataset from the train command's flags."""
+    return pipeline.DatasetSpec(args.dataset, args.dataset_split, args.dataset_format, args.dataset_type,
+                                tuple(args.dataset_columns), args.overlong)
 
 
 def _model_checks(args, resume_from: str, resume_manifest: dict) -> loralib.LoraSettings | None:
@@ -292,7 +299,6 @@ def run_config(args, storage: str):
 
 def build_trainer(args, target: Target, fault_spec: str = ""):
     """(TorchTrainer, its train_loop_config as a dict: TrainConfig.as_dict)."""
-    from ray.train import DataConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     scaling = scaling_config(target)
@@ -300,8 +306,6 @@ def build_trainer(args, target: Target, fault_spec: str = ""):
     return TorchTrainer(
         train_loop_per_worker=train_loop,
         train_loop_config=cfg,
-        datasets={"train": packed.dataset},
-        dataset_config=DataConfig(datasets_to_split=["train"]),
         torch_config=TorchConfig(backend=target.platform.backend),
         scaling_config=scaling,
         run_config=run_config(args, storage),

@@ -1,0 +1,164 @@
+"""One training objective on torch and JAX: the global batch's mean loss per labelled token (no Ray).
+
+Two gloo ranks (torch.multiprocessing, spawned) take the torch step's loss and backward
+(tpuft_workload.model.token_mean_loss) under FSDP2 over one slice and HSDP over two, each rank on
+one row of the same global batch: rows of very unequal labelled tokens, or rank 1's of prompt only.
+Their gradient is the one-process gradient of the whole batch's mean loss per labelled token (and
+JAX's), and the loss they report (a loop.Window summed over the ranks) is that mean, as JAX's step
+reports it on the same batch.
+
+Tolerance: float32, the same sums in another order. Measured (2026-12-06; rows of 52 and 4 labelled
+tokens, gradients up to 0.24): both layouts' gradients within 3.8e-8 of the one-process one, JAX's
+within 4.5e-8, the reported losses within 9e-8 relative; the ranks' own means averaged differ by
+0.35 (a loss of 5.364 against the token mean's 5.333).
+"""
+from __future__ import annotations
+
+import os
+import socket
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from tpuft_workload import data, loop, tiny  # noqa: E402
+from tpuft_workload import model as modellib  # noqa: E402
+from tpuft_workload.platform import PLATFORMS  # noqa: E402
+
+CPU = PLATFORMS["cpu"]
+WORLD, SEED, MAX_LEN = 2, 0, 64
+GRAD_ATOL, LOSS_REL = 1e-6, 1e-5
+CASES = ("unequal", "prompt only")
+
+
+def _global_batches() -> dict[str, dict]:
+    """Two packed rows each, rank r's is row r. unequal: the rows with the most and the fewest
+    labelled tokens; prompt only: the same, rank 1's labels all -100."""
+    blocks = data.build_blocks(tiny.build_tokenizer(), data.load_records(tiny.BUILTIN_DATASET, "train[:96]"),
+                               MAX_LEN, packing=True)
+    counts = [sum(label != -100 for label in b.labels[1:]) for b in blocks]
+    most = max(range(len(blocks)), key=counts.__getitem__)
+    fewest = min((i for i in range(len(blocks)) if counts[i]), key=counts.__getitem__)
+    assert counts[most] >= 10 * counts[fewest]
+    unequal = {**data.collate(blocks, [most, fewest]),
+               "n_real": torch.tensor([blocks[i].n_real for i in (most, fewest)])}
+    prompt_only = {k: v.clone() for k, v in unequal.items()}
+    prompt_only["labels"][1] = -100
+    return {"unequal": unequal, "prompt only": prompt_only}
+
+
+def _inputs(rows: dict) -> dict:
+    return {k: rows[k] for k in ("input_ids", "labels", "position_ids")}
+
+
+def _sum_over_ranks(values: list) -> list[float]:
+    """What the torch backend's totals does: each value summed over the ranks."""
+    t = torch.tensor([float(v) for v in values])
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def _rank(rank: int, port: int, vocab: int, batches: dict, out: str) -> None:
+    """One of two gloo ranks: for each global batch and each layout, the torch step's backward from
+    fresh weights on row `rank`; rank 0 saves the full gradients and the reported loss."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    result = {}
+    for case, rows in batches.items():
+        mine = {k: v[rank:rank + 1] for k, v in _inputs(rows).items()}
+        for slices in (1, 2):
+            model = tiny.build_model(vocab, seed=SEED)
+            modellib.shard(model, modellib.device_mesh(CPU, WORLD, slices), CPU, torch.device("cpu"))
+            loss_sum, labelled = modellib.token_mean_loss(model, mine)
+            window = loop.Window(_sum_over_ranks)
+            window.add(loop.Step(loss_sum=loss_sum, labelled=labelled, real=0, padded=1, grad_norm=0.0))
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}   # collective
+            result[case, slices] = {"loss": window.reduce()["loss"], "grads": grads,
+                                    "mesh": list(model.model.embed_tokens.weight.device_mesh.shape)}
+    if rank == 0:
+        torch.save(result, out)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def vocab() -> int:
+    return len(tiny.build_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def batches() -> dict[str, dict]:
+    return _global_batches()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(vocab, batches, tmp_path_factory) -> dict:
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path_factory.mktemp("objective") / "result.pt")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_rank, args=(port, vocab, batches, out), nprocs=WORLD, start_method="spawn")
+    return torch.load(out)
+
+
+def _one_process(vocab: int, rows: dict) -> tuple[float, dict]:
+    """(loss, gradients) of the whole batch in one process: transformers' mean over its labelled tokens."""
+    model = tiny.build_model(vocab, seed=SEED)
+    loss = model(**rows).loss
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+
+@pytest.mark.parametrize("slices", [1, 2], ids=["fsdp", "hsdp"])
+@pytest.mark.parametrize("case", CASES)
+def test_two_ranks_gradient_is_the_global_token_means(two_ranks, vocab, batches, case, slices):
+    got = two_ranks[case, slices]
+    assert got["mesh"] == ([2] if slices == 1 else [2, 1])
+    _, want = _one_process(vocab, _inputs(batches[case]))
+    assert _max_diff(got["grads"], want) <= GRAD_ATOL
+
+
+def test_the_ranks_own_means_would_be_another_objective(two_ranks, vocab, batches):
+    """Each rank's mean over its own tokens, averaged over the ranks (what FSDP2 makes of transformers'
+    default loss): a gradient far outside the tolerance, so the test above can fail."""
+    rows = _inputs(batches["unequal"])
+    per_rank = [_one_process(vocab, {k: v[r:r + 1] for k, v in rows.items()})[1] for r in range(WORLD)]
+    averaged = {n: sum(g[n] for g in per_rank) / WORLD for n in per_rank[0]}
+    assert _max_diff(averaged, two_ranks["unequal", 1]["grads"]) > 100 * GRAD_ATOL
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_torch_and_jax_report_the_same_first_step_loss(two_ranks, vocab, batches, case):
+    """The report of the first step (a loop.Window of one step) from the two torch ranks under each
+    layout, from JAX's step on the same global batch, and the one-process mean: one number. JAX's
+    gradient is the one-process torch gradient too."""
+    import jax
+    import optax
+
+    from tpuft_workload import jax_model as jm
+    from tpuft_workload import jax_train as jt
+
+    rows = batches[case]
+    want, torch_grads = _one_process(vocab, _inputs(rows))
+    for slices in (1, 2):
+        assert two_ranks[case, slices]["loss"] == pytest.approx(want, rel=LOSS_REL)
+    _, mcfg, params = jm.from_torch(tiny.build_model(vocab, seed=SEED))
+    batch = {**jm.inputs_from_rows({k: v.numpy() for k, v in rows.items()}, packing=True),
+             "n_real": rows["n_real"].numpy().astype(np.int32)}
+    tx = optax.adamw(1e-3)
+    _, _, _, sums, _ = jax.jit(partial(jt._train_step, tx, mcfg, None))(params, tx.init(params), batch)
+    window = loop.Window(lambda values: [float(v) for v in values])   # the JAX backend's totals
+    window.add(loop.Step(loss_sum=sums["loss_sum"], labelled=sums["labelled"], real=sums["real"], padded=1,
+                         grad_norm=0.0))
+    assert window.reduce()["loss"] == pytest.approx(want, rel=LOSS_REL)
+    jax_grads = jax.jit(jax.grad(lambda p: jm.loss(p, mcfg, batch)))(params)
+    assert _max_diff({n: torch.tensor(np.asarray(g)) for n, g in jax_grads.items()}, torch_grads) <= GRAD_ATOL

@@ -1,0 +1,139 @@
+"""Train what you serve: for chat templates in each family's documented turn format, the token ids
+the endpoint builds for a conversation's first k turns (chat_api.prompt_ids) are, token for token,
+the prefix training built for them, and the labels are exactly the assistant turns' tokens.
+
+The tokenizer is a byte-level BPE trained here on the test's own text (merges, so a token could
+cross a turn boundary if the renderer got one wrong), with each template's markers as special tokens.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tpuft_workload import chat_api, data, render
+from tpuft_workload.records import Turn
+
+GEMMA = (  # Gemma 1/2: no system role (the template raises), turns end with <end_of_turn>
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+    "<start_of_turn>{{ role }}\n{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+LLAMA3 = (  # Llama 3 Instruct: header blocks, a default system block with the date lines
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] | trim %}"
+    "{% set rest = messages[1:] %}{% else %}{% set system = '' %}{% set rest = messages %}{% endif %}"
+    "<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n"
+    "{{ system }}<|eot_id|>{% for m in rest %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+CHATML = (  # Qwen 2.5: ChatML with a default system prompt
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a "
+    "helpful assistant.<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEMPLATES = {"gemma": (GEMMA, "<end_of_turn>"), "llama3": (LLAMA3, "<|eot_id|>"), "chatml": (CHATML, "<|im_end|>"),
+             "dolly": (render.DOLLY_TEMPLATE, "</s>")}
+SPECIALS = ["<s>", "</s>", "<pad>", "<start_of_turn>", "<end_of_turn>", "<|start_header_id|>", "<|end_header_id|>",
+            "<|eot_id|>", "<|im_start|>", "<|im_end|>"]
+WORDS = ("the capital of France is Paris , what colour sky blue ? answer briefly . tell me about bees they make "
+         "honey in hives ! cats sleep a lot ; 42 is the number 3.5 7 Tokyo famous for technology").split()
+
+
+def _sentence(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12)))
+
+
+def _tokenizer(template: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    rng = random.Random(0)
+    corpus = [_sentence(rng) + "\n\n" + _sentence(rng) for _ in range(400)]
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   chat_template=template)
+
+
+def _conversations(system: bool, count: int = 25):
+    rng = random.Random(7)
+    for _ in range(count):
+        turns = [Turn("system", _sentence(rng), False)] if system and rng.random() < 0.5 else []
+        for _ in range(rng.randint(1, 4)):
+            turns += [Turn("user", _sentence(rng), False), Turn("assistant", _sentence(rng), rng.random() < 0.8)]
+        if not any(t.trained for t in turns):
+            turns[-1] = Turn("assistant", turns[-1].content, True)
+        yield tuple(turns)
+
+
+def _served(tok, turns) -> list[int]:
+    return chat_api.prompt_ids(tok, [chat_api.Message(role=t.role, content=t.content) for t in turns])
+
+
+@pytest.fixture(scope="module", params=sorted(TEMPLATES))
+def family(request):
+    template, end = TEMPLATES[request.param]
+    return request.param, _tokenizer(template), end
+
+
+def test_serving_builds_the_prefix_training_built_and_labels_are_the_answers(family):
+    name, tok, end = family
+    end_id = tok.convert_tokens_to_ids(end)
+    for turns in _conversations(system=name != "gemma"):
+        example = render.render(tok, turns)
+        expected = [render.IGNORE] * len(example.input_ids)
+        for k, turn in enumerate(turns):
+            if turn.role != "user":
+                continue
+            served = _served(tok, turns[:k + 1])
+            assert example.input_ids[:len(served)] == served, (name, k)   # what the endpoint sends, token for token
+            answer = turns[k + 1] if k + 1 < len(turns) else None
+            if answer is not None and answer.trained:
+                upto = len(tok(tok.apply_chat_template(
+                    [{"role": t.role, "content": t.content} for t in turns[:k + 2]], tokenize=False),
+                    add_special_tokens=False)["input_ids"])
+                expected[len(served):upto] = example.input_ids[len(served):upto]
+                trained = example.input_ids[len(served):upto]
+                assert answer.content in tok.decode(trained), name
+                assert end_id in trained, f"{name}: the answer's turn end {end} is trained"
+        assert example.labels == expected, name
+
+
+def test_the_turn_end_is_found_for_every_family(family):
+    name, tok, end = family
+    assert render.turn_end_ids(tok) == [tok.convert_tokens_to_ids(end)], name
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_not_mislabelled():
+    # drops past answers from the prompt, as templates that strip reasoning do
+    template = ("{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}"
+                "<|im_start|>assistant\n(earlier answer)<|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n"
+                "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok = _tokenizer(template)
+    turns = (Turn("user", "cats sleep", False), Turn("assistant", "a lot", True),
+             Turn("user", "bees", False), Turn("assistant", "make honey", True))
+    with pytest.raises(render.RenderError, match="up to turn 2 differently"):
+        render.render(tok, turns)
+    # one answer trained: its prefix renders as serving renders it
+    assert render.render(tok, turns[:2]).trained > 0
+
+
+def test_a_tokenizer_without_a_template_trains_and_serves_the_dolly_sections():
+    tok = _tokenizer(None)
+    assert render.with_template(tok).chat_template == render.DOLLY_TEMPLATE
+    layout = data.recordslib.detect(["instruction", "context", "response"])
+    example = data.example_of(tok, {"instruction": "what colour sky", "context": "blue", "response": "sky blue"},
+                              layout)
+    text = tok.decode(example.input_ids)
+    assert text == "<s>### Instruction:\nwhat colour sky\n\nblue\n\n### Response:\nsky blue</s>\n\n"
+    assert tok.decode([t for t in example.labels if t != render.IGNORE]) == "sky blue</s>\n\n"
+
+
+def test_text_records_train_every_token_after_the_first():
+    tok = _tokenizer(CHATML)
+    example = render.render_text(tok, "bees make honey")
+    assert example.input_ids[-1] == tok.eos_token_id
+    assert example.labels == [render.IGNORE] + example.input_ids[1:]
