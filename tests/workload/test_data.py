@@ -146,3 +146,21 @@ def test_local_dataset_files_load_in_order(tmp_path):
     good.write_text("".join(json.dumps({"instruction": f"q{i}", "context": "", "response": f"a{i}"}) + "\n"
                             for i in range(5)))
     assert [r["instruction"] for r in data.load_records(str(good), "train[:2]")] == ["q0", "q1"]
+
+
+def test_each_epoch_is_a_permutation_of_all_rows_and_a_resume_skips_exactly_what_was_trained():
+    import numpy as np
+
+    from tpuft_workload import pipeline
+
+    rows = {"input_ids": np.arange(50)[:, None].repeat(4, axis=1), "n_real": np.full(50, 4)}
+
+    def epoch(rank: int, e: int, skip: int = 0) -> list[list[int]]:
+        return [b["input_ids"][:, 0].tolist() for b in pipeline.epoch_batches(rows, 2, rank, 4, 7, e, skip)]
+
+    first = [epoch(r, 0) for r in (0, 1)]
+    steps = [a + b for a, b in zip(*first)]                # the global batches
+    assert len(steps) == 6 and len({i for s in steps for i in s}) == 48   # 48 distinct rows of 50
+    assert sorted(i for s in steps for i in s) != [i for s in steps for i in s]   # not file order
+    assert epoch(0, 1) != first[0]                         # another permutation next epoch
+    assert epoch(0, 0, skip=4) == first[0][4:]             # resumed after step 4: the same rows, none again

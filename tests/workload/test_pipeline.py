@@ -1,10 +1,10 @@
-"""tpuft_workload.pipeline on a real local Ray: the Ray Data path gives exactly the rows each rank
-used to build for itself, from a builtin, a JSON lines and a Parquet source; two workers' shards are
-disjoint and equal; a source that cannot be used fails on the driver, naming the field and path."""
+"""tpuft_workload.pipeline on a real local Ray: the Ray Data path gives exactly the rows the
+in-process path builds, from a builtin, a JSON lines and a Parquet source; chat messages train
+through the model's template; a source or a record that cannot be used fails on the driver, naming
+the field, the path and the record."""
 from __future__ import annotations
 
 import json
-import threading
 from collections import Counter
 
 import pytest
@@ -17,13 +17,20 @@ from tpuft_workload.tiny import BUILTIN_DATASET, BUILTIN_MODEL, dolly_mini_path
 MAX_LEN = 128
 
 
-def _rows(ds) -> Counter:
+def _rows(packed) -> Counter:
+    import ray
+
+    rows = ray.get(packed.ref)
     cols = ("input_ids", "labels", "position_ids")
-    return Counter(tuple(tuple(int(x) for x in r[c]) for c in cols) for r in ds.iter_rows())
+    return Counter(tuple(tuple(int(x) for x in rows[c][i]) for c in cols) for i in range(packed.rows))
+
+
+def _build(name: str, split: str = "train", fmt: str | None = None, packing: bool = True, **spec):
+    return pipeline.build(pipeline.DatasetSpec(name, split, fmt, **spec), BUILTIN_MODEL, MAX_LEN, packing)
 
 
 def _today(split: str, packing: bool = True) -> Counter:
-    """The per-rank path every worker ran before: load, tokenize, pack, in one process."""
+    """The in-process path: load, render, pack, in one process."""
     tok = modellib.load_tokenizer(BUILTIN_MODEL)
     blocks = datalib.build_blocks(tok, datalib.load_records(BUILTIN_DATASET, split), MAX_LEN, packing)
     np = pytest.importorskip("numpy")
@@ -35,7 +42,7 @@ def _today(split: str, packing: bool = True) -> Counter:
 @pytest.fixture(scope="module")
 def packed_builtin(ray_cluster):
     """The builtin data, packed: built once, read by the row and the shard tests."""
-    return pipeline.build(BUILTIN_DATASET, "train", None, BUILTIN_MODEL, MAX_LEN, True)
+    return _build(BUILTIN_DATASET)
 
 
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded-and-sliced"])
@@ -50,13 +57,12 @@ def test_the_pipeline_gives_the_same_rows_as_the_per_rank_path(packed_builtin, r
         raise AssertionError("the pipeline asked the Hub about a local dataset")
     monkeypatch.setattr(HuggingFaceDatasource, "list_parquet_urls_from_dataset", staticmethod(no_hub_lookup))
     split = "train" if packing else "train[:40]"
-    built = packed_builtin if packing else pipeline.build(BUILTIN_DATASET, split, None, BUILTIN_MODEL, MAX_LEN, False)
+    built = packed_builtin if packing else _build(BUILTIN_DATASET, split, packing=False)
     expected = _today(split, packing)
-    assert _rows(built.dataset) == expected
+    assert _rows(built) == expected
     assert built.rows == sum(expected.values())
     assert built.examples == (len(datalib.load_records(BUILTIN_DATASET)) if packing else 40)
-    for r in built.dataset.take(3):
-        assert len(r["input_ids"]) == MAX_LEN   # static shapes
+    assert built.type == "instruction"
 
 
 def _records() -> list[dict]:
@@ -76,43 +82,46 @@ def test_parquet_and_a_suffixless_json_file_with_a_format_read_the_same(ray_clus
     bare.write_text("".join(json.dumps(r) + "\n" for r in records))
     expected = _today("train")
     for name, fmt in ((str(parquet), None), (str(bare), "json")):
-        packed = pipeline.build(name, "train", fmt, BUILTIN_MODEL, MAX_LEN, True)
-        assert _rows(packed.dataset) == expected, name
+        assert _rows(_build(name, "train", fmt)) == expected, name
 
 
-def test_two_workers_get_disjoint_equal_shards(packed_builtin):
-    packed = packed_builtin
-    shards = packed.dataset.streaming_split(2, equal=True)
-    seen: list[list[tuple]] = [[], []]
-
-    def consume(i: int) -> None:   # a split's iterators are read side by side, as the workers do
-        for batch in pipeline.torch_batches(shards[i], batch_size=4, seed=7, epoch=0):
-            assert tuple(batch["input_ids"].shape) == (4, MAX_LEN)
-            seen[i] += [tuple(row.tolist()) for row in batch["input_ids"]]
-
-    threads = [threading.Thread(target=consume, args=(i,)) for i in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert len(seen[0]) == len(seen[1]) == (packed.rows // 2) // 4 * 4
-    every = Counter(tuple(int(x) for x in r["input_ids"]) for r in packed.dataset.iter_rows())
-    assert Counter(seen[0]) + Counter(seen[1]) <= every   # no row handed out more often than it exists
+def test_chat_messages_train_through_the_models_template_and_a_bad_record_is_named(ray_cluster, tmp_path):
+    chats = [{"messages": [{"role": "system", "content": r["context"] or "Be brief."},
+                           {"role": "user", "content": r["instruction"]},
+                           {"role": "assistant", "content": r["response"]}]} for r in _records()[:24]]
+    good = tmp_path / "chats.jsonl"
+    good.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    packed = _build(str(good))
+    assert packed.type == "messages" and packed.examples == 24
+    tok = modellib.load_tokenizer(BUILTIN_MODEL)
+    expected = datalib.build_blocks(tok, chats, MAX_LEN, True)
+    assert packed.rows == len(expected)
+    chats[16]["messages"][2]["role"] = "bot"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    with pytest.raises(pipeline.DataError) as e:
+        _build(str(bad))
+    assert str(e.value) == (f"spec.dataset.name: {bad}: record 17: messages[2].role: unknown role 'bot'; "
+                            "expected one of system, user, assistant")
 
 
 def test_a_missing_file_fails_naming_the_field_and_the_path(ray_cluster, tmp_path):
     missing = tmp_path / "nope.jsonl"
     with pytest.raises(pipeline.DataError) as e:
-        pipeline.build(str(missing), "train", None, BUILTIN_MODEL, MAX_LEN, True)
+        _build(str(missing))
     assert str(e.value).startswith("spec.dataset.name: ") and str(missing) in str(e.value)
 
 
-def test_a_missing_column_fails_naming_it(ray_cluster, tmp_path):
+def test_columns_no_type_fits_fail_naming_them_until_mapped(ray_cluster, tmp_path):
     bad = tmp_path / "questions.jsonl"
-    bad.write_text("".join(json.dumps({"question": r["instruction"]}) + "\n" for r in _records()[:10]))
+    bad.write_text("".join(json.dumps({"question": r["instruction"], "answer": r["response"]}) + "\n"
+                           for r in _records()[:10]))
     with pytest.raises(pipeline.DataError) as e:
-        pipeline.build(str(bad), "train", None, BUILTIN_MODEL, MAX_LEN, True)
-    assert "spec.dataset.name" in str(e.value) and "'instruction'" in str(e.value) and str(bad) in str(e.value)
+        _build(str(bad))
+    assert str(e.value).startswith(f"spec.dataset.name: {bad}: no record layout fits the columns "
+                                   "['question', 'answer']")
+    mapped = _build(str(bad), columns=(("completion", "answer"), ("prompt", "question")))
+    assert mapped.type == "promptCompletion" and mapped.examples == 10
 
 
 def test_resolve_reads_the_suffix_or_the_format():

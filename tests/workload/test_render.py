@@ -137,3 +137,22 @@ def test_text_records_train_every_token_after_the_first():
     example = render.render_text(tok, "bees make honey")
     assert example.input_ids[-1] == tok.eos_token_id
     assert example.labels == [render.IGNORE] + example.input_ids[1:]
+
+
+def test_the_export_carries_the_template_and_stops_at_the_turn_end(tmp_path):
+    """The base's generation config (its stop ids, its sampling) survives the export, with the chat
+    template's turn end added; the exported tokenizer renders what training rendered."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from tpuft_workload import checkpoint, tiny
+
+    tok = _tokenizer(GEMMA)
+    model = tiny.build_model(len(tok), seed=0)
+    base = GenerationConfig(eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, do_sample=True, top_p=0.95, top_k=64)
+    checkpoint.save_hf(model.config, model.state_dict(), tok, str(tmp_path), generation=base)
+    exported = GenerationConfig.from_pretrained(tmp_path)
+    assert exported.eos_token_id == [tok.eos_token_id, tok.convert_tokens_to_ids("<end_of_turn>")]
+    assert (exported.top_p, exported.top_k) == (0.95, 64)
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    turns = (Turn("user", "cats sleep", False), Turn("assistant", "a lot", True))
+    assert render.render(again, turns) == render.render(tok, turns)

@@ -11,6 +11,7 @@ which model architecture, checked before `spec.checkpoint.resumeFrom` is loaded.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -18,6 +19,8 @@ from pathlib import Path
 from tpuft.constants import EXPORT_DIR  # noqa: F401  (one source: the operator's RayService serves it)
 
 TRAIN_STATE = "train_state.json"
+
+log = logging.getLogger(__name__)
 
 
 def _options(trainable_only: bool):
@@ -148,14 +151,38 @@ def export_hf(model, tokenizer, dest_uri: str, rank: int, dtype=None) -> str | N
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return None
-    save_hf(model.config, full, tokenizer, dest_uri, dtype)
+    save_hf(model.config, full, tokenizer, dest_uri, dtype, generation=getattr(model, "generation_config", None))
     return dest_uri
 
 
-def save_hf(config, state: dict, tokenizer, dest_uri: str, dtype=None) -> None:
+def serving_generation(generation, tokenizer):
+    """The base model's generation config (its stop ids, its recommended sampling), with the chat
+    template's turn end among the stop ids: the model was trained to end an answer with it, and both
+    serving engines stop at the generation config's eos_token_id."""
+    import copy
+
+    from tpuft_workload import render
+
+    generation = copy.deepcopy(generation)
+    eos = generation.eos_token_id
+    stops = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    try:
+        ends = render.turn_end_ids(tokenizer)
+    except Exception as e:  # noqa: BLE001 - a template that refuses the probe turn (its own error) adds none
+        log.warning("export: no turn end found in the chat template (%s); stop ids stay %s", e, stops)
+        ends = []
+    for token in ends or ([tokenizer.eos_token_id] if not stops and tokenizer.eos_token_id is not None else []):
+        if token not in stops:
+            stops.append(token)
+    generation.eos_token_id = stops[0] if len(stops) == 1 else stops
+    return generation
+
+
+def save_hf(config, state: dict, tokenizer, dest_uri: str, dtype=None, generation=None) -> None:
     """`state` (full tensors on the CPU) as a from_pretrained() folder at dest_uri: the architecture
     rebuilt on the meta device (no second copy of random weights), the tensors assigned, then
-    safetensors + config + tokenizer written."""
+    safetensors + config + generation config (`generation`, the base's: `serving_generation`) +
+    tokenizer (its chat template the one trained with) written."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -169,6 +196,7 @@ def save_hf(config, state: dict, tokenizer, dest_uri: str, dtype=None) -> None:
     if still_meta or unexpected:
         raise RuntimeError(f"export: weights do not match {type(fresh).__name__}: "
                            f"missing {still_meta[:5]}, unexpected {list(unexpected)[:5]}")
+    fresh.generation_config = serving_generation(generation or fresh.generation_config, tokenizer)
     with tempfile.TemporaryDirectory() as tmp:
         fresh.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)

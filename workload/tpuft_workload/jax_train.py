@@ -306,6 +306,22 @@ class _Jax:
         self.params, self.opt_state = state["params"], state["opt_state"]
         return path, train_state
 
+    def _generation(self):
+        """The base's generation config (generation_config.json beside its weights, else derived from
+        its config), with the chat template's turn end among its stop ids."""
+        from transformers import GenerationConfig, PretrainedConfig
+
+        from tpuft_workload.tiny import BUILTIN_MODEL
+
+        try:
+            base = None if self.cfg.model == BUILTIN_MODEL else GenerationConfig.from_pretrained(
+                _model_dir(self.cfg.model))
+        except OSError:   # the base has none: from its config, as transformers derives one
+            base = None
+        if base is None:
+            base = GenerationConfig.from_model_config(PretrainedConfig(**self.hf_config))
+        return ckptlib.serving_generation(base, self.tokenizer)
+
     def export(self) -> str | None:
         """Collective: the full weights gathered to every host; rank 0 writes the from_pretrained()
         folder (bf16 on accelerators, the dtype the model trained in; float32 on CPU)."""
@@ -321,6 +337,7 @@ class _Jax:
             dtype = ml_dtypes.bfloat16
         with tempfile.TemporaryDirectory() as tmp:
             jm.save_hf(full, self.hf_config, tmp, dtype=dtype)
+            self._generation().save_pretrained(tmp)
             self.tokenizer.save_pretrained(tmp)
             ckptlib.upload_dir(tmp, self.cfg.export_uri)
         return self.cfg.export_uri

@@ -169,9 +169,10 @@ def export(model, tokenizer, settings: LoraSettings, model_ref: str, run_dir: st
     if dtype is not None:
         full = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in full.items()}
     fresh = _rebuild(model.config, settings, full)
+    generation = getattr(model, "generation_config", None)   # the base's (its stop ids)
     base_ref = ckptlib.join(run_dir, BASE_DIR) if builtin else model_ref
     if builtin:
-        ckptlib.save_hf(model.config, base_state(full), tokenizer, base_ref)
+        ckptlib.save_hf(model.config, base_state(full), tokenizer, base_ref, generation=generation)
     dest = ckptlib.join(run_dir, ckptlib.EXPORT_DIR)
     fresh.peft_config["default"].base_model_name_or_path = base_ref
     with tempfile.TemporaryDirectory() as tmp:
@@ -184,7 +185,9 @@ def export(model, tokenizer, settings: LoraSettings, model_ref: str, run_dir: st
         for name, p in fresh.named_parameters():
             if ".base_layer." in name:
                 p.data = p.data.clone()
-        _save_folder(fresh.merge_and_unload(), tokenizer, ckptlib.join(run_dir, MERGED_DIR))
+        merged = fresh.merge_and_unload()
+        merged.generation_config = ckptlib.serving_generation(generation or merged.generation_config, tokenizer)
+        _save_folder(merged, tokenizer, ckptlib.join(run_dir, MERGED_DIR))
     return dest
 
 
