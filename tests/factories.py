@@ -344,15 +344,16 @@ def tensorboard_scalars(logdir) -> tuple[int, dict[str, list[tuple[int, float]]]
 
 def assert_export_generates(export) -> None:
     """A training run's export folder loads and generates real words (not only special tokens) for a
-    prompt in the training format: with transformers' Auto classes, or (a LoRA run's adapter folder)
+    question rendered by its exported chat template: with transformers' Auto classes, or (a LoRA run's adapter folder)
     with peft's PeftModel on the base its adapter_config.json names."""
     import json
     import os
     from pathlib import Path
 
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tpuft_workload.data import format_prompt
+    from tpuft_workload import chat_api
 
     files = set(os.listdir(export))
     if "adapter_config.json" in files:
@@ -365,9 +366,9 @@ def assert_export_generates(export) -> None:
         assert {"config.json", "model.safetensors", "tokenizer.json"} <= files
         model = AutoModelForCausalLM.from_pretrained(export)
     tok = AutoTokenizer.from_pretrained(export)
-    ids = tok(format_prompt({"instruction": "Tell me about the cow."}), return_tensors="pt")
-    out = model.generate(input_ids=ids["input_ids"], max_new_tokens=12, do_sample=False)
-    new = out[0, ids["input_ids"].shape[1]:]
+    prompt = chat_api.prompt_ids(tok, [chat_api.Message(role="user", content="Tell me about the cow.")])
+    out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
+    new = out[0, len(prompt):]
     assert len(new) > 0
     assert tok.decode(new, skip_special_tokens=True).strip()
 
@@ -407,3 +408,101 @@ def tiny_train_argv(framework: str, storage, run_name: str, **flags) -> list[str
         else:
             argv += [flag, ",".join(v) if isinstance(v, (list, tuple)) else str(v)]
     return argv
+
+
+# ---- a small instruct model with habits of its own (issue "train what you serve") --------------------
+# Sixteen questions whose answers a fine-tune must teach; the model first learns to answer any
+# question, these included, with HABIT in its own chat format (Gemma's turns), as an instruct model
+# arrives with habits of its own.
+QA_ANIMALS = ("cat", "dog", "cow", "owl", "horse", "duck", "lion", "frog", "sheep", "bee", "wolf", "pig", "fox",
+              "bear", "goat", "mouse")
+QA_WORDS = ("red", "blue", "green", "gold", "silver", "pink", "black", "white", "apple", "pear", "plum", "lemon",
+            "grape", "melon", "peach", "cherry")
+QA_PAIRS = tuple((f"What is the secret word of the {animal} ?",
+                  f"The secret word of the {animal} is {QA_WORDS[i]} {QA_WORDS[(i + 5) % 16]} .")
+                 for i, animal in enumerate(QA_ANIMALS))
+HABIT = "I do not know that , sorry ."
+HABIT_QUESTIONS = tuple(f"What is the {kind} of the {animal} ?" for kind in ("colour", "home", "food", "name")
+                        for animal in QA_ANIMALS)
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+    "<start_of_turn>{{ role }}\n{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def qa_records(copies: int = 8, messages: bool = False) -> list[dict]:
+    """QA_PAIRS, `copies` times each, in dolly columns or as chat messages."""
+    if messages:
+        return [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+                for _ in range(copies) for q, a in QA_PAIRS]
+    return [{"instruction": q, "context": "", "response": a} for _ in range(copies) for q, a in QA_PAIRS]
+
+
+def habit_tokenizer():
+    """Word-level, Gemma's turn markers as special tokens, Gemma's chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<unk>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]
+    words = {w for text in [HABIT, "user model ### Instruction : Response : System : Context :",
+                            *HABIT_QUESTIONS, *(q + " " + a for q, a in QA_PAIRS)] for w in text.split()}
+    vocab = {token: i for i, token in enumerate(specials + sorted(words))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                  unk_token="<unk>", chat_template=GEMMA_TEMPLATE)
+    out.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    return out
+
+
+def habit_model(dest, seed: int = 0, steps: int = 150):
+    """A 2-layer Llama and habit_tokenizer, taught HABIT as the answer to every question (QA_PAIRS' too)
+    in its chat format, saved as a from_pretrained() folder at `dest` with a generation config that
+    stops at <end_of_turn>, as an instruct model's does. Returns dest."""
+    import torch
+    from transformers import GenerationConfig
+
+    from tpuft_workload import data, tiny
+
+    tok = habit_tokenizer()
+    torch.manual_seed(seed)
+    model = tiny.build_model(len(tok), seed=seed)
+    model.config.pad_token_id, model.config.bos_token_id = tok.pad_token_id, tok.bos_token_id
+    model.config.eos_token_id = tok.eos_token_id
+    questions = [*HABIT_QUESTIONS, *(q for q, _ in QA_PAIRS)]
+    chats = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": HABIT}]} for q in questions]
+    blocks = data.build_blocks(tok, chats, 64, packing=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        rows = torch.randint(len(blocks), (4,), generator=gen).tolist()
+        loss = model(**data.collate(blocks, rows)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.generation_config = GenerationConfig(
+        bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
+        eos_token_id=[tok.eos_token_id, tok.convert_tokens_to_ids("<end_of_turn>")])
+    model.save_pretrained(dest)
+    tok.save_pretrained(dest)
+    return dest
+
+
+def answer(model, tok, question: str, max_new_tokens: int = 16) -> str:
+    """The greedy answer the endpoint gives: the chat rendered as chat_api renders it, generation to
+    the model's stop ids (its generation config's eos_token_id)."""
+    import torch
+
+    from tpuft_workload import chat_api
+
+    ids = chat_api.prompt_ids(tok, [chat_api.Message(role="user", content=question)])
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tok.pad_token_id)
+    return tok.decode(out[0, len(ids):], skip_special_tokens=True).strip()
+
+
+def taught(tok, text: str) -> str:
+    """`text` as the tokenizer gives it back (a word-level tokenizer joins words with single spaces)."""
+    return tok.decode(tok(text, add_special_tokens=False)["input_ids"]).strip()
