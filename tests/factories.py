@@ -381,8 +381,9 @@ def tiny_batch(tok, rows: int = 2) -> dict:
     return data.collate(blocks, list(range(rows)))
 
 
-# tests/workload's tiny training run: the built-in model and data on 2 CPU workers; train[:80] packs
-# into 62 rows, 7 steps of 2 workers x 4 rows an epoch (both frameworks).
+# tests/workload's tiny training run: the built-in model and data on 2 CPU workers; train[:120] packs
+# into 58 rows of 128 tokens (13 examples truncated, 11 dropped: their prompt alone fills a row), 7 steps
+# of 2 workers x 4 rows an epoch (both frameworks).
 TINY_EPOCHS, TINY_STEPS_PER_EPOCH, TINY_CKPT_EVERY = 2, 7, 3
 
 
@@ -396,7 +397,7 @@ def tiny_train_argv(framework: str, storage, run_name: str, **flags) -> list[str
     `flags` add or override (resume_from=x: --resume-from x; merge_export=True: --merge-export;
     a list: a comma list, lora_target_modules=["q_proj", "v_proj"])."""
     argv = ["train", "--framework", framework, "--accelerator", "cpu", "--topology", "2",
-            "--model", "builtin:tiny-llama", "--dataset", "builtin:dolly-mini", "--dataset-split", "train[:80]",
+            "--model", "builtin:tiny-llama", "--dataset", "builtin:dolly-mini", "--dataset-split", "train[:120]",
             "--epochs", str(TINY_EPOCHS), "--batch-size-per-device", "4", "--max-seq-length", "128",
             "--learning-rate", "3e-3", "--storage-path", str(storage), "--run-name", run_name,
             "--report-every-steps", "100", "--checkpoint-every-steps", str(TINY_CKPT_EVERY),

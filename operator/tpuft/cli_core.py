@@ -11,8 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from tpuft import builders, catalog
-from tpuft.constants import KIND
+from tpuft import builders, catalog, records
+from tpuft.constants import DATASET_COLUMN_KEYS, KIND, DatasetType
 from tpuft.spec import Problem, SpecError
 from tpuft.strictfields import parse_strict
 
@@ -35,7 +35,15 @@ def run_topology(args: argparse.Namespace) -> int:
 
 
 def add_validate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("files", nargs="+", type=Path, help="YAML files (multi-document allowed); - for stdin")
+    p.add_argument("files", nargs="*", type=Path, help="YAML files (multi-document allowed); - for stdin")
+    p.add_argument("--data", type=Path, default=None,
+                   help="also check a local JSON lines (or Parquet, with pyarrow) training file record by record, "
+                        "as the training driver does: read as the one manifest's spec.dataset says, else detected")
+    p.add_argument("--type", dest="data_type", choices=[t.value for t in DatasetType], default=None,
+                   help="with --data and no manifest: spec.dataset.type")
+    p.add_argument("--column", dest="data_columns", action="append", default=[], metavar="KEY=COLUMN",
+                   help=f"with --data and no manifest: spec.dataset.columns ({', '.join(DATASET_COLUMN_KEYS)}); "
+                        "repeatable")
 
 
 def add_render_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,7 +70,10 @@ def _documents(path: Path) -> list[tuple[str, dict]]:
 
 
 def run_validate(args: argparse.Namespace) -> int:
-    failed = 0
+    if not args.files and args.data is None:
+        print("tpuft validate: give manifests, --data FILE, or both", file=sys.stderr)
+        return EXIT_INVALID
+    failed, datasets = 0, []
     for path in args.files:
         try:
             docs = _documents(path)
@@ -78,9 +89,67 @@ def run_validate(args: argparse.Namespace) -> int:
                 for problem in e.problems:
                     print(f"{label}: {e.where}: {problem}", file=sys.stderr)
                 continue
+            datasets.append(tft.spec.dataset)
             print(f"{label}: {tft.meta.ref}: valid ({tft.spec.accelerator} {tft.spec.slice.topology}, "
                   f"{tft.spec.slices} slice(s), {tft.spec.slice.hosts} host(s)/slice, {tft.spec.num_workers} workers)")
+    if args.data is not None:
+        failed += not _validate_data(args, datasets)
     return EXIT_INVALID if failed else 0
+
+
+def _validate_data(args: argparse.Namespace, datasets: list) -> bool:
+    """--data: the layout and every record, as the training driver checks them (tpuft.records)."""
+    if len(datasets) > 1 or (datasets and (args.data_type or args.data_columns)):
+        print("tpuft validate --data: give one manifest (its spec.dataset says how to read the file) or "
+              "--type/--column, not both", file=sys.stderr)
+        return False
+    if datasets:
+        declared, mapping = datasets[0].type, dict(datasets[0].columns)
+    else:
+        pairs = [c.partition("=") for c in args.data_columns]
+        bad = [k + s + v for k, s, v in pairs if not s or not v]
+        if bad:
+            print(f"tpuft validate --data: --column {bad[0]!r}: expected KEY=COLUMN", file=sys.stderr)
+            return False
+        declared, mapping = args.data_type, {k: v for k, _, v in pairs}
+    label = str(args.data)
+    try:
+        rows = _data_records(args.data)
+        names = list(dict.fromkeys(k for row in rows[:1000] for k in row))
+        layout = records.detect(names, declared, mapping)
+        count = records.check(rows, layout)
+    except (OSError, ValueError) as e:   # RecordError is a ValueError: the record's number and field
+        print(f"{label}: {e}", file=sys.stderr)
+        return False
+    columns = ", ".join(f"{k}={v}" if k != v else k for k, v in layout.columns.items())
+    print(f"{label}: {count} records of type {layout.type.value} ({columns}): valid")
+    return True
+
+
+def _data_records(path: Path) -> list[dict]:
+    """A local file's records: JSON lines (blank lines skipped), a JSON array, or Parquet (pyarrow)."""
+    if path.suffix.lower() == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ValueError("reading Parquet needs pyarrow (pip install pyarrow)") from None
+        return pq.read_table(path).to_pylist()
+    text = path.read_text()
+    if text.lstrip().startswith("["):
+        rows = json.loads(text)
+    else:
+        rows = []
+        for number, line in enumerate((t for t in text.splitlines() if t.strip()), start=1):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"record {number}: not JSON ({e.msg})") from None
+    if not rows:
+        raise ValueError("no records")
+    bad = next((n for n, row in enumerate(rows, start=1) if not isinstance(row, dict)), None)
+    if bad is not None:
+        raise ValueError(f"record {bad}: expected a JSON object of columns")
+    return rows
 
 
 def run_render(args: argparse.Namespace) -> int:

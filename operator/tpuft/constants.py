@@ -307,7 +307,7 @@ class DatasetFormat(str, enum.Enum):
 
 
 class DatasetType(str, enum.Enum):
-    """spec.dataset.type: what a record holds; left out, its columns say (tpuft_workload.records)."""
+    """spec.dataset.type: what a record holds; left out, its columns say (tpuft.records)."""
     MESSAGES = "messages"                    # {"messages": [{"role", "content"}, ...]}: OpenAI's chat fine-tuning
     PROMPT_COMPLETION = "promptCompletion"   # {"prompt", "completion"}: one user turn, one answer
     INSTRUCTION = "instruction"              # dolly (instruction, context, response), alpaca (instruction, input, output)

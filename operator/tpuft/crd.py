@@ -651,7 +651,7 @@ def training_fields() -> dict:
         t.EPOCHS: integer("Total epochs."),
         t.STEP: integer("Optimizer steps done."),
         t.TOTAL_STEPS: integer("Optimizer steps planned."),
-        t.LOSS: num("Loss averaged across ranks."),
+        t.LOSS: num("Mean loss per labelled token of the global batch (all ranks), over the report window."),
         t.TOKENS_PER_SECOND: num("Real (non-padding) tokens per second."),
         t.PADDED_TOKENS_PER_SECOND: num("Tokens per second counting padding."),
         t.STEP_TIME_SECONDS: num("Mean step time."),

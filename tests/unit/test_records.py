@@ -1,12 +1,12 @@
-"""tpuft_workload.records: every record type users hold reads into one conversation shape; a record
+"""tpuft.records: every record type users hold reads into one conversation shape; a record
 that does not fit is named by its number, its field and what was expected."""
 from __future__ import annotations
 
 import pytest
 
 from tpuft.constants import DatasetType
-from tpuft_workload import records
-from tpuft_workload.records import RecordError, Turn
+from tpuft import records
+from tpuft.records import RecordError, Turn
 
 
 @pytest.mark.parametrize("columns, kind", [

@@ -32,7 +32,7 @@ def _torch_loss(model, rows: dict, packing: bool) -> float:
     import torch
 
     keys = ("input_ids", "labels", "position_ids" if packing else "attention_mask")
-    return model(**{k: torch.as_tensor(rows[k]) for k in keys}).loss
+    return model(**{k: torch.as_tensor(rows[k], dtype=torch.long) for k in keys}).loss
 
 
 def _jax_loss(params, cfg, rows: dict, packing: bool) -> float:

@@ -17,7 +17,7 @@ TOTAL = SPE * EPOCHS
 
 
 class FakeBackend:
-    """Every step: loss 2.0 then 0.1 less each step, 12 of 16 tokens real, gradient norm 1.5."""
+    """Step k: mean loss 2.0 - 0.1 k over k labelled tokens, 12 of 16 tokens real, gradient norm 1.5."""
     steps_per_epoch = SPE
     flops_per_token = 1e6
     peak_flops = None
@@ -34,7 +34,8 @@ class FakeBackend:
 
     def step(self, batch):
         self.steps += 1
-        return loop.Step(loss=2.0 - 0.1 * self.steps, real=12, padded=16, grad_norm=1.5)
+        k = self.steps
+        return loop.Step(loss_sum=(2.0 - 0.1 * k) * k, labelled=k, real=12, padded=16, grad_norm=1.5)
 
     def totals(self, values):
         return [float(v) for v in values]
@@ -120,12 +121,12 @@ def test_checkpoints_at_every_interval_and_epoch_end_then_the_summary(make_run, 
     assert "Epoch 1/2 | step 3/14 | loss=" in out and "Epoch 2/2 | loss=" in out
 
 
-def test_an_epochs_report_averages_its_steps(make_run):
+def test_an_epochs_report_averages_its_labelled_tokens(make_run):
     backend = FakeBackend()
     run, _ = make_run(backend, epochs=1)
     run.train()
-    _, _, metrics = backend.saved[-1]   # the epoch's end: steps 1..7
-    assert metrics["epoch_loss"] == pytest.approx(sum(2.0 - 0.1 * k for k in range(1, 8)) / 7)
+    _, _, metrics = backend.saved[-1]   # the epoch's end: steps 1..7, step k weighing its k tokens
+    assert metrics["epoch_loss"] == pytest.approx(sum((2.0 - 0.1 * k) * k for k in range(1, 8)) / sum(range(1, 8)))
     assert metrics["grad_norm"] == pytest.approx(1.5) and metrics["pad_fraction"] == pytest.approx(0.25)
 
 
@@ -209,17 +210,19 @@ def test_resumed_at_the_last_step_trains_nothing_and_keeps_the_metrics(make_run,
 
 
 def test_reports_and_checkpoints_are_not_training_time():
-    m = loop.window_metrics(loss_sum=8.0, grad_norm_sum=6.0, steps=4, real=300, padded=400, wall=5.0,
+    m = loop.window_metrics(loss_sum=8.0, labelled=4, grad_norm_sum=6.0, steps=4, real=300, padded=400, wall=5.0,
                             excluded=2.0, local_steps=2)
     assert (m["loss"], m["grad_norm"], m["seconds"]) == (2.0, 1.5, 5.0)   # steps summed over 2 ranks
     assert (m["tokens_per_s"], m["padded_tokens_per_s"], m["step_time_s"]) == (100.0, 400 / 3, 1.5)
     assert m["pad_fraction"] == 0.25
 
 
-def test_the_window_loss_is_the_mean_of_the_steps_that_scored():
-    """A rank whose rows held no labelled token reports no loss for that step (scored 0); the window's
-    loss is the mean over the rest, not NaN and not pulled down by a zero; none scored: NaN."""
-    m = loop.window_metrics(loss_sum=6.0, grad_norm_sum=4.0, steps=4, real=300, padded=400, wall=5.0,
-                            excluded=0.0, local_steps=2, scored=3)
-    assert (m["loss"], m["grad_norm"]) == (2.0, 1.0)
-    assert math.isnan(loop.window_metrics(0.0, 4.0, 4, 0, 400, 5.0, 0.0, 2, scored=0)["loss"])
+def test_the_window_loss_is_per_labelled_token_of_every_rank():
+    """Rank 0's step: loss 2.0 on 3 labelled tokens; rank 1's: 4.0 on 1; rank 1's next, rows of
+    prompt only: no token, no loss. The window's loss is 10/4, not the ranks' mean 3.0, neither NaN
+    nor pulled down by the empty step; a window without a labelled token: NaN."""
+    window = loop.Window(lambda values: [float(v) for v in values])   # the ranks' sums, as totals gives them
+    for loss_sum, labelled in ((6.0, 3), (4.0, 1), (0.0, 0)):
+        window.add(loop.Step(loss_sum=loss_sum, labelled=labelled, real=100, padded=128, grad_norm=1.0))
+    assert window.reduce()["loss"] == 2.5
+    assert math.isnan(loop.window_metrics(0.0, 0, 4.0, 4, 0, 400, 5.0, 0.0, 2)["loss"])

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from tpuft.constants import Overlong
-from tpuft_workload import records as recordslib
+from tpuft import records as recordslib
 from tpuft_workload.render import IGNORE, Example, render, render_text
 
 __all__ = ["IGNORE", "Example"]

@@ -106,17 +106,6 @@ def _decoder_layers(model) -> list:
     return layers
 
 
-def scored_loss(loss, labels):
-    """(loss, 1.0) for a step whose rows hold a labelled token, (0.0, 0.0) for one whose rows hold none
-    (a packed row of prompt only): its loss is 0/0, NaN (its gradient zero), and is left out of the
-    reported mean (tpuft_workload.loop.Step.scored). A row's first label is never predicted (the loss
-    shifts labels by one). A NaN from a diverging run still shows."""
-    import torch
-
-    scored = (labels[:, 1:] != -100).any()
-    return torch.where(scored, loss, torch.zeros_like(loss)), scored.float()
-
-
 def labelled_tokens(labels):
     """The tokens the causal-LM loss scores: labels other than -100 after its shift by one (a row's
     first label is never predicted)."""

@@ -7,7 +7,7 @@ Stages (driver, `build`):
              does not say), or a Hugging Face dataset by name. Plain files with split "train"
              are read by Ray Data itself (streamed, never whole on the driver); split slicing
              ("train[:1024]") and hub datasets go through `datasets` first.
-  check      the layout (tpuft_workload.records: spec.dataset.type, or detected from the columns,
+  check      the layout (tpuft.records: spec.dataset.type, or detected from the columns,
              through spec.dataset.columns) and then every record, streamed through the driver:
              DataError naming spec.dataset.name, the path and the first record that does not fit,
              before any worker exists.
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from tpuft.constants import DatasetFormat as Format
 from tpuft.constants import Overlong
-from tpuft_workload import records as recordslib
+from tpuft import records as recordslib
 from tpuft_workload import data as datalib
 
 CHECK_BATCH = 4096         # records per batch of the driver's check

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tpuft_workload.records import Turn
+from tpuft.records import Turn
 
 IGNORE = -100
 

@@ -123,9 +123,9 @@ class _Torch:
                                       self.cfg.seed, epoch, skip=skip)
 
     def step(self, batch: dict) -> loop.Step:
-        """One optimizer step on `batch` (a [batch, max_len] slice of the shard) on the global batch's
-        mean loss per labelled token (model.token_mean_loss): this rank's summed loss, labelled and
-        real tokens (the window sums them over the ranks), the global gradient norm."""
+        """One optimizer step on `batch` (this rank's [batch, max_len] part of the global batch) on the
+        global batch's mean loss per labelled token (model.token_mean_loss): this rank's summed loss,
+        labelled and real tokens (the window sums them over the ranks), the global gradient norm."""
         import torch
 
         from tpuft_workload import model as modellib
