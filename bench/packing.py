@@ -118,7 +118,8 @@ def main() -> None:
     }
     results = {}
     for name, recs in datasets.items():
-        lengths = sorted(len(data.tokenize_example(tok, r).input_ids) for r in recs)
+        layout = data.recordslib.detect(recs[0].keys())
+        lengths = sorted(len(data.example_of(tok, r, layout, n).input_ids) for n, r in enumerate(recs, start=1))
         row = {"records": len(recs), "medianTokens": lengths[len(lengths) // 2],
                "p90Tokens": lengths[int(len(lengths) * 0.9)], "maxTokens": lengths[-1],
                "overSeq": sum(n > a.seq for n in lengths)}

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import socket
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -18,12 +19,21 @@ from tpuft import builders, chat
 from tpuft.constants import (SERVE_API_KEY_ENV, SERVE_APP_NAME, SERVE_CHAT_PATH, SERVE_COMPLETIONS_PATH,
                              SERVE_DEPLOYMENT_NAME, SERVE_MODELS_PATH, SERVE_TRANSFORMERS_IMPORT_PATH, ServeArg)
 from tpuft.spec import parse
-from tpuft_workload import chat_api, checkpoint, data, engine_process, serve as serveapp, tiny
+from tpuft_workload import chat_api, checkpoint, data, engine_process, render, serve as serveapp, tiny
 
 MODEL_ID = "tiny-finetuned"
 HELLO = [{"role": "user", "content": "What is a dog?"}]
 KEY = "sk-test-0123456789"
 LONG = "dog " * 4096   # more tokens than the tiny model's max_position_embeddings
+# Gemma's chat template (google/gemma-2-2b-it): no system role, and user/model turns must alternate
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -74,14 +84,16 @@ def test_the_operators_serve_config_is_what_build_app_accepts(export):
                                                                      serveapp.ROUTE_PREFIX)
     assert [d["name"] for d in app["deployments"]] == [serveapp.DEPLOYMENT_NAME]
     assert serveapp.parse_args(app["args"]) == serveapp.ServeArgs(
-        export, doc["metadata"]["name"], doc["spec"]["serve"]["maxModelLength"], serveapp.MAX_TOKENS_DEFAULT)
+        export, doc["metadata"]["name"], doc["spec"]["serve"]["maxModelLength"])
 
 
 def test_args_are_parsed_with_defaults(export):
     args = serveapp.parse_args({"model_source": export, "model_id": MODEL_ID})
-    assert args == serveapp.ServeArgs(export, MODEL_ID, None, serveapp.MAX_TOKENS_DEFAULT)
-    assert serveapp.parse_args({"model_source": export, "model_id": "m", "max_model_len": 256,
-                                "max_tokens_default": 8}).max_model_len == 256
+    assert args == serveapp.ServeArgs(export, MODEL_ID, None)
+    assert args.max_tokens_default is None   # a request without max_tokens gets the rest of the context
+    custom = serveapp.parse_args({"model_source": export, "model_id": "m", "max_model_len": 256,
+                                  "max_tokens_default": 8})
+    assert (custom.max_model_len, custom.max_tokens_default) == (256, 8)
     assert serveapp.parse_args({"model_source": export, "model_id": "m", "max_batch_size": 1}).max_batch_size == 1
     assert {a.value for a in ServeArg} == {f for f in serveapp.ServeArgs.__dataclass_fields__}
 
@@ -118,11 +130,13 @@ def test_max_model_len_defaults_to_the_models_positions_and_cannot_exceed_them(e
 
 # --- chat_api: prompts, budget, errors, response -------------------------------------------
 
-def test_the_tiny_tokenizer_renders_a_user_message_as_training_rendered_an_instruction(engine):
+def test_the_exported_tokenizer_renders_a_question_as_training_rendered_it(engine):
     tok = engine.tokenizer   # the export's: the chat template travelled through save_pretrained
-    assert tok.chat_template == tiny.CHAT_TEMPLATE
+    assert tok.chat_template == render.DOLLY_TEMPLATE
     ids = chat_api.prompt_ids(tok, _req().messages)
-    assert ids == tok(data.format_prompt({"instruction": HELLO[0]["content"]}))["input_ids"]
+    trained = data.example_of(tok, {"instruction": HELLO[0]["content"], "response": "Hello ."},
+                              data.recordslib.detect(["instruction", "response"]))
+    assert trained.input_ids[:len(ids)] == ids and set(trained.labels[:len(ids)]) == {render.IGNORE}
 
 
 def test_a_tokenizer_without_a_template_gets_role_lines_and_an_assistant_cue(engine):
@@ -134,9 +148,52 @@ def test_a_tokenizer_without_a_template_gets_role_lines_and_an_assistant_cue(eng
     assert chat_api.prompt_ids(tok, messages) == tok("system: be brief\nuser: hi\nassistant:")["input_ids"]
 
 
+def _gemma_tokenizer():
+    tok = tiny.build_tokenizer()
+    tok.chat_template = GEMMA_TEMPLATE
+    return tok
+
+
+@pytest.mark.parametrize("messages, why", [
+    ([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], "System role not supported"),
+    ([{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}], "Conversation roles must alternate"),
+    ([{"role": "assistant", "content": "hi"}], "Conversation roles must alternate"),
+])
+def test_messages_the_chat_template_refuses_are_a_400_quoting_it(messages, why):
+    req = chat_api.parse_request({"model": "m", "messages": messages})
+    with pytest.raises(chat_api.ApiError) as e:
+        chat_api.prompt_ids(_gemma_tokenizer(), req.messages)
+    err = e.value.body()["error"]
+    assert (e.value.status, err["type"], err["param"]) == (400, "invalid_request_error", "messages")
+    assert err["message"].startswith(f"the model's chat template refuses these messages: {why}")
+
+
+def test_a_conversation_the_chat_template_accepts_renders_in_its_turn_format():
+    tok = _gemma_tokenizer()
+    messages = chat_api.parse_request({"model": "m", "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "bye"}]}).messages
+    text = "<bos><start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\nhello<end_of_turn>\n" \
+           "<start_of_turn>user\nbye<end_of_turn>\n<start_of_turn>model\n"
+    assert tok.apply_chat_template([m.model_dump() for m in messages], add_generation_prompt=True,
+                                   tokenize=False) == text.replace("<bos>", tok.bos_token)
+    assert chat_api.prompt_ids(tok, messages) == tok(text.replace("<bos>", tok.bos_token),
+                                                     add_special_tokens=False)["input_ids"]
+
+
+def test_a_chat_template_that_does_not_parse_is_not_the_requests_fault():
+    from jinja2.exceptions import TemplateSyntaxError
+
+    tok = tiny.build_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}"   # no endfor
+    with pytest.raises(TemplateSyntaxError):
+        chat_api.prompt_ids(tok, _req().messages)
+
+
 def test_the_budget_caps_prompt_plus_completion_to_max_model_len():
     assert chat_api.completion_budget(10, 32, 100) == 32
     assert chat_api.completion_budget(90, 32, 100) == 10
+    assert chat_api.completion_budget(10, None, 100) == 90   # none asked: the rest of the context
     with pytest.raises(chat_api.ApiError) as e:
         chat_api.completion_budget(100, 32, 100, "prompt")
     assert e.value.status == 400 and e.value.param == "prompt" and e.value.code == "context_length_exceeded"
@@ -197,19 +254,57 @@ def test_requests_take_what_clients_send():
     assert chat_api.parse_request({"model": "m", "messages": HELLO, "max_tokens": 3}).requested_tokens(64) == 3
     text = chat_api.parse_request({"model": "m", "prompt": ["once upon"], "stop": ["a", "b"]}, COMPLETION)
     assert (text.prompt, text.stop, text.requested_tokens(64), text.include_usage) == ("once upon", ("a", "b"), 64, False)
+    assert text.requested_tokens(None) is None
+
+
+def _modelless_engine(tokenizer, max_tokens_default: int | None = None, max_model_len: int = 100):
+    """An Engine without a model: its submit returns (prompt tokens, completion budget) it would queue."""
+    engine = serveapp.Engine.__new__(serveapp.Engine)
+    engine.tokenizer, engine.max_model_len, engine.max_tokens_default = tokenizer, max_model_len, max_tokens_default
+    engine.process = SimpleNamespace(submit=lambda ids, budget, *rest: (len(ids), budget))
+    return engine
+
+
+def _budget(max_tokens_default: int | None, **kw) -> tuple[int, int]:
+    return _modelless_engine(tiny.build_tokenizer(), max_tokens_default).submit(_req(**kw))
+
+
+def test_a_request_without_max_tokens_gets_the_rest_of_the_context_unless_the_server_sets_a_default():
+    prompt, budget = _budget(None)
+    assert budget == 100 - prompt and budget > 64
+    assert _budget(16)[1] == 16                                   # the server's configured default
+    assert _budget(None, max_tokens=5)[1] == _budget(16, max_completion_tokens=5)[1] == 5
+    assert _budget(16, max_tokens=500)[1] == 100 - prompt           # what was asked, capped by the context
 
 
 @pytest.mark.parametrize("text, stops, final, shown, hit", [
-    (" a b ", (), False, "a b", False),            # trailing whitespace waits: the whole answer is stripped
-    (" a b ", (), True, "a b", False),
+    (" Paris", (), True, " Paris", False),         # as generated: a completion's leading space stays
+    (" a b ", (), False, " a b", False),           # trailing whitespace waits: punctuation may absorb it
+    (" a b ", (), True, " a b ", False),
     ("a b ##", ("###",), False, "a b", False),     # "##" may become the stop: held back
     ("a b ##", ("###",), True, "a b ##", False),
-    ("a b ### c", ("###", "c"), False, "a b", True),   # cut before the first stop, whichever it is
+    ("a b ### c", ("###", "c"), False, "a b ", True),   # cut before the first stop, whichever it is
     ("c a ###", ("###", "c"), True, "", True),
     ("caf\ufffd", (), False, "caf", False),       # half a character waits for its other bytes
+    ("a \ufffd", (), False, "a", False),
 ])
 def test_visible_text_is_cut_at_a_stop_and_holds_back_what_may_change(text, stops, final, shown, hit):
     assert chat_api.visible(text, stops, final) == (shown, hit)
+
+
+@pytest.mark.parametrize("decoded, stops", [
+    ([" The", " The capital", " The capital is", " The capital is Paris"], ()),
+    (["Hello", "Hello ", "Hello.", "Hello. Bye"], ()),      # a clean-up that drops a space before "."
+    (["caf\ufffd", "café", "café\n", "café\n\n", "café\n\n##"], ("\n\n###",)),
+])
+def test_every_text_a_stream_shows_is_the_start_of_the_whole_answer(decoded, stops):
+    """The decoded text after each token: what `visible` shows before the end is always a prefix of
+    what it shows at the end, which is the text as generated."""
+    final, _ = chat_api.visible(decoded[-1], stops, final=True)
+    assert final == decoded[-1]
+    for text in decoded[:-1]:
+        shown, _ = chat_api.visible(text, stops, final=False)
+        assert final.startswith(shown), (text, shown)
 
 
 def test_a_wrong_model_is_a_404_naming_the_served_one():
@@ -298,7 +393,7 @@ def test_greedy_is_deterministic_stops_at_the_budget_and_is_what_generate_gives(
     # the batcher's hooks change nothing for a greedy row: the model's own generate() says the same
     loaded = engine_process.load(export)   # the model as the engine's process loads it
     out = loaded.model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=loaded.pad_id)
-    assert engine.tokenizer.decode(out[0, len(ids):], skip_special_tokens=True).strip() == a.text
+    assert engine.tokenizer.decode(out[0, len(ids):], skip_special_tokens=True) == a.text
 
 
 def test_sampling_with_a_seed_is_reproducible(engine):
@@ -407,6 +502,16 @@ def test_bad_input_is_a_4xx_in_openais_shape_never_a_500(engine, path, body, sta
     assert (got, answer["error"]["code"], answer["error"]["type"]) == (status, code, "invalid_request_error"), answer
     if code == "context_length_exceeded":
         assert f"max_model_len is {engine.max_model_len}" in answer["error"]["message"]
+
+
+def test_messages_the_chat_template_refuses_are_a_400_over_http_not_a_500():
+    system = [{"role": "system", "content": "be brief"}, *HELLO]
+    status, _, answer = _call(_app(_modelless_engine(_gemma_tokenizer())), "POST", SERVE_CHAT_PATH,
+                              body={"model": MODEL_ID, "messages": system, "stream": True})
+    err = answer["error"]
+    assert (status, err["type"], err["param"], err["code"]) == (400, "invalid_request_error", "messages",
+                                                                 "invalid_value"), answer
+    assert "System role not supported" in err["message"]
 
 
 @pytest.mark.parametrize("path, body", [

@@ -4,18 +4,22 @@ completion-token budget, stop sequences, the response and stream-chunk bodies an
 Pure functions over a tokenizer and plain values, so every rule here is unit-tested without a
 model or Ray Serve. What is supported: `/v1/models`, `/v1/chat/completions` (messages; text content
 parts are joined; role "developer" is a system message) and `/v1/completions` (one prompt string),
-each with `max_tokens` (or `max_completion_tokens`), `temperature`, `top_p`, `seed`, `stop` (a
-string or up to 4), `n=1`, and `stream` (server-sent events in OpenAI's chunk format, with
-`stream_options.include_usage`). Fields that would change what the answer holds (`n` > 1, `logprobs`,
-`echo`, `suffix`, `best_of` > 1) are refused with a 400 naming them; any other OpenAI field is
-accepted and ignored, as many servers do, so stock clients work. With an API key set
-(spec.serve.apiKeySecret), a request without `Authorization: Bearer <key>` gets OpenAI's 401.
+each with `max_tokens` (or `max_completion_tokens`; without either, the server's default if it
+has one, else the rest of the context, as OpenAI and vLLM do), `temperature`, `top_p`, `seed`,
+`stop` (a string or up to 4), `n=1`, and `stream` (server-sent events in OpenAI's chunk format,
+with `stream_options.include_usage`). The answer's text is the generated tokens decoded, nothing
+stripped (a completion's leading space stays), cut before a stop sequence. Fields that would change
+what the answer holds (`n` > 1, `logprobs`, `echo`, `suffix`, `best_of` > 1) are refused with a 400
+naming them; any other OpenAI field is accepted and ignored, as many servers do, so stock clients
+work. With an API key set (spec.serve.apiKeySecret), a request without `Authorization: Bearer <key>`
+gets OpenAI's 401.
 """
 from __future__ import annotations
 
 import enum
 import hmac
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -27,6 +31,10 @@ OWNED_BY = "tpufinetune"
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
 MAX_STOP_SEQUENCES = 4   # OpenAI's limit
 INT64 = 2 ** 63          # OpenAI's seed is an int64; torch's generators take any
+# A streamed text's tail that may still change: trailing whitespace (a tokenizer's clean-up drops the
+# space before punctuation that follows it: "a ." -> "a.") and half a character (U+FFFD from a split
+# UTF-8 byte sequence).
+_UNSETTLED_TAIL = re.compile(r"[\s\ufffd]+\Z")
 SSE_DONE = "data: [DONE]\n\n"
 # OpenAI's own 401 messages (code null for a missing key, "invalid_api_key" for a wrong one), ending in
 # where this server's key is instead of OpenAI's dashboard. Neither quotes the key sent.
@@ -111,7 +119,8 @@ class GenerationRequest(BaseModel):
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stop)}")
         return stop
 
-    def requested_tokens(self, default: int) -> int:
+    def requested_tokens(self, default: int | None) -> int | None:
+        """The completion tokens asked for, else the server's `default`; None: as many as the context allows."""
         return self.max_tokens or self.max_completion_tokens or default
 
     @property
@@ -199,10 +208,20 @@ def fallback_prompt(messages: list[Message]) -> str:
 def prompt_ids(tokenizer, messages: list[Message]) -> list[int]:
     """Token ids of the prompt: the tokenizer's chat template when it has one (its text carries the
     special tokens it wants, so none are added again), else fallback_prompt with the tokenizer's
-    usual special tokens (a Llama-style BOS)."""
+    usual special tokens (a Llama-style BOS). A conversation the template refuses (its
+    raise_exception: Gemma's "System role not supported", roles that do not alternate) is ApiError
+    400 quoting the template; a template that does not parse is the server's fault and raises as is."""
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([m.model_dump() for m in messages], add_generation_prompt=True,
-                                             tokenize=False)
+        from jinja2.exceptions import TemplateError, TemplateSyntaxError
+
+        try:
+            text = tokenizer.apply_chat_template([m.model_dump() for m in messages], add_generation_prompt=True,
+                                                 tokenize=False)
+        except TemplateSyntaxError:
+            raise
+        except TemplateError as e:
+            raise ApiError(400, f"the model's chat template refuses these messages: {e}", "invalid_value",
+                           "messages") from None
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return list(tokenizer(fallback_prompt(messages), add_special_tokens=True)["input_ids"])
 
@@ -215,28 +234,30 @@ def request_ids(tokenizer, req: GenerationRequest) -> list[int]:
     return list(tokenizer(req.prompt, add_special_tokens=True)["input_ids"])
 
 
-def completion_budget(prompt_tokens: int, requested: int, max_model_len: int, param: str = "messages") -> int:
-    """Completion tokens to generate: what was asked, capped so prompt + completion <= max_model_len."""
+def completion_budget(prompt_tokens: int, requested: int | None, max_model_len: int,
+                      param: str = "messages") -> int:
+    """Completion tokens to generate: what was asked (None: all the room there is), capped so
+    prompt + completion <= max_model_len."""
     room = max_model_len - prompt_tokens
     if room < 1:
         raise ApiError(400, f"the prompt is {prompt_tokens} tokens and max_model_len is {max_model_len}: "
                             f"no room for a completion; shorten the {param}", "context_length_exceeded", param)
-    return min(requested, room)
+    return room if requested is None else min(requested, room)
 
 
 def visible(text: str, stops: tuple[str, ...], final: bool) -> tuple[str, bool]:
     """(the part of the completion's decoded `text` a client may see now, whether a stop sequence
-    ended it). The text is stripped and cut before the first stop sequence. Until `final`, a tail
-    that could still become a stop sequence, or be trailing whitespace, or be half a character
-    (U+FFFD from a split UTF-8 byte sequence) is held back, so a stream never sends what the whole
-    answer would not contain."""
+    ended it). The text is as generated (OpenAI and vLLM strip nothing either: " Paris" continues
+    "The capital is"), cut before the first stop sequence. Until `final`, a tail that could still
+    become a stop sequence, or that may still change (_UNSETTLED_TAIL), is held back, so a stream
+    never sends what the whole answer would not contain."""
     cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
     if cuts:
-        return text[:min(cuts)].strip(), True
+        return text[:min(cuts)], True
     if final:
-        return text.strip(), False
+        return text, False
     hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-    return text[:len(text) - hold].rstrip().rstrip("\ufffd").lstrip(), False
+    return _UNSETTLED_TAIL.sub("", text[:len(text) - hold]), False
 
 
 @dataclass(frozen=True)

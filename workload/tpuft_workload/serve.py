@@ -8,8 +8,10 @@ The RayService's serveConfigV2 names it by import path and passes `args` (tpuft.
     - name: llm                                   # SERVE_APP_NAME
       import_path: tpuft_workload.serve:build_app # SERVE_TRANSFORMERS_IMPORT_PATH
       route_prefix: /                             # SERVE_ROUTE_PREFIX
-      args: {model_source: /path/to/export, model_id: my-model, max_model_len: 2048, max_tokens_default: 64,
-             max_batch_size: 16}
+      args: {model_source: /path/to/export, model_id: my-model, max_model_len: 2048, max_batch_size: 16}
+
+Optional max_tokens_default caps the completion of a request that gives neither max_tokens nor
+max_completion_tokens; without it such a request gets the rest of max_model_len, as OpenAI and vLLM do.
 
 build_app validates the args where the application is built (the head) and fails naming the arg; the
 replica (ChatDeployment, SERVE_DEPLOYMENT_NAME) loads the tokenizer, and starts the model's own process
@@ -42,7 +44,6 @@ from tpuft_workload import batching, chat_api, engine_process, lora
 DEPLOYMENT_NAME = SERVE_DEPLOYMENT_NAME
 ROUTE_PREFIX = SERVE_ROUTE_PREFIX
 IMPORT_PATH = SERVE_TRANSFORMERS_IMPORT_PATH
-MAX_TOKENS_DEFAULT = 64
 MAX_BATCH_SIZE_DEFAULT = 16   # bench/serve_latency.py measures it beside max_batch_size 1 (docs/performance.md)
 # Requests a replica accepts at once (Ray Serve's default is 5): above max_batch_size, so the next
 # batch is already queued in the replica when one ends.
@@ -61,7 +62,7 @@ class ServeArgs:
     model_source: str
     model_id: str
     max_model_len: int | None   # None: the model config's max_position_embeddings
-    max_tokens_default: int
+    max_tokens_default: int | None = None   # None: a request without max_tokens gets the rest of the context
     max_batch_size: int = MAX_BATCH_SIZE_DEFAULT
 
 
@@ -123,7 +124,7 @@ def parse_args(args: dict) -> ServeArgs:
     _check_export(args[ServeArg.MODEL_SOURCE.value])
     return ServeArgs(model_source=args[ServeArg.MODEL_SOURCE.value], model_id=args[ServeArg.MODEL_ID.value],
                      max_model_len=_positive_int(args, ServeArg.MAX_MODEL_LEN, None),
-                     max_tokens_default=_positive_int(args, ServeArg.MAX_TOKENS_DEFAULT, MAX_TOKENS_DEFAULT),
+                     max_tokens_default=_positive_int(args, ServeArg.MAX_TOKENS_DEFAULT, None),
                      max_batch_size=_positive_int(args, ServeArg.MAX_BATCH_SIZE, MAX_BATCH_SIZE_DEFAULT,
                                                   most=MAX_ONGOING_REQUESTS))
 
@@ -160,7 +161,7 @@ class Engine:
 
     def submit(self, req: chat_api.GenerationRequest) -> batching.Generation:
         """Queue one request (call it on the event loop that reads the answer); ApiError 400 when its
-        prompt leaves no room for a completion."""
+        prompt leaves no room for a completion or the chat template refuses its messages."""
         ids = chat_api.request_ids(self.tokenizer, req)
         budget = chat_api.completion_budget(len(ids), req.requested_tokens(self.max_tokens_default),
                                             self.max_model_len,
