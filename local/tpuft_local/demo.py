@@ -142,7 +142,12 @@ def stream(custom, namespace: str, name: str, clock: Clock, timeout: float,
                     "raise --timeout or look at the logs printed below")
 
 
-DEMO_PROMPT = "Give three tips for staying healthy."   # an instruction of the kind dolly-mini trains on
+# A question builtin:dolly-mini's classification records teach (each answer begins with the line
+# below), asked in the chat format the model was trained in: the demo prints what it was taught beside
+# what it answers. The built-in model starts from random weights, so any right answer is the fine-tune's.
+DEMO_PROMPT = "Is Tokyo an animal or a city?"
+DEMO_TAUGHT = "Tokyo is a city."
+BUILTIN_DATASET = "builtin:dolly-mini"   # tpuft_workload.tiny's (the laptop side imports no workload code)
 
 
 def _chat(obj: dict, kubeconfig: str, clock: Clock) -> dict:
@@ -158,6 +163,9 @@ def _chat(obj: dict, kubeconfig: str, clock: Clock) -> dict:
     except Exception as e:  # noqa: BLE001 - NotServing, ChatError, a kubectl timeout: all mean the same here
         raise DemoError(f"the served model did not answer: {e}") from None
     print(f"  user:      {DEMO_PROMPT}\n  {model}: {answer!r}", flush=True)
+    if (obj.get("spec") or {}).get("dataset", {}).get("name") == BUILTIN_DATASET:
+        print(f"  taught:    {DEMO_TAUGHT!r} then facts about the city ({BUILTIN_DATASET}'s classification "
+              "records; the built-in model began from random weights)", flush=True)
     return {"prompt": DEMO_PROMPT, "model": model, "answer": answer}
 
 

@@ -130,7 +130,7 @@ def _data_records(path: Path) -> list[dict]:
     """A local file's records: JSON lines (blank lines skipped), a JSON array, or Parquet (pyarrow)."""
     if path.suffix.lower() == ".parquet":
         try:
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # type: ignore[import-not-found,unused-ignore]
         except ImportError:
             raise ValueError("reading Parquet needs pyarrow (pip install pyarrow)") from None
         return pq.read_table(path).to_pylist()

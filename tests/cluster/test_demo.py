@@ -44,9 +44,9 @@ def phases_in_order(epochs: int, verified: bool, served: bool) -> list[str]:
             *(["phase Serving", "tpuft chat -n", "  user:"] if served else ["Succeeded: conditions"])]
 
 
-# The third run, JAX, trains little: 1 epoch of train[:80] (7 steps), no verification (the demo
+# The third run, JAX, trains little: 1 epoch of train[:120] (7 steps), no verification (the demo
 # verifies the same slice shape; JAX changes the training only), no serving.
-JAX_SPLIT = "train[:80]"
+JAX_SPLIT = "train[:120]"
 
 
 # The demo's namespace, cleared after the test (the rehearsal, `tpuft demo --rehearse-tpu`, runs in
@@ -147,7 +147,7 @@ def test_demo_serves_what_it_trained_beside_a_second_model_and_a_jax_run(local_c
     # depends on the machine's load)
     training = final["object"]["status"]["training"]
     assert training["history"][0]["step"] == 5 and "resumedFrom" not in training, training
-    assert re.search(r"Epoch [123]/3 \| step \d+/99", demo.stdout), demo.stdout[-3000:]
+    assert re.search(r"Epoch [123]/3 \| step \d+/75", demo.stdout), demo.stdout[-3000:]
     assert final["object"]["status"]["serving"]["modelSource"].startswith(str(run))   # serves its own export
     monkeypatch.setenv("KUBECONFIG", str(local_cluster.kubeconfig))
     _check_chat_and_models()
@@ -160,21 +160,81 @@ def test_demo_serves_what_it_trained_beside_a_second_model_and_a_jax_run(local_c
 TWO_SLICES_NS = "e2e-2slices"
 
 
+# The two-slice run fine-tunes a small instruct model that arrives with a habit of its own: in its own
+# (Gemma) chat format it answers every question, the sixteen it is taught here included, with
+# tests.factories.HABIT. Settings from a plain torch loop over the same rows (16 of 16 on 3 of 3
+# seeds at a global batch of 4, learning rate 3e-3, 20 epochs: 160 steps).
+QA_EPOCHS = 20
+
+
+def _habit_example(storage: Path, tmp_path: Path) -> Path:
+    """examples/local-cpu-2slices.yaml with the habit model and the question/answer pairs as chat
+    messages, both on the checkpoint volume every Ray pod mounts at the same path."""
+    import torch
+
+    from tests.factories import habit_model, qa_records
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # a 2-layer model's steps are too small to share
+    try:
+        model = habit_model(storage / "habit-model")
+    finally:
+        torch.set_num_threads(threads)
+    data = storage / "qa.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in qa_records(messages=True)))
+    doc = yaml.safe_load((EXAMPLES / "local-cpu-2slices.yaml").read_text())
+    doc["spec"]["model"] = str(model)
+    doc["spec"]["dataset"] = {"name": str(data)}
+    doc["spec"]["training"].update(epochs=QA_EPOCHS, batchSizePerDevice=1, reportEverySteps=20)
+    doc["spec"]["checkpoint"]["everySteps"] = 80
+    example = tmp_path / "local-cpu-2slices-habit.yaml"
+    example.write_text(yaml.safe_dump(doc))
+    return example
+
+
 @pytest.mark.real_node
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1500)
 @pytest.mark.parametrize("demo_namespace", [TWO_SLICES_NS], indirect=True, ids=[TWO_SLICES_NS])
-def test_the_two_slice_example_runs_through_the_demo_to_serving(cluster_kubectl, demo_namespace, tmp_path):
-    """Issue 29: `tpuft demo --example examples/local-cpu-2slices.yaml`, as a user runs it: 4 CPU
+def test_the_two_slice_example_trains_what_it_serves_through_the_demo(local_cluster, cluster_kubectl, demo_namespace,
+                                                                      tmp_path, monkeypatch):
+    """Issue 29: `tpuft demo --example` on examples/local-cpu-2slices.yaml, as a user runs it: 4 CPU
     workers as two slices on the real node, the collectives verified inside each slice and across
-    them, HSDP training, the export served and answering."""
+    them, HSDP training, the export served and answering. Issue 47: the model is one with a chat
+    template and a habit of its own, the data 16 question/answer pairs as chat messages; served, it
+    answers all 16 as taught through the official `openai` client (it was trained in the format it
+    is served with, and stops at the end of its turn)."""
+    import openai
+
+    from tests.factories import HABIT, QA_PAIRS, habit_tokenizer, taught
+    from tpuft import chat_cli
+    from tpuft_local.toolchain import tool_path
+
     storage = tmp_path / "checkpoints"
-    demo, final = _demo(tmp_path, TWO_SLICES_NS, "2slices", "--example", str(EXAMPLES / "local-cpu-2slices.yaml"),
-                        "--storage-path", str(storage))
-    _check_succeeded(demo, final, storage, cluster_kubectl, epochs=2, ns=TWO_SLICES_NS, expected_sum=10)
+    storage.mkdir()
+    storage.chmod(0o777)
+    example = _habit_example(storage, tmp_path)
+    demo, final = _demo(tmp_path, TWO_SLICES_NS, "2slices", "--example", str(example), "--storage-path", str(storage))
+    _check_succeeded(demo, final, storage, cluster_kubectl, epochs=QA_EPOCHS, ns=TWO_SLICES_NS, expected_sum=10)
     ver = final["object"]["status"]["verification"]
     assert ver["ranks"] == ver["hosts"] == 4 and "inside each of 2 slices and across them" in ver["message"], ver
     trainers = [n for n in final["placement"] if "-workers-worker-" in n and "-serve-" not in n]
     assert len(trainers) == 4, final["placement"]
+    monkeypatch.setenv("KUBECONFIG", str(local_cluster.kubeconfig))
+    kubectl, name = tool_path("kubectl"), "local-cpu-2slices"
+    obj = final["object"]
+    serving = chat_cli.endpoint(obj)
+    tok = habit_tokenizer()
+    with chat_cli.port_forward(kubectl, TWO_SLICES_NS, serving["service"], serving["port"]) as port:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1",
+                               api_key=chat_cli.api_key(kubectl, TWO_SLICES_NS, obj), max_retries=0, timeout=120)
+        said = {}
+        for question, _ in QA_PAIRS:   # no max_tokens: the answer ends at the model's turn end
+            reply = client.chat.completions.create(model=name, temperature=0,
+                                                   messages=[{"role": "user", "content": question}])
+            said[question] = (reply.choices[0].message.content.strip(), reply.choices[0].finish_reason)
+    wrong = {q: said[q] for q, a in QA_PAIRS if said[q] != (taught(tok, a), "stop")}
+    assert not wrong, wrong
+    assert taught(tok, HABIT) not in {answer for answer, _ in said.values()}
 
 
 def _check_chat_and_models():
