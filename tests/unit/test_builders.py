@@ -369,6 +369,17 @@ def test_lora_settings_reach_the_workload_as_its_own_cli_reads_them():
     assert workload_cli.parse_args(_train_args(merged)[3:])[0].merge_export
 
 
+def test_the_record_layout_reaches_the_workload_as_its_own_cli_reads_it():
+    from tpuft_workload import __main__ as workload_cli
+
+    assert "--dataset-type" not in _train_args(MINIMUM) and "--overlong" not in _train_args(MINIMUM)
+    doc = with_("spec.dataset", {"name": "gs://b/qa.jsonl", "type": "promptCompletion", "overlong": "drop",
+                                 "columns": {"prompt": "question", "completion": "answer"}})
+    args, _ = workload_cli.parse_args(_train_args(doc)[3:])
+    assert (args.dataset_type, args.overlong) == ("promptCompletion", "drop")
+    assert sorted(args.dataset_columns) == [("completion", "answer"), ("prompt", "question")]
+
+
 @pytest.mark.parametrize("engine,merged", [("vllm", True), ("transformers", False)])
 def test_a_lora_run_is_served_as_its_engine_loads_it(engine, merged):
     """transformers serves the adapter folder on its base; vLLM serves the merged weights, which
