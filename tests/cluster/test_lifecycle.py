@@ -33,9 +33,9 @@ from tpuft_local import chart, node
 
 ONE_RUN_CPU = "1"   # local-cpu.yaml's pods ask 0.6 CPU (head 100m, two workers 250m): one run fits, two do not
 EVERY = 5           # checkpoint.everySteps: the most a host loss may cost
-# 22 steps an epoch (the whole dolly-mini is 33): 44 in life's 2 epochs leave room after each
+# 22 steps an epoch (the whole dolly-mini is 25): 44 in life's 2 epochs leave room after each
 # disruption (preempted near step 10, the host lost near step 20, each resumed a step later).
-SPLIT = "train[:260]"
+SPLIT = "train[:340]"
 SERVE_TIMEOUT = 60
 BAD_IMAGE = "docker.io/tpufinetune/serving:does-not-exist"
 
