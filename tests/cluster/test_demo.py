@@ -40,7 +40,8 @@ from tpuft_local import argocd, demo_gitops, node
 
 def phases_in_order(epochs: int, verified: bool, served: bool) -> list[str]:
     return ["phase Provisioning", *(["phase VerifyingCollectives", "verification: passed"] if verified else []),
-            "phase Training", f"Epoch 1/{epochs}", f"Epoch {epochs}/{epochs}",
+            # the first epoch line the demo prints (it polls status each second: a short epoch can pass unseen)
+            "phase Training", f"/{epochs} | step ", f"Epoch {epochs}/{epochs}",
             *(["phase Serving", "tpuft chat -n", "  user:"] if served else ["Succeeded: conditions"])]
 
 
