@@ -138,6 +138,7 @@ WORKLOAD_MODULE_SOURCES = {
     "numpy": "transformers", "huggingface_hub": "transformers",
     "jax": "jax", "ml_dtypes": "jax", "optax": "optax", "orbax": "orbax-checkpoint",
     "fastapi": "ray", "pydantic": "ray",   # ray's `serve` extra (tpuft_workload.serve, chat_api)
+    "jinja2": "ray",   # ray's `serve` extra too; chat templates render with it (chat_api's template refusals)
     "tensorboardX": "ray",   # ray's `train` extra (tpuft_workload.metrics_log)
     "peft": "peft",   # spec.training.method: lora (tpuft_workload.lora, serve)
 }
