@@ -130,3 +130,24 @@ def test_resolve_reads_the_suffix_or_the_format():
     assert pipeline.resolve("/data/d", "parquet").format == pipeline.Format.PARQUET
     assert pipeline.resolve("databricks/databricks-dolly-15k").format is None
     assert not pipeline.resolve("gs://b/d.jsonl").is_local
+
+
+def test_a_template_that_rewrites_earlier_turns_fails_naming_the_record(ray_cluster, tmp_path):
+    """Its labels cannot be found as serving builds the prompt: the run fails on the driver, saying so."""
+    from tests.factories import GEMMA_TEMPLATE, habit_tokenizer
+
+    tok = habit_tokenizer()
+    tok.chat_template = GEMMA_TEMPLATE.replace("{{ m['content'] | trim }}",
+                                               "{{ '(earlier)' if m['role'] == 'assistant' and not loop.last "
+                                               "else m['content'] | trim }}")
+    tok.save_pretrained(tmp_path / "model")
+    chats = [{"messages": [{"role": "user", "content": "What is the colour of the cat ?"},
+                           {"role": "assistant", "content": "I do not know"},
+                           {"role": "user", "content": "What is the food of the cat ?"},
+                           {"role": "assistant", "content": "I do not know"}]}]
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps(chats[0]) + "\n")
+    with pytest.raises(pipeline.DataError) as e:
+        pipeline.build(pipeline.DatasetSpec(str(data)), str(tmp_path / "model"), MAX_LEN, True)
+    assert str(e.value).startswith(f"spec.dataset.name: {data}: the record asking 'What is the colour of the cat ?': "
+                                   "the chat template renders the conversation up to turn 2 differently"), str(e.value)

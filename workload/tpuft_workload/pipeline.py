@@ -33,6 +33,7 @@ from tpuft.constants import DatasetFormat as Format
 from tpuft.constants import Overlong
 from tpuft import records as recordslib
 from tpuft_workload import data as datalib
+from tpuft_workload.render import RenderError
 
 CHECK_BATCH = 4096         # records per batch of the driver's check
 TOKENIZE_BATCH = 256        # records per tokenize task batch
@@ -135,6 +136,17 @@ def _check_records(ds, src: Source, layout: recordslib.Layout) -> int:
     return number - 1
 
 
+def _cause(error: BaseException, kind: type) -> BaseException | None:
+    """`error` or the first exception of type `kind` in its chain of causes (Ray wraps a task's)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, kind):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 class _Tokenize:
     """map_batches stage: one tokenizer per actor, records -> (input_ids, labels) per example."""
 
@@ -150,7 +162,12 @@ class _Tokenize:
         records = batch.to_pylist()
         ids, labels = np.empty(len(records), dtype=object), np.empty(len(records), dtype=object)
         for i, record in enumerate(records):
-            ex = datalib.example_of(self.tokenizer, record, self.layout)
+            try:
+                ex = datalib.example_of(self.tokenizer, record, self.layout)
+            except RenderError as e:   # which record: its question's first words (a batch does not know its offset)
+                turns = recordslib.read(record, self.layout, 0)
+                first = turns if isinstance(turns, str) else next(t.content for t in turns if t.role == "user")
+                raise RenderError(f"the record asking {' '.join(first.split()[:12])!r}: {e}") from None
             ids[i], labels[i] = np.asarray(ex.input_ids, dtype=np.int32), np.asarray(ex.labels, dtype=np.int32)
         return {"input_ids": ids, "labels": labels}
 
@@ -202,9 +219,15 @@ def build(spec: DatasetSpec, model: str, max_len: int, packing: bool) -> Packed:
                                batch_format="pyarrow",
                                concurrency=(1, max(1, min(TOKENIZE_ACTORS_MAX, (os.cpu_count() or 2) // 2))),
                                num_cpus=1)
-    examples = [datalib.Example(i.tolist(), lab.tolist())
-                for batch in tokenized.iter_batches(batch_size=None, batch_format="numpy")
-                for i, lab in zip(batch["input_ids"], batch["labels"])]
+    try:
+        examples = [datalib.Example(i.tolist(), lab.tolist())
+                    for batch in tokenized.iter_batches(batch_size=None, batch_format="numpy")
+                    for i, lab in zip(batch["input_ids"], batch["labels"])]
+    except Exception as e:  # noqa: BLE001 - Ray Data wraps a task's error; a template's refusal is the user's to fix
+        refusal = _cause(e, RenderError)
+        if refusal is None:
+            raise
+        raise DataError(f"{src.path}: {refusal}") from None
     fitted = datalib.fit(examples, max_len, spec.overlong)
     pad_id = datalib.pad_id_of(tokenizer)
     blocks = (datalib.pack_examples if packing else datalib.pad_examples)(fitted.examples, max_len, pad_id)
