@@ -136,17 +136,6 @@ def _check_records(ds, src: Source, layout: recordslib.Layout) -> int:
     return number - 1
 
 
-def _cause(error: BaseException, kind: type) -> BaseException | None:
-    """`error` or the first exception of type `kind` in its chain of causes (Ray wraps a task's)."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, kind):
-            return error
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return None
-
-
 class _Tokenize:
     """map_batches stage: one tokenizer per actor, records -> (input_ids, labels) per example."""
 
@@ -161,15 +150,19 @@ class _Tokenize:
 
         records = batch.to_pylist()
         ids, labels = np.empty(len(records), dtype=object), np.empty(len(records), dtype=object)
+        errors = np.full(len(records), "", dtype=object)
         for i, record in enumerate(records):
             try:
                 ex = datalib.example_of(self.tokenizer, record, self.layout)
-            except RenderError as e:   # which record: its question's first words (a batch does not know its offset)
+            except RenderError as e:
+                # returned, not raised: Ray Data would hand the driver a traceback. Which record: its
+                # question's first words (a batch does not know its offset in the file).
                 turns = recordslib.read(record, self.layout, 0)
                 first = turns if isinstance(turns, str) else next(t.content for t in turns if t.role == "user")
-                raise RenderError(f"the record asking {' '.join(first.split()[:12])!r}: {e}") from None
+                errors[i] = f"the record asking {' '.join(first.split()[:12])!r}: {e}"
+                ex = datalib.Example([], [])
             ids[i], labels[i] = np.asarray(ex.input_ids, dtype=np.int32), np.asarray(ex.labels, dtype=np.int32)
-        return {"input_ids": ids, "labels": labels}
+        return {"input_ids": ids, "labels": labels, "error": errors}
 
 
 def rows_of(blocks: list, np) -> dict:
@@ -219,15 +212,12 @@ def build(spec: DatasetSpec, model: str, max_len: int, packing: bool) -> Packed:
                                batch_format="pyarrow",
                                concurrency=(1, max(1, min(TOKENIZE_ACTORS_MAX, (os.cpu_count() or 2) // 2))),
                                num_cpus=1)
-    try:
-        examples = [datalib.Example(i.tolist(), lab.tolist())
-                    for batch in tokenized.iter_batches(batch_size=None, batch_format="numpy")
-                    for i, lab in zip(batch["input_ids"], batch["labels"])]
-    except Exception as e:  # noqa: BLE001 - Ray Data wraps a task's error; a template's refusal is the user's to fix
-        refusal = _cause(e, RenderError)
-        if refusal is None:
-            raise
-        raise DataError(f"{src.path}: {refusal}") from None
+    examples = []
+    for batch in tokenized.iter_batches(batch_size=None, batch_format="numpy"):
+        refused = next((str(e) for e in batch["error"] if e), None)
+        if refused:   # a record the chat template cannot label as serving renders it: the user's to fix
+            raise DataError(f"{src.path}: {refused}")
+        examples += [datalib.Example(i.tolist(), lab.tolist()) for i, lab in zip(batch["input_ids"], batch["labels"])]
     fitted = datalib.fit(examples, max_len, spec.overlong)
     pad_id = datalib.pad_id_of(tokenizer)
     blocks = (datalib.pack_examples if packing else datalib.pad_examples)(fitted.examples, max_len, pad_id)
