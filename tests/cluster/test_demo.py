@@ -82,7 +82,9 @@ def _demo(tmp_path: Path, ns: str, tag: str, *extra: str,
 
 
 def _check_succeeded(proc, final, storage: Path, kubectl, epochs: int = 3, verified: bool = True,
-                     served: bool = True, ns: str = DEMO_NS, expected_sum: int = 3) -> list[float]:
+                     served: bool = True, ns: str = DEMO_NS, expected_sum: int = 3,
+                     every_epoch_seen: bool = True) -> list[float]:
+    """every_epoch_seen False: epochs short enough that the demo's one poll a second may miss one."""
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     positions = [out.find(marker) for marker in phases_in_order(epochs, verified, served)]
@@ -105,7 +107,7 @@ def _check_succeeded(proc, final, storage: Path, kubectl, epochs: int = 3, verif
     # KubeRay's pods ran on the real node (not a simulated host).
     assert final["placement"] and all(not p["simulated"] for p in final["placement"].values()), final["placement"]
     losses = final["epochLosses"]
-    assert len(losses) == epochs and losses[-1] < losses[0], losses
+    assert (len(losses) == epochs if every_epoch_seen else 1 < len(losses) <= epochs) and losses[-1] < losses[0], losses
     training = status["training"]
     # The pods wrote through the hostPath volume: the host sees the run's files.
     checkpoint, export = training["lastCheckpoint"], training["exportedModel"]
@@ -215,7 +217,8 @@ def test_the_two_slice_example_trains_what_it_serves_through_the_demo(local_clus
     storage.chmod(0o777)
     example = _habit_example(storage, tmp_path)
     demo, final = _demo(tmp_path, TWO_SLICES_NS, "2slices", "--example", str(example), "--storage-path", str(storage))
-    _check_succeeded(demo, final, storage, cluster_kubectl, epochs=QA_EPOCHS, ns=TWO_SLICES_NS, expected_sum=10)
+    _check_succeeded(demo, final, storage, cluster_kubectl, epochs=QA_EPOCHS, ns=TWO_SLICES_NS, expected_sum=10,
+                     every_epoch_seen=False)   # 8 steps an epoch
     ver = final["object"]["status"]["verification"]
     assert ver["ranks"] == ver["hosts"] == 4 and "inside each of 2 slices and across them" in ver["message"], ver
     trainers = [n for n in final["placement"] if "-workers-worker-" in n and "-serve-" not in n]
