@@ -106,12 +106,12 @@ def _validate_data(args: argparse.Namespace, datasets: list) -> bool:
     if datasets:
         declared, mapping = datasets[0].type, dict(datasets[0].columns)
     else:
-        pairs = [c.partition("=") for c in args.data_columns]
-        bad = [k + s + v for k, s, v in pairs if not s or not v]
-        if bad:
-            print(f"tpuft validate --data: --column {bad[0]!r}: expected KEY=COLUMN", file=sys.stderr)
+        try:
+            mapping = dict(records.column_pair(c) for c in args.data_columns)
+        except ValueError as e:
+            print(f"tpuft validate --data: --column: {e}", file=sys.stderr)
             return False
-        declared, mapping = args.data_type, {k: v for k, _, v in pairs}
+        declared = args.data_type
     label = str(args.data)
     try:
         rows = _data_records(args.data)

@@ -93,6 +93,14 @@ _COLUMNS: dict[DatasetType, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 
 
+def column_pair(text: str) -> tuple[str, str]:
+    """KEY=COLUMN (a spec.dataset.columns entry on a command line) -> (key, column); ValueError naming it."""
+    key, sep, column = text.partition("=")
+    if not sep or key not in DATASET_COLUMN_KEYS or not column:
+        raise ValueError(f"expected KEY=COLUMN with KEY one of {', '.join(DATASET_COLUMN_KEYS)} (got {text!r})")
+    return key, column
+
+
 def read(record: Mapping, layout: Layout, number: int) -> tuple[Turn, ...] | str:
     """One record -> its conversation (turns) or, for type text, its text. RecordError if it does not fit."""
     def text(key: str, required: bool = True) -> str:

@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 
+from tpuft import records
 from tpuft.catalog import CatalogError
 from tpuft.spec import DEFAULTS as D  # one source: a flag left out means what the field left out means
 from tpuft.spec import LORA_DEFAULTS as LD  # spec.training.lora's, once the object is there
@@ -51,11 +52,10 @@ def _dropout(v: str) -> float:
 
 
 def _column(v: str) -> tuple[str, str]:
-    key, sep, column = v.partition("=")
-    if not sep or key not in DATASET_COLUMN_KEYS or not column:
-        raise argparse.ArgumentTypeError(f"expected KEY=COLUMN with KEY one of {', '.join(DATASET_COLUMN_KEYS)} "
-                                         f"(got {v!r})")
-    return key, column
+    try:
+        return records.column_pair(v)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _names(v: str) -> tuple[str, ...]:

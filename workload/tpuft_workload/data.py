@@ -118,8 +118,7 @@ def pack_examples(examples: list[Example], block_len: int, pad_id: int) -> list[
         n_real = len(ids)
         pad = block_len - n_real
         # the padding is a segment of its own: real tokens never attend to it
-        blocks.append(Block(ids + [pad_id] * pad, labels + [IGNORE] * pad, pos + list(range(pad)), None, n_real,
-                            {"examples": len(members)}))
+        blocks.append(Block(ids + [pad_id] * pad, labels + [IGNORE] * pad, pos + list(range(pad)), None, n_real))
     return blocks
 
 
@@ -181,15 +180,20 @@ def pad_id_of(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
+def blocks_of(examples: list[Example], max_len: int, packing: bool, pad_id: int,
+              overlong: str = Overlong.TRUNCATE.value) -> tuple[list[Block], Fitted]:
+    """Examples -> rows: those longer than a row fitted (`fit`), then packed or padded; and the fit's counts."""
+    fitted = fit(examples, max_len, overlong)
+    return (pack_examples if packing else pad_examples)(fitted.examples, max_len, pad_id), fitted
+
+
 def build_blocks(tokenizer, records: list[dict], max_len: int, packing: bool,
                  overlong: str = Overlong.TRUNCATE.value) -> list[Block]:
     """In one process, what the pipeline builds: records (layout detected from the first's keys) ->
     rows."""
     layout = recordslib.detect(records[0].keys()) if records else None
     examples = [example_of(tokenizer, r, layout, n) for n, r in enumerate(records, start=1)]
-    fitted = fit(examples, max_len, overlong).examples
-    pad_id = pad_id_of(tokenizer)
-    return pack_examples(fitted, max_len, pad_id) if packing else pad_examples(fitted, max_len, pad_id)
+    return blocks_of(examples, max_len, packing, pad_id_of(tokenizer), overlong)[0]
 
 
 def load_records(dataset: str, split: str = "train") -> list[dict]:

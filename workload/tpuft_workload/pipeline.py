@@ -218,13 +218,9 @@ def build(spec: DatasetSpec, model: str, max_len: int, packing: bool) -> Packed:
         if refused:   # a record the chat template cannot label as serving renders it: the user's to fix
             raise DataError(f"{src.path}: {refused}")
         examples += [datalib.Example(i.tolist(), lab.tolist()) for i, lab in zip(batch["input_ids"], batch["labels"])]
-    fitted = datalib.fit(examples, max_len, spec.overlong)
-    pad_id = datalib.pad_id_of(tokenizer)
-    blocks = (datalib.pack_examples if packing else datalib.pad_examples)(fitted.examples, max_len, pad_id)
-    rows = rows_of(blocks, np)
-    real = int(rows["n_real"].sum())
-    pad = 1.0 - real / (len(blocks) * max_len) if blocks else 0.0
-    return Packed(ray.put(rows), len(blocks), count, pad, layout.type.value, fitted.truncated, fitted.dropped)
+    blocks, fitted = datalib.blocks_of(examples, max_len, packing, datalib.pad_id_of(tokenizer), spec.overlong)
+    return Packed(ray.put(rows_of(blocks, np)), len(blocks), count, datalib.pad_fraction(blocks), layout.type.value,
+                  fitted.truncated, fitted.dropped)
 
 
 def epoch_batches(rows, world: int, rank: int, batch_size: int, seed: int, epoch: int, skip: int = 0):
