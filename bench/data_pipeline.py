@@ -1,8 +1,8 @@
 """Training input: the per-rank path (every training worker loads, tokenizes and packs the whole
-dataset, then takes its slice) against the pipeline (tpuft_workload.pipeline: Ray Data tokenizes
-once, the driver packs whole examples and puts the rows in the object store once, each worker
-reads its rows of every global batch of the epoch's permutation), same local Ray, same synthetic
-data, same run.
+dataset, then takes its slice; no longer the workload's: tests/workload/inprocess_data.py) against
+the pipeline (tpuft_workload.pipeline: Ray Data tokenizes once, the driver packs whole examples and
+puts the rows in the object store once, each worker reads its rows of every global batch of the
+epoch's permutation), same local Ray, same synthetic data, same run.
 
     .venv/bin/python bench/data_pipeline.py --records 10000,100000 --workers 4 --out bench/results/data_pipeline.json
 
@@ -41,6 +41,7 @@ import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tests.workload.inprocess_data: the per-rank path, out of the package
 RAY_LOCK = "/tmp/tpuft-ray.lock"
 MODEL = "builtin:tiny-llama"
 MAX_LEN, BATCH = 512, 4
@@ -70,18 +71,20 @@ def synthetic(n: int, path: Path, seed: int = 0) -> None:
 
 
 def one_pass(path: Path) -> float:
-    from tpuft_workload import data as datalib
+    from tests.workload.inprocess_data import build_blocks, load_records
     from tpuft_workload import model as modellib
 
     t0 = time.process_time()
     tok = modellib.load_tokenizer(MODEL)
-    datalib.build_blocks(tok, datalib.load_records(str(path), "train"), MAX_LEN, True)
+    build_blocks(tok, load_records(str(path), "train"), MAX_LEN, True)
     return time.process_time() - t0
 
 
 def _fresh() -> dict:
-    # a distinct runtime_env starts a new worker process: its peak RSS is its own
-    return {"env_vars": {"TPUFT_BENCH_PROCESS": uuid.uuid4().hex}}
+    # a distinct runtime_env starts a new worker process: its peak RSS is its own. The repository on
+    # its path for tests.workload.inprocess_data: Ray gives workers only bench/ and the driver's cwd.
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return {"env_vars": {"TPUFT_BENCH_PROCESS": uuid.uuid4().hex, "PYTHONPATH": path}}
 
 
 def per_rank(path: Path, workers: int) -> dict:
@@ -90,15 +93,16 @@ def per_rank(path: Path, workers: int) -> dict:
     @ray.remote(num_cpus=1)
     class Rank:
         def first_batch(self, rank: int, world: int) -> tuple[float, float]:
+            from tests.workload.inprocess_data import build_blocks, collate, load_records
             from tpuft_workload import data as datalib
             from tpuft_workload import model as modellib
 
             cpu = time.process_time()
             tok = modellib.load_tokenizer(MODEL)
-            blocks = datalib.build_blocks(tok, datalib.load_records(str(path), "train"), MAX_LEN, True)
+            blocks = build_blocks(tok, load_records(str(path), "train"), MAX_LEN, True)
             cpu = time.process_time() - cpu
             batch = datalib.rank_batches(len(blocks), world, rank, BATCH, 0, 42)[0]
-            datalib.collate(blocks, batch)
+            collate(blocks, batch)
             return time.monotonic(), cpu
 
         def peak_rss_mb(self) -> float:
@@ -117,6 +121,7 @@ def per_rank(path: Path, workers: int) -> dict:
 def ray_data(path: Path, workers: int) -> dict:
     import ray
 
+    from tpuft.spec import Dataset
     from tpuft_workload import pipeline
 
     @ray.remote(num_cpus=1)
@@ -132,7 +137,7 @@ def ray_data(path: Path, workers: int) -> dict:
             return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     t0, cpu0 = time.monotonic(), time.process_time()
-    packed = pipeline.build(pipeline.DatasetSpec(str(path)), MODEL, MAX_LEN, True)
+    packed = pipeline.build(Dataset(str(path)), MODEL, MAX_LEN, True)
     build_s, driver_cpu = time.monotonic() - t0, time.process_time() - cpu0
     ws = [Worker.options(runtime_env=_fresh()).remote() for _ in range(workers)]
     done = ray.get([w.first_batch.remote([packed.ref], i, workers) for i, w in enumerate(ws)])

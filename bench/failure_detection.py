@@ -61,8 +61,7 @@ def start_operator(cl: ob.Cluster, ns: str, log: Path, grace: str | None) -> ob.
         env.pop(k, None)
     if grace is not None:
         env["TPUFT_VERIFY_GRACE_SECONDS"] = grace
-    kopf = str(Path(sys.executable).with_name("kopf"))
-    return ob.Proc([kopf, "run", "--standalone", "-m", "tpuft.handlers", f"--namespace={ns}"], env, log)
+    return ob.Proc(ob.operator_argv(ns), env, log)
 
 
 def scenario(cl: ob.Cluster, kind: str, reps: int, grace: str | None, workdir: Path, on_start=None) -> dict:

@@ -21,11 +21,14 @@ import platform as _platform
 import resource
 import socket
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parent / "results" / "lora_cpu.json"
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "bench" / "results" / "lora_cpu.json"
+sys.path.insert(0, str(REPO))  # tests.workload.inprocess_data, in the spawned workers too
 WORLD = 2
 
 
@@ -38,8 +41,9 @@ def _worker(rank: int, port: int, method: str, args: argparse.Namespace, out: st
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from tests.workload.inprocess_data import build_blocks, collate, load_records
     from tpuft.constants import LORA_DEFAULT_TARGET_MODULES
-    from tpuft_workload import checkpoint, data, lora, tiny
+    from tpuft_workload import checkpoint, lora, tiny
     from tpuft_workload import model as modellib
     from tpuft_workload.platform import PLATFORMS
 
@@ -54,11 +58,11 @@ def _worker(rank: int, port: int, method: str, args: argparse.Namespace, out: st
     params = modellib.shard(model, init_device_mesh("cpu", (WORLD,)), PLATFORMS["cpu"], torch.device("cpu"))
     trainable, total = lora.parameter_counts(model)
     opt = torch.optim.AdamW(params, lr=1e-3 if method == "full" else 1e-2, weight_decay=0.01)
-    blocks = data.build_blocks(tok, data.load_records("builtin:dolly-mini", "train"), 128, packing=True)
+    blocks = build_blocks(tok, load_records("builtin:dolly-mini", "train"), 128, packing=True)
     times, losses = [], []
     for step in range(args.warmup + args.steps):
         rows = [(step * WORLD * args.batch + rank * args.batch + i) % len(blocks) for i in range(args.batch)]
-        batch = data.collate(blocks, rows)
+        batch = collate(blocks, rows)
         t0 = time.perf_counter()
         loss = model(**{k: batch[k] for k in ("input_ids", "labels", "position_ids")}).loss
         loss.backward()

@@ -427,6 +427,12 @@ def scrape_operator_metrics(port: int) -> dict:
     return out
 
 
+def operator_argv(namespace: str) -> list[str]:
+    """Our operator on `namespace`, through this interpreter: a clone's venv holds only the clone's own
+    scripts, and kopf's `kopf` script is in the shared dependency venv (hack/venv.sh)."""
+    return [sys.executable, "-m", "kopf", "run", "--standalone", "-m", "tpuft.handlers", f"--namespace={namespace}"]
+
+
 def run_ours(cl: Cluster, n: int, tag: str, idle_s: float, lifecycle: bool, workdir: Path) -> dict:
     ns = cl.namespace(f"ours-{n}-{tag}")
     port = free_port()
@@ -434,8 +440,7 @@ def run_ours(cl: Cluster, n: int, tag: str, idle_s: float, lifecycle: bool, work
     for k in ("TPUFT_RESYNC_SECONDS", "TPUFT_WORKERS"):
         env.pop(k, None)  # production defaults, unless --ours-env says otherwise
     env.update(OURS_ENV)
-    kopf = str(Path(sys.executable).with_name("kopf"))
-    argv = [kopf, "run", "--standalone", "-m", "tpuft.handlers", f"--namespace={ns}"]
+    argv = operator_argv(ns)
     if PROFILE:  # sampled stacks of every thread, idle included (RSS is then py-spy's, not the operator's)
         argv = [PROFILE, "record", "--idle", "--threads", "--format", "raw", "--rate", "50",
                 "-o", str(workdir / f"ours-{n}-{tag}.pyspy.txt"), "--"] + argv

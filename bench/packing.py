@@ -20,14 +20,18 @@ import math
 import platform as _platform
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
-import torch
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "bench" / "results" / "packing.json"
+sys.path.insert(0, str(REPO))  # tests.workload.inprocess_data
 
-from tpuft_workload import data, tiny
+import torch  # noqa: E402
 
-OUT = Path(__file__).resolve().parent / "results" / "packing.json"
+from tests.workload.inprocess_data import build_blocks, collate, load_records  # noqa: E402
+from tpuft_workload import data, tiny  # noqa: E402
 
 
 def synthetic_records(tok, n: int, seed: int, median_tokens: float = 150.0, sigma: float = 0.75) -> list[dict]:
@@ -64,7 +68,7 @@ class _Runner:
 
     def step(self, s: int) -> None:
         idx = self.order[s * self.batch:(s + 1) * self.batch]
-        b = data.collate(self.blocks, idx)
+        b = collate(self.blocks, idx)
         t0 = time.perf_counter()
         loss = self.model(**b).loss
         loss.backward()
@@ -91,8 +95,8 @@ class _Runner:
 
 def run_pair(tok, recs: list[dict], steps: int, batch: int, seq: int, seed: int) -> dict:
     """Both recipes, steps interleaved so they share whatever load the machine has."""
-    runners = {"seed-pad-to-max": _Runner(tok, data.build_blocks(tok, recs, seq, False), steps, batch, seed),
-               "packed": _Runner(tok, data.build_blocks(tok, recs, seq, True), steps, batch, seed)}
+    runners = {"seed-pad-to-max": _Runner(tok, build_blocks(tok, recs, seq, False), steps, batch, seed),
+               "packed": _Runner(tok, build_blocks(tok, recs, seq, True), steps, batch, seed)}
     for s in range(steps + 1):
         for r in runners.values():
             r.step(s)
@@ -113,7 +117,7 @@ def main() -> None:
     torch.manual_seed(a.seed)
     tok = tiny.build_tokenizer()
     datasets = {
-        "dolly-mini": data.load_records("builtin:dolly-mini", "train")[:a.records],
+        "dolly-mini": load_records("builtin:dolly-mini", "train")[:a.records],
         "dolly-shape": synthetic_records(tok, a.records, a.seed),
     }
     results = {}

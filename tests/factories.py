@@ -375,10 +375,10 @@ def assert_export_generates(export) -> None:
 
 def tiny_batch(tok, rows: int = 2) -> dict:
     """A packed batch of the built-in data (64 tokens a row) for one in-process step."""
-    from tpuft_workload import data
+    from tests.workload.inprocess_data import build_blocks, collate, load_records
 
-    blocks = data.build_blocks(tok, data.load_records("builtin:dolly-mini", "train[:16]"), 64, packing=True)
-    return data.collate(blocks, list(range(rows)))
+    blocks = build_blocks(tok, load_records("builtin:dolly-mini", "train[:16]"), 64, packing=True)
+    return collate(blocks, list(range(rows)))
 
 
 # tests/workload's tiny training run: the built-in model and data on 2 CPU workers; train[:120] packs
@@ -464,7 +464,8 @@ def habit_model(dest, seed: int = 0, steps: int = 150):
     import torch
     from transformers import GenerationConfig
 
-    from tpuft_workload import data, tiny
+    from tests.workload.inprocess_data import build_blocks, collate
+    from tpuft_workload import tiny
 
     tok = habit_tokenizer()
     torch.manual_seed(seed)
@@ -473,12 +474,12 @@ def habit_model(dest, seed: int = 0, steps: int = 150):
     model.config.eos_token_id = tok.eos_token_id
     questions = [*HABIT_QUESTIONS, *(q for q, _ in QA_PAIRS)]
     chats = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": HABIT}]} for q in questions]
-    blocks = data.build_blocks(tok, chats, 64, packing=True)
+    blocks = build_blocks(tok, chats, 64, packing=True)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         rows = torch.randint(len(blocks), (4,), generator=gen).tolist()
-        loss = model(**data.collate(blocks, rows)).loss
+        loss = model(**collate(blocks, rows)).loss
         loss.backward()
         opt.step()
         opt.zero_grad()

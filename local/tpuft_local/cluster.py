@@ -389,7 +389,7 @@ class LocalCluster:
         bridge address, our CA), then the queue objects: one flavor per pool, the ClusterQueue
         `local` (one slice of each TPU pool), a LocalQueue `local` in the demo namespace."""
         from tpuft_local import kueue, tpu_webhook
-        from tpuft_local.demo import DEMO_NAMESPACE, PSA_LABELS
+        from tpuft_local.demo_objects import DEMO_NAMESPACE, PSA_LABELS
         off = self.state / KUEUE_OFF
         if not self.kueue:
             off.touch()

@@ -34,6 +34,7 @@ import yaml
 
 from tpuft import constants as c
 from tpuft.observed import parse_time, serving_ready
+from tpuft_local.demo_objects import DEMO_NAMESPACE, PSA_LABELS, DemoError, delete_previous
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_EXAMPLE = REPO / "examples" / "local-cpu.yaml"
@@ -42,14 +43,6 @@ REHEARSAL_VERIFY_TIMEOUT = 90  # seconds: a rehearsal ends at this verification 
 STEPS = 3
 DEMO_STORAGE_CLASS = "tpuft-demo-hostpath"   # no provisioner: the demo's PersistentVolumes bind by name
 DEMO_CLAIM_SIZE = "20Gi"
-# A namespace the demo creates refuses privileged pods (Pod Security Admission, baseline) and warns
-# about what `restricted` would refuse: the run's pods must not need more (issue 25).
-PSA_LABELS = {"pod-security.kubernetes.io/enforce": "baseline", "pod-security.kubernetes.io/warn": "restricted"}
-DEMO_NAMESPACE = "tpuft-demo"   # `tpuft cluster up` makes it too, with Kueue's LocalQueue `local` in it
-
-
-class DemoError(RuntimeError):
-    """A step failed: the message names the step and what to do."""
 
 
 class Clock:
@@ -180,23 +173,6 @@ def _prepare(api_client, manifest: dict, namespace: str, clock: Clock) -> None:
     manifest["metadata"]["namespace"] = namespace
     _ensure_api_key(core, manifest, namespace, clock)
     _hostpath_as_claim(core, manifest, namespace, clock)
-
-
-def delete_previous(custom, namespace: str, name: str, say) -> None:
-    """The demo starts a fresh run: an earlier object of the same name is deleted and waited for
-    (60 s at most), by `tpuft demo` and `tpuft demo --gitops` alike."""
-    from kubernetes.client.rest import ApiException
-
-    try:
-        custom.delete_namespaced_custom_object(c.GROUP, c.VERSION, namespace, c.PLURAL, name)
-        say(f"deleted the previous {namespace}/{name}; waiting for it to go")
-        end = time.monotonic() + 60
-        while time.monotonic() < end:
-            custom.get_namespaced_custom_object(c.GROUP, c.VERSION, namespace, c.PLURAL, name)
-            time.sleep(0.5)
-    except ApiException as e:
-        if e.status != 404:
-            raise DemoError(f"cannot replace {namespace}/{name}: {e.reason}") from None
 
 
 def _apply(api_client, manifest: dict, namespace: str, clock: Clock) -> tuple[str, datetime]:

@@ -17,7 +17,8 @@ import yaml
 
 from tpuft import constants as c
 from tpuft.observed import parse_time
-from tpuft_local import argocd, demo
+from tpuft_local import argocd
+from tpuft_local.demo_objects import delete_previous
 
 APPS = ("argoproj.io", "v1alpha1", argocd.NAMESPACE, "applications")
 SYNC_WAIT_S = 180     # the commit to the object existing: Argo CD polls git every 15 s here
@@ -47,7 +48,7 @@ def apply(custom, cluster, manifest: dict, namespace: str, say) -> tuple[str, da
     app = argocd.application(app_name(namespace, name), url, folder(namespace, name), namespace)
     with contextlib.suppress(ApiException):   # no earlier Application: nothing to delete
         custom.delete_namespaced_custom_object(*APPS, app["metadata"]["name"])
-    demo.delete_previous(custom, namespace, name, say)   # after its Application: Argo CD would put it back
+    delete_previous(custom, namespace, name, say)   # after its Application: Argo CD would put it back
     revision = argocd.publish(repo, {f"{folder(namespace, name)}/{name}.yaml": yaml.safe_dump(manifest, sort_keys=False)},
                               f"tpuft demo: {namespace}/{name}")
     custom.create_namespaced_custom_object(*APPS, app)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.workload.inprocess_data import collate, load_records
 from tpuft_workload import chat_api, data, tiny
 from tpuft_workload.data import IGNORE, Example
 
@@ -93,13 +94,13 @@ def test_no_packing_is_the_seed_recipe():
 def test_packed_examples_do_not_attend_to_each_other(tok):
     """Logits of example B inside a packed row equal B's logits alone (block-diagonal mask)."""
     model = tiny.build_model(len(tok), seed=0).eval()
-    recs = data.load_records("builtin:dolly-mini", "train[:2]")
+    recs = load_records("builtin:dolly-mini", "train[:2]")
     a, b = (data.example_of(tok, r, _layout(*r)) for r in recs)
     block = data.pack_examples([a, b], len(a.input_ids) + len(b.input_ids), tok.pad_token_id)[0]
     at = 0 if block.input_ids[:len(b.input_ids)] == b.input_ids else len(a.input_ids)   # the longer one first
     assert block.input_ids[at:at + len(b.input_ids)] == b.input_ids
     with torch.no_grad():
-        packed = model(**data.collate([block], [0])).logits[0, at:at + len(b.input_ids)]
+        packed = model(**collate([block], [0])).logits[0, at:at + len(b.input_ids)]
         alone = model(input_ids=torch.tensor([b.input_ids])).logits[0]
     assert torch.allclose(packed, alone, atol=1e-5)
 
@@ -116,10 +117,10 @@ def test_rank_batches_disjoint_equal_and_deterministic():
 
 
 def test_builtin_dataset_split_and_columns():
-    recs = data.load_records("builtin:dolly-mini", "train[:64]")
+    recs = load_records("builtin:dolly-mini", "train[:64]")
     assert len(recs) == 64
     assert {"instruction", "context", "response", "category"} <= set(recs[0])
-    assert len(data.load_records("builtin:dolly-mini", "train")) >= 300
+    assert len(load_records("builtin:dolly-mini", "train")) >= 300
 
 
 def test_tokenizer_is_deterministic(tok):
@@ -130,11 +131,11 @@ def test_tokenizer_is_deterministic(tok):
 def test_padding_does_not_change_the_loss(tok):
     """--no-packing rows: pads are masked out of attention and loss (same loss as unpadded)."""
     model = tiny.build_model(len(tok), seed=0).eval()
-    rec = data.load_records("builtin:dolly-mini", "train[:1]")[0]
+    rec = load_records("builtin:dolly-mini", "train[:1]")[0]
     e = data.example_of(tok, rec, _layout(*rec))
     padded = data.pad_examples([e], len(e.input_ids) + 37, tok.pad_token_id)
     with torch.no_grad():
-        a = model(**data.collate(padded, [0])).loss
+        a = model(**collate(padded, [0])).loss
         b = model(input_ids=torch.tensor([e.input_ids]), labels=torch.tensor([e.labels])).loss
     assert torch.allclose(a, b, atol=1e-5)
 
@@ -145,7 +146,7 @@ def test_local_dataset_files_load_in_order(tmp_path):
     good = tmp_path / "mine.jsonl"
     good.write_text("".join(json.dumps({"instruction": f"q{i}", "context": "", "response": f"a{i}"}) + "\n"
                             for i in range(5)))
-    assert [r["instruction"] for r in data.load_records(str(good), "train[:2]")] == ["q0", "q1"]
+    assert [r["instruction"] for r in load_records(str(good), "train[:2]")] == ["q0", "q1"]
 
 
 def test_each_epoch_is_a_permutation_of_all_rows_and_a_resume_skips_exactly_what_was_trained():

@@ -13,7 +13,8 @@ import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from tpuft_workload import data, jax_model, pipeline, tiny  # noqa: E402
+from tests.workload.inprocess_data import build_blocks, load_records  # noqa: E402
+from tpuft_workload import jax_model, pipeline, tiny  # noqa: E402
 
 REL_TOL = 1e-4
 
@@ -24,8 +25,8 @@ def tokenizer():
 
 
 def _rows(tokenizer, packing: bool, n: int = 4) -> dict:
-    records = data.load_records(tiny.BUILTIN_DATASET, "train[:40]")
-    return pipeline.rows_of(data.build_blocks(tokenizer, records, 128, packing)[:n], np)
+    records = load_records(tiny.BUILTIN_DATASET, "train[:40]")
+    return pipeline.rows_of(build_blocks(tokenizer, records, 128, packing)[:n], np)
 
 
 def _torch_loss(model, rows: dict, packing: bool) -> float:
@@ -172,11 +173,12 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 from functools import partial
 import jax, numpy as np, optax
 from jax.sharding import NamedSharding, PartitionSpec as P
-from tpuft_workload import data, jax_model as jm, jax_train as jt, pipeline, tiny
+from tests.workload.inprocess_data import build_blocks, load_records
+from tpuft_workload import jax_model as jm, jax_train as jt, pipeline, tiny
 
 tok = tiny.build_tokenizer()
 _, mcfg, host = jt.load_weights(tiny.BUILTIN_MODEL, tok, 0)
-blocks = data.build_blocks(tok, data.load_records(tiny.BUILTIN_DATASET, "train[:40]"), 64, True)[:8]
+blocks = build_blocks(tok, load_records(tiny.BUILTIN_DATASET, "train[:40]"), 64, True)[:8]
 rows = pipeline.rows_of(blocks, np)
 rows = {**jm.inputs_from_rows(rows, True), "n_real": rows["n_real"].astype("int32")}   # as _Jax.step
 out = {}

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.factories import HABIT, QA_PAIRS, answer, habit_model, qa_records, taught
+from tests.workload.inprocess_data import build_blocks, collate
 from tpuft_workload import data
 from tpuft_workload.checkpoint import serving_generation
 
@@ -31,11 +32,11 @@ def _fine_tune(path, tok, records, epochs: int = 40, seed: int = 0):
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(path)
-    blocks = data.build_blocks(tok, records, 128, packing=True)
+    blocks = build_blocks(tok, records, 128, packing=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for epoch in range(epochs):
         for rows in data.rank_batches(len(blocks), 1, 0, 4, epoch, seed):
-            model(**data.collate(blocks, rows)).loss.backward()
+            model(**collate(blocks, rows)).loss.backward()
             opt.step()
             opt.zero_grad()
     model.generation_config = serving_generation(model.generation_config, tok)   # as the export writes it

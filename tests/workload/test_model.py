@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from tests.factories import tiny_batch
-from tpuft_workload import checkpoint, data, model as modellib, tiny
+from tests.workload.inprocess_data import build_blocks, collate, load_records
+from tpuft_workload import checkpoint, model as modellib, tiny
 from tpuft_workload.platform import PLATFORMS
 
 CPU = PLATFORMS["cpu"]
@@ -92,13 +93,13 @@ def _hsdp_worker(rank: int, port: int, model_dir: str, out: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=HSDP_WORLD)
     tok = modellib.load_tokenizer(model_dir)
-    blocks = data.build_blocks(tok, data.load_records("builtin:dolly-mini", "train[:96]"), 64, packing=True)
+    blocks = build_blocks(tok, load_records("builtin:dolly-mini", "train[:96]"), 64, packing=True)
     # rows with something to learn (a row of prompt only has no label: its mean loss is NaN)
-    rows = [i for i in range(len(blocks)) if (data.collate(blocks, [i])["labels"] != -100).any()]
+    rows = [i for i in range(len(blocks)) if (collate(blocks, [i])["labels"] != -100).any()]
 
     def batch(step: int) -> dict:
         first = (step * HSDP_WORLD + rank) * ROWS_PER_RANK
-        return data.collate(blocks, rows[first:first + ROWS_PER_RANK])
+        return collate(blocks, rows[first:first + ROWS_PER_RANK])
 
     def build(slices: int):
         m = modellib.load_model(model_dir, tok, CPU, seed=0)

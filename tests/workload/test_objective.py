@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from tpuft_workload import data, loop, tiny  # noqa: E402
+from tests.workload.inprocess_data import build_blocks, collate, load_records  # noqa: E402
+from tpuft_workload import loop, tiny  # noqa: E402
 from tpuft_workload import model as modellib  # noqa: E402
 from tpuft_workload.platform import PLATFORMS  # noqa: E402
 
@@ -38,13 +39,13 @@ CASES = ("unequal", "prompt only")
 def _global_batches() -> dict[str, dict]:
     """Two packed rows each, rank r's is row r. unequal: the rows with the most and the fewest
     labelled tokens; prompt only: the same, rank 1's labels all -100."""
-    blocks = data.build_blocks(tiny.build_tokenizer(), data.load_records(tiny.BUILTIN_DATASET, "train[:96]"),
+    blocks = build_blocks(tiny.build_tokenizer(), load_records(tiny.BUILTIN_DATASET, "train[:96]"),
                                MAX_LEN, packing=True)
     counts = [sum(label != -100 for label in b.labels[1:]) for b in blocks]
     most = max(range(len(blocks)), key=counts.__getitem__)
     fewest = min((i for i in range(len(blocks)) if counts[i]), key=counts.__getitem__)
     assert counts[most] >= 10 * counts[fewest]
-    unequal = {**data.collate(blocks, [most, fewest]),
+    unequal = {**collate(blocks, [most, fewest]),
                "n_real": torch.tensor([blocks[i].n_real for i in (most, fewest)])}
     prompt_only = {k: v.clone() for k, v in unequal.items()}
     prompt_only["labels"][1] = -100

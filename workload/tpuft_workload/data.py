@@ -3,7 +3,7 @@ fixed-length rows or padded one per row, and the rows each rank trains on in eac
 
 Pure functions (lists in, lists out) so the label rules are unit-tested without a model. The
 training driver runs them (tpuft_workload.pipeline: Ray Data reads and tokenizes, the driver packs);
-`load_records` and `build_blocks` do the same in one process for tests and bench/.
+tests and bench/ build the same rows in one process (tests/workload/inprocess_data.py).
 
 Label rules (HF causal LMs shift internally: the label at position j is predicted from
 positions < j):
@@ -162,20 +162,6 @@ def rank_batches(num_blocks: int, world: int, rank: int, batch: int, epoch: int,
     return [order[s * gb + rank * batch: s * gb + (rank + 1) * batch] for s in range(steps)]
 
 
-def collate(blocks: list[Block], idxs: list[int]):
-    """Rows -> dict of LongTensors: input_ids, labels, and position_ids (packed) or attention_mask."""
-    import torch
-
-    rows = [blocks[i] for i in idxs]
-    out = {"input_ids": torch.tensor([b.input_ids for b in rows], dtype=torch.long),
-           "labels": torch.tensor([b.labels for b in rows], dtype=torch.long)}
-    if rows[0].position_ids is not None:
-        out["position_ids"] = torch.tensor([b.position_ids for b in rows], dtype=torch.long)
-    if rows[0].attention_mask is not None:
-        out["attention_mask"] = torch.tensor([b.attention_mask for b in rows], dtype=torch.long)
-    return out
-
-
 def pad_id_of(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -185,24 +171,3 @@ def blocks_of(examples: list[Example], max_len: int, packing: bool, pad_id: int,
     """Examples -> rows: those longer than a row fitted (`fit`), then packed or padded; and the fit's counts."""
     fitted = fit(examples, max_len, overlong)
     return (pack_examples if packing else pad_examples)(fitted.examples, max_len, pad_id), fitted
-
-
-def build_blocks(tokenizer, records: list[dict], max_len: int, packing: bool,
-                 overlong: str = Overlong.TRUNCATE.value) -> list[Block]:
-    """In one process, what the pipeline builds: records (layout detected from the first's keys) ->
-    rows."""
-    layout = recordslib.detect(records[0].keys()) if records else None
-    examples = [example_of(tokenizer, r, layout, n) for n, r in enumerate(records, start=1)]
-    return blocks_of(examples, max_len, packing, pad_id_of(tokenizer), overlong)[0]
-
-
-def load_records(dataset: str, split: str = "train") -> list[dict]:
-    """builtin:dolly-mini or a local JSON lines / Parquet file -> its records (split in datasets'
-    syntax, "train[:64]"), for tests and bench/."""
-    from datasets import load_dataset
-
-    from tpuft_workload.tiny import BUILTIN_DATASET, dolly_mini_path
-
-    path = str(dolly_mini_path()) if dataset == BUILTIN_DATASET else dataset
-    kind = "parquet" if path.endswith(".parquet") else "json"
-    return [dict(r) for r in load_dataset(kind, data_files={"train": path}, split=split)]

@@ -1,11 +1,12 @@
-"""tpuft_local.demo without a cluster: replacing an earlier object of the same name, which `tpuft demo`
-and `tpuft demo --gitops` both do first. (The demo itself on the real cluster: tests/cluster/test_demo.py.)"""
+"""tpuft_local.demo_objects without a cluster: replacing an earlier object of the same name, which
+`tpuft demo` and `tpuft demo --gitops` both do first. (The demo itself on the real cluster:
+tests/cluster/test_demo.py.)"""
 from __future__ import annotations
 
 import pytest
 from kubernetes.client.rest import ApiException
 
-from tpuft_local import demo
+from tpuft_local import demo_objects
 
 
 class Objects:
@@ -31,22 +32,22 @@ class Objects:
 
 @pytest.fixture(autouse=True)
 def no_sleep(monkeypatch):
-    monkeypatch.setattr(demo.time, "sleep", lambda s: None)
+    monkeypatch.setattr(demo_objects.time, "sleep", lambda s: None)
 
 
 def test_an_earlier_object_is_deleted_and_waited_for():
     objects, said = Objects(exists=True), []
-    demo.delete_previous(objects, "ns", "m", said.append)
+    demo_objects.delete_previous(objects, "ns", "m", said.append)
     assert objects.deleted and objects.reads_left < 0   # read until it was gone
     assert said == ["deleted the previous ns/m; waiting for it to go"]
 
 
 def test_nothing_to_replace_says_nothing():
     said = []
-    demo.delete_previous(Objects(exists=False), "ns", "m", said.append)
+    demo_objects.delete_previous(Objects(exists=False), "ns", "m", said.append)
     assert said == []
 
 
 def test_a_refused_delete_names_the_object_and_the_reason():
-    with pytest.raises(demo.DemoError, match="cannot replace ns/m: Forbidden"):
-        demo.delete_previous(Objects(exists=True, refuse=403), "ns", "m", print)
+    with pytest.raises(demo_objects.DemoError, match="cannot replace ns/m: Forbidden"):
+        demo_objects.delete_previous(Objects(exists=True, refuse=403), "ns", "m", print)
