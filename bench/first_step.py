@@ -18,6 +18,7 @@ import base64
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -157,16 +158,19 @@ def manual(cl: Cluster, i: int) -> float:
 
 
 def check_same_commands() -> None:
-    """The hand-written commands are the ones our operator renders for the example (run name aside)."""
+    """The hand-written commands run what our operator renders for the example (run name aside): the
+    workload's own CLI reads both (flags by hand, the --spec document rendered) into the same command."""
     from tpuft import builders, spec
+    from tpuft_workload import __main__ as workload_cli
     tft = spec.parse({**yaml.safe_load((REPO / "examples" / "local-cpu.yaml").read_text()),
                       "metadata": {"name": "local-cpu", "namespace": NAMESPACE, "uid": "u"}})
-    train = builders.train_entrypoint(tft)
-    run = re.search(r"--run-name (\S+)", train).group(1)   # also in the drivers' --log-file paths
-    for mine, theirs in ((MANUAL_VERIFY, builders.verify_entrypoint(tft).replace(run, "{run}")),
-                         (MANUAL_TRAIN, train.replace(run, "{run}"))):
-        if mine != theirs:
-            raise SystemExit(f"bench/first_step.py: the manual command drifted from the example:\n  {mine}\n  {theirs}")
+    run = builders.run_name(tft)   # also in the drivers' --log-file paths
+    for mine, theirs in ((MANUAL_VERIFY, builders.verify_entrypoint(tft)), (MANUAL_TRAIN, builders.train_entrypoint(tft))):
+        by_hand = workload_cli.parse_args(shlex.split(mine.format(run=run))[3:])[0]
+        rendered = workload_cli.parse_args(shlex.split(theirs)[3:])[0]
+        if by_hand != rendered:
+            raise SystemExit(f"bench/first_step.py: the manual command drifted from the example:\n  {by_hand}\n  "
+                             f"{rendered}")
 
 
 def main() -> int:

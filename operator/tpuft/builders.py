@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import shlex
 from dataclasses import dataclass
 from typing import Mapping
@@ -15,9 +16,9 @@ from typing import Mapping
 import yaml
 
 from tpuft import constants as c
-from tpuft.spec import DEFAULTS, ServeReplicas, TPUFinetune
+from tpuft.constants import RAY_VERSION_PIN
+from tpuft.spec import Export, ServeReplicas, TPUFinetune, workload_document
 
-RAY_VERSION_PIN = "2.60.0"
 HEAD_CONTAINER = "ray-head"
 WORKER_CONTAINER = "ray-worker"
 SHM_VOLUME = "dshm"
@@ -275,16 +276,17 @@ def _cluster_spec(tft: TPUFinetune, component: c.Component, max_slices: int | No
     }
 
 
-def _common_args(tft: TPUFinetune) -> list[str]:
-    s = tft.spec.slice
-    return ["--accelerator", s.generation, "--topology", s.topology, "--slices", str(tft.spec.slices)]
+def run_document(tft: TPUFinetune) -> str:
+    """The workload's fields of the spec, as the one JSON document both entrypoints carry
+    (tpuft.spec.workload_document; the workload reads it with tpuft.spec.parse_run). export.merge
+    says whether merged weights are written: asked for, or needed by vLLM (merges)."""
+    spec = dataclasses.replace(tft.spec, export=Export(merge=merges(tft)))
+    return json.dumps(workload_document(spec), sort_keys=True, separators=(",", ":"))
 
 
 def verify_entrypoint(tft: TPUFinetune) -> str:
-    args = ["python", "-m", WORKLOAD_MODULE, "verify", *_common_args(tft),
-            "--timeout-seconds", str(tft.spec.verification.timeout_seconds),
-            "--log-file", log_path(tft, c.Component.VERIFY)]
-    return shlex.join(args)
+    return shlex.join(["python", "-m", WORKLOAD_MODULE, "verify", "--spec", run_document(tft),
+                       "--log-file", log_path(tft, c.Component.VERIFY)])
 
 
 def run_name(tft: TPUFinetune) -> str:
@@ -301,44 +303,8 @@ def run_name(tft: TPUFinetune) -> str:
 
 
 def train_entrypoint(tft: TPUFinetune) -> str:
-    sp, tr, ck = tft.spec, tft.spec.training, tft.spec.checkpoint
-    args = ["python", "-m", WORKLOAD_MODULE, "train", *_common_args(tft),
-            "--model", sp.model, "--dataset", sp.dataset.name, "--dataset-split", sp.dataset.split,
-            "--epochs", str(tr.epochs), "--batch-size-per-device", str(tr.batch_size_per_device),
-            "--max-seq-length", str(tr.max_seq_length), "--learning-rate", repr(tr.learning_rate),
-            "--storage-path", ck.storage_path, "--run-name", run_name(tft),
-            "--checkpoint-every-steps", str(ck.every_steps), "--keep-checkpoints", str(ck.keep),
-            "--max-failures", str(tr.max_failures), "--report-every-steps", str(tr.report_every_steps),
-            "--log-file", log_path(tft, c.Component.TRAIN)]
-    if sp.dataset.format:
-        args += ["--dataset-format", sp.dataset.format]
-    if sp.dataset.type:
-        args += ["--dataset-type", sp.dataset.type]
-    for key, column in sp.dataset.columns:
-        args += ["--dataset-column", f"{key}={column}"]
-    if sp.dataset.overlong != DEFAULTS["dataset.overlong"]:
-        args += ["--overlong", sp.dataset.overlong]
-    if not tr.packing:
-        args.append("--no-packing")
-    if tr.framework != DEFAULTS["training.framework"]:   # torch entrypoints stay as they were
-        args += ["--framework", tr.framework]
-    if ck.resume_from:
-        args += ["--resume-from", ck.resume_from]
-    return shlex.join(args + _lora_args(tft))
-
-
-def _lora_args(tft: TPUFinetune) -> list[str]:
-    """The workload's LoRA flags; none for a full fine-tune (its entrypoint stays as it was)."""
-    lo = tft.spec.training.lora
-    if lo is None:
-        return []
-    args = ["--method", c.TrainingMethod.LORA.value, "--lora-rank", str(lo.rank), "--lora-alpha", str(lo.alpha),
-            "--lora-dropout", repr(lo.dropout)]
-    if lo.target_modules:
-        args += ["--lora-target-modules", ",".join(lo.target_modules)]
-    if merges(tft):
-        args.append("--merge-export")
-    return args
+    return shlex.join(["python", "-m", WORKLOAD_MODULE, "train", "--spec", run_document(tft),
+                       "--run-name", run_name(tft), "--log-file", log_path(tft, c.Component.TRAIN)])
 
 
 def merges(tft: TPUFinetune) -> bool:

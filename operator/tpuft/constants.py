@@ -23,6 +23,7 @@ SHORT_NAME = "tft"
 # --- KubeRay's API (ray-project/kuberay v1.7.0) --------------------------------------
 RAY_GROUP = "ray.io"
 RAY_VERSION = "v1"
+RAY_VERSION_PIN = "2.60.0"   # the Ray the RayCluster runs and the workload image carries
 RAY_API_VERSION = f"{RAY_GROUP}/{RAY_VERSION}"
 RAYCLUSTER_KIND = "RayCluster"
 RAYCLUSTER_PLURAL = "rayclusters"
@@ -330,6 +331,13 @@ class TrainingFramework(str, enum.Enum):
     JAX = "jax"          # JaxTrainer, one worker per host (tpuft_workload.jax_train)
 
 
+class LearningRateSchedule(str, enum.Enum):
+    """spec.training.learningRateSchedule: the rate after the warmup."""
+    CONSTANT = "constant"
+    LINEAR = "linear"
+    COSINE = "cosine"
+
+
 class TrainingMethod(str, enum.Enum):
     """spec.training.method: which weights a run trains."""
     FULL = "full"    # every weight: FSDP2 shards weights, gradients and AdamW state
@@ -388,6 +396,13 @@ class TrainingStatus(str, enum.Enum):
     MFU = "mfu"            # model FLOPs utilisation (tpuft_workload.report.mfu); absent without a catalog peak
     HISTORY = "history"    # at most HISTORY_MAX_POINTS HistoryPoint objects, oldest first
     UPDATED_AT = "updatedAt"
+    LEARNING_RATE = "learningRate"          # the scheduled rate of the latest step
+    GLOBAL_BATCH_SIZE = "globalBatchSize"   # sequences per optimizer step
+    EPOCH_LOSS = "epochLoss"                # the last finished epoch's mean loss (not in the per-report series)
+    EVAL_LOSS = "evalLoss"                  # the latest evaluation's (spec.evaluation)
+    EVAL_PERPLEXITY = "evalPerplexity"
+    BEST_EVAL_LOSS = "bestEvalLoss"
+    BEST_STEP = "bestStep"                  # the step of bestEvalLoss
 
 
 class HistoryPoint(str, enum.Enum):
@@ -395,6 +410,7 @@ class HistoryPoint(str, enum.Enum):
     STEP = "step"
     LOSS = "loss"
     TOKENS_PER_SECOND = "tokensPerSecond"
+    EVAL_LOSS = "evalLoss"   # when an evaluation ran at that step
 
 
 # --- status.goodput, written by the operator (tpuft.goodput) -----------------------------------------

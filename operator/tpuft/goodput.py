@@ -13,9 +13,9 @@ a terminal phase is either.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Mapping
 
-from tpuft.constants import GOODPUT_RATIO, GOODPUT_TOTAL, GoodputCause, Phase, Reason
+from tpuft.constants import GoodputCause, Phase, Reason
+from tpuft.status import Goodput
 
 
 def cause(phase: str | None, reason: str | None) -> GoodputCause | None:
@@ -27,25 +27,12 @@ def cause(phase: str | None, reason: str | None) -> GoodputCause | None:
             Phase.SUSPENDED.value: GoodputCause.SUSPENDED, Phase.QUEUED.value: GoodputCause.QUEUED}.get(phase or "")
 
 
-def summary(seconds: Mapping[GoodputCause, int]) -> dict:
-    """status.goodput from seconds per cause: every cause, the total, and the ratio training / total
-    (absent while the total is 0)."""
-    out: dict = {k.key: int(seconds.get(k, 0)) for k in GoodputCause}
-    total = sum(out.values())
-    out[GOODPUT_TOTAL] = total
-    if total:
-        out[GOODPUT_RATIO] = round(out[GoodputCause.TRAINING.key] / total, 4)
-    return out
-
-
-def account(goodput: Mapping | None, phase: str | None, reason: str | None, since: datetime | None,
-            until: datetime | None) -> dict | None:
+def account(goodput: Goodput | None, phase: str | None, reason: str | None, since: datetime | None,
+            until: datetime | None) -> Goodput | None:
     """status.goodput once the interval [since, until] spent in (phase, reason) is closed: `goodput`
     unchanged when there is no such interval (no previous transition, the same transition time, an
     uncounted phase)."""
     what = cause(phase, reason)
     if what is None or since is None or until is None or until <= since:
-        return dict(goodput) if goodput is not None else None
-    seconds = {k: int((goodput or {}).get(k.key) or 0) for k in GoodputCause}
-    seconds[what] += int((until - since).total_seconds())
-    return summary(seconds)
+        return goodput
+    return (goodput or Goodput()).add(what, int((until - since).total_seconds()))

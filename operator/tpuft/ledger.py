@@ -22,7 +22,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from tpuft.observed import OWNED_KEYS, owned
+from tpuft.status import OWNED_KEYS, owned
 
 Key = tuple[str, str]
 Child = tuple[str, str]   # (kind, name)

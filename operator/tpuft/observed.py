@@ -15,10 +15,6 @@ from tpuft.constants import Condition, ConditionStatus, EventType, Reason
 from tpuft.diagnosis import PodObs
 from tpuft.spec import TPUFinetune
 
-# Status keys the operator owns. status.verification and status.training belong to the workload.
-OWNED_KEYS = ("phase", "reason", "message", "observedGeneration", "appliedGeneration", "appliedSpec",
-              "phaseTransitionTime", "startTime", "completionTime", "trainingAttempts", "conditions",
-              "children", "slice", "ignoredSpecChange", "recovery", "serving", "goodput")
 LIVE_SPEC_FIELDS = ("suspend", "ttlSecondsAfterFinished")
 SERVE_ENABLED_FIELD = "spec.serve.enabled"   # acts live when set to false: serving stops
 CONDITION_ORDER = (Condition.ADMITTED, Condition.SLICE_PROVISIONED, Condition.COLLECTIVES_VERIFIED, Condition.TRAINING_SUCCEEDED,
@@ -91,12 +87,12 @@ class QueueObs:
     def of(cls, workload: Mapping[str, Any] | None) -> QueueObs:
         if workload is None:
             return cls()
-        conds = {x.get("type"): x for x in (workload.get("status") or {}).get("conditions") or []}
+        conditions = {x.get("type"): x for x in (workload.get("status") or {}).get("conditions") or []}
 
-        def true(t: str) -> dict | None:
-            x = conds.get(t) or {}
-            return x if x.get("status") == "True" else None
-        quota = conds.get(c.KUEUE_QUOTA_RESERVED) or {}
+        def true(ctype: str) -> dict | None:
+            found = conditions.get(ctype) or {}
+            return found if found.get("status") == "True" else None
+        quota = conditions.get(c.KUEUE_QUOTA_RESERVED) or {}
         evicted = true(c.KUEUE_EVICTED)
         return cls(workload=(workload.get("metadata") or {}).get("name"), admitted=true(c.KUEUE_ADMITTED) is not None,
                    waiting=quota.get("message", "") if quota.get("status") != "True" else "",
@@ -232,14 +228,10 @@ def fmt_time(t: datetime) -> str:
     return t.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def parse_time(s: str | None) -> datetime | None:
-    if not s:
+def parse_time(text: str | None) -> datetime | None:
+    if not text:
         return None
-    return datetime.strptime(s, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
-
-
-def owned(status: Mapping | None) -> dict:
-    return {k: copy.deepcopy(v) for k, v in (status or {}).items() if k in OWNED_KEYS}
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
 
 
 # --- KubeRay readings ------------------------------------------------------------------------
@@ -285,25 +277,23 @@ def _cond(status: Mapping, ctype: str) -> Mapping | None:
 
 
 def cluster_progress(tft: TPUFinetune, obs: ClusterObs | None) -> str:
-    s = tft.spec.slice
-    want = s.hosts * tft.spec.slices
+    want = tft.spec.slice.hosts * tft.spec.slices
     if obs is None:
         return f"0/{want} worker hosts ready (RayCluster not found)"
-    st = obs.status
-    ready = st.get("readyWorkerReplicas") or 0
-    desired = st.get("desiredWorkerReplicas") or want
-    head = _cond(st, c.RAYCLUSTER_HEAD_POD_READY)
+    status = obs.status
+    ready = status.get("readyWorkerReplicas") or 0
+    desired = status.get("desiredWorkerReplicas") or want
+    head = _cond(status, c.RAYCLUSTER_HEAD_POD_READY)
     out = f"{ready}/{desired} worker hosts ready, head pod {'ready' if head and head.get('status') == 'True' else 'not ready'}"
-    failure = _cond(st, c.RAYCLUSTER_REPLICA_FAILURE)
+    failure = _cond(status, c.RAYCLUSTER_REPLICA_FAILURE)
     if failure and failure.get("status") == ConditionStatus.TRUE.value:
         out += f"; ReplicaFailure: {failure.get('message') or failure.get('reason')}"
     return out
 
 
 def job_state(job: JobObs) -> str:
-    st = job.status
-    return (f"jobDeploymentStatus={st.get('jobDeploymentStatus') or '-'} "
-            f"jobStatus={st.get('jobStatus') or '-'}")
+    return (f"jobDeploymentStatus={job.status.get('jobDeploymentStatus') or '-'} "
+            f"jobStatus={job.status.get('jobStatus') or '-'}")
 
 
 def job_succeeded(job: JobObs) -> bool:
@@ -311,8 +301,8 @@ def job_succeeded(job: JobObs) -> bool:
 
 
 def job_failed(job: JobObs) -> bool:
-    st = job.status
-    return st.get("jobStatus") in FAILED_JOB_STATUSES or st.get("jobDeploymentStatus") in FAILED_JOB_STATES
+    status = job.status
+    return status.get("jobStatus") in FAILED_JOB_STATUSES or status.get("jobDeploymentStatus") in FAILED_JOB_STATES
 
 
 def job_finishing(job: JobObs) -> bool:
@@ -320,16 +310,16 @@ def job_finishing(job: JobObs) -> bool:
     (rayjob_controller.go, v1.6.2) sets jobDeploymentStatus Complete/Failed only once the
     submitter Job, which follows the job's logs from the head, has finished too; its RayCluster
     must stay until then, or the submitter loses the head and its Job ends Failed."""
-    st = job.status
-    return st.get("jobStatus") in ENDED_JOB_STATUSES and st.get("jobDeploymentStatus") == c.JobDeploymentStatus.RUNNING.value
+    status = job.status
+    return status.get("jobStatus") in ENDED_JOB_STATUSES and status.get("jobDeploymentStatus") == c.JobDeploymentStatus.RUNNING.value
 
 
 def job_settled(job: JobObs) -> bool:
     """KubeRay is done with it: the Ray job has ended and so has the RayJob, or the RayJob is
     lost (no Ray job of it on the cluster, its submitter done). Anything else may still run on the
     cluster (a job past its deadline, a submitter still waiting for the head)."""
-    st = job.status
-    return (st.get("jobStatus") in ENDED_JOB_STATUSES and st.get("jobDeploymentStatus") in DONE_JOB_STATES) or job_lost(job)
+    status = job.status
+    return (status.get("jobStatus") in ENDED_JOB_STATUSES and status.get("jobDeploymentStatus") in DONE_JOB_STATES) or job_lost(job)
 
 
 def job_lost(job: JobObs) -> bool:
@@ -338,20 +328,20 @@ def job_lost(job: JobObs) -> bool:
     c.RAYJOB_MESSAGE_JOB_NOT_FOUND). No Ray job of it ended, so no user code failed: the Ray job
     was never submitted, or the head lost it. jobStatus is whatever KubeRay last read ("" if it
     never read the job); an ended one (a Ray job that did fail) is not lost."""
-    st = job.status
-    return (st.get("jobDeploymentStatus") == c.JobDeploymentStatus.FAILED.value
-            and st.get("reason") == c.RAYJOB_REASON_APP_FAILED
-            and str(st.get("message") or "").startswith(c.RAYJOB_MESSAGE_JOB_NOT_FOUND)
-            and st.get("jobStatus") not in ENDED_JOB_STATUSES)
+    status = job.status
+    return (status.get("jobDeploymentStatus") == c.JobDeploymentStatus.FAILED.value
+            and status.get("reason") == c.RAYJOB_REASON_APP_FAILED
+            and str(status.get("message") or "").startswith(c.RAYJOB_MESSAGE_JOB_NOT_FOUND)
+            and status.get("jobStatus") not in ENDED_JOB_STATUSES)
 
 
 def job_failure_detail(job: JobObs) -> str:
-    st = job.status
+    status = job.status
     bits = [job_state(job)]
-    if st.get("reason"):
-        bits.append(f"reason={st['reason']}")
-    if st.get("message"):
-        bits.append(str(st["message"]))
+    if status.get("reason"):
+        bits.append(f"reason={status['reason']}")
+    if status.get("message"):
+        bits.append(str(status["message"]))
     return f"RayJob {job.name}: " + ", ".join(bits)
 
 

@@ -23,9 +23,9 @@ from tpuft import builders, diagnosis, metrics, phases
 from tpuft import constants as c
 from tpuft.kube import Kube, KubeError, Rejected
 from tpuft.ledger import Ledger
-from tpuft.observed import (CHILD_KINDS, AdmissionError, Decision, Event, IndexedChild, Observed, Op, live, owned,
-                            parse_time)
+from tpuft.observed import CHILD_KINDS, AdmissionError, Decision, Event, IndexedChild, Observed, Op, live, parse_time
 from tpuft.settings import Settings
+from tpuft.status import RunStatus, owned
 
 log = logging.getLogger("tpuft.operator")
 Key = tuple[str, str]
@@ -58,7 +58,7 @@ class Indexes:
 
 class Reconciler:
     def __init__(self, kube: Kube, settings: Settings, indexes: Indexes | None = None):
-        self.kube, self.settings, self.tun = kube, settings, settings.tunables()
+        self.kube, self.settings, self.tunables = kube, settings, settings.tunables()
         self.indexes = indexes if indexes is not None else Indexes.empty()
         self.ledger = Ledger()   # per key: what bridges the index's lag, the last error posted
         self._pools: tuple[float, tuple | None] | None = None   # (when, Kube.node_pools())
@@ -173,11 +173,11 @@ class Reconciler:
         ns, name = key
         now = datetime.now(timezone.utc)
         observed = self.observe(obj, snap.children)
-        decision = phases.decide(obj, observed, now, self.tun)
+        decision = phases.decide(obj, observed, now, self.tunables)
         uid = obj["metadata"].get("uid", "")
         decision, done = self._act(key, obj, observed, decision, now)
         self.ledger.clear_error(key)
-        prev = owned(obj.get("status"))
+        previous = RunStatus.of(obj.get("status"))
         if decision.patch:
             if not self._patch_status(key, decision.patch):   # 404: the object is gone
                 self.ledger.mark_gone(key, uid)
@@ -186,10 +186,11 @@ class Reconciler:
             metrics.STATUS_WRITES.inc()
         for event in decision.events:
             self.kube.post_event(obj, event)
-        self._phase_metrics(key, prev, decision.status, now)
+        status = RunStatus.of(decision.status)
+        self._phase_metrics(key, previous, status, now)
         if decision.patch or done:
             log.info("reconciled tft=%s/%s phase=%s->%s reason=%s actions=[%s] wrote=%s", ns, name,
-                     prev.get("phase") or "-", decision.phase, decision.status.get("reason"), ", ".join(done),
+                     previous.phase.value if previous.phase else "-", decision.phase, status.reason, ", ".join(done),
                      sorted(decision.patch or {}))
         return decision.requeue_after
 
@@ -222,7 +223,7 @@ class Reconciler:
             except Rejected as r:
                 log.warning("tft=%s/%s %s %s rejected: %s", *key, action.kind, action.name, r.api_message)
                 rejected = dataclasses.replace(observed, admission_error=AdmissionError(r.kind, r.name, r.api_message))
-                return phases.decide(obj, rejected, now, self.tun), done
+                return phases.decide(obj, rejected, now, self.tunables), done
             except KubeError as e:
                 self._note_error(key, obj, str(e), now)
                 raise
@@ -253,15 +254,19 @@ class Reconciler:
             self.kube.post_event(obj, Event(c.EventType.WARNING, c.Reason.RECONCILE_ERROR, error))
 
     @staticmethod
-    def _phase_metrics(key: Key, prev: dict, status: dict, now: datetime) -> None:
-        before, after = prev.get("phase"), status.get("phase")
+    def _phase_metrics(key: Key, previous: RunStatus, status: RunStatus, now: datetime) -> None:
+        before, after = previous.phase, status.phase
         if before != after:
-            since = parse_time(prev.get("phaseTransitionTime"))
+            since = parse_time(previous.phase_transition_time)
             if before and since:
-                metrics.PHASE_SECONDS.labels(phase=before).observe(max((now - since).total_seconds(), 0))
-            if after == c.Phase.FAILED.value:
-                metrics.FAILURES.labels(reason=status.get("reason") or "Unknown").inc()
-        metrics.set_phase(key, after)
-        replaced = lambda st: int((st.get("recovery") or {}).get("sliceReplacements") or 0)  # noqa: E731
-        if replaced(status) > replaced(prev):
-            metrics.SLICE_REPLACEMENTS.inc(replaced(status) - replaced(prev))
+                metrics.PHASE_SECONDS.labels(phase=before.value).observe(max((now - since).total_seconds(), 0))
+            if after == c.Phase.FAILED:
+                metrics.FAILURES.labels(reason=status.reason or "Unknown").inc()
+        metrics.set_phase(key, after.value if after else None)
+        replaced = _slice_replacements(status) - _slice_replacements(previous)
+        if replaced > 0:
+            metrics.SLICE_REPLACEMENTS.inc(replaced)
+
+
+def _slice_replacements(status: RunStatus) -> int:
+    return (status.recovery.slice_replacements if status.recovery else None) or 0

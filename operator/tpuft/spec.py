@@ -1,20 +1,28 @@
 """Parse a TPUFinetune object once, at the edge, into frozen dataclasses.
 
-Everything after this module (builders, phases, handlers) works on these types. The parser
-applies the same defaults as the CRD (both read `DEFAULTS`), so a manifest rendered
-offline with `tpuft render` and one defaulted by the API server give the same children.
-Every problem is collected with its field path; `SpecError` carries them all.
+Everything after this module (builders, phases, handlers) works on these types. Each field is
+declared once, on its dataclass (tpuft.fields.declare): the CRD's schema (tpuft.crd), the defaults
+(`DEFAULTS`), the single-field checks below (worded as the API server words them), the workload's
+document and its CLI flags all come from that declaration. So a manifest rendered offline with
+`tpuft render` and one defaulted by the API server give the same children. Every problem is
+collected with its field path; `SpecError` carries them all.
 """
 from __future__ import annotations
 
+import dataclasses
+import enum
+import json
 import re
+import types
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from tpuft import catalog
-from tpuft.constants import (API_VERSION, DATASET_COLUMN_KEYS, KIND, RESERVED_ANNOTATIONS, RESERVED_ENV,
-                             RESERVED_LABELS, SERVE_API_KEY_SECRET_KEY, TPU_RESOURCE, DatasetFormat, DatasetType,
-                             ImagePullPolicy, Overlong, Reserved, ServeEngine, TrainingFramework, TrainingMethod)
+from tpuft import catalog, fields
+from tpuft.constants import (API_VERSION, DATASET_COLUMN_KEYS, KIND, LORA_DEFAULT_TARGET_MODULES, RAY_VERSION_PIN,
+                             RESERVED_ANNOTATIONS, RESERVED_ENV, RESERVED_LABELS, SERVE_API_KEY_SECRET_KEY,
+                             TPU_RESOURCE, DatasetFormat, DatasetType, ImagePullPolicy, Overlong, Reserved,
+                             LearningRateSchedule, ServeEngine, TrainingFramework, TrainingMethod)
+from tpuft.fields import declare
 
 # Children are named "{name}-{suffix}" (longest suffix "-workload", plus "-train-r99" for
 # retries and resubmissions, "-verify-r3"); KubeRay derives pod and service names from those and
@@ -49,82 +57,258 @@ ENV_SOURCES = ("secretKeyRef", "configMapKeyRef", "fieldRef", "resourceFieldRef"
 _SHELL_CHARS = r"\s;&|`$<>\\'\""
 UNSAFE = re.compile(f"[{_SHELL_CHARS}]")
 SHELL_SAFE = re.compile(f"^[^{_SHELL_CHARS}]+$")
+SHELL_SAFE_MATCHES = (SHELL_SAFE.pattern, "must not contain spaces or shell characters")
 MAX_STRING_LENGTH = 512        # image, model, dataset name: the CRD's maxLength and the parser's
 MAX_SPLIT_LENGTH = 128
 
-DEFAULTS: dict[str, Any] = {
-    "slices": 1,
-    "dataset.split": "train",
-    "dataset.overlong": "truncate",
-    "training.epochs": 3,
-    "training.batchSizePerDevice": 4,
-    "training.maxSeqLength": 512,
-    "training.learningRate": 2.0e-5,
-    "training.packing": True,
-    "training.reportEverySteps": 10,
-    "training.maxFailures": 1,
-    "training.maxJobRetries": 0,
-    "training.framework": TrainingFramework.TORCH.value,
-    "training.method": TrainingMethod.FULL.value,
-    "export.merge": False,
-    "checkpoint.everySteps": 0,
-    "checkpoint.keep": 1,
-    "verification.enabled": True,
-    "verification.timeoutSeconds": 600,
-    "provisioningTimeoutSeconds": 1800,
-    "recovery.maxSliceReplacements": 2,
-    "suspend": False,
-    "ttlSecondsAfterFinished": 300,
-    "serve.enabled": False,
-    "serve.replicas": 1,
-    "serve.timeoutSeconds": 1800,
-}
-
-# Defaults inside spec.training.lora, an object the API server defaults only when it is there (its
-# presence asks for LoRA's settings): DEFAULTS stays exactly what a bare object is given.
-LORA_DEFAULTS: dict[str, Any] = {
-    "training.lora.rank": 16,
-    "training.lora.alpha": 32,
-    "training.lora.dropout": 0.05,
-}
-
-
-
-def default_of(key: str) -> Any:
-    """The API server's default for a dotted spec key: DEFAULTS', else LORA_DEFAULTS' (None: no default)."""
-    return DEFAULTS.get(key, LORA_DEFAULTS.get(key))
-
-
-LIMITS: dict[str, tuple[float, float]] = {
-    "slices": (1, 64),
-    "training.epochs": (1, 1000),
-    "training.batchSizePerDevice": (1, 4096),
-    "training.maxSeqLength": (16, 131072),
-    "training.reportEverySteps": (1, 100000),
-    "training.maxFailures": (0, 100),
-    "training.maxJobRetries": (0, 20),
-    "training.lora.rank": (1, 1024),     # and a power of two
-    "training.lora.alpha": (1, 8192),
-    "checkpoint.everySteps": (0, 10_000_000),
-    "checkpoint.keep": (1, 100),
-    "verification.timeoutSeconds": (10, 86400),
-    "provisioningTimeoutSeconds": (5, 604800),
-    "queueTimeoutSeconds": (5, 2_592_000),   # optional, no default: a queued run waits as long as it takes
-    "recovery.maxSliceReplacements": (0, 20),
-    "ttlSecondsAfterFinished": (0, 2_592_000),
-    "serve.replicas": (1, 64),
-    "serve.timeoutSeconds": (10, 86400),
-    "serve.maxModelLength": (16, 1_048_576),
-}
+RANK_LIMITS = (1, 1024)
+LORA_RANKS = tuple(1 << i for i in range(RANK_LIMITS[1].bit_length()) if RANK_LIMITS[0] <= 1 << i <= RANK_LIMITS[1])
+LORA_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+LORA_MAX_TARGET_MODULES = 32
+LEARNING_RATE_MAX = 1.0
+# spec.training.learningRate when left out: LoRA's few parameters take steps ten times larger.
+LEARNING_RATE_BY_METHOD = {TrainingMethod.FULL.value: 2.0e-5, TrainingMethod.LORA.value: 2.0e-4}
 # Context lengths of the models the workload builds itself (tpuft_workload.tiny), so
 # spec.serve.maxModelLength is checked offline too; a test ties them to the workload's configs.
 BUILTIN_MODEL_MAX_POSITIONS = {"builtin:tiny-llama": 4096}
-LEARNING_RATE_MAX = 1.0
+RAY_MINOR = ".".join(RAY_VERSION_PIN.split(".")[:2])   # "2.60": the image needs this Ray line
 
 
 def either(words: list[str]) -> str:
     """["a", "b", "c"] -> "a, b or c": a closed set in messages and the CRD's descriptions."""
     return " or ".join([", ".join(words[:-1]), words[-1]] if len(words) > 1 else words)
+
+
+def _values(kind: type[enum.Enum]) -> tuple[str, ...]:
+    return tuple(str(member.value) for member in kind)
+
+
+def _shell_safe(max_length: int = MAX_STRING_LENGTH) -> dict[str, Any]:
+    """A string that reaches an entrypoint: no spaces or shell characters (UNSAFE)."""
+    return {"max_length": max_length, "matches": SHELL_SAFE_MATCHES}
+
+
+def _columns_schema() -> dict:
+    return {"type": "object", "additionalProperties": {"type": "string", "pattern": COLUMN_NAME.pattern},
+            "maxProperties": len(DATASET_COLUMN_KEYS),
+            "x-kubernetes-validations": [{"rule": "self.all(k, k in " + json.dumps(list(DATASET_COLUMN_KEYS)) + ")",
+                                          "message": f"keys must be among {', '.join(DATASET_COLUMN_KEYS)}"}]}
+
+
+def _target_modules_schema() -> dict:
+    return {"type": "array", "minItems": 1, "maxItems": LORA_MAX_TARGET_MODULES, "x-kubernetes-list-type": "set",
+            "items": {"type": "string", "pattern": LORA_MODULE.pattern, "maxLength": 128}}
+
+
+def _checkpoint_volume_schema() -> dict:
+    return {"type": "object", "minProperties": 1, "maxProperties": 1,
+            "properties": {src: {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                                 "description": f"A Kubernetes {src} volume source (core/v1 Volume)."}
+                           for src in CHECKPOINT_VOLUME_SOURCES}}
+
+
+STORAGE_PATH_MATCHES = (STORAGE_PATH.pattern, "must be gs://BUCKET/PATH, s3://BUCKET/PATH or an absolute path")
+
+
+# --- the API: one declaration per field ----------------------------------------------------------
+# Each section's fields carry what the API says about them (tpuft.fields.declare): the CRD's schema,
+# the defaults, the parser's single-field checks and the workload's flags all come from here.
+
+@dataclass(frozen=True)
+class Dataset:
+    """spec.dataset."""
+    name: str = declare("Hugging Face dataset id, local path or gs:// URI (builtin:dolly-mini ships with the "
+                        "workload).", python_default="", required=True, min_length=1, workload=True,
+                        flag="dataset", **_shell_safe())
+    split: str = declare("Split in datasets' slicing syntax, e.g. train[:1024].", default="train", workload=True,
+                         flag="dataset-split", **_shell_safe(MAX_SPLIT_LENGTH))
+    format: str | None = declare("How to read a file whose name does not end in .jsonl, .json or .parquet "
+                                 "(json: JSON lines; parquet). Leave out for a Hugging Face dataset id.",
+                                 enum=_values(DatasetFormat), workload=True, flag="dataset-format")
+    type: str | None = declare("What a record holds: messages (OpenAI chat fine-tuning: role/content turns), "
+                               "promptCompletion, instruction (dolly instruction/context/response or alpaca "
+                               "instruction/input/output) or text (every token trained). Left out, the columns say.",
+                               enum=_values(DatasetType), workload=True, flag="dataset-type")
+    # (key a record type reads, the dataset's column), sorted
+    columns: tuple[tuple[str, str], ...] = declare(
+        "The dataset's own column for a name a record type reads (keys: "
+        f"{', '.join(DATASET_COLUMN_KEYS)}), e.g. {{prompt: question, completion: answer}}.",
+        python_default=(), schema=_columns_schema, workload=True, flag="dataset-column")
+    overlong: str = declare("An example longer than training.maxSeqLength: truncate (its first maxSeqLength "
+                            "tokens; dropped when no answer token is left) or drop. Counted in the driver's log.",
+                            default=Overlong.TRUNCATE, enum=_values(Overlong), workload=True)
+
+
+@dataclass(frozen=True)
+class Lora:
+    """spec.training.lora: the adapters PEFT adds beside each targeted linear layer."""
+    rank: int = declare("The adapters' rank r: a power of two, at most the smallest dimension of a targeted layer.",
+                        default=16, enum=LORA_RANKS, workload=True, flag="lora-rank")
+    alpha: int = declare("The adapters' scale is alpha / rank.", default=32, minimum=1, maximum=8192,
+                         workload=True, flag="lora-alpha")
+    dropout: float = declare("Dropout on the adapters' input.", default=0.05, minimum=0, maximum=1,
+                             exclusive_maximum=True, workload=True, flag="lora-dropout")
+    # Module names (the last part of a path, as PEFT matches them); empty: the default for the
+    # model's model_type (constants.LORA_DEFAULT_TARGET_MODULES), resolved by the workload's driver.
+    target_modules: tuple[str, ...] = declare(
+        "Linear layers to adapt, by name (the last part of the module path). Default per model_type: the "
+        f"attention and MLP projections ({', '.join(LORA_DEFAULT_TARGET_MODULES['llama'])}).",
+        python_default=(), schema=_target_modules_schema, workload=True, flag="lora-target-modules")
+
+
+LORA_ON_TORCH_ONLY = "lora runs on framework torch only (JAX LoRA is not implemented)"
+LORA_RULES = (
+    {"rule": "!has(self.lora) || (has(self.method) && self.method == 'lora')",
+     "message": "training.lora is set but training.method is not lora: set method: lora, or remove it",
+     "fieldPath": ".lora", "reason": "FieldValueInvalid"},
+    {"rule": "!(has(self.method) && self.method == 'lora') || !has(self.framework) || self.framework == 'torch'",
+     "message": f"training.method {LORA_ON_TORCH_ONLY}",
+     "fieldPath": ".method", "reason": "FieldValueInvalid"})
+
+
+@dataclass(frozen=True)
+class Training:
+    """spec.training."""
+    epochs: int = declare("Passes over the dataset.", default=3, minimum=1, maximum=1000, workload=True)
+    batch_size_per_device: int = declare("Sequences per device per step.", default=4, minimum=1, maximum=4096,
+                                         workload=True)
+    max_seq_length: int = declare("Tokens per sequence (packed block length).", default=512, minimum=16,
+                                  maximum=131072, workload=True)
+    # Left out: the method's (LEARNING_RATE_BY_METHOD), filled in by the parser, not the API server.
+    learning_rate: float = declare(
+        "AdamW's peak learning rate. Left out: "
+        f"{', '.join(f'{rate:g} for {method}' for method, rate in LEARNING_RATE_BY_METHOD.items())}, the usual "
+        "rates of each method.", python_default=LEARNING_RATE_BY_METHOD["full"], minimum=0, exclusive_minimum=True,
+        maximum=LEARNING_RATE_MAX, exclusive_maximum=True, workload=True)
+    packing: bool = declare("Pack examples into fixed-length blocks (true) or pad each example to maxSeqLength as "
+                            "the GKE tutorial does (false).", default=True, workload=True)
+    report_every_steps: int = declare("Report metrics into status every K steps.", default=10, minimum=1,
+                                      maximum=100000, workload=True)
+    # Ray Train FailureConfig: worker restarts inside one job
+    max_failures: int = declare("Ray Train worker-group restarts inside one job (FailureConfig).", default=1,
+                                minimum=0, maximum=100, workload=True)
+    # operator resubmissions of a failed training RayJob (preemption)
+    max_job_retries: int = declare("Times the operator resubmits a failed training RayJob (e.g. Spot preemption); "
+                                   "each resumes from the latest checkpoint.", default=0, minimum=0, maximum=20)
+    framework: str = declare("torch: TorchTrainer + FSDP2, one worker per device. jax: JaxTrainer, one worker per "
+                             "host, parameters and optimizer state sharded over the slice's devices; Orbax "
+                             "checkpoints, the same Hugging Face export.", default=TrainingFramework.TORCH,
+                             enum=_values(TrainingFramework), workload=True)
+    method: str = declare("full: every weight is trained. lora: low-rank adapters (PEFT) beside the frozen, sharded "
+                          "base; gradients, optimizer state and checkpoints hold the adapters only, and the export "
+                          "is a PEFT adapter folder. lora runs on framework torch only.",
+                          default=TrainingMethod.FULL, enum=_values(TrainingMethod), workload=True)
+    lora: Lora | None = declare("LoRA's adapters (with method: lora).")   # set exactly when method is lora
+    seed: int = declare("Seeds the model's new weights, the data order and dropout: the same seed and data give "
+                        "the same run.", default=42, minimum=0, maximum=2**31 - 1, workload=True)
+    learning_rate_schedule: str = declare(
+        "After the warmup: constant (the peak rate to the end), linear or cosine (from the peak down to "
+        "minLearningRateRatio x the peak at the last step).", default=LearningRateSchedule.CONSTANT,
+        enum=_values(LearningRateSchedule), workload=True)
+    warmup_steps: int | None = declare("Optimizer steps over which the rate rises linearly from 0 to the peak "
+                                       "(or warmupRatio; neither: no warmup).", minimum=0, maximum=10_000_000,
+                                       workload=True)
+    warmup_ratio: float | None = declare("The warmup as a fraction of the run's optimizer steps (or warmupSteps).",
+                                         minimum=0, maximum=1, exclusive_maximum=True, workload=True)
+    min_learning_rate_ratio: float = declare("Where linear and cosine decay end, as a fraction of the peak rate.",
+                                             default=0.0, minimum=0, maximum=1, workload=True)
+    weight_decay: float = declare("AdamW's decoupled weight decay, on weight matrices only: never on biases, norms "
+                                  "or embeddings.", default=0.01, minimum=0, maximum=1, workload=True)
+    max_grad_norm: float = declare("Gradients are clipped to this global norm before each optimizer step.",
+                                   default=1.0, minimum=0, exclusive_minimum=True, maximum=1000, workload=True)
+    gradient_accumulation_steps: int = declare(
+        "Micro-batches summed into one optimizer step: the global batch is devices x batchSizePerDevice x this "
+        "(x slices), printed by the driver and in status.training.globalBatchSize.", default=1, minimum=1,
+        maximum=1024, workload=True)
+    max_steps: int | None = declare("Stop after this many optimizer steps, instead of after epochs (the data is "
+                                    "passed over as often as it takes).", minimum=1, maximum=100_000_000,
+                                    workload=True)
+    # None in the spec: the platform decides (ACTIVATION_CHECKPOINTING_BY_DEFAULT), resolved by the parser.
+    activation_checkpointing: bool | None = declare(
+        "Recompute each decoder layer's activations in the backward pass instead of keeping them: less memory "
+        "at long maxSeqLength for about a third more compute. Left out: on for TPUs (HBM, not compute, caps the "
+        "sequence length there), off for cpu (memory is not what limits a rehearsal).", workload=True)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """spec.evaluation: an eval set, rendered and packed as training's, and its loss during the run."""
+    fraction: float | None = declare("Hold out this fraction of spec.dataset's records (chosen with the seed) as "
+                                     "the eval set; or give split (and name).", minimum=0, exclusive_minimum=True,
+                                     maximum=0.5, workload=True, flag="eval-fraction")
+    name: str | None = declare("The eval set's dataset, as spec.dataset.name (default: spec.dataset.name).",
+                               min_length=1, workload=True, flag="eval-dataset", **_shell_safe())
+    split: str | None = declare("The eval set's split, e.g. test or train[-200:].", min_length=1, workload=True,
+                                flag="eval-split", **_shell_safe(MAX_SPLIT_LENGTH))
+    every_steps: int | None = declare("Evaluate every N optimizer steps (left out: at each epoch end); always at "
+                                      "the end.", minimum=1, maximum=10_000_000, workload=True,
+                                      flag="eval-every-steps")
+    early_stopping_patience: int | None = declare("Stop when the eval loss has not improved for this many "
+                                                  "evaluations in a row.", minimum=1, maximum=1000, workload=True)
+    keep_best: bool = declare("Export the checkpoint with the lowest eval loss instead of the last one.",
+                              python_default=False, workload=True)
+
+
+EVALUATION_RULES = (
+    {"rule": "has(self.fraction) != (has(self.split) || has(self.name))",
+     "message": "give the eval set as fraction (held out of spec.dataset) or as split (and name), one of the two",
+     "fieldPath": ".fraction", "reason": "FieldValueInvalid"},)
+WARMUP_RULE = {"rule": "!(has(self.warmupSteps) && has(self.warmupRatio))",
+               "message": "warmupSteps and warmupRatio both set: give one", "fieldPath": ".warmupRatio",
+               "reason": "FieldValueInvalid"}
+
+
+@dataclass(frozen=True)
+class Export:
+    """spec.export: what the run writes besides its checkpoints."""
+    merge: bool = declare("With training.method lora: also write the base with the adapters merged in, as full "
+                          "Hugging Face weights (export-merged beside the adapter).", default=False, workload=True,
+                          flag="merge-export")   # LoRA: also merged full weights beside the adapter export
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """spec.checkpoint."""
+    storage_path: str = declare("gs://BUCKET/PATH, s3://BUCKET/PATH or an absolute path on a mounted volume.",
+                                python_default="", required=True, min_length=1, max_length=MAX_PATH_LENGTH,
+                                matches=STORAGE_PATH_MATCHES, workload=True)
+    every_steps: int = declare("Checkpoint every N steps; 0 checkpoints at the end of each epoch only.", default=0,
+                               minimum=0, maximum=10_000_000, workload=True, flag="checkpoint-every-steps")
+    keep: int = declare("Checkpoints to keep.", default=1, minimum=1, maximum=100, workload=True,
+                        flag="keep-checkpoints")
+    # An earlier run's checkpoint (or run directory) to continue from on purpose; a run's own
+    # directory is keyed by the object's UID, so nothing else is ever resumed implicitly.
+    resume_from: str | None = declare(
+        "Continue from an earlier run on purpose: a checkpoint_step_* directory or a run directory (its newest "
+        "committed checkpoint) written by an earlier TPUFinetune, as gs://BUCKET/PATH, s3://BUCKET/PATH or an "
+        "absolute path. Model, optimizer and step are restored; the model architecture must match. Without it a "
+        "TPUFinetune never reads checkpoints of another object, even one of the same name.",
+        min_length=1, max_length=MAX_PATH_LENGTH, matches=STORAGE_PATH_MATCHES, workload=True)
+    # A Kubernetes volume source ({kind: fields}) mounted at storage_path in every Ray pod:
+    # the shared filesystem (Filestore PVC, GCS FUSE CSI, NFS, a node's hostPath) that Ray
+    # Train needs when storage_path is a path rather than gs:// or s3://.
+    volume: dict | None = declare(
+        "A volume mounted at storagePath in every Ray pod, for a storagePath that is a path: exactly one Kubernetes "
+        "volume source (a Filestore persistentVolumeClaim, the GCS FUSE csi driver, nfs, or a hostPath).",
+        schema=_checkpoint_volume_schema)
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """spec.recovery."""
+    # A host lost while verifying or training: the slice is replaced (KubeRay recreates the lost
+    # pods), verified again and training resumes from its checkpoint, at most this many times.
+    max_slice_replacements: int = declare(
+        "Times the slice is replaced (KubeRay recreates the lost pods), verified again and training resumed from "
+        "its checkpoint; one more loss fails with SliceLost.", default=2, minimum=0, maximum=20)
+
+
+@dataclass(frozen=True)
+class Verification:
+    """spec.verification."""
+    enabled: bool = declare("Run verification before training.", default=True)
+    timeout_seconds: int = declare("Fail with CollectiveTimeout when verification has not finished by then.",
+                                   default=600, minimum=10, maximum=86400, workload=True, flag="timeout-seconds")
 
 
 @dataclass(frozen=True)
@@ -160,78 +344,9 @@ class ObjectMeta:
 
 
 @dataclass(frozen=True)
-class Dataset:
-    name: str
-    split: str
-    format: str | None = None   # constants.DatasetFormat value; None: the suffix (or a hub name) says
-    type: str | None = None     # constants.DatasetType value; None: the columns say
-    columns: tuple[tuple[str, str], ...] = ()   # (key a record type reads, the dataset's column), sorted
-    overlong: str = "truncate"  # constants.Overlong value
-
-
-@dataclass(frozen=True)
-class Training:
-    epochs: int
-    batch_size_per_device: int
-    max_seq_length: int
-    learning_rate: float
-    packing: bool
-    report_every_steps: int
-    max_failures: int       # Ray Train FailureConfig: worker restarts inside one job
-    max_job_retries: int    # operator resubmissions of a failed training RayJob (preemption)
-    framework: str = DEFAULTS["training.framework"]   # constants.TrainingFramework value
-    method: str = DEFAULTS["training.method"]          # constants.TrainingMethod value
-    lora: Lora | None = None                           # set exactly when method is lora
-
-
-@dataclass(frozen=True)
-class Lora:
-    """spec.training.lora: the adapters PEFT adds beside each targeted linear layer."""
-    rank: int
-    alpha: int
-    dropout: float
-    # Module names (the last part of a path, as PEFT matches them); empty: the default for the
-    # model's model_type (constants.LORA_DEFAULT_TARGET_MODULES), resolved by the workload's driver.
-    target_modules: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Export:
-    """spec.export: what the run writes besides its checkpoints."""
-    merge: bool = DEFAULTS["export.merge"]   # LoRA: also merged full weights beside the adapter
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    storage_path: str
-    every_steps: int        # 0: at the end of each epoch only
-    keep: int
-    # An earlier run's checkpoint (or run directory) to continue from on purpose; a run's own
-    # directory is keyed by the object's UID, so nothing else is ever resumed implicitly.
-    resume_from: str | None = None
-    # A Kubernetes volume source ({kind: fields}) mounted at storage_path in every Ray pod:
-    # the shared filesystem (Filestore PVC, GCS FUSE CSI, NFS, a node's hostPath) that Ray
-    # Train needs when storage_path is a path rather than gs:// or s3://.
-    volume: dict | None = None
-
-
-@dataclass(frozen=True)
 class SecretKeyRef:
     name: str
     key: str
-
-
-@dataclass(frozen=True)
-class Recovery:
-    # A host lost while verifying or training: the slice is replaced (KubeRay recreates the lost
-    # pods), verified again and training resumes from its checkpoint, at most this many times.
-    max_slice_replacements: int
-
-
-@dataclass(frozen=True)
-class Verification:
-    enabled: bool
-    timeout_seconds: int
 
 
 @dataclass(frozen=True)
@@ -285,28 +400,53 @@ class Serve:
 
 @dataclass(frozen=True)
 class Spec:
-    slice: catalog.SliceShape
-    slices: int
-    image: str
-    image_pull_policy: str | None
-    model: str
-    dataset: Dataset
-    training: Training
-    checkpoint: Checkpoint
-    hf_token_secret: SecretKeyRef | None
-    verification: Verification
-    recovery: Recovery
-    provisioning_timeout_seconds: int
-    suspend: bool
-    ttl_seconds_after_finished: int
+    """spec: the sections without a declaration here (the slice, resources, scheduling, serve, labels,
+    annotations, env, hfTokenSecret) have their schema in tpuft.crd and their parser below."""
+    slice: catalog.SliceShape           # spec.accelerator and spec.topology, resolved by the catalog
     resources: Resources
     scheduling: Scheduling
     labels: Mapping[str, str]
     annotations: Mapping[str, str]
     env: tuple[Mapping[str, Any], ...]
-    serve: Serve | None = None   # None: spec.serve absent or not enabled
-    export: Export = Export()
-    queue_timeout_seconds: int | None = None   # None: wait for Kueue's admission as long as it takes
+    hf_token_secret: SecretKeyRef | None
+    serve: Serve | None                 # None: spec.serve absent or not enabled
+    slices: int = declare("Number of identical slices (data parallel across slices).", default=1, minimum=1,
+                          maximum=64, workload=True)
+    image: str = declare(f"Workload image with Ray {RAY_MINOR}, torch (+ torch_tpu on TPU) and the tpuft_workload "
+                         "package (see Dockerfile.workload).", python_default="", required=True, min_length=1,
+                         **_shell_safe())
+    image_pull_policy: str | None = declare("Image pull policy for the Ray pods.", enum=_values(ImagePullPolicy))
+    model: str = declare("Hugging Face model id, local path or gs:// URI (builtin:tiny-llama builds a tiny model "
+                         "locally).", python_default="", required=True, min_length=1, workload=True, **_shell_safe())
+    dataset: Dataset = declare("Training data: records of chat messages, prompt/completion pairs, instructions "
+                               "(dolly, alpaca) or plain text, rendered through the model's chat template as serving "
+                               "renders them.", required=True, factory=Dataset)
+    training: Training = declare("Fine-tuning hyperparameters (FSDP2 with Ray Train).", default={}, factory=Training,
+                                 rules=(*LORA_RULES, WARMUP_RULE))
+    # None: no eval set
+    evaluation: Evaluation | None = declare("Evaluate on data the run does not train on: eval loss and perplexity "
+                                            "in status, TensorBoard and tpuft plot.", rules=EVALUATION_RULES)
+    checkpoint: Checkpoint = declare("Where sharded checkpoints and the exported model go. Deleting the TPUFinetune "
+                                     "never deletes them.", required=True, factory=Checkpoint)
+    export: Export = declare("What the run exports besides its checkpoints (status.training.exportedModel).",
+                             default={}, factory=Export)
+    verification: Verification = declare("Collective verification (all-reduce and tensor-parallel parity on every "
+                                         "device) before training.", default={}, factory=Verification)
+    provisioning_timeout_seconds: int = declare(
+        "Fail with ProvisioningTimeout when the slice is not ready by then, instead of waiting forever. Time Queued "
+        "(waiting for Kueue's admission) does not count.", default=1800, minimum=5, maximum=604800)
+    # None: wait for Kueue's admission as long as it takes
+    queue_timeout_seconds: int | None = declare(
+        "Optional: fail with QueueTimeout when Kueue has not admitted the run (metadata.labels "
+        "kueue.x-k8s.io/queue-name) by then; unset, a queued run waits as long as it takes.", minimum=5,
+        maximum=2_592_000)
+    recovery: Recovery = declare("What happens when a host of the slice is lost while verifying or training.",
+                                 default={}, factory=Recovery)
+    suspend: bool = declare("Suspend: the RayCluster is suspended (pods deleted) until set back to false. Works with "
+                            "Kueue's queue-name label.", default=False)
+    ttl_seconds_after_finished: int = declare("Seconds after Succeeded/Failed before the RayCluster is deleted "
+                                              "(status and checkpoints stay).", default=300, minimum=0,
+                                              maximum=2_592_000)
 
     @property
     def accelerator(self) -> str:
@@ -324,6 +464,32 @@ class TPUFinetune:
     spec: Spec
 
 
+# The API server's defaults on a bare object, by dotted spec key (what the declarations say, and
+# spec.serve's, whose section has no declarations yet).
+SERVE_DEFAULTS: dict[str, Any] = {"serve.enabled": False, "serve.replicas": 1, "serve.timeoutSeconds": 1800}
+DEFAULTS: dict[str, Any] = {**fields.defaults(Spec), **SERVE_DEFAULTS}
+# Defaults inside spec.training.lora, an object the API server defaults only when it is there (its
+# presence asks for LoRA's settings): DEFAULTS stays exactly what a bare object is given.
+LORA_DEFAULTS: dict[str, Any] = fields.defaults(Lora, "training.lora.")
+# spec.serve's limits (its section has no declarations yet).
+LIMITS: dict[str, tuple[float, float]] = {
+    "serve.replicas": (1, 64),
+    "serve.timeoutSeconds": (10, 86400),
+    "serve.maxModelLength": (16, 1_048_576),
+}
+
+
+def default_of(key: str) -> Any:
+    """The API server's default for a dotted spec key: DEFAULTS', else LORA_DEFAULTS' (None: no default)."""
+    return DEFAULTS.get(key, LORA_DEFAULTS.get(key))
+
+
+
+# What a required section that is missing, or not an object, reads as: its fields are not
+# reported again (the API server names only the section).
+ABSENT: Mapping[str, Any] = types.MappingProxyType({})
+
+
 class _Reader:
     """Reads typed values out of nested dicts, recording problems instead of raising."""
 
@@ -338,10 +504,11 @@ class _Reader:
         if value is None:
             if required:
                 self.fail(path, "is required")
+                return ABSENT
             return {}
         if not isinstance(value, Mapping):
             self.fail(path, f"must be an object (got {type(value).__name__})")
-            return {}
+            return ABSENT
         return value
 
     def string(self, obj: Mapping, key: str, path: str, required: bool = False,
@@ -361,6 +528,31 @@ class _Reader:
             self.fail(path, f"is {len(value)} characters long; at most {max_len}")
             return None
         return value
+
+    def declared(self, section: type, obj: Mapping, path: str, workload_only: bool = False,
+                 skip: tuple[str, ...] = ()) -> dict[str, Any]:
+        """Every declared scalar field of a section, by attribute: the value given (or the API server's
+        default), checked as the server checks it. A field that fails keeps its default.
+        workload_only: only the fields the workload reads; skip: attributes left out."""
+        out: dict[str, Any] = {}
+        for d in fields.declared(section):
+            if not fields.is_scalar(d) or (workload_only and not d.api.workload) or d.attribute in skip:
+                continue
+            where, value = f"{path}.{d.name}", obj.get(d.name)
+            if value is None:   # left out or null: the server prunes a null and defaults it
+                if d.api.required and obj is not ABSENT:   # the section's own problem says it all
+                    self.fail(where, "Required value")
+                if d.api.default is not None:
+                    out[d.attribute] = d.api.default
+                continue
+            problem = fields.check(d, value, where)
+            if problem:
+                self.fail(where, problem)
+                if d.api.default is not None:
+                    out[d.attribute] = d.api.default
+                continue
+            out[d.attribute] = float(value) if fields.scalar_type(d) == "number" else value
+        return out
 
     def integer(self, obj: Mapping, key: str, path: str, dkey: str) -> int:
         default = default_of(dkey)   # None: optional, read only when set
@@ -455,37 +647,28 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
     meta, where = _metadata(r, obj)
     spec = r.section(obj, "spec", "spec", required=True)
     slice_shape = _slice(r, spec)
-    slices = r.integer(spec, "slices", "spec.slices", "slices")
-    image, pull, model = _image_and_model(r, spec)
+    top = r.declared(Spec, spec, "spec")   # slices, image, model, the timeouts, suspend: checked as declared
     dataset = _dataset(r, spec)
-    training = _training(r, spec)
+    training = _training(r, spec, slice_shape is not None and slice_shape.is_tpu)
+    evaluation = _evaluation(r, spec)
     checkpoint = _checkpoint(r, spec)
     export = _export(r, spec, training)
     hf = _secret_ref(r, spec, "hfTokenSecret", "spec.hfTokenSecret")
-    verification = _verification(r, spec)
-    recovery = _recovery(r, spec)
+    verification = Verification(**r.declared(Verification, r.section(spec, "verification", "spec.verification"),
+                                             "spec.verification"))
+    recovery = Recovery(**r.declared(Recovery, r.section(spec, "recovery", "spec.recovery"), "spec.recovery"))
     resources = _resources(r, spec)
     scheduling = _scheduling(r, spec)
     env = _env(r, spec)
-    serve = _serve(r, spec, slice_shape, image, pull, model)
-    provisioning_timeout = r.integer(spec, "provisioningTimeoutSeconds", "spec.provisioningTimeoutSeconds",
-                                     "provisioningTimeoutSeconds")
-    queue_timeout = None
-    if spec.get("queueTimeoutSeconds") is not None:
-        queue_timeout = r.integer(spec, "queueTimeoutSeconds", "spec.queueTimeoutSeconds", "queueTimeoutSeconds")
-    suspend = r.boolean(spec, "suspend", "spec.suspend", "suspend")
-    ttl = r.integer(spec, "ttlSecondsAfterFinished", "spec.ttlSecondsAfterFinished", "ttlSecondsAfterFinished")
+    serve = _serve(r, spec, slice_shape, top.get("image"), top.get("image_pull_policy"), top.get("model"))
     labels = r.str_map(spec, "labels", "spec.labels", QUALIFIED_NAME, LABEL_VALUE, RESERVED_LABELS)
     annotations = r.str_map(spec, "annotations", "spec.annotations", QUALIFIED_NAME, reserved=RESERVED_ANNOTATIONS)
     if r.problems or slice_shape is None:
         raise SpecError(r.problems or [Problem("spec", "is invalid")], where)
     return TPUFinetune(meta=meta, spec=Spec(
-        slice=slice_shape, slices=slices, image=image or "", image_pull_policy=pull, model=model or "",
-        dataset=dataset, training=training, checkpoint=checkpoint, hf_token_secret=hf, verification=verification,
-        recovery=recovery,
-        provisioning_timeout_seconds=provisioning_timeout, suspend=suspend, ttl_seconds_after_finished=ttl,
-        resources=resources, scheduling=scheduling, labels=labels, annotations=annotations, env=env, serve=serve,
-        export=export, queue_timeout_seconds=queue_timeout))
+        slice=slice_shape, dataset=dataset, training=training, checkpoint=checkpoint, hf_token_secret=hf,
+        verification=verification, recovery=recovery, resources=resources, scheduling=scheduling, labels=labels,
+        annotations=annotations, env=env, serve=serve, export=export, evaluation=evaluation, **top))
 
 
 def _metadata(r: _Reader, obj: Mapping) -> tuple[ObjectMeta, str]:
@@ -526,38 +709,9 @@ def _slice(r: _Reader, spec: Mapping) -> catalog.SliceShape | None:
         return None
 
 
-def _image_and_model(r: _Reader, spec: Mapping) -> tuple[str | None, str | None, str | None]:
-    """(image, imagePullPolicy, model)."""
-    image = r.string(spec, "image", "spec.image", required=True)
-    if image and UNSAFE.search(image):
-        r.fail("spec.image", f"{image!r} is not an image reference (no spaces or shell characters)")
-    pull = r.string(spec, "imagePullPolicy", "spec.imagePullPolicy")
-    policies = [p.value for p in ImagePullPolicy]
-    if pull is not None and pull not in policies:
-        r.fail("spec.imagePullPolicy", f"must be {either(policies)} (got {pull!r})")
-    model = r.string(spec, "model", "spec.model", required=True)
-    if model and UNSAFE.search(model):
-        r.fail("spec.model", f"{model!r} must be a model id, local path or URI without spaces or shell characters")
-    return image, pull, model
-
-
 def _dataset(r: _Reader, spec: Mapping) -> Dataset:
     ds = r.section(spec, "dataset", "spec.dataset", required=True)
-    name = r.string(ds, "name", "spec.dataset.name", required=True)
-    split = r.string(ds, "split", "spec.dataset.split", default=DEFAULTS["dataset.split"], max_len=MAX_SPLIT_LENGTH)
-    for p, v in (("spec.dataset.name", name), ("spec.dataset.split", split)):
-        if v and UNSAFE.search(v):
-            r.fail(p, f"{v!r} must not contain spaces or shell characters")
-    fmt = r.string(ds, "format", "spec.dataset.format")
-    formats = [f.value for f in DatasetFormat]
-    if fmt is not None and fmt not in formats:
-        r.fail("spec.dataset.format", f"must be one of {', '.join(formats)} (got {fmt!r}); leave it out when the "
-               "file name ends in .jsonl, .json or .parquet, or for a Hugging Face dataset id")
-        fmt = None
-    kind = _choice(r, ds, "type", "spec.dataset.type", [t.value for t in DatasetType],
-                   "leave it out to have the columns say")
-    overlong = _choice(r, ds, "overlong", "spec.dataset.overlong", [o.value for o in Overlong], "",
-                       DEFAULTS["dataset.overlong"])
+    values = r.declared(Dataset, ds, "spec.dataset")
     columns = r.str_map(ds, "columns", "spec.dataset.columns")
     for key, column in columns.items():
         if key not in DATASET_COLUMN_KEYS:
@@ -565,84 +719,46 @@ def _dataset(r: _Reader, spec: Mapping) -> Dataset:
                    f"{', '.join(DATASET_COLUMN_KEYS)}")
         elif not COLUMN_NAME.fullmatch(column):
             r.fail(f"spec.dataset.columns.{key}", f"{column!r} is not a column name ({COLUMN_NAME_WORDS})")
-    return Dataset(name or "", split or DEFAULTS["dataset.split"], fmt, kind,
-                   tuple(sorted(columns.items())), overlong or DEFAULTS["dataset.overlong"])
+    return Dataset(**values, columns=tuple(sorted(columns.items())))
 
 
-def _choice(r: _Reader, obj: Mapping, key: str, path: str, allowed: list[str], hint: str,
-            default: str | None = None) -> str | None:
-    value = r.string(obj, key, path, default=default)
-    if value is not None and value not in allowed:
-        r.fail(path, f"must be one of {', '.join(allowed)} (got {value!r})" + (f"; {hint}" if hint else ""))
-        return default
-    return value
-
-
-def _training(r: _Reader, spec: Mapping) -> Training:
+def _training(r: _Reader, spec: Mapping, on_tpu: bool) -> Training:
     tr = r.section(spec, "training", "spec.training")
-    lr = tr.get("learningRate", DEFAULTS["training.learningRate"])
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < LEARNING_RATE_MAX:
-        r.fail("spec.training.learningRate", f"must be a number in (0, {LEARNING_RATE_MAX}) (got {lr!r})")
-        lr = DEFAULTS["training.learningRate"]
-
-    def integer(key: str) -> int:
-        return r.integer(tr, key, f"spec.training.{key}", f"training.{key}")
-
-    return Training(
-        epochs=integer("epochs"),
-        batch_size_per_device=integer("batchSizePerDevice"),
-        max_seq_length=integer("maxSeqLength"),
-        learning_rate=float(lr),
-        packing=r.boolean(tr, "packing", "spec.training.packing", "training.packing"),
-        report_every_steps=integer("reportEverySteps"),
-        max_failures=integer("maxFailures"),
-        max_job_retries=integer("maxJobRetries"),
-        framework=(framework := _framework(r, tr)),
-        method=(method := _method(r, tr, framework)),
-        lora=_lora(r, tr, method),
-    )
-
-
-def _framework(r: _Reader, tr: Mapping) -> str:
-    fw = r.string(tr, "framework", "spec.training.framework", default=DEFAULTS["training.framework"])
-    names = [f.value for f in TrainingFramework]
-    if fw is not None and fw not in names:
-        r.fail("spec.training.framework", f"must be one of {', '.join(names)} (got {fw!r})")
-    return fw if fw in names else DEFAULTS["training.framework"]
-
-
-def _method(r: _Reader, tr: Mapping, framework: str) -> str:
-    method = r.string(tr, "method", "spec.training.method", default=DEFAULTS["training.method"])
-    names = [m.value for m in TrainingMethod]
-    if method is not None and method not in names:
-        r.fail("spec.training.method", f"must be one of {', '.join(names)} (got {method!r})")
-        return DEFAULTS["training.method"]
+    before = len(r.problems)
+    values = r.declared(Training, tr, "spec.training")
+    method, framework = values.get("method"), values.get("framework")
     if method == TrainingMethod.LORA.value and framework != TrainingFramework.TORCH.value:
-        r.fail("spec.training.method", f"lora runs on framework torch only (got framework {framework}): JAX LoRA is "
-               "not implemented; set spec.training.framework: torch, or method: full")
-    return method or DEFAULTS["training.method"]
+        r.fail("spec.training.method", f"{LORA_ON_TORCH_ONLY} (got framework {framework}): set "
+               "spec.training.framework: torch, or method: full")
+    # A rule across fields is checked once the fields themselves are right (so is the server's CEL).
+    if len(r.problems) == before and values.get("warmup_steps") is not None and values.get("warmup_ratio") is not None:
+        r.fail("spec.training.warmupRatio", WARMUP_RULE["message"])
+    values.setdefault("learning_rate", LEARNING_RATE_BY_METHOD.get(method or "", LEARNING_RATE_BY_METHOD["full"]))
+    if values.get("activation_checkpointing") is None:
+        values["activation_checkpointing"] = on_tpu
+    return Training(**values, lora=_lora(r, tr, method))
 
 
-LORA_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-LORA_MAX_TARGET_MODULES = 32
+def _evaluation(r: _Reader, spec: Mapping) -> Evaluation | None:
+    if spec.get("evaluation") is None:
+        return None
+    raw = r.section(spec, "evaluation", "spec.evaluation")
+    before = len(r.problems)
+    evaluation = Evaluation(**r.declared(Evaluation, raw, "spec.evaluation"))
+    if len(r.problems) == before and (evaluation.fraction is not None) == (
+            evaluation.split is not None or evaluation.name is not None):
+        r.fail("spec.evaluation.fraction", EVALUATION_RULES[0]["message"])
+    return evaluation
 
 
-def _lora(r: _Reader, tr: Mapping, method: str) -> Lora | None:
+def _lora(r: _Reader, tr: Mapping, method: str | None) -> Lora | None:
     """spec.training.lora: read only with method lora (and refused without it, not ignored)."""
     if method != TrainingMethod.LORA.value:
         if tr.get("lora") is not None:
             r.fail("spec.training.lora", f"is set but spec.training.method is {method}: set method: lora, or remove it")
         return None
-    lo = r.section(tr, "lora", "spec.training.lora")
-    rank = r.integer(lo, "rank", "spec.training.lora.rank", "training.lora.rank")
-    if rank > 0 and rank & (rank - 1):
-        r.fail("spec.training.lora.rank", f"must be a power of two (1, 2, 4, ... 1024; got {rank})")
-    dropout = lo.get("dropout", LORA_DEFAULTS["training.lora.dropout"])
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
-        r.fail("spec.training.lora.dropout", f"must be a number in [0, 1) (got {dropout!r})")
-        dropout = LORA_DEFAULTS["training.lora.dropout"]
-    return Lora(rank=rank, alpha=r.integer(lo, "alpha", "spec.training.lora.alpha", "training.lora.alpha"),
-                dropout=float(dropout), target_modules=_target_modules(r, lo))
+    lora = r.section(tr, "lora", "spec.training.lora")
+    return Lora(**r.declared(Lora, lora, "spec.training.lora"), target_modules=_target_modules(r, lora))
 
 
 def _target_modules(r: _Reader, lo: Mapping) -> tuple[str, ...]:
@@ -664,32 +780,17 @@ def _target_modules(r: _Reader, lo: Mapping) -> tuple[str, ...]:
 
 
 def _export(r: _Reader, spec: Mapping, training: Training) -> Export:
-    ex = r.section(spec, "export", "spec.export")
-    merge = r.boolean(ex, "merge", "spec.export.merge", "export.merge")
-    if merge and training.method != TrainingMethod.LORA.value:
+    export = Export(**r.declared(Export, r.section(spec, "export", "spec.export"), "spec.export"))
+    if export.merge and training.method != TrainingMethod.LORA.value:
         r.fail("spec.export.merge", f"merges LoRA adapters into the base; a {training.method} fine-tune already "
                "exports full weights: remove it, or set spec.training.method: lora")
-    return Export(merge=merge)
+    return export
 
 
 def _checkpoint(r: _Reader, spec: Mapping) -> Checkpoint:
-    ck = r.section(spec, "checkpoint", "spec.checkpoint", required=True)
-    storage = r.string(ck, "storagePath", "spec.checkpoint.storagePath", required=True, max_len=MAX_PATH_LENGTH)
-    if storage and not STORAGE_PATH.fullmatch(storage):
-        r.fail("spec.checkpoint.storagePath",
-               f"{storage!r} must be gs://BUCKET/PATH, s3://BUCKET/PATH or an absolute path on a mounted volume")
-    resume_from = r.string(ck, "resumeFrom", "spec.checkpoint.resumeFrom", max_len=MAX_PATH_LENGTH)
-    if resume_from is not None and not STORAGE_PATH.fullmatch(resume_from):
-        r.fail("spec.checkpoint.resumeFrom",
-               f"{resume_from!r} must be gs://BUCKET/PATH, s3://BUCKET/PATH or an absolute path on a mounted volume "
-               "(a checkpoint_step_* directory or a run directory of an earlier TPUFinetune)")
-    return Checkpoint(
-        storage_path=storage or "",
-        every_steps=r.integer(ck, "everySteps", "spec.checkpoint.everySteps", "checkpoint.everySteps"),
-        keep=r.integer(ck, "keep", "spec.checkpoint.keep", "checkpoint.keep"),
-        resume_from=resume_from,
-        volume=_checkpoint_volume(r, ck, storage),
-    )
+    checkpoint = r.section(spec, "checkpoint", "spec.checkpoint", required=True)
+    values = r.declared(Checkpoint, checkpoint, "spec.checkpoint")
+    return Checkpoint(**values, volume=_checkpoint_volume(r, checkpoint, values.get("storage_path")))
 
 
 def _secret_ref(r: _Reader, obj: Mapping, field_name: str, path: str,
@@ -711,21 +812,6 @@ def _secret_ref(r: _Reader, obj: Mapping, field_name: str, path: str,
         r.fail(f"{path}.key", f"{key!r} is not a Secret key (letters, digits, '-', '_', '.')")
         key = None
     return SecretKeyRef(name, key) if name and key else None
-
-
-def _recovery(r: _Reader, spec: Mapping) -> Recovery:
-    rec = r.section(spec, "recovery", "spec.recovery")
-    return Recovery(max_slice_replacements=r.integer(rec, "maxSliceReplacements", "spec.recovery.maxSliceReplacements",
-                                                     "recovery.maxSliceReplacements"))
-
-
-def _verification(r: _Reader, spec: Mapping) -> Verification:
-    ve = r.section(spec, "verification", "spec.verification")
-    return Verification(
-        enabled=r.boolean(ve, "enabled", "spec.verification.enabled", "verification.enabled"),
-        timeout_seconds=r.integer(ve, "timeoutSeconds", "spec.verification.timeoutSeconds",
-                                  "verification.timeoutSeconds"),
-    )
 
 
 def _resources(r: _Reader, spec: Mapping, path: str = "spec.resources") -> Resources:
@@ -766,7 +852,7 @@ def _serve(r: _Reader, spec: Mapping, training: catalog.SliceShape | None, image
         ServeEngine.VLLM if shape is not None and shape.is_tpu else ServeEngine.TRANSFORMERS)
     serve_image = r.string(sv, "image", "spec.serve.image")
     if serve_image and UNSAFE.search(serve_image):
-        r.fail("spec.serve.image", f"{serve_image!r} is not an image reference (no spaces or shell characters)")
+        r.fail("spec.serve.image", f"Invalid value: {json.dumps(serve_image)}: {SHELL_SAFE_MATCHES[1]}")
     if enabled and engine == ServeEngine.VLLM and not serve_image:
         r.fail("spec.serve.image", "is required with engine vllm: the training image has no vLLM (use a vLLM TPU "
                "image, or engine transformers to serve with the training image)")
@@ -863,3 +949,78 @@ def _env(r: _Reader, spec: Mapping) -> tuple[Mapping[str, Any], ...]:
             r.fail(f"spec.env[{i}].valueFrom", f"must hold exactly one of {', '.join(ENV_SOURCES)}")
     # Items that failed a check above never reach a Spec (parse raises), so dict() is safe here.
     return tuple(dict(e) for e in env if isinstance(e, Mapping))
+
+
+# --- the workload's document ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Run:
+    """What the workload reads of a TPUFinetune: the fields declared `workload=True`, as one JSON
+    document the operator writes (`workload_document`) and the workload parses with the same
+    checks (`parse_run`). The slice stays as spelled: the workload's platform resolves it (it also
+    runs by hand on GPUs, which the catalog does not list)."""
+    accelerator: str
+    topology: str
+    slices: int = fields.field_of(Spec, "slices").api.default
+    model: str = ""
+    dataset: Dataset = field(default_factory=Dataset)
+    training: Training = field(default_factory=Training)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    export: Export = field(default_factory=Export)
+    verification: Verification = field(default_factory=Verification)
+    evaluation: Evaluation | None = None
+
+
+# The sections of the document each command reads, besides the slice.
+TRAINING_SECTIONS = ("dataset", "training", "checkpoint", "export", "evaluation")
+VERIFICATION_SECTIONS = ("verification",)
+
+
+def workload_document(spec: Spec) -> dict[str, Any]:
+    """The workload's fields of a parsed spec as JSON (what the RayJobs' entrypoints carry)."""
+    return {"accelerator": spec.slice.generation, "topology": spec.slice.topology, **_workload_json(spec)}
+
+
+def _workload_json(section: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for d in fields.declared(type(section)):
+        value = getattr(section, d.attribute)
+        if value is None or value == ():
+            continue
+        if dataclasses.is_dataclass(value):
+            inner = _workload_json(value)
+            if inner:
+                out[d.name] = inner
+        elif d.api.workload:
+            # A map held as sorted pairs (dataset.columns) goes back to the map the API has.
+            is_map = d.api.schema is not None and d.api.schema().get("type") == "object"
+            out[d.name] = dict(value) if is_map else fields.to_json(value)
+    return out
+
+
+def parse_run(doc: Any, sections: tuple[str, ...] = TRAINING_SECTIONS) -> Run:
+    """The workload's document, checked as the API server and `parse` check a TPUFinetune.
+    `sections`: which to read (TRAINING_SECTIONS, VERIFICATION_SECTIONS); the others keep their defaults."""
+    if not isinstance(doc, Mapping):
+        raise SpecError([Problem("<root>", "must be a JSON object")], "the run document")
+    r = _Reader()
+    accelerator = r.string(doc, "accelerator", "spec.accelerator", required=True)
+    topology = r.string(doc, "topology", "spec.topology", required=True)
+    top = r.declared(Spec, doc, "spec", workload_only=True, skip=() if "dataset" in sections else ("model",))
+    parts: dict[str, Any] = {}
+    if "dataset" in sections:
+        parts["dataset"] = _dataset(r, doc)
+    if "training" in sections:
+        parts["training"] = _training(r, doc, accelerator is not None and accelerator.lower() not in ("cpu", "gpu"))
+    if "evaluation" in sections:
+        parts["evaluation"] = _evaluation(r, doc)
+    if "checkpoint" in sections:
+        parts["checkpoint"] = _checkpoint(r, doc)
+    if "export" in sections:
+        parts["export"] = _export(r, doc, parts.get("training", Training()))
+    if "verification" in sections:
+        parts["verification"] = Verification(**r.declared(
+            Verification, r.section(doc, "verification", "spec.verification"), "spec.verification"))
+    if r.problems:
+        raise SpecError(r.problems, "the run document")
+    return Run(accelerator=accelerator or "", topology=topology or "", **top, **parts)

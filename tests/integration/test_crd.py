@@ -4,8 +4,8 @@
   generation x every offered topology, every accelerator spelling, int quantities, env valueFrom, ...)
   are accepted by a server-side create, and tpuft.spec.parse accepts what the server stored and
   derives the same Spec as from the local document (the server applies tpuft.spec.DEFAULTS exactly).
-- INVALID: 228 invalid TPUFinetunes (test_table_counts checks these numbers and prints them).
-  226 are rejected at admission (HTTP 422) with an error naming the field, and tpuft.spec.parse
+- INVALID: 247 invalid TPUFinetunes (test_table_counts checks these numbers and prints them).
+  245 are rejected at admission (HTTP 422) with an error naming the field, and tpuft.spec.parse
   rejects each of them with the same field too (server and parser agree row by row).
   2 rows are PARSER-ONLY, marked PARSER_ONLY in the table: the CRD cannot express them because the
   API server refuses the request before schema validation (HTTP 400: a wrong apiVersion; metadata
@@ -138,6 +138,30 @@ INVALID = [
     row("max-failures-negative", ("spec.training.maxFailures", -1), "spec.training.maxFailures"),
     row("max-job-retries-99", ("spec.training.maxJobRetries", 99), "spec.training.maxJobRetries"),
     row("training-string", ("spec.training", "fast"), "spec.training"),
+    # --- the recipe (spec.training) and evaluation (spec.evaluation) ---
+    row("seed-negative", ("spec.training.seed", -1), "spec.training.seed"),
+    row("schedule-unknown", ("spec.training.learningRateSchedule", "step"), "spec.training.learningRateSchedule"),
+    row("warmup-steps-negative", ("spec.training.warmupSteps", -1), "spec.training.warmupSteps"),
+    row("warmup-ratio-1", ("spec.training.warmupRatio", 1), "spec.training.warmupRatio"),
+    row("warmup-both", ("spec.training", {"warmupSteps": 10, "warmupRatio": 0.1}), "spec.training.warmupRatio"),
+    row("min-lr-ratio-2", ("spec.training.minLearningRateRatio", 2), "spec.training.minLearningRateRatio"),
+    row("weight-decay-negative", ("spec.training.weightDecay", -0.1), "spec.training.weightDecay"),
+    row("max-grad-norm-0", ("spec.training.maxGradNorm", 0), "spec.training.maxGradNorm"),
+    row("accumulation-0", ("spec.training.gradientAccumulationSteps", 0), "spec.training.gradientAccumulationSteps"),
+    row("max-steps-0", ("spec.training.maxSteps", 0), "spec.training.maxSteps"),
+    row("activation-checkpointing-string", ("spec.training.activationCheckpointing", "on"),
+        "spec.training.activationCheckpointing"),
+    row("eval-empty", ("spec.evaluation", {}), "spec.evaluation.fraction"),
+    row("eval-fraction-and-split", ("spec.evaluation", {"fraction": 0.1, "split": "test"}),
+        "spec.evaluation.fraction"),
+    row("eval-fraction-0", ("spec.evaluation", {"fraction": 0}), "spec.evaluation.fraction"),
+    row("eval-fraction-0.6", ("spec.evaluation", {"fraction": 0.6}), "spec.evaluation.fraction"),
+    row("eval-split-injection", ("spec.evaluation", {"split": "test;id"}), "spec.evaluation.split"),
+    row("eval-every-0", ("spec.evaluation", {"fraction": 0.1, "everySteps": 0}), "spec.evaluation.everySteps"),
+    row("eval-patience-0", ("spec.evaluation", {"fraction": 0.1, "earlyStoppingPatience": 0}),
+        "spec.evaluation.earlyStoppingPatience"),
+    row("eval-keep-best-string", ("spec.evaluation", {"fraction": 0.1, "keepBest": "yes"}),
+        "spec.evaluation.keepBest"),
     # --- checkpoint: bad storagePath forms ---
     row("checkpoint-missing", ("spec.checkpoint", DELETE), "spec.checkpoint"),
     row("storage-missing", ("spec.checkpoint.storagePath", DELETE), "spec.checkpoint.storagePath"),
@@ -308,7 +332,7 @@ COUNTS = {
     "admission": sum(1 for p in INVALID if p.values[2] == ADMISSION),
     "parser_only": sum(1 for p in INVALID if p.values[2] == PARSER_ONLY),
 }
-DOCUMENTED_COUNTS = {"total": 228, "admission": 226, "parser_only": 2}  # as the module docstring says
+DOCUMENTED_COUNTS = {"total": 247, "admission": 245, "parser_only": 2}  # as the module docstring says
 
 
 # --- helpers ------------------------------------------------------------------------------------
@@ -351,10 +375,18 @@ def names_field(reported: str, field: str) -> bool:
     return reported == field or reported.startswith(field + ".") or reported.startswith(field + "[")
 
 
-def parser_fields(doc) -> list[str]:
+def parser_problems(doc) -> list:
     with pytest.raises(SpecError) as err:
         parse(doc)
-    return [p.field for p in err.value.problems]
+    return err.value.problems
+
+
+def parser_fields(doc) -> list[str]:
+    return [p.field for p in parser_problems(doc)]
+
+
+# How the API server's schema validation begins its messages (tpuft.fields.check words them so).
+SERVER_WORDED = ("Invalid value: ", "Unsupported value: ", "Required value", "Too long: ")
 
 
 def deep_get(obj, dotted):
@@ -423,6 +455,13 @@ EDGE_VALID = [
         ("name-40-chars", [("metadata.name", "a" * 40)]),
         ("slices-64", [("spec.slices", 64)]),
         ("lr-tiny", [("spec.training.learningRate", 1e-30)]),
+        ("recipe-every-field", [("spec.training", {
+            "learningRateSchedule": "cosine", "warmupRatio": 0.05, "minLearningRateRatio": 0.1, "weightDecay": 0.1,
+            "maxGradNorm": 0.5, "gradientAccumulationSteps": 8, "maxSteps": 1000, "activationCheckpointing": False,
+            "seed": 7})]),
+        ("eval-held-out", [("spec.evaluation", {"fraction": 0.05, "everySteps": 50, "earlyStoppingPatience": 3,
+                                                "keepBest": True})]),
+        ("eval-own-split", [("spec.evaluation", {"name": "gs://bucket/eval.jsonl", "split": "train[:200]"})]),
         ("seq-131072", [("spec.training.maxSeqLength", 131072)]),
         ("storage-s3", [("spec.checkpoint.storagePath", "s3://bucket/run")]),
         ("storage-local", [("spec.checkpoint.storagePath", "/mnt/ckpt/run-1")]),
@@ -515,6 +554,10 @@ def test_invalid_spec_is_rejected_naming_the_field(objects, ns, doc, field, how)
         assert status == 422, (status, message)
         reported = [f for f, _ in causes]
         assert any(names_field(f, field) for f in reported), f"422 does not name {field}: {message}"
+        # A declared field's own check is worded as the server words it, word for word.
+        for problem in parser_problems(doc):
+            if problem.message.startswith(SERVER_WORDED):
+                assert problem.message in [m for f, m in causes if f == problem.field], (problem, causes)
     else:
         # Parser-only: the server refuses it before schema validation, never with a field error.
         assert rej is not None and rej[0] == 400, rej

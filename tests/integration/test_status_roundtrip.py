@@ -10,6 +10,7 @@ from kubernetes import client
 from tests.factories import MINIMUM, with_
 from tpuft import observed, phases
 from tpuft.constants import GROUP, PLURAL, VERSION, TrainingStatus, VerificationStatus
+from tpuft.status import owned
 from tpuft_workload.report import TRAINING_KEYS, VERIFICATION_KEYS, StatusReporter
 
 # One value of the schema's type for each key.
@@ -62,4 +63,4 @@ def test_every_status_key_survives_a_round_trip(kube_api, kubeconfig, namespace,
     assert set(status["training"]) == set(TRAINING_KEYS)
     assert status["verification"] == {k.value: v for k, v in VERIFICATION.items()}
     assert set(status["verification"]) == set(VERIFICATION_KEYS)
-    assert observed.owned(status) == decision.status   # nothing the operator writes is pruned either
+    assert owned(status) == decision.status   # nothing the operator writes is pruned either

@@ -214,16 +214,20 @@ def test_jobs_select_the_cluster_and_carry_deadlines():
         assert env == {"TPUFT_NAMESPACE": "default", "TPUFT_NAME": "gemma4-dolly"}
     assert verify["spec"]["activeDeadlineSeconds"] == 600 + builders.VERIFY_DEADLINE_GRACE_SECONDS
     run_dir = "gs://my-bucket/ray_train_torchtpu/default-gemma4-dolly"   # no UID: a rendered file has none
-    assert verify["spec"]["entrypoint"] == ("python -m tpuft_workload verify --accelerator v6e --topology 4x4 "
-                                            f"--slices 1 --timeout-seconds 600 --log-file {run_dir}/logs/verify.log")
-    assert f" --log-file {run_dir}/logs/train.log" in train["spec"]["entrypoint"]   # tpuft logs reads them there
-    assert "--model google/gemma-4-E2B-it" in train["spec"]["entrypoint"]
-    assert "'train[:1024]'" in train["spec"]["entrypoint"]  # shell-quoted
-    assert "--no-packing" in by_kind(render(with_("spec.training.packing", False)), "RayJob")[1]["spec"]["entrypoint"]
-    assert "--dataset-format" not in train["spec"]["entrypoint"]   # the suffix or the hub says
-    parquet = by_kind(render(with_("spec.dataset", {"name": "gs://b/dolly", "format": "parquet"})), "RayJob")[1]
-    assert "--dataset gs://b/dolly --dataset-split train " in parquet["spec"]["entrypoint"]
-    assert parquet["spec"]["entrypoint"].endswith(" --dataset-format parquet")
+    verify_argv = shlex.split(verify["spec"]["entrypoint"])
+    assert verify_argv[:4] == ["python", "-m", "tpuft_workload", "verify"]
+    assert verify_argv[4:] == ["--spec", _flag(verify_argv, "--spec"), "--log-file", f"{run_dir}/logs/verify.log"]
+    document = _document(MINIMUM)
+    assert json.loads(_flag(verify_argv, "--spec")) == document   # one document for both jobs
+    assert (document["accelerator"], document["topology"], document["slices"]) == ("v6e", "4x4", 1)
+    assert document["verification"] == {"timeoutSeconds": 600}
+    assert _flag(_train_args(MINIMUM), "--log-file") == f"{run_dir}/logs/train.log"   # tpuft logs reads them there
+    assert document["model"] == "google/gemma-4-E2B-it"
+    assert "'" + _flag(_train_args(MINIMUM), "--spec") + "'" in train["spec"]["entrypoint"]  # shell-quoted
+    assert _document(with_("spec.training.packing", False))["training"]["packing"] is False
+    assert "format" not in document["dataset"]   # the suffix or the hub says
+    parquet = _document(with_("spec.dataset", {"name": "gs://b/dolly", "format": "parquet"}))["dataset"]
+    assert parquet == {"name": "gs://b/dolly", "split": "train", "format": "parquet", "overlong": "truncate"}
 
 
 def test_submitters_are_small_tokenless_and_labelled_as_the_run():
@@ -264,6 +268,18 @@ def _flag(args: list[str], name: str) -> str:
     return args[args.index(name) + 1]
 
 
+def _document(doc) -> dict:
+    """The run document the training RayJob's entrypoint carries (--spec)."""
+    return json.loads(_flag(_train_args(doc), "--spec"))
+
+
+def _workload_run(doc):
+    """The training entrypoint, read back by the workload's own CLI: (its Command, its Target)."""
+    from tpuft_workload import __main__ as workload_cli
+
+    return workload_cli.parse_args(_train_args(doc)[3:])
+
+
 def test_run_directory_belongs_to_one_object():
     """Same name and storagePath, two objects (delete and re-create): two run directories; the
     same object (a retry, a restart: same UID) always the same one."""
@@ -271,17 +287,16 @@ def test_run_directory_belongs_to_one_object():
     again = with_("metadata", {"name": "demo", "namespace": "ns", "uid": "uid-second"})
     assert _flag(_train_args(first), "--run-name") == "ns-demo-uid-first"
     assert _flag(_train_args(again), "--run-name") == "ns-demo-uid-second"
-    assert _flag(_train_args(first), "--storage-path") == _flag(_train_args(again), "--storage-path")
+    assert _document(first)["checkpoint"] == _document(again)["checkpoint"]
     retry = builders.build_train_job(parse(first), attempt=2)["spec"]["entrypoint"]
     assert "--run-name ns-demo-uid-first " in retry
     assert builders.run_name(parse(with_("metadata", {"name": "demo", "namespace": "ns"}))) == "ns-demo"  # offline
 
 
 def test_resume_from_is_passed_to_the_workload_only_when_set():
-    assert "--resume-from" not in _train_args(MINIMUM)
+    assert "resumeFrom" not in _document(MINIMUM)["checkpoint"]
     uri = "gs://my-bucket/ray_train_torchtpu/default-gemma4-dolly-uid-1/checkpoint_step_0000099"
-    args = _train_args(with_("spec.checkpoint.resumeFrom", uri))
-    assert _flag(args, "--resume-from") == uri
+    assert _workload_run(with_("spec.checkpoint.resumeFrom", uri))[0].run.checkpoint.resume_from == uri
 
 
 def test_workload_identity_may_only_patch_its_own_status():
@@ -344,14 +359,14 @@ def test_jax_training_job_runs_one_jax_worker_per_host(example, hosts):
     doc["spec"].setdefault("training", {})["framework"] = "jax"
     job = by_kind(render(doc), "RayJob")[-1]
     argv = shlex.split(job["spec"]["entrypoint"])
-    assert argv[:4] == ["python", "-m", "tpuft_workload", "train"] and _flag(argv, "--framework") == "jax"
-    args, target = workload_cli.parse_args(argv[3:])
-    assert args.framework == "jax" and target.jax_workers == hosts < target.world_size
+    assert argv[:4] == ["python", "-m", "tpuft_workload", "train"]
+    command, target = workload_cli.parse_args(argv[3:])
+    assert command.run.training.framework == "jax" and target.jax_workers == hosts < target.world_size
     assert list(_crd_validator("ray.io_rayjobs.yaml").iter_errors(job)) == []
 
 
 def test_torch_entrypoint_is_unchanged_by_the_framework_field():
-    assert "--framework" not in _train_args(MINIMUM)
+    assert _document(MINIMUM)["training"]["framework"] == "torch"
     assert _train_args(with_("spec.training", {"framework": "torch"})) == _train_args(MINIMUM)
     assert _train_args(with_("spec.training", {"method": "full"})) == _train_args(MINIMUM)
 
@@ -360,24 +375,21 @@ LORA = {"method": "lora", "lora": {"rank": 8, "alpha": 16, "targetModules": ["q_
 
 
 def test_lora_settings_reach_the_workload_as_its_own_cli_reads_them():
-    from tpuft_workload import __main__ as workload_cli
-
-    args, _ = workload_cli.parse_args(_train_args(with_("spec.training", LORA))[3:])
-    assert (args.method, args.lora_rank, args.lora_alpha, args.lora_dropout) == ("lora", 8, 16, 0.05)
-    assert list(args.lora_target_modules) == ["q_proj", "v_proj"] and not args.merge_export
+    run = _workload_run(with_("spec.training", LORA))[0].run
+    lora = run.training.lora
+    assert (run.training.method, lora.rank, lora.alpha, lora.dropout) == ("lora", 8, 16, 0.05)
+    assert list(lora.target_modules) == ["q_proj", "v_proj"] and not run.export.merge
     merged = with_("spec.export", {"merge": True}, base=with_("spec.training", LORA))
-    assert workload_cli.parse_args(_train_args(merged)[3:])[0].merge_export
+    assert _workload_run(merged)[0].run.export.merge
 
 
 def test_the_record_layout_reaches_the_workload_as_its_own_cli_reads_it():
-    from tpuft_workload import __main__ as workload_cli
-
-    assert "--dataset-type" not in _train_args(MINIMUM) and "--overlong" not in _train_args(MINIMUM)
+    assert "type" not in _document(MINIMUM)["dataset"]
     doc = with_("spec.dataset", {"name": "gs://b/qa.jsonl", "type": "promptCompletion", "overlong": "drop",
                                  "columns": {"prompt": "question", "completion": "answer"}})
-    args, _ = workload_cli.parse_args(_train_args(doc)[3:])
-    assert (args.dataset_type, args.overlong) == ("promptCompletion", "drop")
-    assert sorted(args.dataset_columns) == [("completion", "answer"), ("prompt", "question")]
+    dataset = _workload_run(doc)[0].run.dataset
+    assert (dataset.type, dataset.overlong) == ("promptCompletion", "drop")
+    assert dataset.columns == (("completion", "answer"), ("prompt", "question"))
 
 
 @pytest.mark.parametrize("engine,merged", [("vllm", True), ("transformers", False)])
@@ -386,7 +398,7 @@ def test_a_lora_run_is_served_as_its_engine_loads_it(engine, merged):
     the run then always writes (one model per object: docs/lora.md)."""
     doc = with_("spec.serve", {"enabled": True, "image": "vllm:1", "engine": engine},
                 base=with_("spec.training", LORA))
-    assert ("--merge-export" in _train_args(doc)) is merged
+    assert _document(doc)["export"]["merge"] is merged
     app = yaml.safe_load(by_kind(render(doc), "RayService")[0]["spec"]["serveConfigV2"])["applications"][0]
     source = (app["args"]["llm_configs"][0]["model_loading_config"]["model_source"] if engine == "vllm"
               else app["args"][ServeArg.MODEL_SOURCE.value])

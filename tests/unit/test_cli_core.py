@@ -40,7 +40,7 @@ def test_validate_lists_every_problem_by_field_path(tmp_path):
                                             "dataset": {"name": "d"}, "checkpoint": {"storagePath": "nope"}}}))
     r = tpuft("validate", str(bad))
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "spec.topology" in r.stderr and "spec.image: is required" in r.stderr
+    assert "spec.topology" in r.stderr and "spec.image: Required value" in r.stderr
     assert "spec.checkpoint.storagePath" in r.stderr
 
 
@@ -51,7 +51,7 @@ def test_validate_refuses_a_resume_from_without_a_scheme_the_workload_reads(tmp_
     bad.write_text(yaml.safe_dump(doc))
     r = tpuft("validate", str(bad))
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "spec.checkpoint.resumeFrom: 'ftp://host/run' must be gs://BUCKET/PATH" in r.stderr
+    assert "spec.checkpoint.resumeFrom: Invalid value: \"ftp://host/run\": must be gs://BUCKET/PATH" in r.stderr
     doc["spec"]["checkpoint"]["resumeFrom"] = "/tmp/tpuft-checkpoints/default-local-cpu-uid/checkpoint_step_0000099"
     bad.write_text(yaml.safe_dump(doc))
     assert tpuft("validate", str(bad)).returncode == 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 import inspect
 
-from tpuft import crd
+from tpuft import crd, fields
 from tpuft.constants import TrainingStatus, VerificationStatus
 from tpuft.spec import DEFAULTS, LORA_DEFAULTS
 from tpuft_local import demo
@@ -14,35 +14,28 @@ from tpuft_workload import __main__ as workload_cli
 from tpuft_workload.report import TRAINING_KEYS, VERIFICATION_KEYS
 from tpuft_workload.verify_result import VerifyResult
 
-# workload flag (argparse dest) -> the spec default it must equal
-FLAG_DEFAULTS = {
-    "slices": "slices",
-    "dataset_split": "dataset.split",
-    "epochs": "training.epochs",
-    "batch_size_per_device": "training.batchSizePerDevice",
-    "max_seq_length": "training.maxSeqLength",
-    "learning_rate": "training.learningRate",
-    "packing": "training.packing",
-    "checkpoint_every_steps": "checkpoint.everySteps",
-    "keep_checkpoints": "checkpoint.keep",
-    "max_failures": "training.maxFailures",
-    "report_every_steps": "training.reportEverySteps",
-    "method": "training.method",
-    "lora_rank": "training.lora.rank",
-    "lora_alpha": "training.lora.alpha",
-    "lora_dropout": "training.lora.dropout",
-    "merge_export": "export.merge",
-}
-
-
 def test_workload_cli_defaults_are_the_spec_defaults():
-    args, _ = workload_cli.parse_args(["train", "--accelerator", "cpu", "--topology", "2", "--model", "m",
-                                       "--dataset", "d", "--storage-path", "/tmp/x", "--run-name", "r"])
-    got = {dest: getattr(args, dest) for dest in FLAG_DEFAULTS}
-    assert got == {dest: {**DEFAULTS, **LORA_DEFAULTS}[key] for dest, key in FLAG_DEFAULTS.items()}
-    assert (args.keep_checkpoints, args.max_failures) == (1, 1)  # were 2 and 0 (issue 18)
+    """The workload's flags have no defaults of their own: what is left out means what the field
+    left out means (the declarations' defaults, through tpuft.spec.parse_run)."""
+    command, _ = workload_cli.parse_args(["train", "--accelerator", "cpu", "--topology", "2", "--model", "m",
+                                          "--dataset", "d", "--storage-path", "/tmp/x", "--run-name", "r"])
+    run = command.run
+    given = {"slices": run.slices, **{f"{name}.{key}": value for name in ("dataset", "training", "checkpoint",
+                                                                          "export", "verification")
+                                      for key, value in fields.to_json(getattr(run, name)).items()}}
+    workload_keys = {key for key in DEFAULTS if not key.startswith(("serve.", "recovery.")) and key not in (
+        "provisioningTimeoutSeconds", "suspend", "ttlSecondsAfterFinished")}
+    assert {key: given[key] for key in workload_keys} == {key: DEFAULTS[key] for key in workload_keys}
+    assert (run.checkpoint.keep, run.training.max_failures) == (1, 1)  # were 2 and 0 (issue 18)
+    lora, _ = workload_cli.parse_args(["train", "--accelerator", "cpu", "--topology", "2", "--model", "m",
+                                       "--dataset", "d", "--storage-path", "/tmp/x", "--run-name", "r",
+                                       "--method", "lora"])
+    adapters = fields.to_json(lora.run.training.lora)
+    assert adapters.pop("targetModules") == [] and adapters == {   # none given: the model_type's, at load
+        key.removeprefix("training.lora."): value for key, value in LORA_DEFAULTS.items()}
     verify, _ = workload_cli.parse_args(["verify", "--accelerator", "cpu", "--topology", "2"])
-    assert verify.timeout_seconds == DEFAULTS["verification.timeoutSeconds"] and verify.slices == DEFAULTS["slices"]
+    assert verify.run.verification.timeout_seconds == DEFAULTS["verification.timeoutSeconds"]
+    assert verify.run.slices == DEFAULTS["slices"]
 
 
 def _status_properties() -> dict:
@@ -93,7 +86,7 @@ def test_dataset_formats_are_one_list():
     values = [f.value for f in DatasetFormat]
     assert spec["dataset"]["properties"]["format"]["enum"] == values
     sub = next(a for a in workload_cli.build_parser()._subparsers._group_actions[0].choices["train"]._actions
-               if a.dest == "dataset_format")
+               if a.dest == "dataset.format")
     assert list(sub.choices) == values
 
 
@@ -107,5 +100,5 @@ def test_training_frameworks_are_one_list():
     field = spec["training"]["properties"]["framework"]
     assert field["enum"] == values and field["default"] == DEFAULTS["training.framework"] == "torch"
     sub = next(a for a in workload_cli.build_parser()._subparsers._group_actions[0].choices["train"]._actions
-               if a.dest == "framework")
-    assert list(sub.choices) == values and sub.default == DEFAULTS["training.framework"]
+               if a.dest == "training.framework")
+    assert list(sub.choices) == values and sub.default is None   # left out: the field's default

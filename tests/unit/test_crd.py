@@ -4,9 +4,10 @@ import yaml
 from tests.paths import REPO
 import pytest
 
-from tpuft import catalog, crd, observed
+from tpuft import catalog, crd
 from tpuft import constants as c
 from tpuft.constants import Phase
+from tpuft.status import OWNED_KEYS
 from tpuft.spec import DEFAULTS, LORA_DEFAULTS, SHELL_SAFE, STORAGE_PATH, UNSAFE
 from tpuft_workload.report import TRAINING_KEYS, VERIFICATION_KEYS
 
@@ -102,7 +103,7 @@ def test_goodput_and_history_are_declared_from_the_constants():
     history = status["training"]["properties"][c.TrainingStatus.HISTORY.value]
     assert history["maxItems"] == c.HISTORY_MAX_POINTS
     assert set(history["items"]["properties"]) == {p.value for p in c.HistoryPoint}
-    assert "goodput" in observed.OWNED_KEYS   # the operator's to write (and to keep across reconciles)
+    assert "goodput" in OWNED_KEYS   # the operator's to write (and to keep across reconciles)
 
 
 def test_descriptions_restate_the_catalogs_facts():
@@ -124,7 +125,7 @@ def test_shell_safe_fields_use_the_parsers_character_class(path):
     node = {"properties": _spec_properties()}
     for key in path.split("."):
         node = node["properties"][key]
-    assert node["pattern"] == SHELL_SAFE.pattern
+    assert node["x-kubernetes-validations"][0]["rule"] == f"self.matches(r'''{SHELL_SAFE.pattern}''')"
 
 
 @pytest.mark.parametrize("text", ["gs://b/p", "org/model-1.5", "train[:1024]", "a b", "x;y", "$(id)", "a'b", "a\\b"])

@@ -13,7 +13,9 @@ from tpuft import goodput, observed, phases
 from tpuft import constants as c
 from tpuft.constants import GoodputCause as G
 from tpuft.constants import Phase, Reason
+from tpuft.fields import to_json
 from tpuft.observed import ClusterObs, JobObs, Observed
+from tpuft.status import Goodput
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 
@@ -42,8 +44,8 @@ def test_each_phase_counts_for_its_cause(phase, reason, expected):
     assert goodput.cause(phase and phase.value, reason and reason.value) == expected
 
 
-def _seconds(**by_cause) -> dict:
-    return goodput.summary({G(k): v for k, v in by_cause.items()})
+def _seconds(**by_cause) -> Goodput:
+    return Goodput.of({G(k): v for k, v in by_cause.items()})
 
 
 @pytest.mark.parametrize("before,phase,reason,since,until,after", [
@@ -64,10 +66,10 @@ def test_an_interval_is_added_to_its_cause(before, phase, reason, since, until, 
 
 
 def test_the_summary_has_every_cause_the_total_and_the_ratio():
-    assert _seconds(provisioning=30, verification=20, training=150) == {
+    assert to_json(_seconds(provisioning=30, verification=20, training=150)) == {
         "provisioningSeconds": 30, "verificationSeconds": 20, "trainingSeconds": 150, "recoverySeconds": 0,
         "suspendedSeconds": 0, "queuedSeconds": 0, c.GOODPUT_TOTAL: 200, c.GOODPUT_RATIO: 0.75}
-    assert c.GOODPUT_RATIO not in _seconds()   # nothing counted yet: no ratio
+    assert c.GOODPUT_RATIO not in to_json(_seconds())   # nothing counted yet: no ratio
 
 
 # --- a whole run through phases.decide ----------------------------------------------------------------
@@ -102,14 +104,14 @@ def test_a_run_with_a_replacement_and_a_suspend_adds_up_every_second():
     o = _step(_object(), 0, Observed())                                            # Provisioning
     o = _step(o, 30, Observed(_ready()))                                           # -> Verifying: 30 s provisioning
     o = _step(o, 50, Observed(_ready(), _jobs(ft_verify="SUCCEEDED")))             # -> Training: 20 s verification
-    assert o["status"]["goodput"] == _seconds(provisioning=30, verification=20)
+    assert o["status"]["goodput"] == to_json(_seconds(provisioning=30, verification=20))
     o = _step(o, 150, Observed(_ready(3), _jobs(ft_train="RUNNING")))              # a host lost: 100 s training
     assert (o["status"]["phase"], o["status"]["reason"]) == ("Provisioning", "ReplacingSlice")
     o = _step(o, 160, Observed(_ready(3)))                                         # still replacing: no interval
     o = _step(o, 190, Observed(_ready()))                                          # -> Verifying: 40 s recovery
     o = _step(o, 200, Observed(_ready(), _jobs(ft_verify="SUCCEEDED")))            # -> Training: 10 s verification
     o = _step(o, 230, Observed(_ready(), _jobs(ft_train="RUNNING")))               # training: no interval closes
-    assert o["status"]["goodput"] == _seconds(provisioning=30, verification=30, training=100, recovery=40)
+    assert o["status"]["goodput"] == to_json(_seconds(provisioning=30, verification=30, training=100, recovery=40))
     o["spec"]["suspend"] = True
     o = _step(o, 260, Observed(_ready()))                                          # -> Suspended: 60 s training
     o["spec"]["suspend"] = False

@@ -216,7 +216,7 @@ def tiny_train(status_recorder, ray_cluster):
     from tpuft_workload import train
 
     def run(framework: str, storage: Path, run_name: str, name: str, fault: str = "", **flags) -> TrainRun:
-        args, target = cli.parse_args(tiny_train_argv(framework, storage, run_name, **flags))
+        command, target = cli.parse_args(tiny_train_argv(framework, storage, run_name, **flags))
         if framework == "jax":
             from tpuft_workload import jax_train as trainer
         else:
@@ -226,7 +226,7 @@ def tiny_train(status_recorder, ray_cluster):
         with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
             mp.setenv("TPUFT_NAMESPACE", NS)
             mp.setenv("TPUFT_NAME", name)
-            rc = trainer.run_training(args, target, fault)
+            rc = trainer.run_training(command, target, fault)
         line = [ln for ln in out.getvalue().splitlines() if ln.startswith(train.RESULT_PREFIX)][-1]
         objects = {(ns, n) for ns, n, _ in status_recorder.patches}
         return TrainRun(rc, json.loads(line[len(train.RESULT_PREFIX):]), storage, storage / run_name,

@@ -92,34 +92,39 @@ def test_a_resume_point_must_hold_the_weights_this_run_trains(training, ours, re
 
 
 def test_the_lora_flags_default_to_the_specs_defaults(tmp_path):
-    args, _ = cli.parse_args(tiny_train_argv("torch", tmp_path, "r"))
-    assert (args.method, args.lora_rank, args.lora_alpha, args.lora_dropout, args.lora_target_modules,
-            args.merge_export) == (DEFAULTS["training.method"], LORA_DEFAULTS["training.lora.rank"],
-                                   LORA_DEFAULTS["training.lora.alpha"], LORA_DEFAULTS["training.lora.dropout"], (),
-                                   DEFAULTS["export.merge"])
-    args, _ = cli.parse_args(tiny_train_argv("torch", tmp_path, "r", method="lora", lora_rank=4, lora_alpha=8,
-                                             lora_dropout=0, lora_target_modules=["q_proj", "v_proj"],
-                                             merge_export=True))
-    assert (args.method, args.lora_rank, args.lora_alpha, args.lora_dropout, args.lora_target_modules,
-            args.merge_export) == ("lora", 4, 8, 0.0, ("q_proj", "v_proj"), True)
+    run = cli.parse_args(tiny_train_argv("torch", tmp_path, "r"))[0].run
+    assert (run.training.method, run.training.lora, run.export.merge) == (
+        DEFAULTS["training.method"], None, DEFAULTS["export.merge"])
+    run = cli.parse_args(tiny_train_argv("torch", tmp_path, "r", method="lora"))[0].run
+    adapters = run.training.lora
+    assert (adapters.rank, adapters.alpha, adapters.dropout, adapters.target_modules) == (
+        LORA_DEFAULTS["training.lora.rank"], LORA_DEFAULTS["training.lora.alpha"],
+        LORA_DEFAULTS["training.lora.dropout"], ())
+    run = cli.parse_args(tiny_train_argv("torch", tmp_path, "r", method="lora", lora_rank=4, lora_alpha=8,
+                                         lora_dropout=0, lora_target_modules=["q_proj", "v_proj"],
+                                         merge_export=True))[0].run
+    adapters = run.training.lora
+    assert (run.training.method, adapters.rank, adapters.alpha, adapters.dropout, adapters.target_modules,
+            run.export.merge) == ("lora", 4, 8, 0.0, ("q_proj", "v_proj"), True)
 
 
 @pytest.mark.parametrize("flag,value", [("lora_dropout", 1), ("lora_dropout", -0.1), ("lora_rank", 0),
                                         ("method", "qlora")])
 def test_bad_lora_flags_are_usage_errors(tmp_path, capsys, flag, value):
     with pytest.raises(SystemExit) as exit_:
-        cli.parse_args(tiny_train_argv("torch", tmp_path, "r", **{flag: value}))
+        cli.parse_args(tiny_train_argv("torch", tmp_path, "r", **{"method": "lora", flag: value}))
     assert exit_.value.code == cli.EXIT_USAGE
     assert f"--{flag.replace('_', '-')}" in capsys.readouterr().err
 
 
 def test_lora_on_jax_is_refused_on_the_driver_by_name(tmp_path, capsys):
-    """Before Ray starts or the storage is touched: exit 1 and the result line naming the field."""
-    rc = cli.main(tiny_train_argv("jax", tmp_path / "never", "r", method="lora"))
-    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("TPUFT_TRAIN_RESULT"))
-    assert rc == 1 and json.loads(line.split(" ", 1)[1]) == {
-        "succeeded": False,
-        "error": "spec.training.method: lora runs on framework torch only (JAX LoRA is not implemented)"}
+    """Before Ray starts or the storage is touched: a usage error naming the field, in the
+    operator's parser's words (the server's CEL rule says the same)."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(tiny_train_argv("jax", tmp_path / "never", "r", method="lora"))
+    assert exit_.value.code == cli.EXIT_USAGE
+    assert ("--method (spec.training.method): lora runs on framework torch only (JAX LoRA is not implemented)"
+            in capsys.readouterr().err)
     assert not (tmp_path / "never").exists()
 
 

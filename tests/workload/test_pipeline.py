@@ -9,7 +9,8 @@ from collections import Counter
 
 import pytest
 
-from tpuft_workload import data as datalib
+from tests.workload.inprocess_data import build_blocks, load_records
+from tpuft.spec import Dataset
 from tpuft_workload import model as modellib
 from tpuft_workload import pipeline
 from tpuft_workload.tiny import BUILTIN_DATASET, BUILTIN_MODEL, dolly_mini_path
@@ -26,13 +27,13 @@ def _rows(packed) -> Counter:
 
 
 def _build(name: str, split: str = "train", fmt: str | None = None, packing: bool = True, **spec):
-    return pipeline.build(pipeline.DatasetSpec(name, split, fmt, **spec), BUILTIN_MODEL, MAX_LEN, packing)
+    return pipeline.build(Dataset(name, split, fmt, **spec), BUILTIN_MODEL, MAX_LEN, packing)
 
 
 def _today(split: str, packing: bool = True) -> Counter:
     """The in-process path: load, render, pack, in one process."""
     tok = modellib.load_tokenizer(BUILTIN_MODEL)
-    blocks = datalib.build_blocks(tok, datalib.load_records(BUILTIN_DATASET, split), MAX_LEN, packing)
+    blocks = build_blocks(tok, load_records(BUILTIN_DATASET, split), MAX_LEN, packing)
     np = pytest.importorskip("numpy")
     cols = pipeline.rows_of(blocks, np)
     return Counter(tuple(tuple(int(x) for x in cols[c][i]) for c in ("input_ids", "labels", "position_ids"))
@@ -61,7 +62,7 @@ def test_the_pipeline_gives_the_same_rows_as_the_per_rank_path(packed_builtin, r
     expected = _today(split, packing)
     assert _rows(built) == expected
     assert built.rows == sum(expected.values())
-    assert built.examples == (len(datalib.load_records(BUILTIN_DATASET)) if packing else 40)
+    assert built.examples == (len(load_records(BUILTIN_DATASET)) if packing else 40)
     assert built.type == "instruction"
 
 
@@ -94,7 +95,7 @@ def test_chat_messages_train_through_the_models_template_and_a_bad_record_is_nam
     packed = _build(str(good))
     assert packed.type == "messages" and packed.examples == 24
     tok = modellib.load_tokenizer(BUILTIN_MODEL)
-    expected = datalib.build_blocks(tok, chats, MAX_LEN, True)
+    expected = build_blocks(tok, chats, MAX_LEN, True)
     assert packed.rows == len(expected)
     chats[16]["messages"][2]["role"] = "bot"
     bad = tmp_path / "bad.jsonl"
@@ -148,6 +149,6 @@ def test_a_template_that_rewrites_earlier_turns_fails_naming_the_record(ray_clus
     data = tmp_path / "chats.jsonl"
     data.write_text(json.dumps(chats[0]) + "\n")
     with pytest.raises(pipeline.DataError) as e:
-        pipeline.build(pipeline.DatasetSpec(str(data)), str(tmp_path / "model"), MAX_LEN, True)
+        pipeline.build(Dataset(str(data)), str(tmp_path / "model"), MAX_LEN, True)
     assert str(e.value).startswith(f"spec.dataset.name: {data}: the record asking 'What is the colour of the cat ?': "
                                    "the chat template renders the conversation up to turn 2 differently"), str(e.value)

@@ -1,6 +1,8 @@
 """Platform table, TPU env check, CLI contract with the operator, fault specs, status reporting."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 
@@ -44,30 +46,50 @@ def test_cpu_path_never_imports_torch_tpu():
 
 
 def test_cli_train_flags_match_the_operator_contract():
-    args, target = cli.parse_args([
+    command, target = cli.parse_args([
         "train", "--accelerator", "v6e", "--topology", "4x4", "--slices", "1",
         "--model", "google/gemma-4-E2B-it", "--dataset", "databricks/databricks-dolly-15k",
         "--dataset-split", "train[:1024]", "--epochs", "3", "--batch-size-per-device", "4",
-        "--max-seq-length", "512", "--learning-rate", "2e-05", "--storage-path", "gs://b/p",
+        "--max-seq-length", "512", "--learning-rate", "2e-05", "--storage-path", "gs://bucket/p",
         "--run-name", "run-1", "--no-packing", "--checkpoint-every-steps", "50",
-        "--keep-checkpoints", "3", "--max-failures", "2", "--report-every-steps", "5"])
+        "--keep-checkpoints", "3", "--max-failures", "2", "--report-every-steps", "5", "--seed", "7"])
+    run, training = command.run, command.run.training
     assert target.world_size == 16 and target.platform.backend == "tpu_dist"
-    assert (args.model, args.dataset_split, args.epochs, args.batch_size_per_device) == \
+    assert (run.model, run.dataset.split, training.epochs, training.batch_size_per_device) == \
         ("google/gemma-4-E2B-it", "train[:1024]", 3, 4)
-    assert (args.max_seq_length, args.learning_rate, args.storage_path, args.run_name) == \
-        (512, 2e-5, "gs://b/p", "run-1")
-    assert args.packing is False
-    assert (args.checkpoint_every_steps, args.keep_checkpoints, args.max_failures, args.report_every_steps) == \
+    assert (training.max_seq_length, training.learning_rate, run.checkpoint.storage_path, command.run_name) == \
+        (512, 2e-5, "gs://bucket/p", "run-1")
+    assert training.packing is False and training.seed == 7
+    assert (run.checkpoint.every_steps, run.checkpoint.keep, training.max_failures, training.report_every_steps) == \
         (50, 3, 2, 5)
-    args, _ = cli.parse_args(["verify", "--accelerator", "cpu", "--topology", "2", "--timeout-seconds", "30"])
-    assert args.timeout_seconds == 30.0 and args.slices == 1
+    command, _ = cli.parse_args(["verify", "--accelerator", "cpu", "--topology", "2", "--timeout-seconds", "30"])
+    assert command.run.verification.timeout_seconds == 30 and command.run.slices == 1
+
+
+def test_the_operators_document_and_the_flags_give_the_same_run():
+    """--spec (what the RayJobs carry) and the same fields as flags (by hand) parse to one Run; a
+    flag given beside --spec wins."""
+    document = {"accelerator": "cpu", "topology": "2", "model": "m", "dataset": {"name": "d", "columns": {
+        "prompt": "q"}}, "training": {"epochs": 2, "method": "lora", "lora": {"rank": 4}},
+                "checkpoint": {"storagePath": "/tmp/x"}}
+    by_document, _ = cli.parse_args(["train", "--spec", json.dumps(document), "--run-name", "r"])
+    by_flags, _ = cli.parse_args(["train", "--accelerator", "cpu", "--topology", "2", "--model", "m", "--dataset", "d",
+                                  "--dataset-column", "prompt=q", "--epochs", "2", "--method", "lora",
+                                  "--lora-rank", "4", "--storage-path", "/tmp/x", "--run-name", "r"])
+    assert by_document == by_flags
+    both, _ = cli.parse_args(["train", "--spec", json.dumps(document), "--run-name", "r", "--epochs", "5"])
+    assert both.run.training.epochs == 5 and both.run.training.lora == by_document.run.training.lora
 
 
 @pytest.mark.parametrize("argv,needle", [
     (["verify", "--accelerator", "v6e", "--topology", "3x3"], "--topology"),
     (["verify", "--accelerator", "v9", "--topology", "4x4"], "--accelerator"),
-    (["verify", "--accelerator", "cpu", "--topology", "2", "--timeout-seconds", "0"], "timeout-seconds"),
+    (["verify", "--accelerator", "cpu", "--topology", "2", "--timeout-seconds", "0"],
+     "--timeout-seconds (spec.verification.timeoutSeconds): Invalid value: 0"),
     (["train", "--accelerator", "cpu", "--topology", "2"], "required"),
+    (["train", "--accelerator", "cpu", "--topology", "2", "--run-name", "r"],
+     "--model (spec.model): Required value"),
+    (["train", "--spec", "{not json", "--run-name", "r"], "--spec is not JSON"),
 ])
 def test_cli_rejects_bad_arguments_with_exit_2(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:
@@ -166,8 +188,8 @@ def test_tpu_scaling_config_passes_ray_validation(acc, topo, slices, workers, ra
         monkeypatch.setenv("RAY_TPU_RESOURCE_PER_CHIP", "2")   # the operator sets it on every pod
     else:
         monkeypatch.delenv("RAY_TPU_RESOURCE_PER_CHIP", raising=False)
-    args, target = cli.parse_args(["train", "--accelerator", acc, "--topology", topo, "--slices", str(slices),
-                                   "--model", "m", "--dataset", "d", "--storage-path", "gs://b/p",
+    _, target = cli.parse_args(["train", "--accelerator", acc, "--topology", topo, "--slices", str(slices),
+                                   "--model", "m", "--dataset", "d", "--storage-path", "gs://bucket/p",
                                    "--run-name", "r"])
     sc = train.scaling_config(target)
     assert (sc.use_tpu, sc.topology, sc.accelerator_type, sc.num_workers, sc.resources_per_worker) == \

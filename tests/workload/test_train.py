@@ -237,8 +237,8 @@ def test_rank_0s_gauges_reach_rays_metrics_endpoint(ray_cluster):
 
 
 def test_too_little_data_fails_with_a_clear_reason(ray_cluster, tmp_path, capsys):
-    args, target = cli.parse_args(tiny_train_argv(FRAMEWORK, tmp_path, "too-small", dataset_split="train[:3]"))
-    assert train.run_training(args, target) == 1
+    command, target = cli.parse_args(tiny_train_argv(FRAMEWORK, tmp_path, "too-small", dataset_split="train[:3]"))
+    assert train.run_training(command, target) == 1
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(train.RESULT_PREFIX))
     body = json.loads(line[len(train.RESULT_PREFIX):])
     assert body["succeeded"] is False

@@ -1,6 +1,8 @@
 """`python -m tpuft_workload verify|train ...`: the entrypoints the operator's RayJobs run.
 
-Flag names are a contract with the operator's RayJob builder; keep them stable.
+The operator passes the run as one JSON document (`--spec`, tpuft.spec.workload_document), read
+here with the parser the operator uses (tpuft.spec.parse_run). By hand, each of the document's
+fields is also a flag, made from the same declarations (tpuft.spec; a flag overrides --spec).
 Exit codes: 0 passed, 1 failed, 2 bad arguments, 3 timeout (verify).
 """
 from __future__ import annotations
@@ -10,45 +12,26 @@ import json
 import logging
 import os
 import sys
+from typing import Any
 
-from tpuft import records
+from tpuft import fields, records, spec as speclib
 from tpuft.catalog import CatalogError
-from tpuft.spec import DEFAULTS as D  # one source: a flag left out means what the field left out means
-from tpuft.spec import LORA_DEFAULTS as LD  # spec.training.lora's, once the object is there
-
-from tpuft.constants import (DATASET_COLUMN_KEYS, DatasetFormat, DatasetType, Overlong, TrainingFramework,
-                             TrainingMethod)
+from tpuft.constants import TrainingFramework
+from tpuft_workload.command import Command
 from tpuft_workload.platform import Target, resolve_target
 
 EXIT_USAGE = 2
 
 
-def _positive_int(v: str) -> int:
-    n = int(v)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (got {v})")
-    return n
+# The document's sections, as the flags' dotted destinations ("" for the spec's top level).
+_FLAG_SECTIONS: tuple[tuple[str, type], ...] = (
+    ("", speclib.Spec), ("dataset", speclib.Dataset), ("training", speclib.Training),
+    ("training.lora", speclib.Lora), ("checkpoint", speclib.Checkpoint), ("export", speclib.Export),
+    ("evaluation", speclib.Evaluation))
 
 
-def _non_negative_int(v: str) -> int:
-    n = int(v)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (got {v})")
-    return n
-
-
-def _positive_float(v: str) -> float:
-    x = float(v)
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 (got {v})")
-    return x
-
-
-def _dropout(v: str) -> float:
-    x = float(v)
-    if not 0 <= x < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 0 and < 1 (got {v})")
-    return x
+def _kebab(name: str) -> str:
+    return "".join(f"-{ch.lower()}" if ch.isupper() else ch for ch in name)
 
 
 def _column(v: str) -> tuple[str, str]:
@@ -58,37 +41,43 @@ def _column(v: str) -> tuple[str, str]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _names(v: str) -> tuple[str, ...]:
-    """a,b,c -> ("a", "b", "c"); empty: ()"""
-    return tuple(n.strip() for n in v.split(",") if n.strip())
+def _names(v: str) -> list[str]:
+    """a,b,c -> ["a", "b", "c"]"""
+    return [n.strip() for n in v.split(",") if n.strip()]
 
 
-def _add_lora_args(t: argparse.ArgumentParser) -> None:
-    """spec.training.method and spec.training.lora (tpuft_workload.lora); the lora flags and
-    --merge-export mean something with --method lora only."""
-    t.add_argument("--method", choices=[m.value for m in TrainingMethod], default=D["training.method"],
-                   help="full: every weight; lora: low-rank adapters beside the frozen base "
-                        f"(default {D['training.method']})")
-    t.add_argument("--lora-rank", type=_positive_int, default=LD["training.lora.rank"],
-                   help=f"the adapters' rank (default {LD['training.lora.rank']})")
-    t.add_argument("--lora-alpha", type=_positive_int, default=LD["training.lora.alpha"],
-                   help=f"their scale is alpha / rank (default {LD['training.lora.alpha']})")
-    t.add_argument("--lora-dropout", type=_dropout, default=LD["training.lora.dropout"],
-                   help=f"dropout on the adapters' input, 0 <= x < 1 (default {LD['training.lora.dropout']})")
-    t.add_argument("--lora-target-modules", type=_names, default=(),
-                   help="comma-separated linear layers to adapt (default: the model_type's, "
-                        "tpuft.constants.LORA_DEFAULT_TARGET_MODULES)")
-    t.add_argument("--merge-export", action="store_true", default=D["export.merge"],
-                   help="also write the merged full weights to {run}/export-merged")
+def _add_declared(p: argparse.ArgumentParser, section: str, cls: type) -> None:
+    """One flag per workload field of a section, from its declaration; dest is its dotted JSON path."""
+    for d in fields.declared(cls):
+        if not d.api.workload:
+            continue
+        dest = f"{section}.{d.name}" if section else d.name
+        flag = "--" + (d.api.flag or _kebab(d.name))
+        metavar = flag[2:].upper().replace("-", "_")
+        default = f" (default {d.api.default})" if d.api.default is not None else ""
+        help_text = d.api.description.replace("%", "%%") + default
+        kind = fields.scalar_type(d) if fields.is_scalar(d) else ""
+        if kind == "boolean":
+            p.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif d.name == "columns":
+            p.add_argument(flag, dest=dest, type=_column, action="append", default=None, metavar="KEY=COLUMN",
+                           help=help_text + " Repeatable.")
+        elif d.name == "targetModules":
+            p.add_argument(flag, dest=dest, type=_names, default=None, metavar="A,B", help=help_text)
+        else:
+            convert = {"integer": int, "number": float}.get(kind, str)
+            choices = list(d.api.enum) if d.api.enum else None
+            p.add_argument(flag, dest=dest, type=convert, choices=choices, default=None, help=help_text,
+                           metavar=None if choices else metavar)
 
 
-def _add_slice_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--accelerator", required=True,
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spec", default=None, metavar="JSON",
+                   help="the run as one JSON document (what the operator passes: tpuft.spec.workload_document)")
+    p.add_argument("--accelerator", dest="accelerator", default=None,
                    help="TPU generation (v4, v5e, v5p, v6e, tpu7x; Ray/GKE spellings accepted), gpu or cpu")
-    p.add_argument("--topology", required=True,
+    p.add_argument("--topology", dest="topology", default=None,
                    help="slice shape such as 4x4 or 2x2x2; with cpu/gpu, the worker count")
-    p.add_argument("--slices", type=_positive_int, default=D["slices"],
-                   help=f"number of slices (default {D['slices']})")
     p.add_argument("--log-file", default=None,
                    help="also write the driver's log (stdout and stderr) to this local path or gs:// URI "
                         "(the operator passes {storagePath}/{run}/logs/<job>.log)")
@@ -100,69 +89,69 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     v = sub.add_parser("verify", help="check every device of the slice with DTensor TP + all_reduce")
-    _add_slice_args(v)
-    v.add_argument("--timeout-seconds", type=_positive_float, default=float(D["verification.timeoutSeconds"]),
-                   help=f"hard bound on the whole check, placement included (default {D['verification.timeoutSeconds']})")
-    v.add_argument("--collective-timeout-seconds", type=_positive_float, default=None,
+    _add_common(v)
+    slices = fields.field_of(speclib.Spec, "slices")
+    v.add_argument("--slices", dest="slices", type=int, default=None, help=slices.api.description)
+    timeout = fields.field_of(speclib.Verification, "timeout_seconds")
+    v.add_argument("--timeout-seconds", dest="verification.timeoutSeconds", type=int, default=None,
+                   help=timeout.api.description + " Bounds the whole check, placement included "
+                        f"(default {timeout.api.default}).")
+    v.add_argument("--collective-timeout-seconds", type=float, default=None,
                    help="bound on the collectives alone, counted once every worker has started "
                         "(default: what is left of --timeout-seconds)")
 
     t = sub.add_parser("train", help="fine-tune a causal LM with Ray Train (TorchTrainer + FSDP2, or JaxTrainer)")
-    _add_slice_args(t)
-    t.add_argument("--model", required=True,
-                   help="hub name, local path, gs:// URI, or builtin:tiny-llama")
-    t.add_argument("--dataset", required=True,
-                   help="hub name, local file/dir, gs:// URI (json/jsonl/parquet/csv), or builtin:dolly-mini")
-    t.add_argument("--dataset-split", default=D["dataset.split"], help="datasets split syntax, e.g. 'train[:1024]'")
-    t.add_argument("--dataset-format", choices=[f.value for f in DatasetFormat], default=None,
-                   help="json (JSON lines) or parquet, when --dataset's suffix does not say")
-    t.add_argument("--dataset-type", choices=[k.value for k in DatasetType], default=None,
-                   help="what a record holds (messages, promptCompletion, instruction, text); detected from the "
-                        "columns when left out")
-    t.add_argument("--dataset-column", dest="dataset_columns", type=_column, action="append", default=[],
-                   metavar="KEY=COLUMN", help=f"read KEY ({', '.join(DATASET_COLUMN_KEYS)}) from the dataset's "
-                                              "COLUMN; repeatable")
-    t.add_argument("--overlong", choices=[o.value for o in Overlong], default=D["dataset.overlong"],
-                   help="an example longer than --max-seq-length: truncate it or drop it "
-                        f"(default {D['dataset.overlong']})")
-    t.add_argument("--epochs", type=_positive_int, default=D["training.epochs"])
-    t.add_argument("--batch-size-per-device", type=_positive_int, default=D["training.batchSizePerDevice"])
-    t.add_argument("--max-seq-length", type=_positive_int, default=D["training.maxSeqLength"])
-    t.add_argument("--learning-rate", type=_positive_float, default=D["training.learningRate"])
-    t.add_argument("--storage-path", required=True, help="local path or gs:// URI for checkpoints and export")
+    _add_common(t)
     t.add_argument("--run-name", required=True,
                    help="run directory under --storage-path (the operator adds the object's UID); "
                         "re-submitting the same name resumes")
-    t.add_argument("--resume-from", default=None,
-                   help="an earlier run's checkpoint_step_* or run directory to continue from "
-                        "(spec.checkpoint.resumeFrom); only when --run-name has no checkpoint of its own")
-    t.add_argument("--no-packing", dest="packing", action="store_false",
-                   help="pad every example to --max-seq-length (as the GKE tutorial does) instead of packing")
-    t.add_argument("--checkpoint-every-steps", type=_non_negative_int, default=D["checkpoint.everySteps"],
-                   help="sharded checkpoint every K optimizer steps (0: only at epoch end)")
-    t.add_argument("--keep-checkpoints", type=_positive_int, default=D["checkpoint.keep"],
-                   help=f"checkpoints to keep (default {D['checkpoint.keep']})")
-    t.add_argument("--max-failures", type=_non_negative_int, default=D["training.maxFailures"],
-                   help="worker-group restarts from the latest checkpoint before giving up "
-                        f"(default {D['training.maxFailures']})")
-    t.add_argument("--report-every-steps", type=_positive_int, default=D["training.reportEverySteps"],
-                   help="log and report metrics every K steps (and at every epoch end)")
-    t.add_argument("--framework", choices=[f.value for f in TrainingFramework], default=D["training.framework"],
-                   help="torch: TorchTrainer + FSDP2, one worker per device; jax: JaxTrainer, one worker per "
-                        f"host (default {D['training.framework']})")
-    _add_lora_args(t)
-    t.add_argument("--seed", type=int, default=42)
+    for section, cls in _FLAG_SECTIONS:
+        _add_declared(t, section, cls)
     return parser
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Target]:
+def _document(args: argparse.Namespace) -> dict[str, Any]:
+    """--spec, with every flag given set over it."""
+    try:
+        doc = json.loads(args.spec) if args.spec else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--spec is not JSON: {e}") from None
+    for dest, value in vars(args).items():
+        if value is None or dest in ("spec", "command", "run_name", "log_file", "collective_timeout_seconds"):
+            continue
+        if dest.endswith("columns"):
+            value = dict(value)
+        node = doc
+        *parents, leaf = dest.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return doc
+
+
+def _by_flag(parser: argparse.ArgumentParser, command: str, error: speclib.SpecError) -> str:
+    """Each problem of the document, named by the flag that sets its field (when one does)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    flags = {a.dest: a.option_strings[0] for a in sub._actions if a.option_strings}
+    return "; ".join(f"{flags[p.field.removeprefix('spec.')] + ' (' + p.field + ')' if p.field.removeprefix('spec.') in flags else p.field}: {p.message}"
+                     for p in error.problems)
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Command, Target]:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        target = resolve_target(args.accelerator, args.topology, args.slices)
-    except CatalogError as e:
+        doc = _document(args)
+        sections = speclib.TRAINING_SECTIONS if args.command == "train" else speclib.VERIFICATION_SECTIONS
+        run = speclib.parse_run(doc, sections)
+        target = resolve_target(run.accelerator, run.topology, run.slices)
+    except speclib.SpecError as e:
+        parser.error(_by_flag(parser, args.command, e))
+    except (ValueError, CatalogError) as e:
         parser.error(str(e))
-    return args, target
+    command = Command(args.command, run, getattr(args, "run_name", "") or "", args.log_file,
+                      getattr(args, "collective_timeout_seconds", None))
+    return command, target
 
 
 def _ray_init() -> None:
@@ -177,17 +166,17 @@ def main(argv: list[str] | None = None) -> int:
     # The driver never needs torch_tpu (workers import it explicitly on the TPU path); keep
     # `import torch` on a TPU image's CPU-only head pod from auto-loading it.
     os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
-    args, target = parse_args(argv)
+    command, target = parse_args(argv)
     from tpuft_workload import driver_log
 
-    with driver_log.tee(args.log_file, args.command):
+    with driver_log.tee(command.log_file, command.name):
         # inside the tee: the handler writes to the stderr that also goes to the log file
         logging.basicConfig(level=os.environ.get("TPUFT_LOG_LEVEL", "INFO"),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        return _run(args, target)
+        return _run(command, target)
 
 
-def _run(args: argparse.Namespace, target: Target) -> int:
+def _run(command: Command, target: Target) -> int:
     from tpuft_workload import faults
     from tpuft_workload.report import StatusReporter
 
@@ -197,44 +186,34 @@ def _run(args: argparse.Namespace, target: Target) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
 
-    if args.command == "verify":
+    run = command.run
+    if command.name == "verify":
         from tpuft_workload import verify
 
         _ray_init()
-        res = verify.run_verification(target, args.timeout_seconds, faults.from_env(),
-                                       args.collective_timeout_seconds)
+        res = verify.run_verification(target, float(run.verification.timeout_seconds), faults.from_env(),
+                                       command.collective_timeout_seconds)
         verify.print_result(res)
         StatusReporter().verification(res.to_status())
         return res.exit_code
 
-    refusal = _refused_method(args)
-    if refusal:
-        return _refuse(refusal)
     from tpuft_workload import checkpoint, train
 
+    storage_path = run.checkpoint.storage_path
     try:  # before Ray and any worker: a bad storage path fails in seconds, with its name
-        if args.framework == TrainingFramework.JAX.value:
+        if run.training.framework == TrainingFramework.JAX.value:
             from tpuft_workload import jax_checkpoint
 
-            jax_checkpoint.check_storage(args.storage_path)
-        checkpoint.check_writable(checkpoint.join(args.storage_path, args.run_name))
+            jax_checkpoint.check_storage(storage_path)
+        checkpoint.check_writable(checkpoint.join(storage_path, command.run_name))
     except checkpoint.StorageError as e:
         return _refuse(str(e))
     _ray_init()
-    if args.framework == TrainingFramework.JAX.value:
+    if run.training.framework == TrainingFramework.JAX.value:
         from tpuft_workload import jax_train  # the torch path never imports jax
 
-        return jax_train.run_training(args, target, faults.from_env())
-    return train.run_training(args, target, faults.from_env())
-
-
-def _refused_method(args: argparse.Namespace) -> str:
-    """Why spec.training.method cannot run on this framework ("" when it can)."""
-    if args.method == TrainingMethod.LORA.value and args.framework == TrainingFramework.JAX.value:
-        from tpuft_workload.lora import JAX_REFUSAL
-
-        return JAX_REFUSAL
-    return ""
+        return jax_train.run_training(command, target, faults.from_env())
+    return train.run_training(command, target, faults.from_env())
 
 
 def _refuse(error: str) -> int:

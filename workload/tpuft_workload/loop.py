@@ -75,6 +75,22 @@ class TrainConfig:
     truncated: int = 0            # examples cut to max_seq_length
     dropped: int = 0              # examples left out (spec.dataset.overlong)
     rows_ref: Any = None          # ray.ObjectRef of the packed rows (tpuft_workload.pipeline.build)
+    # The recipe (spec.training): the rate after warmup, the optimizer's decay and clip, the global batch
+    learning_rate_schedule: str = "constant"   # constants.LearningRateSchedule value
+    warmup_steps: int = 0         # spec.training.warmupSteps (0: none, or warmup_ratio's)
+    warmup_ratio: float = 0.0     # spec.training.warmupRatio: of the run's optimizer steps
+    min_learning_rate_ratio: float = 0.0
+    weight_decay: float = 0.01    # on weight matrices only (not biases, norms, embeddings)
+    max_grad_norm: float = 1.0
+    gradient_accumulation_steps: int = 1   # micro-batches per optimizer step
+    max_steps: int = 0            # 0: epochs decide; else the run's optimizer steps
+    activation_checkpointing: bool = False   # resolved per platform by tpuft.spec
+    # spec.evaluation: the eval set (packed like the rows), when to evaluate, what to keep
+    eval_rows: int = 0            # 0: no eval set
+    eval_rows_ref: Any = None     # ray.ObjectRef of the eval rows
+    eval_every_steps: int = 0     # 0: at each epoch end (and always at the end)
+    early_stopping_patience: int = 0   # 0: never stop early
+    keep_best: bool = False       # export the checkpoint with the lowest eval loss
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -89,8 +105,32 @@ def data_line(cfg: TrainConfig) -> str:
     """What the run trains on, for the log: examples, rows, packing, and what did not fit."""
     cut = f", {cfg.truncated} truncated" if cfg.truncated else ""
     left = f", {cfg.dropped} dropped (longer than {cfg.max_seq_length} tokens)" if cfg.dropped else ""
+    held = f"; eval set: {cfg.eval_rows} rows" if cfg.eval_rows else ""
     return (f"{cfg.examples} {cfg.record_type} examples{cut}{left} -> {cfg.rows} rows of {cfg.max_seq_length} tokens "
-            f"({'whole examples packed' if cfg.packing else 'padded'}, pad fraction {cfg.pad_fraction:.1%})")
+            f"({'whole examples packed' if cfg.packing else 'padded'}, pad fraction {cfg.pad_fraction:.1%}){held}")
+
+
+def global_batch_size(cfg: TrainConfig, world: int) -> int:
+    """Sequences per optimizer step: devices (all slices) x per device x accumulation."""
+    return world * cfg.batch_size_per_device * cfg.gradient_accumulation_steps
+
+
+def learning_rate_at(cfg: TrainConfig, step: int, total_steps: int) -> float:
+    """The rate of optimizer step `step` (0-based) of `total_steps`: a linear warmup from 0 over the
+    warmup steps, then constant, or linear or cosine decay to min_learning_rate_ratio x the peak
+    at the last step. Pure: both frameworks take their rate from here."""
+    peak = cfg.learning_rate
+    warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total_steps)
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    if cfg.learning_rate_schedule == "constant":
+        return peak
+    span = max(1, total_steps - warmup - 1)
+    progress = min(1.0, (step - warmup) / span)
+    floor = peak * cfg.min_learning_rate_ratio
+    if cfg.learning_rate_schedule == "linear":
+        return floor + (peak - floor) * (1.0 - progress)
+    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 # ---- what a framework does -----------------------------------------------------------------------

@@ -18,6 +18,7 @@ import tempfile
 from dataclasses import dataclass
 
 from tpuft.constants import EXPORT_MERGED_DIR, LORA_DEFAULT_TARGET_MODULES, TrainingMethod
+from tpuft.spec import LORA_ON_TORCH_ONLY
 from tpuft_workload import checkpoint as ckptlib
 from tpuft_workload.tiny import BUILTIN_MODEL
 
@@ -34,8 +35,8 @@ ADAPTER_CONFIG = "adapter_config.json"   # what marks a PEFT adapter folder (pef
 PEFT_PREFIX = "base_model.model."        # PeftModelForCausalLM's path to the base model's modules
 
 
-# JAX trains full weights only (docs/lora.md); the operator's parser refuses the pair as well.
-JAX_REFUSAL = f"{METHOD_FIELD}: lora runs on framework torch only (JAX LoRA is not implemented)"
+# JAX trains full weights only (docs/lora.md): tpuft.spec refuses the pair, here for a direct caller.
+JAX_REFUSAL = f"{METHOD_FIELD}: {LORA_ON_TORCH_ONLY}"
 
 
 class LoraError(ValueError):

@@ -25,13 +25,15 @@ steps, and a resumed epoch skips exactly the batches already trained.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
+import random
 import re
 from dataclasses import dataclass
 
 from tpuft.constants import DatasetFormat as Format
-from tpuft.constants import Overlong
 from tpuft import records as recordslib
+from tpuft.spec import Dataset, Evaluation
 from tpuft_workload import data as datalib
 from tpuft_workload.render import RenderError
 
@@ -48,8 +50,8 @@ SUFFIXES = {".json": Format.JSON, ".jsonl": Format.JSON, ".parquet": Format.PARQ
 class DataError(ValueError):
     """The dataset cannot be used: what, where (the spec field and the path), what to do."""
 
-    def __init__(self, message: str):
-        super().__init__(f"spec.dataset.name: {message}")
+    def __init__(self, message: str, field: str = "spec.dataset.name"):
+        super().__init__(f"{field}: {message}")
 
 
 @dataclass(frozen=True)
@@ -61,17 +63,6 @@ class Source:
     @property
     def is_local(self) -> bool:
         return self.format is not None and "://" not in self.path
-
-
-@dataclass(frozen=True)
-class DatasetSpec:
-    """spec.dataset as the driver reads it (flags of `python -m tpuft_workload train`)."""
-    name: str
-    split: str = "train"
-    format: str | None = None
-    type: str | None = None                     # constants.DatasetType value; None: detected
-    columns: tuple[tuple[str, str], ...] = ()   # spec.dataset.columns' (key, column) pairs
-    overlong: str = Overlong.TRUNCATE.value
 
 
 def resolve(name: str, fmt: str | None = None) -> Source:
@@ -113,7 +104,7 @@ def _read(src: Source, split: str):
     return ray.data.from_arrow(ds.with_format("arrow")[:])
 
 
-def _layout(ds, src: Source, spec: DatasetSpec) -> recordslib.Layout:
+def _layout(ds, src: Source, spec: Dataset) -> recordslib.Layout:
     names = list(ds.schema().names) if ds.schema() is not None else []
     try:
         return recordslib.detect(names, spec.type, dict(spec.columns))
@@ -186,28 +177,57 @@ def rows_of(blocks: list, np) -> dict:
 class Packed:
     ref: object               # ray.ObjectRef of the rows (ROW_COLUMNS as numpy arrays)
     rows: int
-    examples: int             # records read
+    examples: int             # records read (an eval set held out of them: the records left to train on)
     pad_fraction: float
     type: str                 # the record type trained (constants.DatasetType value)
     truncated: int            # examples cut to max_len
     dropped: int              # examples left out (too long, or nothing trained left after the cut)
+    eval: Packed | None = None   # spec.evaluation's set, rendered and packed the same way
 
 
-def build(spec: DatasetSpec, model: str, max_len: int, packing: bool) -> Packed:
-    """Read, check, tokenize, pack, share. DataError for a source or a record that cannot be used."""
-    import numpy as np
-    import ray
+def build(spec: Dataset, model: str, max_len: int, packing: bool, evaluation: Evaluation | None = None,
+          seed: int = 0) -> Packed:
+    """Read, check, tokenize, pack, share; with `evaluation`, its eval set too (held out of these
+    records with `seed`, or read from its own split). DataError for a source or a record that
+    cannot be used."""
     from ray.data import DataContext
 
     from tpuft_workload import model as modellib
 
     # the same records in the same order on every submission: a resumed run packs the same rows
     DataContext.get_current().execution_options.preserve_order = True
+    examples, count, record_type = _examples(spec, model)
+    pad = datalib.pad_id_of(modellib.load_tokenizer(model))
+    held: list[datalib.Example] = []
+    if evaluation is not None and evaluation.fraction is not None:
+        chosen = set(random.Random(seed).sample(range(len(examples)), max(1, round(evaluation.fraction * len(examples)))))
+        held = [e for i, e in enumerate(examples) if i in chosen]
+        examples = [e for i, e in enumerate(examples) if i not in chosen]
+        count -= len(held)
+    elif evaluation is not None:
+        own = Dataset(name=evaluation.name or spec.name, split=evaluation.split or spec.split,
+                      format=None if evaluation.name else spec.format, type=spec.type, columns=spec.columns,
+                      overlong=spec.overlong)
+        held = _examples(own, model, "spec.evaluation.name" if evaluation.name else "spec.evaluation.split")[0]
+    packed = _pack(examples, count, record_type, max_len, packing, pad, spec.overlong)
+    if evaluation is None:
+        return packed
+    eval_packed = _pack(held, len(held), record_type, max_len, packing, pad, spec.overlong)
+    if not eval_packed.rows:
+        raise DataError(f"the eval set has no example that fits spec.training.maxSeqLength ({max_len} tokens): "
+                        "hold out more records, or give a longer maxSeqLength", "spec.evaluation")
+    return dataclasses.replace(packed, eval=eval_packed)
+
+
+def _examples(spec: Dataset, model: str, field: str = "spec.dataset.name") -> tuple[list, int, str]:
+    """(the tokenized examples in record order, the records read, the record type)."""
     src = resolve(spec.name, spec.format)
-    ds = _read(src, spec.split)
-    layout = _layout(ds, src, spec)
-    count = _check_records(ds, src, layout)
-    tokenizer = modellib.load_tokenizer(model)
+    try:
+        ds = _read(src, spec.split)
+        layout = _layout(ds, src, spec)
+        count = _check_records(ds, src, layout)
+    except DataError as e:
+        raise DataError(str(e).split(": ", 1)[1], field) from None
     tokenized = ds.map_batches(_Tokenize, fn_constructor_args=(model, layout), batch_size=TOKENIZE_BATCH,
                                batch_format="pyarrow",
                                concurrency=(1, max(1, min(TOKENIZE_ACTORS_MAX, (os.cpu_count() or 2) // 2))),
@@ -216,10 +236,18 @@ def build(spec: DatasetSpec, model: str, max_len: int, packing: bool) -> Packed:
     for batch in tokenized.iter_batches(batch_size=None, batch_format="numpy"):
         refused = next((str(e) for e in batch["error"] if e), None)
         if refused:   # a record the chat template cannot label as serving renders it: the user's to fix
-            raise DataError(f"{src.path}: {refused}")
+            raise DataError(f"{src.path}: {refused}", field)
         examples += [datalib.Example(i.tolist(), lab.tolist()) for i, lab in zip(batch["input_ids"], batch["labels"])]
-    blocks, fitted = datalib.blocks_of(examples, max_len, packing, datalib.pad_id_of(tokenizer), spec.overlong)
-    return Packed(ray.put(rows_of(blocks, np)), len(blocks), count, datalib.pad_fraction(blocks), layout.type.value,
+    return examples, count, layout.type.value
+
+
+def _pack(examples: list, count: int, record_type: str, max_len: int, packing: bool, pad: int,
+          overlong: str) -> Packed:
+    import numpy as np
+    import ray
+
+    blocks, fitted = datalib.blocks_of(examples, max_len, packing, pad, overlong)
+    return Packed(ray.put(rows_of(blocks, np)), len(blocks), count, datalib.pad_fraction(blocks), record_type,
                   fitted.truncated, fitted.dropped)
 
 

@@ -35,6 +35,8 @@ from tpuft_workload import data as datalib
 from tpuft_workload import lora as loralib
 from tpuft_workload import loop, pipeline, preemption
 from tpuft_workload.loop import SUMMARY, TrainConfig
+from tpuft.spec import Lora, Run
+from tpuft_workload.command import Command
 from tpuft_workload.platform import PLATFORMS, Target, load_backend
 from tpuft_workload.report import StatusReporter, flops_per_token, gpu_slice_peak
 
@@ -223,92 +225,105 @@ def scaling_config(target: Target, per_host: bool = False):
     return ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1})
 
 
-def prepare(args, target: Target, fault_spec: str = "") -> tuple[str, pipeline.Packed, dict]:
+def prepare(command: Command, target: Target, fault_spec: str = "") -> tuple[str, pipeline.Packed, dict]:
     """What any trainer needs, before any worker starts: (storage path, the packed dataset, the
     workers' TrainConfig as a dict). ResumeError / DataError / LoraError for a resume point, data or
     LoRA settings that cannot be used."""
     from tpuft.constants import ENV_CR_NAME, ENV_CR_NAMESPACE
 
-    storage = args.storage_path if "://" in args.storage_path else os.path.abspath(args.storage_path)
-    run_dir = ckptlib.join(storage, args.run_name)
+    run, training = command.run, command.run.training
+    given = run.checkpoint.storage_path
+    storage = given if "://" in given else os.path.abspath(given)
+    run_dir = ckptlib.join(storage, command.run_name)
     # Checked before any worker starts: it exists and tpuft wrote it (then _model_checks)
-    resume_from, resume_manifest = ckptlib.resolve_resume(args.resume_from) if args.resume_from else ("", {})
-    lora = _model_checks(args, resume_from, resume_manifest)
-    packed = pipeline.build(dataset_spec(args), args.model, args.max_seq_length, args.packing)
-    if datalib.steps_per_epoch(packed.rows, target.world_size, args.batch_size_per_device) == 0:
+    resume = run.checkpoint.resume_from
+    resume_from, resume_manifest = ckptlib.resolve_resume(resume) if resume else ("", {})
+    lora = _model_checks(run, resume_from, resume_manifest)
+    packed = pipeline.build(run.dataset, run.model, training.max_seq_length, training.packing, run.evaluation,
+                            training.seed)
+    per_step = training.batch_size_per_device * training.gradient_accumulation_steps
+    if datalib.steps_per_epoch(packed.rows, target.world_size, per_step) == 0:
         raise pipeline.DataError(
             f"{packed.rows} training rows cannot fill one global batch of {target.world_size} workers x "
-            f"{args.batch_size_per_device} per device: use a larger spec.dataset.split, a smaller "
-            "spec.training.batchSizePerDevice or maxSeqLength, or fewer workers")
+            f"{training.batch_size_per_device} per device x {training.gradient_accumulation_steps} accumulated: "
+            "use a larger spec.dataset.split, a smaller spec.training.batchSizePerDevice, "
+            "gradientAccumulationSteps or maxSeqLength, or fewer workers")
     cfg = TrainConfig(
-        platform=target.platform.kind, model=args.model, rows=packed.rows, examples=packed.examples,
+        platform=target.platform.kind, model=run.model, rows=packed.rows, examples=packed.examples,
         pad_fraction=packed.pad_fraction, record_type=packed.type, truncated=packed.truncated,
-        dropped=packed.dropped, epochs=args.epochs, batch_size_per_device=args.batch_size_per_device,
-        max_seq_length=args.max_seq_length, learning_rate=args.learning_rate, packing=args.packing,
-        checkpoint_every_steps=args.checkpoint_every_steps, report_every_steps=args.report_every_steps,
-        seed=args.seed, fault=fault_spec, run_dir=run_dir,
+        dropped=packed.dropped, epochs=training.epochs, batch_size_per_device=training.batch_size_per_device,
+        max_seq_length=training.max_seq_length, learning_rate=training.learning_rate, packing=training.packing,
+        checkpoint_every_steps=run.checkpoint.every_steps, report_every_steps=training.report_every_steps,
+        seed=training.seed, fault=fault_spec, run_dir=run_dir,
         run_dir_local=run_dir if "://" not in run_dir else "",
         export_uri=ckptlib.join(run_dir, ckptlib.EXPORT_DIR),
         resume_from=resume_from, resume_manifest=resume_manifest,
         cr_namespace=os.environ.get(ENV_CR_NAMESPACE, ""), cr_name=os.environ.get(ENV_CR_NAME, ""),
         status_every_s=float(os.environ.get("TPUFT_STATUS_EVERY_S", "10")),
         peak_flops=target.shape.peak_flops * target.slices if target.platform.is_tpu else None,
-        slices=target.slices, lora=lora, merge_export=bool(lora and args.merge_export),
+        slices=target.slices, lora=lora, merge_export=bool(lora and run.export.merge),
+        learning_rate_schedule=training.learning_rate_schedule, warmup_steps=training.warmup_steps or 0,
+        warmup_ratio=training.warmup_ratio or 0.0, min_learning_rate_ratio=training.min_learning_rate_ratio,
+        weight_decay=training.weight_decay, max_grad_norm=training.max_grad_norm,
+        gradient_accumulation_steps=training.gradient_accumulation_steps, max_steps=training.max_steps or 0,
+        activation_checkpointing=bool(training.activation_checkpointing),
+        eval_rows=packed.eval.rows if packed.eval else 0,
+        eval_every_steps=(run.evaluation.every_steps or 0) if run.evaluation else 0,
+        early_stopping_patience=(run.evaluation.early_stopping_patience or 0) if run.evaluation else 0,
+        keep_best=bool(run.evaluation and run.evaluation.keep_best),
     ).as_dict()
-    cfg["rows_ref"] = packed.ref   # after as_dict: an ObjectRef is passed to the workers, never copied
+    # after as_dict: an ObjectRef is passed to the workers, never copied
+    cfg["rows_ref"] = packed.ref
+    cfg["eval_rows_ref"] = packed.eval.ref if packed.eval else None
     return storage, packed, cfg
 
 
-def dataset_spec(args) -> pipeline.DatasetSpec:
-    """spec.dataset from the train command's flags."""
-    return pipeline.DatasetSpec(args.dataset, args.dataset_split, args.dataset_format, args.dataset_type,
-                                tuple(args.dataset_columns), args.overlong)
-
-
-def _model_checks(args, resume_from: str, resume_manifest: dict) -> loralib.LoraSettings | None:
+def _model_checks(run: Run, resume_from: str, resume_manifest: dict) -> loralib.LoraSettings | None:
     """On the meta model, before any worker starts (torch; the JAX path checks the architecture on
     its workers): the LoRA settings resolved (LoraError naming the field), and the resume point
     written for spec.model's architecture and for this method (ResumeError). The workers check the
     resume point again."""
     from tpuft.constants import TrainingFramework, TrainingMethod
 
-    lora = args.method == TrainingMethod.LORA.value
-    if lora and args.framework != TrainingFramework.TORCH.value:
+    training = run.training
+    lora = training.method == TrainingMethod.LORA.value
+    if lora and training.framework != TrainingFramework.TORCH.value:
         raise loralib.LoraError(loralib.JAX_REFUSAL)   # __main__ refuses it first; a direct caller too
-    if args.framework != TrainingFramework.TORCH.value or not (resume_from or lora):
+    if training.framework != TrainingFramework.TORCH.value or not (resume_from or lora):
         return None
     from tpuft_workload import model as modellib
 
-    meta = modellib.meta_model(args.model)
-    settings = loralib.resolve(meta, args.lora_rank, args.lora_alpha, args.lora_dropout,
-                               args.lora_target_modules) if lora else None
+    meta = modellib.meta_model(run.model)
+    adapters = training.lora or Lora()
+    settings = loralib.resolve(meta, adapters.rank, adapters.alpha, adapters.dropout,
+                               adapters.target_modules) if lora else None
     if resume_from:
-        ckptlib.check_architecture(resume_from, resume_manifest, ckptlib.architecture(meta), args.model)
+        ckptlib.check_architecture(resume_from, resume_manifest, ckptlib.architecture(meta), run.model)
         loralib.check_resume(resume_from, resume_manifest, settings)
     return settings
 
 
-def run_config(args, storage: str):
+def run_config(command: Command, storage: str):
     """RunConfig(name, storage_path): a re-submitted job with the same run name resumes there."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
 
-    return RunConfig(name=args.run_name, storage_path=storage,
-                     checkpoint_config=CheckpointConfig(num_to_keep=args.keep_checkpoints),
-                     failure_config=FailureConfig(max_failures=args.max_failures))
+    return RunConfig(name=command.run_name, storage_path=storage,
+                     checkpoint_config=CheckpointConfig(num_to_keep=command.run.checkpoint.keep),
+                     failure_config=FailureConfig(max_failures=command.run.training.max_failures))
 
 
-def build_trainer(args, target: Target, fault_spec: str = ""):
+def build_trainer(command: Command, target: Target, fault_spec: str = ""):
     """(TorchTrainer, its train_loop_config as a dict: TrainConfig.as_dict)."""
     from ray.train.torch import TorchConfig, TorchTrainer
 
     scaling = scaling_config(target)
-    storage, packed, cfg = prepare(args, target, fault_spec)
+    storage, packed, cfg = prepare(command, target, fault_spec)
     return TorchTrainer(
         train_loop_per_worker=train_loop,
         train_loop_config=cfg,
         torch_config=TorchConfig(backend=target.platform.backend),
         scaling_config=scaling,
-        run_config=run_config(args, storage),
+        run_config=run_config(command, storage),
     ), cfg
 
 
@@ -317,18 +332,22 @@ def _failed(error: str) -> int:
     return 1
 
 
-def run_training(args, target: Target, fault_spec: str = "", build=None) -> int:
+def run_training(command: Command, target: Target, fault_spec: str = "", build=None) -> int:
     """Build (`build`: build_trainer, or jax_train.build_trainer), fit, print the result line."""
     try:
-        trainer, cfg = (build or build_trainer)(args, target, fault_spec)
+        trainer, cfg = (build or build_trainer)(command, target, fault_spec)
     except (ckptlib.ResumeError, pipeline.DataError, loralib.LoraError) as e:
         StatusReporter().training(message=str(e))
         log.error("%s", e)
         return _failed(str(e))
-    print(f"Starting fine-tuning: model={args.model} dataset={args.dataset}[{args.dataset_split}] "
+    run = command.run
+    print(f"Starting fine-tuning: model={run.model} dataset={run.dataset.name}[{run.dataset.split}] "
           f"{target.shape.generation} {target.shape.topology} x{target.slices} -> "
-          f"{trainer.scaling_config.num_workers} workers ({type(trainer).__name__}), run={cfg['run_dir']}",
-          flush=True)
+          f"{trainer.scaling_config.num_workers} workers ({type(trainer).__name__}), global batch "
+          f"{target.world_size} devices x {run.training.batch_size_per_device} x "
+          f"{run.training.gradient_accumulation_steps} accumulated = "
+          f"{target.world_size * run.training.batch_size_per_device * run.training.gradient_accumulation_steps} "
+          f"sequences, run={cfg['run_dir']}", flush=True)
     t0 = time.monotonic()
     try:
         result = trainer.fit()

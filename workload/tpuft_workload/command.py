@@ -1,0 +1,15 @@
+"""What a workload command runs: the run's document parsed (tpuft.spec.Run) and what only the job knows."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tpuft.spec import Run
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str                       # verify or train
+    run: Run
+    run_name: str = ""              # train: the run's directory under checkpoint.storagePath
+    log_file: str | None = None
+    collective_timeout_seconds: float | None = None   # verify
