@@ -19,7 +19,7 @@ from typing import Callable
 
 from tpuft import chat as chatlib
 from tpuft import constants as c
-from tpuft.kubectl import KubectlError, port_forward
+from tpuft.kubectl import NO_CLUSTER, KubectlError, port_forward, unconfigured
 from tpuft.observed import serving_ready
 
 
@@ -70,6 +70,8 @@ def api_key(kubectl: str, namespace: str, obj: dict) -> str | None:
                          capture_output=True, text=True, timeout=60)
     if got.returncode != 0:
         err = got.stderr.strip()
+        if unconfigured(err):
+            raise NoApiKey(NO_CLUSTER)
         if "(Forbidden)" in err:
             raise NoApiKey(f"cannot read the API key: your kubectl user is not allowed to get {where}; ask "
                            f"for `get` on that secret in namespace {namespace} (check: kubectl auth can-i get "
@@ -97,7 +99,8 @@ def ask(kubectl: str, namespace: str, name: str, message: str, max_tokens: int =
     got = subprocess.run([kubectl, "get", c.PLURAL, name, "-n", namespace, "-o", "json"],
                          capture_output=True, text=True, timeout=60)
     if got.returncode != 0:
-        raise NotServing(f"cannot read {c.KIND} {namespace}/{name}: {got.stderr.strip()}")
+        err = got.stderr.strip()
+        raise NotServing(NO_CLUSTER if unconfigured(err) else f"cannot read {c.KIND} {namespace}/{name}: {err}")
     obj = json.loads(got.stdout)
     serving = endpoint(obj)
     key = api_key(kubectl, namespace, obj)

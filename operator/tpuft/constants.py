@@ -361,7 +361,7 @@ class EventType(str, enum.Enum):
 
 
 # --- Status keys the workload writes (tpuft_workload.report) ---------------------------------------
-# The CRD's status schema declares exactly these (tpuft.crd builds it from them): the API server
+# The CRD's status schema declares exactly these (tpuft.status declares them by these names): the API server
 # prunes unknown status fields silently, so a key missing there would vanish without an error.
 class VerificationStatus(str, enum.Enum):
     """status.verification, written by the verify job."""

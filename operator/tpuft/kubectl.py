@@ -23,6 +23,19 @@ class Forbidden(KubectlError):
     """The user's kubectl identity may not read the object."""
 
 
+# What kubectl says, once per API group it tries, when no cluster is configured (no KUBECONFIG, no
+# ~/.kube/config): it falls back to http://localhost:8080.
+NO_CLUSTER_SIGNS = ("localhost:8080", "127.0.0.1:8080")
+NO_CLUSTER = ("kubectl has no cluster configured (no KUBECONFIG, no ~/.kube/config, so it tried localhost:8080): for "
+              "the local cluster run eval \"$(tpuft cluster env)\"; for another, set KUBECONFIG to its kubeconfig "
+              "(or select a context: kubectl config use-context NAME)")
+
+
+def unconfigured(err: str) -> bool:
+    """Whether kubectl's stderr says it has no cluster to talk to (rather than what a cluster said)."""
+    return any(sign in err for sign in NO_CLUSTER_SIGNS) and ("refused" in err or "connect" in err)
+
+
 def missing(kubectl: str) -> str | None:
     """What to do when `kubectl` is not there; None when it is."""
     if shutil.which(kubectl) is None:
@@ -44,6 +57,8 @@ def get(kubectl: str, resource: str, name: str, namespace: str, what: str | None
     err = got.stderr.strip()
     if "(NotFound)" in err:
         return None
+    if unconfigured(err):
+        raise KubectlError(NO_CLUSTER)
     if "(Forbidden)" in err:
         raise Forbidden(f"your kubectl user is not allowed to get {what}; ask for `get` on {resource} in namespace "
                         f"{namespace} (check: kubectl auth can-i get {resource}/{name} -n {namespace})")
@@ -75,5 +90,6 @@ def _forwarded_port(proc: subprocess.Popen, service: str) -> int:
         if match := FORWARDING.search(line or ""):
             return int(match.group(1))
         if not line and proc.poll() is not None:
-            raise KubectlError(f"kubectl port-forward to svc/{service} exited: {proc.stderr.read().strip()}")
+            err = proc.stderr.read().strip()
+            raise KubectlError(NO_CLUSTER if unconfigured(err) else f"kubectl port-forward to svc/{service} exited: {err}")
     raise KubectlError(f"kubectl port-forward to svc/{service} did not start within {FORWARD_WAIT_SECONDS}s")

@@ -571,7 +571,8 @@ def test_kubectl_get_printer_columns_and_short_name(objects, ns, kubectl):
     name = f"cols-{uuid.uuid4().hex[:5]}"
     create(objects, ns, with_("metadata.name", name))
     status = {"status": {"phase": "Serving", "reason": "Serving", "slice": {"hosts": 4, "devices": 16},
-                         "training": {"epoch": 2, "loss": 1.25, "tokensPerSecond": 1234.5, "mfu": 0.5},
+                         "training": {"epoch": 2, "loss": 1.25, "evalLoss": 1.5, "tokensPerSecond": 1234.5,
+                                      "mfu": 0.5},
                          "goodput": {"ratio": 0.75},
                          "serving": {"url": "http://x-serve-serve-svc.ns.svc:8000"}}}
     kubectl("patch", "tft", name, "-n", ns, "--subresource=status", "--type=merge", "-p", json.dumps(status),
@@ -580,9 +581,9 @@ def test_kubectl_get_printer_columns_and_short_name(objects, ns, kubectl):
     assert out[0].split() == ["NAME", "PHASE", "ACCELERATOR", "TOPOLOGY", "LOSS", "AGE"], out
     assert out[1].split()[:5] == [name, "Serving", "v6e", "4x4", "1.25"], out
     wide = kubectl("get", "tft", name, "-n", ns, "-o", "wide", check=True).stdout.splitlines()
-    assert wide[0].split() == ["NAME", "PHASE", "ACCELERATOR", "TOPOLOGY", "LOSS", "EPOCH", "TOKENS/S", "FRAMEWORK",
-                               "HOSTS", "DEVICES", "REASON", "ENDPOINT", "MFU", "GOODPUT", "AGE"], wide
-    assert wide[1].split()[:14] == [name, "Serving", "v6e", "4x4", "1.25", "2", "1234.5", "torch", "4", "16",
+    assert wide[0].split() == ["NAME", "PHASE", "ACCELERATOR", "TOPOLOGY", "LOSS", "EVAL-LOSS", "EPOCH", "TOKENS/S",
+                               "FRAMEWORK", "HOSTS", "DEVICES", "REASON", "ENDPOINT", "MFU", "GOODPUT", "AGE"], wide
+    assert wide[1].split()[:15] == [name, "Serving", "v6e", "4x4", "1.25", "1.5", "2", "1234.5", "torch", "4", "16",
                                     "Serving", "http://x-serve-serve-svc.ns.svc:8000", "0.5", "0.75"]
     # Plural, singular, short name and kind all resolve to the same object.
     for resource in ("tpufinetunes", "tpufinetune", "tft", "TPUFinetune", f"tpufinetunes.{GROUP}"):
