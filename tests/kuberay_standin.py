@@ -1,6 +1,7 @@
 """STAND-IN for KubeRay v1.7.0 in the operator's integration tests: patches RayCluster and
 RayJob status exactly as KubeRay's controllers would (ray-project/kuberay v1.7.0,
-ray-operator/apis/ray/v1/raycluster_types.go and rayjob_types.go). Not KubeRay.
+ray-operator/apis/ray/v1/raycluster_types.go and rayjob_types.go), and pod status as the kubelet
+would; the messages Ray 2.60 writes for a failed job, which KubeRay copies. Not KubeRay.
 
 Field names and values are spelled here literally, not imported from tpuft.constants, so a
 wrong constant in the operator fails the tests instead of agreeing with itself.
@@ -16,6 +17,34 @@ GROUP, VERSION = "ray.io", "v1"
 
 def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# --- what Ray 2.60 writes into a failed job's message, which KubeRay copies to the RayJob's status.message ---
+def entrypoint_failed(log_tail: str) -> str:
+    """Ray's job supervisor (ray/dashboard/modules/job/job_supervisor.py) for an entrypoint that
+    exited 1: the driver log's last lines (at most 20,000 characters) follow its first line."""
+    return ("Job entrypoint command failed with exit code 1, last available logs (truncated to 20,000 chars):\n"
+            + log_tail[-20_000:])
+
+
+def train_controller_log(lines: int, last: str) -> str:
+    """A Ray Train driver's log as Ray prints it: each line of an actor's output prefixed with its
+    name and pid in ANSI cyan; `last`, the error, at the end."""
+    body = "".join(f"\x1b[36m(TrainController pid=2211)\x1b[0m [State Transition] RUNNING -> RUNNING. "
+                   f"Worker group healthy, step {i}, loss 2.{i % 10}\n" for i in range(lines))
+    return body + last
+
+
+def memory_monitor_kill(node_ip: str) -> str:
+    """An actor killed by Ray's memory monitor as its caller sees it (Ray 2.60: the raylet's OOM kill
+    report, ray/core/src/ray/raylet/node_manager.cc, inside the ActorDiedError)."""
+    return ("\x1b[36m(TrainController pid=2211)\x1b[0m ray.exceptions.ActorDiedError: The actor died unexpectedly "
+            "before finishing this task.\n\tclass_name: RayTrainWorker\n\tactor_id: 9d1c6a1d2f0e4f6b8a01000000\n"
+            f"\tpid: 415\n\tip: {node_ip}\nThe actor is dead because its worker process has died. Worker exit type: "
+            "NODE_OUT_OF_MEMORY Worker exit detail: 1 worker(s) were killed due to the node running low on memory. "
+            f"Memory on the node (IP: {node_ip}, ID: 5f3a0c9e1b7d4a2f8e6c) was 190.12GB used / 200.00GB limit "
+            "(0.950600)\nOOM kill reason: Memory usage 204142837760B exceeded threshold of 204010946560B "
+            "(95.0% of 214748364800B limit)\n")
 
 
 class KubeRay:
@@ -56,20 +85,41 @@ class KubeRay:
             "desiredWorkerReplicas": desired, "minWorkerReplicas": desired, "maxWorkerReplicas": desired,
             "lastUpdateTime": _now()})
 
-    def unschedulable_worker(self, cluster: str, pod: str, message: str) -> None:
+    def _worker_pod(self, cluster: str, pod: str, labels: dict | None = None, container: dict | None = None) -> None:
         """A worker pod as KubeRay creates it (label ray.io/cluster, controller ownerReference to
-        the RayCluster), then the PodScheduled condition kube-scheduler writes when it cannot place
-        it (this tier has no scheduler)."""
+        the RayCluster)."""
         rc = self.get("rayclusters", cluster)["metadata"]
         self.core.create_namespaced_pod(self.ns, {
             "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": pod, "labels": {"ray.io/cluster": cluster, "ray.io/node-type": "worker"},
+            "metadata": {"name": pod, "labels": {"ray.io/cluster": cluster, "ray.io/node-type": "worker", **(labels or {})},
                          "ownerReferences": [{"apiVersion": "ray.io/v1", "kind": "RayCluster", "name": cluster,
                                               "uid": rc["uid"], "controller": True}]},
-            "spec": {"containers": [{"name": "ray-worker", "image": "img:1"}], "automountServiceAccountToken": False}})
+            "spec": {"containers": [{"name": "ray-worker", "image": "img:1", **(container or {})}],
+                     "automountServiceAccountToken": False}})
+
+    def unschedulable_worker(self, cluster: str, pod: str, message: str) -> None:
+        """A worker pod, then the PodScheduled condition kube-scheduler writes when it cannot place
+        it (this tier has no scheduler)."""
+        self._worker_pod(cluster, pod)
         self.core.patch_namespaced_pod_status(pod, self.ns, {"status": {"conditions": [{
             "type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message,
             "lastTransitionTime": _now()}]}})
+
+    def oom_killed_worker(self, cluster: str, pod: str, memory_limit: str, replica: int, host: int) -> None:
+        """A worker pod (KubeRay's multi-host index labels) whose Ray container the kernel's OOM killer
+        ended and the kubelet restarted (restartPolicy Always): what the kubelet writes, lastState
+        terminated with reason OOMKilled and exit code 137 (this tier has no kubelet)."""
+        self._worker_pod(cluster, pod, {"ray.io/worker-group-replica-index": str(replica),
+                                        "ray.io/replica-host-index": str(host)},
+                         {"resources": {"limits": {"memory": memory_limit}, "requests": {"memory": memory_limit}}})
+        now = _now()
+        self.core.patch_namespaced_pod_status(pod, self.ns, {"status": {
+            "phase": "Running", "podIP": "10.4.1.7", "podIPs": [{"ip": "10.4.1.7"}],
+            "containerStatuses": [{
+                "name": "ray-worker", "image": "img:1", "imageID": "", "ready": False, "restartCount": 1,
+                "started": True, "state": {"running": {"startedAt": now}},
+                "lastState": {"terminated": {"exitCode": 137, "reason": "OOMKilled", "startedAt": now,
+                                             "finishedAt": now}}}]}})
 
     def cluster_ready(self, name: str) -> None:
         desired = self.desired_workers(name)

@@ -278,6 +278,7 @@ class Reason(str, enum.Enum):
     COLLECTIVE_TIMEOUT = "CollectiveTimeout"
     VERIFICATION_FAILED = "VerificationFailed"
     TRAINING_FAILED = "TrainingFailed"
+    OUT_OF_MEMORY = "OutOfMemory"   # a worker (or the head) killed for memory: by the kernel's OOM killer or Ray's monitor
     CHILD_DELETED = "ChildDeleted"
     SLICE_LOST = "SliceLost"   # a host lost once more than spec.recovery.maxSliceReplacements allows
     SERVE_FAILED = "ServeFailed"   # the Serve app not RUNNING within spec.serve.timeoutSeconds

@@ -1,5 +1,6 @@
 """Why a slice is not coming up, from its pods: the first blocking cause, in the words of the
-component that knows (the scheduler, the kubelet's image pull, the container's last exit).
+component that knows (the scheduler, the kubelet's image pull, the container's last exit); and
+which of a running slice's containers the kernel's OOM killer ended (PodObs.oom_killed).
 Pure: handlers list the pods (Kube.slice_pods), this reads them.
 
 Kubernetes already writes every cause onto the pod itself: the scheduler into the PodScheduled
@@ -30,6 +31,14 @@ class Blocker(str, enum.Enum):
 IMAGE_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
 CONFIG_REASONS = frozenset({"CreateContainerConfigError", "CreateContainerError", "RunContainerError"})
 CRASH_REASON = "CrashLoopBackOff"
+OOM_KILLED_REASON = "OOMKilled"   # the kubelet's terminated.reason for a container the kernel's OOM killer ended
+# Where a pod sits in its worker group: KubeRay >= 1.5 (RayMultiHostIndexing) labels the group
+# replica and the host within it; without them, the TPU webhook's `replicaIndex: {group}-{replica}`
+# label and the TPU_WORKER_ID it sets in the container's env.
+KUBERAY_REPLICA_INDEX_LABEL = "ray.io/worker-group-replica-index"
+KUBERAY_HOST_INDEX_LABEL = "ray.io/replica-host-index"
+TPU_WORKER_ID_ENV = "TPU_WORKER_ID"
+HEAD_NODE_TYPE = "head"   # KubeRay's ray.io/node-type on the head pod (workers: "worker")
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,15 @@ class Waiting:
 
 
 @dataclass(frozen=True)
+class OomKilled:
+    """A container the kernel's OOM killer ended: containerStatuses[].state.terminated, or
+    lastState.terminated once the kubelet has restarted it, with reason OOMKilled."""
+    container: str
+    finished_at: str = ""   # terminated.finishedAt, as the kubelet wrote it
+    memory_limit: str = ""  # the container's resources.limits.memory in the pod's spec ("" if none)
+
+
+@dataclass(frozen=True)
 class PodObs:
     """One of the RayCluster's pods (label ray.io/cluster), reduced to what diagnosis needs."""
     name: str
@@ -50,6 +68,16 @@ class PodObs:
     deleting: bool = False
     unschedulable: str | None = None    # the PodScheduled=False message the scheduler wrote
     waiting: tuple[Waiting, ...] = ()
+    node_type: str = ""                 # label ray.io/node-type: head or worker
+    ip: str = ""                        # status.podIP: the Ray node's address in Ray's messages
+    replica_index: int | None = None    # its worker group replica (KUBERAY_REPLICA_INDEX_LABEL)
+    host_index: int | None = None       # its host within that replica (KUBERAY_HOST_INDEX_LABEL)
+    memory_limit: str = ""              # the Ray container's (KubeRay's first) resources.limits.memory
+    oom_killed: tuple[OomKilled, ...] = ()
+
+    @property
+    def is_head(self) -> bool:
+        return self.node_type == HEAD_NODE_TYPE
 
     @classmethod
     def of(cls, pod: Mapping[str, Any]) -> PodObs:
@@ -59,12 +87,16 @@ class PodObs:
         sched: Mapping[str, Any] = next((x for x in conditions if x.get("type") == "PodScheduled"), {})
         unschedulable = (sched.get("message") or sched.get("reason") or "unschedulable"
                          if sched.get("status") == "False" and sched.get("reason") == "Unschedulable" else None)
-        images = {x.get("name"): x.get("image") or "" for x in (pod.get("spec") or {}).get("containers") or []}
-        waiting = tuple(_waiting(x, images) for x in
-                        [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
+        labels, containers = meta.get("labels") or {}, (pod.get("spec") or {}).get("containers") or []
+        images = {x.get("name"): x.get("image") or "" for x in containers}
+        statuses = [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
+        waiting = tuple(_waiting(x, images) for x in statuses
                         if ((x.get("state") or {}).get("waiting") or {}).get("reason"))
+        replica, host = _place(labels, containers)
+        limits = {x.get("name") or "": _memory_limit(x) for x in containers}
         return cls(meta.get("name") or "", owners[0] if owners else None, bool(meta.get("deletionTimestamp")),
-                   unschedulable, waiting)
+                   unschedulable, waiting, labels.get(c.RAY_NODE_TYPE_LABEL) or "", status.get("podIP") or "",
+                   replica, host, next(iter(limits.values()), ""), _oom_killed(statuses, limits))
 
 
 def _waiting(cs: Mapping[str, Any], images: Mapping[str, str]) -> Waiting:
@@ -75,6 +107,37 @@ def _waiting(cs: Mapping[str, Any], images: Mapping[str, str]) -> Waiting:
                  if last else "")
     return Waiting(name, cs.get("image") or images.get(name, ""), w["reason"],
                    (w.get("message") or "").strip(), last_exit)
+
+
+def _index(text: Any) -> int | None:
+    return int(text) if isinstance(text, str) and text.isdigit() else None
+
+
+def _place(labels: Mapping[str, str], containers: list[Mapping[str, Any]]) -> tuple[int | None, int | None]:
+    """(worker group replica, host within it) from KubeRay's index labels, else the TPU webhook's."""
+    replica, host = _index(labels.get(KUBERAY_REPLICA_INDEX_LABEL)), _index(labels.get(KUBERAY_HOST_INDEX_LABEL))
+    if replica is None:
+        replica = _index(str(labels.get(c.TPU_WEBHOOK_REPLICA_LABEL) or "").rpartition("-")[2])
+    if host is None:
+        host = next((_index(e.get("value")) for x in containers for e in x.get("env") or []
+                     if e.get("name") == TPU_WORKER_ID_ENV), None)
+    return replica, host
+
+
+def _memory_limit(container: Mapping[str, Any]) -> str:
+    return str(((container.get("resources") or {}).get("limits") or {}).get("memory") or "")
+
+
+def _oom_killed(statuses: list[Mapping[str, Any]], limits: Mapping[str, str]) -> tuple[OomKilled, ...]:
+    out = []
+    for cs in statuses:
+        for state in (cs.get("state") or {}, cs.get("lastState") or {}):
+            ended = state.get("terminated") or {}
+            if ended.get("reason") == OOM_KILLED_REASON:
+                name = cs.get("name") or ""
+                out.append(OomKilled(name, ended.get("finishedAt") or "", limits.get(name, "")))
+                break   # the current state first: a restarted container's lastState is older
+    return tuple(out)
 
 
 def _clip(text: str) -> str:
@@ -137,3 +200,13 @@ def leftovers(pods: tuple[PodObs, ...], own_cluster_uids: frozenset[str]) -> tup
     name, still being garbage-collected). KubeRay selects a cluster's pods by that label alone,
     so a RayCluster created beside them would take the old head for its own."""
     return tuple(sorted(p.name for p in pods if p.cluster_uid not in own_cluster_uids))
+
+
+def host_of(pod: PodObs, hosts_per_slice: int, hosts_per_replica: int) -> str:
+    """Where a worker pod sits: "host H of slice S", from its replica and host indices and the
+    shape (a TPU slice is one group replica of hosts_per_replica hosts; on CPU each host is a
+    replica of one); "" where its labels do not say."""
+    if pod.replica_index is None or (pod.host_index is None and hosts_per_replica > 1) or hosts_per_slice < 1:
+        return ""
+    n = pod.replica_index * hosts_per_replica + (pod.host_index or 0)
+    return f"host {n % hosts_per_slice} of slice {n // hosts_per_slice}"

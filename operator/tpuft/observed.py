@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import re
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Collection, Iterable, Mapping
@@ -118,7 +119,8 @@ class Observed:
     service: ServiceObs | None = None
     admission_error: AdmissionError | None = None
     # The RayCluster's pods, read while the slice is coming up (phases.wants_pods): the cause
-    # of a stall, in the scheduler's or the kubelet's words (tpuft.diagnosis).
+    # of a stall, in the scheduler's or the kubelet's words (tpuft.diagnosis); and once a running
+    # slice's job has failed or lost a host (phases.wants_failure_pods): a pod killed for memory.
     pods: tuple[PodObs, ...] = ()
     # What an earlier object of the same name left behind and the garbage collector has not
     # removed yet (its RayCluster, its pods): nothing of ours is created beside it.
@@ -335,14 +337,122 @@ def job_lost(job: JobObs) -> bool:
             and status.get("jobStatus") not in ENDED_JOB_STATUSES)
 
 
-def job_failure_detail(job: JobObs) -> str:
+def job_failure_detail(job: JobObs, full_log: str = "") -> str:
+    """What a failed RayJob says, fit for status.message, conditions and events: its states,
+    KubeRay's reason and its message shortened (job_message); where the message was shortened,
+    `full_log` (the command that prints the whole log) follows it."""
     status = job.status
     bits = [job_state(job)]
     if status.get("reason"):
         bits.append(f"reason={status['reason']}")
-    if status.get("message"):
-        bits.append(str(status["message"]))
-    return f"RayJob {job.name}: " + ", ".join(bits)
+    message, shortened = job_message(job)
+    if message:
+        bits.append(message)
+    return f"RayJob {job.name}: " + ", ".join(bits) + (f"; the full log: {full_log}" if shortened and full_log else "")
+
+
+# --- a failed RayJob's message ---------------------------------------------------------------------------
+# Ray's job supervisor (ray/dashboard/modules/job/job_supervisor.py) ends a failed job's message with
+# up to 20,000 characters of the driver's log, whose lines carry ANSI colour codes (their ESC may be
+# lost on the way); KubeRay copies that message into the RayJob's status.message.
+ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*[A-Za-z]|\[\d{1,3}(?:;\d{1,3})*m")
+RAY_LOG_TAIL = re.compile(r",? *last available logs \(truncated to [\d,]+ chars\):?")
+MAX_JOB_MESSAGE = 300   # characters of a RayJob's message kept in status
+
+
+def job_message(job: JobObs) -> tuple[str, bool]:
+    """The RayJob's status.message without colour codes or the log's tail (the log stays in
+    `tpuft logs`): its first line, at most MAX_JOB_MESSAGE characters. Returns (the text, whether
+    anything was left out)."""
+    raw = ANSI_COLOUR.sub("", str(job.status.get("message") or "")).strip()
+    tail = RAY_LOG_TAIL.search(raw)
+    first = (raw[:tail.start()] if tail else raw).split("\n", 1)[0].strip()
+    short = first if len(first) <= MAX_JOB_MESSAGE else first[:MAX_JOB_MESSAGE - 3] + "..."
+    return short, short != raw
+
+
+# Ray's memory monitor (the raylet) killing a worker process, as a failed job's log shows it. Ray 2.60:
+#   "1 worker(s) were killed due to the node running low on memory. ... Memory on the node (IP: 10.4.1.7,
+#   ID: 5f..) was 190.12GB used / 200.00GB limit (0.950600)\nOOM kill reason: Memory usage 204..B exceeded
+#   threshold of 204..B (95.0% of 214..B limit)", the actor's error "Worker exit type: NODE_OUT_OF_MEMORY";
+# earlier Ray: "Task was killed due to the node running low on memory. Memory on the node (IP: .., ID: ..)
+#   where the task (..) was running was 190.12GB / 200.00GB (0.9506), which exceeds the memory usage
+#   threshold of 0.95."; a task's error: ray.exceptions.OutOfMemoryError.
+# Not Ray's guess about a process that died ("... killed by the OOM killer due to high memory usage, (2)
+# ray stop --force ..."): the kernel's kills are read from the pods (diagnosis.PodObs.oom_killed).
+RAY_OOM_SIGN = re.compile(r"killed due to the node running low on memory|ray\.exceptions\.OutOfMemoryError"
+                          r"|Worker exit type: NODE_OUT_OF_MEMORY")
+RAY_OOM_NODE = re.compile(r"Memory on the node \(IP: ([0-9A-Fa-f.:]+)")
+RAY_OOM_USAGE = re.compile(r"was ([\d.]+ ?GB)(?: used)? / ([\d.]+ ?GB)")
+RAY_OOM_THRESHOLD = re.compile(r"exceeded threshold of \d+ ?B \((\d+(?:\.\d+)?%)|memory usage threshold of (\d+(?:\.\d+)?)")
+
+
+@dataclass(frozen=True)
+class RayMemoryKill:
+    """Ray's memory monitor killed a worker process: where and why, in its own numbers where the
+    message has them ("" where it does not)."""
+    node_ip: str = ""     # the Ray node's address: its pod's IP
+    used: str = ""        # "190.12GB": the node's memory in use when it killed
+    total: str = ""       # "200.00GB": what the node has (the pod's limit, in a container)
+    threshold: str = ""   # "95.0%" (Ray 2.60) or "0.95" (earlier): RAY_memory_usage_threshold
+
+    @classmethod
+    def of(cls, message: str) -> RayMemoryKill | None:
+        """From a RayJob's status.message (its log tail); None: no sign of Ray's memory monitor."""
+        text = ANSI_COLOUR.sub("", message)
+        sign = RAY_OOM_SIGN.search(text)
+        if sign is None:
+            return None
+        node = RAY_OOM_NODE.search(text, sign.start(), sign.start() + 2000)   # the kill's own report follows it
+        start = node.end() if node else sign.start()
+        usage = RAY_OOM_USAGE.search(text, start, start + 400) if node else None
+        threshold = RAY_OOM_THRESHOLD.search(text, start, start + 1000)
+        return cls(node.group(1) if node else "", usage.group(1).replace(" ", "") if usage else "",
+                   usage.group(2).replace(" ", "") if usage else "",
+                   next((g for g in threshold.groups() if g), "") if threshold else "")
+
+
+class Killer(str, enum.Enum):
+    KERNEL = "the kernel's OOM killer"   # the container ended OOMKilled: its memory limit was reached
+    RAY = "Ray's memory monitor"         # the raylet killed a worker process over RAY_memory_usage_threshold
+
+
+@dataclass(frozen=True)
+class MemoryKill:
+    """A pod of the slice that had a process killed for memory while a job ran."""
+    killer: Killer
+    pod: PodObs | None = None   # None: Ray's message names no node that a listed pod has
+    memory_limit: str = ""      # the killed container's limits.memory (the kernel), the Ray container's (Ray)
+    ray: RayMemoryKill | None = None
+    others: int = 0             # more pods whose containers the kernel killed in the same job
+
+
+def _time(text: str | None) -> datetime | None:
+    try:
+        return parse_time(text)
+    except ValueError:
+        return None
+
+
+def memory_kill(pods: Iterable[PodObs], job: JobObs | None, started: datetime | None = None) -> MemoryKill | None:
+    """Whether the head or a worker was killed for memory while `job` ran (it failed, or the slice
+    lost a host under it): a container the kernel's OOM killer ended since the job's status.startTime
+    (else `started`; an older kill in a restarted container's lastState was an earlier job's), the
+    first to end named; else Ray's memory monitor in the job's message, its node named by the pod
+    with that IP."""
+    alive = tuple(p for p in pods if not p.deleting)
+    since = (_time(job.status.get("startTime")) if job is not None else None) or started
+    kills = sorted(((when, pod.name, pod, kill) for pod in alive for kill in pod.oom_killed
+                    if (when := _time(kill.finished_at)) is not None and (since is None or when >= since)),
+                   key=lambda k: (k[0], k[1]))
+    if kills:
+        _, first, killed, kill = kills[0]
+        return MemoryKill(Killer.KERNEL, killed, kill.memory_limit, others=len({k[1] for k in kills} - {first}))
+    ray = RayMemoryKill.of(str(job.status.get("message") or "")) if job is not None else None
+    if ray is None:
+        return None
+    node = next((p for p in alive if ray.node_ip and p.ip == ray.node_ip), None)
+    return MemoryKill(Killer.RAY, node, node.memory_limit if node else "", ray)
 
 
 def serve_app_state(status: Mapping) -> tuple[str, str]:

@@ -37,6 +37,12 @@ Rules worth knowing (see also docs/concepts.md):
     SliceProvisioned condition, and a SliceBlocked event is posted once per new cause; the
     ProvisioningTimeout message carries it. A re-created object waits (Pending,
     WaitingForPrevious) until the deleted one's RayCluster and pods are gone.
+  * A job that failed, or a host lost under it, because a pod was killed for memory (a container
+    the kernel's OOM killer ended, in the pods read then: wants_failure_pods; or Ray's memory
+    monitor, in the job's message) is said so: which pod, where in the slice, its limit, what to
+    change. Retries and slice replacements count as for any failure; a run that ends, ends
+    OutOfMemory. A RayJob's message reaches status without colour codes or Ray's log tail
+    (observed.job_message): the log stays in `tpuft logs`.
   * status.goodput (tpuft.goodput): each time phaseTransitionTime moves, the seconds since the
     previous one go to the cause they were spent on (provisioning, verification, training,
     recovery, suspended); ratio = training / total.
@@ -51,13 +57,13 @@ from typing import Any, Mapping
 from tpuft import builders, goodput
 from tpuft import constants as c
 from tpuft.constants import Condition, ConditionStatus, EventType, Phase, Reason
-from tpuft.diagnosis import Blocker, blocking, pool_hint
+from tpuft.diagnosis import Blocker, blocking, host_of, pool_hint
 from tpuft.spec import DEFAULTS, SpecError, TPUFinetune, parse
 from tpuft.observed import (
-    CONDITION_ORDER, SERVE_ENABLED_FIELD, Action, ClusterObs, Decision, Event, JobObs, Observed, Op, QueueObs, Tunables,
-    cluster_progress, cluster_provisioned, cluster_suspended, fmt_time, job_failed, job_failure_detail, job_finishing,
-    job_lost, job_settled, job_state, job_succeeded, parse_time, service_progress, service_ready, serving_ready,
-    slice_loss, spec_diff)
+    CONDITION_ORDER, SERVE_ENABLED_FIELD, Action, ClusterObs, Decision, Event, JobObs, Killer, MemoryKill, Observed, Op,
+    QueueObs, Tunables, cluster_progress, cluster_provisioned, cluster_suspended, fmt_time, job_failed,
+    job_failure_detail, job_finishing, job_lost, job_settled, job_state, job_succeeded, memory_kill, parse_time,
+    service_progress, service_ready, serving_ready, slice_loss, spec_diff)
 from tpuft.status import (Children, IgnoredSpecChange, LostSlice, LostSubmission, Preemption, Recovery, Resubmit,
                           RunCondition, RunStatus, Serving, Slice, Verification)
 
@@ -457,6 +463,10 @@ def _replace_slice(draft: _Draft, tft: TPUFinetune, obs: Observed, cause: str) -
     allowed, was = tft.spec.recovery.max_slice_replacements, draft.phase
     assert was is not None and obs.cluster is not None   # _verifying and _training, past _lost_cluster
     done = draft.recovery.slice_replacements or 0
+    current = _verify_job(draft, tft) if was == Phase.VERIFYING else draft.children.train_job
+    killed = _memory_kill(draft, obs, obs.jobs.get(current or ""))
+    if killed is not None:   # a container the kernel ended for memory is restarted: its pod not ready meanwhile
+        cause = f"{cause}; {_killed_for_memory(tft, killed)}"
     loss = LostSlice(time=fmt_time(draft.now), phase=was.value, cause=cause,
                      hosts_ready=int(obs.cluster.status.get("readyWorkerReplicas") or 0),
                      hosts=tft.spec.slice.hosts * tft.spec.slices, step=draft.status.reported_step)
@@ -468,8 +478,11 @@ def _replace_slice(draft: _Draft, tft: TPUFinetune, obs: Observed, cause: str) -
     if done >= allowed:
         msg = (f"a host of the slice was lost during {was.value} ({cause}) and the slice has already been replaced "
                f"{done} time(s) (spec.recovery.maxSliceReplacements={allowed}); checkpoints are kept")
-        draft.set_condition(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, Reason.SLICE_LOST, msg)
-        draft.fail(Reason.SLICE_LOST, msg)
+        reason = Reason.SLICE_LOST
+        if killed is not None:
+            reason, msg = Reason.OUT_OF_MEMORY, f"{msg}; {_memory_advice(tft, killed, _component(was))}"
+        draft.set_condition(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, reason, msg)
+        draft.fail(reason, msg)
         return draft.finish()
     draft.status = replace(draft.status, recovery=draft.recovery.replacing_slice())
     msg = (f"replacing the slice ({done + 1} of {allowed}): a host was lost during {was.value} ({cause}); "
@@ -513,8 +526,12 @@ def _verifying(draft: _Draft, tft: TPUFinetune, obs: Observed, tunables: Tunable
         return _start_verification(draft, tft, Reason.SUBMISSION_LOST, msg)
     if job_failed(job):
         timed_out = job.status.get("reason") == c.RAYJOB_REASON_DEADLINE_EXCEEDED
-        reason = Reason.COLLECTIVE_TIMEOUT if timed_out else Reason.VERIFICATION_FAILED
-        msg = f"collective verification failed: {job_failure_detail(job)}" + (f"; workload: {workload}" if workload else "")
+        killed = None if timed_out else _memory_kill(draft, obs, job)
+        reason = (Reason.COLLECTIVE_TIMEOUT if timed_out else Reason.OUT_OF_MEMORY if killed
+                  else Reason.VERIFICATION_FAILED)
+        detail = (f"RayJob {name}: {_killed_for_memory(tft, killed)}: {_memory_advice(tft, killed, c.Component.VERIFY)}"
+                  if killed else job_failure_detail(job, _full_log(tft, c.Component.VERIFY)))
+        msg = f"collective verification failed: {detail}" + (f"; workload: {workload}" if workload else "")
         draft.set_condition(Condition.COLLECTIVES_VERIFIED, ConditionStatus.FALSE, reason, msg)
         if _finishing(draft, job, Condition.COLLECTIVES_VERIFIED, f"failing with {reason.value}", tunables):
             return draft.finish()
@@ -570,21 +587,93 @@ def _training(draft: _Draft, tft: TPUFinetune, obs: Observed, tunables: Tunables
             return draft.finish()
         return _resubmit_training(draft, tft, attempts, Reason.SUBMISSION_LOST, f"{msg}, resuming from checkpoint")
     if job_failed(job):
-        detail = job_failure_detail(job)
+        killed = _memory_kill(draft, obs, job)
+        detail = (f"RayJob {name}: {_killed_for_memory(tft, killed)}" if killed
+                  else job_failure_detail(job, _full_log(tft, c.Component.TRAIN)))
         if counted <= retries:
             return _resubmit_training(draft, tft, attempts, Reason.RETRYING, f"{detail}; resubmitted as "
                                       f"{names.train_attempt(attempts)} (attempt {counted + 1} of {retries + 1}), "
                                       "resuming from checkpoint")
+        if killed:
+            detail += f": {_memory_advice(tft, killed, c.Component.TRAIN)}"
         msg = f"training failed after {counted} attempt(s): {detail}" + (
             f" ({resubmitted} more RayJob(s) resubmitted after a lost submission)" if resubmitted else "")
-        draft.set_condition(Condition.TRAINING_SUCCEEDED, ConditionStatus.FALSE, Reason.TRAINING_FAILED, msg)
-        if _finishing(draft, job, Condition.TRAINING_SUCCEEDED, f"failing with {Reason.TRAINING_FAILED.value}",
-                      tunables):
+        reason = Reason.OUT_OF_MEMORY if killed else Reason.TRAINING_FAILED
+        draft.set_condition(Condition.TRAINING_SUCCEEDED, ConditionStatus.FALSE, reason, msg)
+        if _finishing(draft, job, Condition.TRAINING_SUCCEEDED, f"failing with {reason.value}", tunables):
             return draft.finish()
-        draft.fail(Reason.TRAINING_FAILED, msg)
+        draft.fail(reason, msg)
         return draft.finish()
     draft.move_to(Phase.TRAINING, Reason.TRAINING, f"training (RayJob {name}, attempt {counted} of {retries + 1})")
     return draft.finish()
+
+
+# --- a worker killed for memory (observed.memory_kill) -------------------------------------------------
+def wants_failure_pods(obj: Mapping[str, Any], observed: Observed) -> bool:
+    """Whether the handler should list the slice's pods for this reconcile although the slice is up:
+    in VerifyingCollectives or Training once the current RayJob has failed (not lost) or the slice
+    has lost a host. A container the kernel's OOM killer ended shows only there (the kubelet restarts
+    it; its lastState says OOMKilled), and a pod's IP names the node of Ray's memory monitor's kill."""
+    status = RunStatus.of(obj.get("status"))
+    children = status.children or Children()
+    current = (children.verify_job if status.phase == Phase.VERIFYING
+               else children.train_job if status.phase == Phase.TRAINING else None)
+    if current is None or observed.cluster is None:
+        return False
+    job = observed.jobs.get(current)
+    return (job is not None and job_failed(job) and not job_lost(job)) or slice_loss(observed.cluster.status) is not None
+
+
+def _memory_kill(draft: _Draft, obs: Observed, job: JobObs | None) -> MemoryKill | None:
+    """A pod of the slice killed for memory while `job` ran (since its start; without one, since
+    the phase began)."""
+    return memory_kill(obs.pods, job, parse_time(draft.status.phase_transition_time))
+
+
+def _killed_for_memory(tft: TPUFinetune, killed: MemoryKill) -> str:
+    """Which pod (its namespace/name, where in the slice), by what, at what memory limit."""
+    pod, shape = killed.pod, tft.spec.slice
+    if pod is not None:
+        role = "head" if pod.is_head else "worker"
+        where = "" if pod.is_head else host_of(pod, shape.hosts, shape.hosts if shape.is_tpu else 1)
+        who = f"{role} pod {tft.meta.namespace}/{pod.name}" + (f" ({where})" if where else "")
+    else:
+        ip = killed.ray.node_ip if killed.ray else ""
+        who = f"the Ray node at {ip}" if ip else "a Ray node"
+    limit = f"limit {killed.memory_limit}" if killed.memory_limit else "no memory limit set"
+    if killed.killer == Killer.KERNEL:
+        more = f"; the OOM killer ended containers of {killed.others} more pod(s) too" if killed.others else ""
+        return f"{who} was killed for memory by {Killer.KERNEL.value} ({limit}){more}"
+    ray = killed.ray
+    numbers = [f"{ray.used} used of {ray.total}" if ray and ray.used else "",
+               f"over its threshold {ray.threshold}" if ray and ray.threshold else "", f"pod {limit}" if pod else ""]
+    said = ", ".join(x for x in numbers if x)
+    return f"a worker process on {who} was killed for memory by {Killer.RAY.value}" + (f" ({said})" if said else "")
+
+
+def _memory_advice(tft: TPUFinetune, killed: MemoryKill, job: c.Component) -> str:
+    """What to change, and where the whole log is. Training's memory shrinks per host with more
+    hosts to shard over and with LoRA (no optimizer state for the frozen base); verification holds
+    no model, so only the limit helps there."""
+    if killed.pod is not None and killed.pod.is_head:
+        change = "give the head more memory (spec.resources.head.limits.memory)"
+    else:
+        ways = ["give the workers more memory (spec.resources.worker.limits.memory)"]
+        if job == c.Component.TRAIN:
+            ways.append("a bigger slice")
+            if tft.spec.training.method != c.TrainingMethod.LORA.value:
+                ways.append("spec.training.method: lora")
+        change = ways[0] if len(ways) == 1 else ", ".join(ways[:-1]) + (", or " if len(ways) > 2 else " or ") + ways[-1]
+    return f"{change}; the full log: {_full_log(tft, job)}"
+
+
+def _component(phase: Phase) -> c.Component:
+    return c.Component.VERIFY if phase == Phase.VERIFYING else c.Component.TRAIN
+
+
+def _full_log(tft: TPUFinetune, job: c.Component) -> str:
+    """The command that prints a job's whole driver log (tpuft.logs_cli)."""
+    return f"tpuft logs {tft.meta.name} -n {tft.meta.namespace}" + (" --job verify" if job == c.Component.VERIFY else "")
 
 
 def _resubmit_training(draft: _Draft, tft: TPUFinetune, index: int, reason: Reason, msg: str) -> Decision:

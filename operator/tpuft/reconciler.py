@@ -106,7 +106,9 @@ class Reconciler:
         if phases.wants_serve_pods(obj):
             return self._with_serve_pods(observed, obj)
         clusters = children.get(c.RAYCLUSTER_KIND, ())
-        return self._with_pods(observed, obj, clusters) if phases.wants_pods(obj) else observed
+        if phases.wants_pods(obj):
+            return self._with_pods(observed, obj, clusters)
+        return self._with_failure_pods(observed, obj) if phases.wants_failure_pods(obj, observed) else observed
 
     def _deleting_jobs(self, ns: str, jobs: Sequence[IndexedChild], removed: Collection[tuple[str, str]],
                        uid: str | None) -> tuple[str, ...]:
@@ -149,6 +151,15 @@ class Reconciler:
         pools = self._node_pools() if found and found[0] == diagnosis.Blocker.UNSCHEDULABLE else None
         return dataclasses.replace(observed, pods=mine, pools=pools,
                                    leftovers=old + tuple(f"pod {p}" for p in stale))
+
+    def _with_failure_pods(self, observed: Observed, obj: dict) -> Observed:
+        """A job failed or a host was lost under a running slice: its pods, listed fresh each time (a
+        list kept from before the failure would not show a container killed for memory since)."""
+        cluster = observed.cluster
+        assert cluster is not None   # phases.wants_failure_pods
+        pods = self.kube.slice_pods(obj["metadata"]["namespace"], cluster.name) or ()
+        return dataclasses.replace(observed, pods=tuple(p for p in pods if cluster.uid is None
+                                                        or p.cluster_uid == cluster.uid))
 
     def _node_pools(self) -> tuple | None:
         """The cluster's TPU node pools, one list of nodes per POOLS_CACHE_SECONDS for all objects."""

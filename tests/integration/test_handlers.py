@@ -18,7 +18,7 @@ from kopf.testing import KopfRunner
 from kubernetes import client
 
 from tests.factories import small_object
-from tests.kuberay_standin import KubeRay
+from tests.kuberay_standin import KubeRay, entrypoint_failed, train_controller_log
 from tests.waiting import wait_until
 
 NAME = "ft"
@@ -387,6 +387,33 @@ def test_a_host_lost_in_training_replaces_the_slice_and_resumes(operator, tft, k
         assert st["reason"] == "SliceLost" and [h["hostsReady"] for h in st["recovery"]["history"]] == [3, 2]
     reasons = [e["reason"] for e in tft.events() if e["type"] == "Warning"]
     assert reasons.count("ReplacingSlice") == 1 and "SliceLost" in reasons
+
+
+def test_a_worker_killed_for_memory_is_named_and_the_log_stays_out_of_status(operator, tft, kuberay, namespace):
+    """The kernel's OOM killer ended a worker's container (its pod's lastState as the kubelet writes
+    it, read through the real API server), then the training RayJob failed with KubeRay's message of
+    20,000 coloured characters: Failed/OutOfMemory naming the pod, where it sits and its limit; no log
+    in status or events."""
+    with operator():
+        tft.apply(verification={"enabled": False}, training={"maxJobRetries": 0})
+        tft.wait("Provisioning")
+        kuberay.cluster_ready(f"{NAME}-ray")
+        tft.wait("Training")
+        kuberay.job_running(f"{NAME}-train")
+        kuberay.oom_killed_worker(f"{NAME}-ray", f"{NAME}-ray-tpu-worker-x", "200Gi", replica=0, host=2)
+        log = train_controller_log(400, "ray.exceptions.ActorDiedError: The actor died because its node has died.\n")
+        kuberay.job_failed(f"{NAME}-train", entrypoint_failed(log))
+        st = tft.wait("Failed")
+        assert st["reason"] == "OutOfMemory", st
+        assert st["message"] == (
+            f"training failed after 1 attempt(s): RayJob {NAME}-train: worker pod {namespace}/{NAME}-ray-tpu-worker-x "
+            "(host 2 of slice 0) was killed for memory by the kernel's OOM killer (limit 200Gi): give the workers more "
+            "memory (spec.resources.worker.limits.memory), a bigger slice, or spec.training.method: lora; the full "
+            f"log: tpuft logs {NAME} -n {namespace}")
+        assert "TrainController" not in json.dumps(st)
+    events = tft.events()
+    assert "OutOfMemory" in [e["reason"] for e in events if e["type"] == "Warning"]
+    assert not [e for e in events if "TrainController" in e["message"]]
 
 
 def test_a_lost_submission_is_resubmitted_without_spending_a_retry(operator, tft, kuberay, monkeypatch):

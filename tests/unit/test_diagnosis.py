@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tpuft.diagnosis import MAX_DETAIL, PodObs, blocking_cause, leftovers, pool_hint
+from tpuft.diagnosis import MAX_DETAIL, OomKilled, PodObs, blocking_cause, host_of, leftovers, pool_hint
 
 
 def pod(name: str = "ft-ray-worker-a", *, waiting: dict | None = None, last: dict | None = None,
@@ -109,3 +109,60 @@ def test_the_pool_hint_names_what_the_cluster_offers(pools, expected):
 ])
 def test_the_pool_hint_counts_the_hosts_every_slice_needs(nodes, slices, expected):
     assert pool_hint((("tpu-v6e-slice", "4x4", nodes),), "tpu-v6e-slice", "4x4", hosts=4, slices=slices) == expected
+
+
+# --- a container the kernel's OOM killer ended ------------------------------------------------------------
+def running_pod(name: str = "ft-ray-tpu-worker-x", *, labels: dict | None = None, env: list | None = None,
+                state: dict | None = None, last: dict | None = None, limit: str = "200Gi") -> dict:
+    """A Ray pod of a running slice, as the API server returns it once the kubelet has restarted
+    its container (restartPolicy Always)."""
+    cs = {"name": "ray-worker", "image": "img:1", "ready": True, "restartCount": 1 if last else 0,
+          "state": state or {"running": {"startedAt": "2026-01-01T12:03:00Z"}}}
+    if last:
+        cs["lastState"] = {"terminated": last}
+    container = {"name": "ray-worker", "image": "img:1", "env": env or [],
+                 "resources": {"limits": {"cpu": "8", "memory": limit}, "requests": {"cpu": "8", "memory": limit}}}
+    return {"metadata": {"name": name, "labels": {"ray.io/cluster": "ft-ray", "ray.io/node-type": "worker",
+                                                  **(labels or {})},
+                         "ownerReferences": [{"kind": "RayCluster", "name": "ft-ray", "uid": "rc-1"}]},
+            "spec": {"containers": [container, {"name": "sidecar", "image": "s:1"}]},
+            "status": {"phase": "Running", "podIP": "10.4.1.7", "containerStatuses": [cs]}}
+
+
+OOM = {"exitCode": 137, "reason": "OOMKilled", "startedAt": "2026-01-01T12:00:10Z", "finishedAt": "2026-01-01T12:02:59Z"}
+
+
+def test_an_oom_killed_container_is_read_from_its_last_state_with_its_limit():
+    obs = PodObs.of(running_pod(last=OOM, labels={"ray.io/worker-group-replica-index": "1",
+                                                  "ray.io/replica-host-index": "2"}))
+    assert obs.oom_killed == (OomKilled("ray-worker", "2026-01-01T12:02:59Z", "200Gi"),)
+    assert (obs.ip, obs.node_type, obs.is_head, obs.memory_limit) == ("10.4.1.7", "worker", False, "200Gi")
+    assert (obs.replica_index, obs.host_index) == (1, 2)
+    assert blocking_cause((obs,)) is None   # running again: not a stall
+
+
+def test_an_oom_killed_container_not_yet_restarted_is_read_from_its_state():
+    obs = PodObs.of(running_pod(state={"terminated": OOM}, last={**OOM, "finishedAt": "2026-01-01T11:00:00Z"}))
+    assert [k.finished_at for k in obs.oom_killed] == ["2026-01-01T12:02:59Z"]   # the latest, once
+
+
+@pytest.mark.parametrize("last", [None, {"exitCode": 1, "reason": "Error", "finishedAt": "2026-01-01T12:02:59Z"}])
+def test_other_exits_are_not_oom_kills(last):
+    assert PodObs.of(running_pod(last=last)).oom_killed == ()
+
+
+def test_without_kuberays_index_labels_the_tpu_webhooks_place_the_pod():
+    obs = PodObs.of(running_pod(labels={"replicaIndex": "tpu-group-1"}, env=[{"name": "TPU_WORKER_ID", "value": "3"}]))
+    assert (obs.replica_index, obs.host_index) == (1, 3)
+    assert (PodObs.of(running_pod()).replica_index, PodObs.of(running_pod()).host_index) == (None, None)
+
+
+@pytest.mark.parametrize("replica,host,hosts_per_replica,expected", [
+    (0, 2, 4, "host 2 of slice 0"),     # TPU: a slice is one group replica of its hosts
+    (1, 3, 4, "host 3 of slice 1"),
+    (5, None, 1, "host 1 of slice 1"),  # CPU: each host is a replica of one (4 hosts per slice here)
+    (1, None, 4, ""),                   # a TPU pod without its host index
+    (None, 2, 4, ""),
+])
+def test_host_of_names_the_slice_and_host(replica, host, hosts_per_replica, expected):
+    assert host_of(PodObs("p", replica_index=replica, host_index=host), 4, hosts_per_replica) == expected

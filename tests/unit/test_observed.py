@@ -1,13 +1,20 @@
 """tpuft.observed's table of child kinds (CHILD_KINDS): each row's field is an Observed field,
-the status.children keys it reads are in the CRD's status schema, and the liveness rule."""
+the status.children keys it reads are in the CRD's status schema, and the liveness rule; a failed
+RayJob's message as status shows it, and a pod killed for memory (observed.memory_kill)."""
 from __future__ import annotations
 
 import dataclasses
+from datetime import datetime, timezone
 
+import pytest
+
+from tests.kuberay_standin import entrypoint_failed, memory_monitor_kill, train_controller_log
 from tpuft import constants as c
 from tpuft import crd
+from tpuft.diagnosis import OomKilled, PodObs
 from tpuft.kube import CUSTOM
-from tpuft.observed import CHILD_KINDS, ClusterObs, IndexedChild, JobObs, Observed, ServiceObs, live
+from tpuft.observed import (CHILD_KINDS, MAX_JOB_MESSAGE, ClusterObs, IndexedChild, JobObs, Killer, MemoryKill,
+                            Observed, RayMemoryKill, ServiceObs, job_failure_detail, job_message, live, memory_kill)
 
 
 def test_each_child_kind_observes_a_field_of_observed_named_in_the_crds_status_children():
@@ -38,3 +45,94 @@ def test_each_row_turns_what_was_found_into_its_field():
         "ft-verify": JobObs("ft-verify", {"jobStatus": "SUCCEEDED"}), "ft-old": JobObs("ft-old")}
     service = IndexedChild("ft-serve", {"x": 1})
     assert rows[c.RAYSERVICE_KIND].observe({"ft-serve": service}, ("ft-serve",)) == ServiceObs("ft-serve", {"x": 1})
+
+
+# --- a failed RayJob's message ------------------------------------------------------------------------
+def failed(message: str, **status) -> JobObs:
+    return JobObs("ft-train", {"jobStatus": "FAILED", "jobDeploymentStatus": "Failed", "reason": "AppFailed",
+                               "message": message, **status})
+
+
+def test_a_failed_jobs_log_tail_and_colour_stay_out_of_status():
+    log = train_controller_log(400, "\x1b[36m(TrainController pid=2211)\x1b[0m ray.train.WorkerGroupError: "
+                                    "Training failed due to worker errors\n")
+    job = failed(entrypoint_failed(log))
+    assert len(job.status["message"]) > 20_000
+    assert job_message(job) == ("Job entrypoint command failed with exit code 1", True)
+    assert job_failure_detail(job, "tpuft logs ft -n team-a") == (
+        "RayJob ft-train: jobDeploymentStatus=Failed jobStatus=FAILED, reason=AppFailed, Job entrypoint command "
+        "failed with exit code 1; the full log: tpuft logs ft -n team-a")
+
+
+@pytest.mark.parametrize("message,expected", [
+    ("The RayJob has passed the activeDeadlineSeconds. ActiveDeadlineSeconds: 660",
+     ("The RayJob has passed the activeDeadlineSeconds. ActiveDeadlineSeconds: 660", False)),
+    ("\x1b[31mfailed to start\x1b[0m", ("failed to start", False)),
+    ("[36m(TrainController pid=9)[0m boom\nTraceback ...", ("(TrainController pid=9) boom", True)),   # ESC lost
+    ("x" * 1000, ("x" * (MAX_JOB_MESSAGE - 3) + "...", True)),
+    ("", ("", False)),
+])
+def test_a_short_message_is_kept_and_a_long_one_cut(message, expected):
+    assert job_message(failed(message)) == expected
+
+
+def test_the_full_log_is_named_only_where_something_was_left_out():
+    assert job_failure_detail(failed("bad spec"), "tpuft logs ft -n team-a").endswith("AppFailed, bad spec")
+
+
+# --- killed for memory ----------------------------------------------------------------------------------
+RAY_2_EARLIER = ("ray.exceptions.OutOfMemoryError: Task was killed due to the node running low on memory.\n"
+                 "Memory on the node (IP: 10.4.1.8, ID: 7a2b) where the task (actor ID: 0c1d, name=RayTrainWorker."
+                 "__init__, pid=415, memory used=180.02GB) was running was 190.12GB / 200.00GB (0.9506), which "
+                 "exceeds the memory usage threshold of 0.95. Ray killed this worker (ID: 9e) because it was the "
+                 "most recently scheduled task.")
+
+
+@pytest.mark.parametrize("message,expected", [
+    (memory_monitor_kill("10.4.1.7"), RayMemoryKill("10.4.1.7", "190.12GB", "200.00GB", "95.0%")),
+    (RAY_2_EARLIER, RayMemoryKill("10.4.1.8", "190.12GB", "200.00GB", "0.95")),
+    ("ray.exceptions.OutOfMemoryError: Task was killed due to the node running low on memory.",
+     RayMemoryKill()),
+    # Ray's guess about a worker that died is not a kill by its memory monitor
+    ("Worker exit type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits. Some common causes include: (1) "
+     "the process was killed by the OOM killer due to high memory usage, (2) ray stop --force was called", None),
+    ("Job entrypoint command failed with exit code 1", None),
+])
+def test_ray_memory_monitor_kills_are_read_from_the_jobs_message(message, expected):
+    assert RayMemoryKill.of(entrypoint_failed(train_controller_log(50, message))) == expected
+
+
+T_START = "2026-01-01T12:00:00Z"
+
+
+def worker(name: str, *kills: str, ip: str = "10.4.1.9") -> PodObs:
+    return PodObs(name, cluster_uid="rc-1", node_type="worker", ip=ip, memory_limit="200Gi",
+                  oom_killed=tuple(OomKilled("ray-worker", at, "200Gi") for at in kills))
+
+
+def test_the_kernels_first_kill_since_the_job_started_is_named():
+    pods = (worker("w-b", "2026-01-01T12:05:00Z"), worker("w-a", "2026-01-01T12:06:00Z"), worker("w-c"))
+    found = memory_kill(pods, failed("x", startTime=T_START))
+    assert found == MemoryKill(Killer.KERNEL, pods[0], "200Gi", others=1)
+
+
+def test_a_kill_before_the_job_started_is_an_earlier_jobs():
+    pods = (worker("w-a", "2026-01-01T11:59:59Z"),)
+    assert memory_kill(pods, failed("x", startTime=T_START)) is None
+    assert memory_kill(pods, failed("x"), started=datetime(2026, 1, 1, 12, tzinfo=timezone.utc)) is None   # no startTime
+    assert memory_kill(pods, failed("x")) is not None   # nothing to tell it by: named
+
+
+def test_rays_memory_monitor_is_named_by_the_pod_with_its_nodes_ip():
+    pods = (worker("w-a"), worker("w-b", ip="10.4.1.7"))
+    found = memory_kill(pods, failed(entrypoint_failed(memory_monitor_kill("10.4.1.7")), startTime=T_START))
+    assert found is not None and found.killer == Killer.RAY and found.pod == pods[1] and found.memory_limit == "200Gi"
+    assert found.ray == RayMemoryKill("10.4.1.7", "190.12GB", "200.00GB", "95.0%")
+    unknown = memory_kill(pods[:1], failed(entrypoint_failed(memory_monitor_kill("10.4.1.7"))))
+    assert unknown is not None and unknown.pod is None and unknown.memory_limit == ""
+
+
+def test_the_kernels_kill_comes_before_rays_words():
+    pods = (worker("w-a", "2026-01-01T12:05:00Z"), worker("w-b", ip="10.4.1.7"))
+    found = memory_kill(pods, failed(memory_monitor_kill("10.4.1.7"), startTime=T_START))
+    assert found is not None and (found.killer, found.pod) == (Killer.KERNEL, pods[0])

@@ -8,10 +8,11 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from tests.factories import merge_patch, small_object
+from tests.kuberay_standin import entrypoint_failed, memory_monitor_kill, train_controller_log
 from tpuft import builders, observed, phases
 from tpuft import constants as c
 from tpuft.constants import Phase
-from tpuft.diagnosis import PodObs, Waiting
+from tpuft.diagnosis import OomKilled, PodObs, Waiting
 from tpuft.observed import AdmissionError, ClusterObs, JobObs, Observed, Op
 from tpuft.spec import parse
 
@@ -1360,3 +1361,143 @@ def test_wants_queue(phase, suspended, expected):
     assert phases.wants_queue(o, cluster(0, suspended=suspended)) is expected
     assert phases.wants_queue(o, None) is False
     assert phases.wants_queue(make() | {"status": {"phase": phase}}, cluster(0, suspended=suspended)) is False
+
+
+# --- a worker killed for memory ------------------------------------------------------------------------
+STARTED = observed.fmt_time(at(0))   # the RayJob's status.startTime
+FULL_LOG = f"tpuft logs {NAME} -n {NS}"
+ADVICE = (f"give the workers more memory (spec.resources.worker.limits.memory), a bigger slice, or "
+          f"spec.training.method: lora; the full log: {FULL_LOG}")
+
+
+def oom_killed(name: str = f"{NAME}-ray-tpu-worker-x", killed_at: float | None = 50, replica: int = 0, host: int = 2,
+               node_type: str = "worker", ip: str = "10.4.1.7") -> PodObs:
+    """A Ray pod whose container the kernel's OOM killer ended killed_at seconds after T0 (None:
+    never), restarted since (lastState)."""
+    kills = (OomKilled("ray-worker", observed.fmt_time(at(killed_at)), "200Gi"),) if killed_at is not None else ()
+    return PodObs(name, cluster_uid="rc-1", node_type=node_type, ip=ip, replica_index=replica, host_index=host,
+                  memory_limit="200Gi", oom_killed=kills)
+
+
+def failed_train(name: str, message: str = entrypoint_failed(train_controller_log(300, "RuntimeError: boom")),
+                 started: str = STARTED) -> observed.JobObs:
+    return job(name, "FAILED", "Failed", reason="AppFailed", message=message, startTime=started)
+
+
+def test_a_worker_the_kernel_killed_for_memory_ends_the_run_out_of_memory():
+    o, n = training()
+    d = phases.decide(o, Observed(cluster(4, provisioned=True), {n.train_job: failed_train(n.train_job)},
+                                  pods=(oom_killed(),)), at(100), TUN)
+    msg = (f"training failed after 1 attempt(s): RayJob {n.train_job}: worker pod {NS}/{NAME}-ray-tpu-worker-x "
+           f"(host 2 of slice 0) was killed for memory by the kernel's OOM killer (limit 200Gi): {ADVICE}")
+    assert d.phase == "Failed" and d.status["reason"] == "OutOfMemory" and d.status["message"] == msg
+    assert (cond(d, c.Condition.TRAINING_SUCCEEDED)["reason"], cond(d, c.Condition.FAILED)["message"]) == ("OutOfMemory", msg)
+    assert [(e.type, e.reason, e.message) for e in d.events] == [("Warning", "OutOfMemory", f"Failed: {msg}")]
+    assert d.actions == ()
+
+
+def test_rays_memory_monitor_names_the_worker_by_its_ip_and_says_the_threshold():
+    o, n = training()
+    message = entrypoint_failed(train_controller_log(300, memory_monitor_kill("10.4.1.7")))
+    d = phases.decide(o, Observed(cluster(4, provisioned=True), {n.train_job: failed_train(n.train_job, message)},
+                                  pods=(oom_killed(killed_at=None), oom_killed("other", None, host=1, ip="10.4.1.6"))),
+                      at(100), TUN)
+    assert d.status["reason"] == "OutOfMemory"
+    assert d.status["message"] == (
+        f"training failed after 1 attempt(s): RayJob {n.train_job}: a worker process on worker pod "
+        f"{NS}/{NAME}-ray-tpu-worker-x (host 2 of slice 0) was killed for memory by Ray's memory monitor (190.12GB "
+        f"used of 200.00GB, over its threshold 95.0%, pod limit 200Gi): {ADVICE}")
+
+
+def test_a_lora_run_is_not_told_to_use_lora_and_a_killed_head_is_told_about_the_head():
+    o, n = training(training={"maxJobRetries": 0, "method": "lora", "framework": "torch"})
+    jobs = {n.train_job: failed_train(n.train_job)}
+    d = phases.decide(o, Observed(cluster(4, provisioned=True), jobs, pods=(oom_killed(),)), at(100), TUN)
+    assert d.status["message"].endswith(f"(limit 200Gi): give the workers more memory (spec.resources.worker.limits."
+                                        f"memory) or a bigger slice; the full log: {FULL_LOG}")
+    head = oom_killed(f"{NAME}-ray-head-x", node_type="head")
+    d = phases.decide(o, Observed(cluster(4, provisioned=True), jobs, pods=(head,)), at(100), TUN)
+    assert d.status["message"].endswith(f"RayJob {n.train_job}: head pod {NS}/{NAME}-ray-head-x was killed for memory "
+                                        f"by the kernel's OOM killer (limit 200Gi): give the head more memory "
+                                        f"(spec.resources.head.limits.memory); the full log: {FULL_LOG}")
+
+
+def test_an_attempt_killed_for_memory_is_retried_as_any_failed_one_and_an_older_kill_is_not_blamed():
+    o, n = training(training={"maxJobRetries": 2})
+    first, second = n.train_attempt(0), n.train_attempt(1)
+    jobs = {first: failed_train(first)}
+    d = phases.decide(o, Observed(cluster(4, provisioned=True), jobs, pods=(oom_killed(),)), at(100), TUN)
+    assert d.status["reason"] == "Retrying" and kinds(d) == [("create", "RayJob", second)]
+    assert d.status["message"] == (f"RayJob {first}: worker pod {NS}/{NAME}-ray-tpu-worker-x (host 2 of slice 0) was "
+                                   f"killed for memory by the kernel's OOM killer (limit 200Gi); resubmitted as {second} "
+                                   "(attempt 2 of 3), resuming from checkpoint")
+    o = apply(o, d)
+    jobs[second] = failed_train(second, started=observed.fmt_time(at(110)))   # the kill at 50 was the first attempt's
+    d = phases.decide(o, Observed(cluster(4, provisioned=True), jobs, pods=(oom_killed(),)), at(200), TUN)
+    assert d.status["reason"] == "Retrying" and "killed for memory" not in d.status["message"]
+
+
+def test_a_long_coloured_kuberay_message_reaches_status_short():
+    o, n = training()
+    log = train_controller_log(400, "\x1b[36m(TrainController pid=2211)\x1b[0m ray.train.WorkerGroupError: Training "
+                                    "failed due to worker errors:\n[Rank 3 Error Snippet]: ValueError: bad batch\n")
+    d = phases.decide(o, Observed(cluster(4, provisioned=True), {n.train_job: failed_train(n.train_job, entrypoint_failed(log))}),
+                      at(100), TUN)
+    msg = (f"training failed after 1 attempt(s): RayJob {n.train_job}: jobDeploymentStatus=Failed jobStatus=FAILED, "
+           f"reason=AppFailed, Job entrypoint command failed with exit code 1; the full log: {FULL_LOG}")
+    assert d.status["reason"] == "TrainingFailed" and d.status["message"] == msg
+    assert cond(d, c.Condition.TRAINING_SUCCEEDED)["message"] == msg and [e.message for e in d.events] == [f"Failed: {msg}"]
+
+
+def test_a_verification_worker_killed_for_memory_is_told_only_about_the_limit():
+    o, n = verifying()
+    verify = job(n.verify_job, "FAILED", "Failed", reason="AppFailed", message="Job entrypoint command failed with "
+                 "exit code 1. No logs available.", startTime=STARTED)
+    d = phases.decide(o, Observed(cluster(4, provisioned=True), {n.verify_job: verify}, pods=(oom_killed(),)), at(100), TUN)
+    assert d.phase == "Failed" and d.status["reason"] == "OutOfMemory"
+    assert d.status["message"] == (
+        f"collective verification failed: RayJob {n.verify_job}: worker pod {NS}/{NAME}-ray-tpu-worker-x (host 2 of "
+        f"slice 0) was killed for memory by the kernel's OOM killer (limit 200Gi): give the workers more memory "
+        f"(spec.resources.worker.limits.memory); the full log: {FULL_LOG} --job verify")
+    assert cond(d, c.Condition.COLLECTIVES_VERIFIED)["reason"] == "OutOfMemory"
+
+
+def test_a_host_lost_to_the_oom_killer_is_replaced_as_any_lost_host_saying_why():
+    o = run_to(make(recovery={"maxSliceReplacements": 1}), Phase.TRAINING)
+    train = names(o).train_job
+    d = phases.decide(o, Observed(lost(3), {train: job(train, startTime=STARTED)}, pods=(oom_killed(),)), at(100), TUN)
+    why = (f"3/4 worker hosts ready; worker pod {NS}/{NAME}-ray-tpu-worker-x (host 2 of slice 0) was killed for memory "
+           "by the kernel's OOM killer (limit 200Gi)")
+    assert d.status["reason"] == "ReplacingSlice" and f"during Training ({why})" in d.status["message"]
+    assert d.status["recovery"]["sliceReplacements"] == 1 and d.status["recovery"]["history"][0]["cause"] == why
+
+
+def test_a_host_lost_to_the_oom_killer_once_too_often_ends_the_run_out_of_memory():
+    o = run_to(make(recovery={"maxSliceReplacements": 0}), Phase.TRAINING)
+    train = names(o).train_job
+    d = phases.decide(o, Observed(lost(3), {train: job(train, startTime=STARTED)}, pods=(oom_killed(),)), at(100), TUN)
+    assert d.phase == "Failed" and d.status["reason"] == "OutOfMemory"
+    assert "maxSliceReplacements=0" in d.status["message"] and d.status["message"].endswith(f"kept; {ADVICE}")
+    assert cond(d, c.Condition.SLICE_PROVISIONED)["reason"] == "OutOfMemory"
+    d = phases.decide(o, Observed(lost(3), {train: job(train, startTime=STARTED)}), at(100), TUN)   # no kill seen
+    assert d.status["reason"] == "SliceLost"
+
+
+FAILED_JOB = {"jobStatus": "FAILED", "jobDeploymentStatus": "Failed", "reason": "AppFailed"}
+
+
+@pytest.mark.parametrize("phase,which,status,ready,wants", [
+    (Phase.TRAINING, "train", FAILED_JOB, 4, True),
+    (Phase.TRAINING, "train", {**FAILED_JOB, "jobDeploymentStatus": "Running"}, 4, True),   # KubeRay finishing it
+    (Phase.TRAINING, "train", {"jobStatus": "RUNNING", "jobDeploymentStatus": "Running"}, 4, False),
+    (Phase.TRAINING, "train", {"jobStatus": "RUNNING", "jobDeploymentStatus": "Running"}, 3, True),   # a host lost
+    (Phase.TRAINING, "verify", FAILED_JOB, 4, False),   # not the current job
+    (Phase.TRAINING, "train", {**FAILED_JOB, "jobStatus": "", "message": c.RAYJOB_MESSAGE_JOB_NOT_FOUND}, 4, False),
+    (Phase.VERIFYING, "verify", FAILED_JOB, 4, True),
+    (Phase.SUCCEEDED, "train", FAILED_JOB, 3, False),
+])
+def test_pods_are_read_after_a_running_slices_job_failed_or_a_host_was_lost(phase, which, status, ready, wants):
+    o = run_to(make(), Phase.VERIFYING if phase == Phase.VERIFYING else Phase.TRAINING)
+    o["status"]["phase"] = phase.value
+    name = names(o).train_job if which == "train" else names(o).verify_job
+    assert phases.wants_failure_pods(o, Observed(cluster(ready, provisioned=True), {name: JobObs(name, status)})) is wants
