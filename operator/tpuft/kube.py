@@ -3,7 +3,7 @@ a worker thread). Every error names the verb, kind and namespace/name it was abo
 
 Verbs used (and nothing else; see charts/.../_rbac-rules.tpl): tpufinetunes status patch (kopf lists/watches);
 rayclusters/rayjobs get, create, patch, delete; rayservices get, create, delete (spec.serve); serviceaccounts, roles, rolebindings get,
-create; networkpolicies get, create (the run's ingress policy; get only to adopt ours on a 409); events create; pods list (a RayCluster's, while its slice comes up); nodes list
+create; networkpolicies get, create (the run's ingress policy; get only to adopt ours on a 409); events create; pods list (a RayCluster's, while its slice comes up and after a job failed or a host was lost: a worker killed for memory); nodes list
 (optional, cluster-wide installs: node pool hints for an unschedulable slice); Kueue workloads list (by
 job-uid label, a queued RayCluster's). The operator never reads Secrets.
 """

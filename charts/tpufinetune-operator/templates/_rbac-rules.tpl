@@ -28,7 +28,8 @@ exact set).
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]
-# A RayCluster's pods, listed (by its ray.io/cluster label) while its slice comes up, and the
+# A RayCluster's pods, listed (by its ray.io/cluster label) while its slice comes up and after a job failed
+# or a host was lost (a worker killed for memory), and the
 # serving cluster's (by our labels) until its app runs: the scheduler's and the kubelet's reason
 # for a stall goes into status, and a re-created object waits for the deleted one's pods to go.
 # Read only; nothing else on pods.
