@@ -1,133 +1,140 @@
-"""Which Gemma and Llama sizes fit a slice's HBM: full FSDP fine-tuning vs LoRA (issue 30).
+"""Which Gemma and Llama sizes fit a slice: HBM per chip and memory per worker pod, full vs LoRA.
 
-Arithmetic, not a measurement: parameter counts from each model's published config (embeddings,
-attention with grouped KV heads, gated MLP, norms), HBM per chip from the catalog
-(tpuft.catalog.Generation.hbm_gb), everything sharded evenly over the slice's chips (FSDP2).
+Arithmetic, not a measurement (tpuft.model_sizes, which `tpuft validate` warns from too): parameter
+counts from each model's published config (embeddings, attention with grouped KV heads, gated MLP,
+norms; the text model only), HBM per chip and the worker pod's memory from the catalog
+(tpuft.catalog.Generation.hbm_gb and .worker, the default spec.resources.worker raises), the
+weights sharded evenly over one slice's devices (FSDP2), one torch rank per device.
 
 Bytes per parameter, as tpuft_workload trains:
-  full  16: fp32 master weights (4), fp32 gradients (4), AdamW's two fp32 moments (8); the bf16
-        compute copy of a layer is gathered one layer at a time (counted in the reserve below).
-  lora   4 per frozen base weight (fp32, as the workload loads it: no gradient, no optimizer state;
-        holding it in bf16, 2, is not done yet) + 16 per adapter weight.
-Assumption, stated: activations, the gathered layer and XLA's workspace take RESERVE of each chip's
-HBM (batch 4 x 512 tokens per device, the CRD's defaults; a long maxSeqLength needs more).
+  HBM    full 16: fp32 weights, fp32 gradients, AdamW's two fp32 moments;
+         LoRA  2 per frozen base weight (bf16 on accelerators) + 16 per adapter weight.
+  a worker pod's memory, each of its ranks adding the overhead below:
+    at load      the sharded load (tpuft_workload.sharded_load): each of the host's ranks holds its
+                 1/devices shard of the weights, 4 a full weight, 2 a frozen one, 4 an adapter (an
+                 upper bound on TPU, where the shard goes through host memory into HBM);
+    in training  the overhead only (the state is in HBM);
+    at export    worker pod 0, where the whole model is gathered: full 6 (fp32 + its bf16 copy);
+                 LoRA merged 4 (the bf16 base + the copies the adapters merge into; spec.export.merge,
+                 or served by vLLM); LoRA not merged writes the adapters only.
+Assumptions, stated: activations, the gathered layer and XLA's workspace take RESERVE of each chip's
+HBM (batch 4 x 512 tokens per device, the CRD's defaults; a long maxSeqLength needs more). The
+overhead per rank, 1.1 GiB, is the peak RSS of a CPU rank beyond its shard of weights, gradients and
+moments, measured with `.venv/bin/python bench/sharded_load.py --workers 2 --hidden 512 --layers 4
+--paths sharded` (1.10 GiB; at --hidden 1024, 1.12); libtpu's own host memory is not in it.
+Ray's object store in /dev/shm holds data blocks only, left out.
 
-    .venv-unit/bin/python bench/lora_fit.py [--rank 16] [--reserve 0.3]
+    .venv-unit/bin/python bench/lora_fit.py [--rank 16] [--reserve 0.3] [--overhead-gib 1.1]
 
-Prints a markdown table and writes bench/results/lora_fit.json.
+Prints two markdown tables (the slices, then what fits) and writes bench/results/lora_fit.json.
 """
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass
+import sys
+from dataclasses import asdict, replace
 from pathlib import Path
 
-from tpuft import catalog
-from tpuft.constants import LORA_DEFAULT_TARGET_MODULES
+from tpuft import catalog, model_sizes
+from tpuft.model_sizes import LORA
 
-OUT = Path(__file__).resolve().parent / "results" / "lora_fit.json"
-GB = 1e9
-
-
-@dataclass(frozen=True)
-class Model:
-    name: str
-    vocab: int
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    tied: bool   # input and output embeddings share one matrix
-
-    def projections(self) -> dict[str, tuple[int, int]]:
-        """(in, out) of each linear layer LoRA targets by default, one decoder layer."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        h, i = self.hidden, self.intermediate
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-
-    def parameters(self) -> int:
-        per_layer = sum(a * b for a, b in self.projections().values()) + 2 * self.hidden
-        return self.layers * per_layer + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
-
-    def lora_parameters(self, rank: int) -> int:
-        assert set(self.projections()) == set(LORA_DEFAULT_TARGET_MODULES["llama"])   # the defaults we train
-        return self.layers * sum(rank * (a + b) for a, b in self.projections().values())
-
-
-# Published configs (config.json on each model's Hugging Face page).
-MODELS = (
-    Model("Llama 3.2 1B", 128256, 2048, 8192, 16, 32, 8, 64, True),
-    Model("Llama 3.2 3B", 128256, 3072, 8192, 28, 24, 8, 128, True),
-    Model("Llama 3.1 8B", 128256, 4096, 14336, 32, 32, 8, 128, False),
-    Model("Llama 3.1 70B", 128256, 8192, 28672, 80, 64, 8, 128, False),
-    Model("Gemma 3 1B", 262144, 1152, 6912, 26, 4, 1, 256, True),
-    Model("Gemma 3 4B", 262208, 2560, 10240, 34, 8, 4, 256, True),
-    Model("Gemma 3 12B", 262208, 3840, 15360, 48, 16, 8, 256, True),
-    Model("Gemma 3 27B", 262208, 5376, 21504, 62, 32, 16, 128, True),
-)
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "bench" / "results" / "lora_fit.json"
 SLICES = (("v5e", "2x4"), ("v6e", "2x4"), ("v6e", "4x4"), ("tpu7x", "2x2x2"))
-FULL_BYTES, FROZEN_BYTES, TRAINED_BYTES = 16, 4, 16
 
 
-def per_chip_gb(model: Model, method: str, rank: int, chips: int) -> float:
-    p = model.parameters()
-    if method == "full":
-        total = FULL_BYTES * p
-    else:
-        a = model.lora_parameters(rank)
-        total = FROZEN_BYTES * p + TRAINED_BYTES * a
-    return total / chips / GB
+def fits_of(model: model_sizes.ModelShape, shape: catalog.SliceShape, rank: int, reserve: float,
+            overhead_gib: float) -> dict[str, model_sizes.Fit]:
+    """full, LoRA (adapters exported) and LoRA with the merged weights exported, on one slice."""
+    run = model_sizes.Run(rank=rank, reserve=reserve, rank_overhead_gib=overhead_gib)
+    return {"full": model_sizes.fit(model, shape, run), "lora": model_sizes.fit(model, shape, replace(run, method=LORA)),
+            "loraMerged": model_sizes.fit(model, shape, replace(run, method=LORA, merged=True))}
 
 
-def table(rank: int, reserve: float) -> dict:
+def _short(f: model_sizes.Fit) -> list[str]:
+    return [x.name for x in f.figures if not x.fits]
+
+
+def verdict(fits: dict[str, model_sizes.Fit]) -> str:
+    """full and LoRA / LoRA only / LoRA, not merged / neither, and the figures short for the rest."""
+    full, lora, merged = fits["full"], fits["lora"], fits["loraMerged"]
+    if full.fits:
+        return "full and LoRA"
+    why_full = f"full: {', '.join(_short(full))}"
+    if merged.fits:
+        return f"LoRA only ({why_full})"
+    if lora.fits:
+        return f"LoRA, not merged ({why_full}; merged: {', '.join(_short(merged))})"
+    return f"neither ({why_full}; LoRA: {', '.join(_short(lora))})"
+
+
+def _figures(f: model_sizes.Fit) -> dict:
+    out = {"fits": f.fits}
+    if f.hbm is not None:
+        out["hbmGbPerChip"] = round(f.hbm.need, 2)
+    out.update(hostGibLoad=round(f.load.need, 1), hostGibTraining=round(f.training.need, 1),
+               hostGibExport=round(f.export.need, 1))
+    return out
+
+
+def table(rank: int, reserve: float, overhead_gib: float) -> dict:
     shapes = [catalog.resolve_slice(acc, topo) for acc, topo in SLICES]
     rows = []
-    for m in MODELS:
+    for m in model_sizes.MODELS:
         row = {"model": m.name, "parameters": m.parameters(), "loraParameters": m.lora_parameters(rank), "fits": {}}
         for shape in shapes:
-            chips = shape.chips
-            budget = catalog.generation(shape.generation).hbm_gb * (1 - reserve)
-            key = f"{shape.generation} {shape.topology}"
-            need = {meth: per_chip_gb(m, meth, rank, chips) for meth in ("full", "lora")}
-            row["fits"][key] = {meth: {"gbPerChip": round(gb, 2), "fits": gb <= budget} for meth, gb in need.items()}
+            fits = fits_of(m, shape, rank, reserve, overhead_gib)
+            row["fits"][f"{shape.generation} {shape.topology}"] = {
+                "verdict": verdict(fits), **{name: _figures(f) for name, f in fits.items()}}
         rows.append(row)
-    return {"rank": rank, "reserve": reserve, "bytesPerParameter": {"full": FULL_BYTES, "frozen": FROZEN_BYTES,
-                                                                  "adapter": TRAINED_BYTES},
+    tpu, cpu = model_sizes.TPU_BYTES, model_sizes.CPU_BYTES
+    return {"rank": rank, "reserve": reserve, "rankOverheadGib": overhead_gib,
+            "bytesPerParameter": {"hbm": tpu["state"], "hostWeights": tpu["weights"],
+                                  "export": {k: v[0] for k, v in model_sizes.EXPORT_BYTES.items()},
+                                  "cpu": {"state": cpu["state"], "weights": cpu["weights"]}},
             "slices": [{"slice": f"{s.generation} {s.topology}", "chips": s.chips,
-                        "hbmGbPerChip": catalog.generation(s.generation).hbm_gb} for s in shapes],
-            "models": [asdict(m) for m in MODELS], "rows": rows}
+                        "hbmGbPerChip": catalog.generation(s.generation).hbm_gb,
+                        "hbmBudgetGbPerChip": round(catalog.generation(s.generation).hbm_gb * (1 - reserve), 2),
+                        "workerPods": s.hosts, "ranksPerPod": s.devices_per_host,
+                        "podMemory": s.worker_pod.memory} for s in shapes],
+            "models": [asdict(m) for m in model_sizes.MODELS], "rows": rows}
 
 
 def markdown(t: dict) -> str:
-    heads = [s["slice"] + f" ({s['chips']} x {s['hbmGbPerChip']:g} GB)" for s in t["slices"]]
-    out = ["| model (params, LoRA r=%d adapters) | %s |" % (t["rank"], " | ".join(heads)),
-           "|---|" + "---|" * len(heads)]
+    out = [f"| slice | chips x HBM | HBM a chip may hold ({1 - t['reserve']:.0%}) | worker pods x memory | "
+           "ranks a pod |", "|---|---|---|---|---|"]
+    for s in t["slices"]:
+        out.append(f"| {s['slice']} | {s['chips']} x {s['hbmGbPerChip']:g} GB | {s['hbmBudgetGbPerChip']:g} GB | "
+                   f"{s['workerPods']} x {s['podMemory']} | {s['ranksPerPod']} |")
+    out += ["", f"| model (parameters, LoRA r={t['rank']} adapters) | slice | HBM GB per chip, full / LoRA | "
+                "pod GiB at load, full / LoRA | pod GiB in training | pod 0 GiB at export, full / LoRA merged | "
+                "fits |", "|---|---|---|---|---|---|---|"]
     for r in t["rows"]:
-        cells = []
-        for s in t["slices"]:
-            f = r["fits"][s["slice"]]
-            word = "full + LoRA" if f["full"]["fits"] else ("LoRA only" if f["lora"]["fits"] else "neither")
-            cells.append(f"{word} ({f['full']['gbPerChip']:g} / {f['lora']['gbPerChip']:g} GB)")
-        out.append(f"| {r['model']} ({r['parameters'] / 1e9:.1f}B, {r['loraParameters'] / 1e6:.0f}M) | "
-                   + " | ".join(cells) + " |")
+        label = f"{r['model']} ({r['parameters'] / 1e9:.1f}B, {r['loraParameters'] / 1e6:.0f}M)"
+        for key, f in r["fits"].items():
+            full, lora, merged = f["full"], f["lora"], f["loraMerged"]
+            out.append(f"| {label} | {key} | {full['hbmGbPerChip']:g} / {lora['hbmGbPerChip']:g} | "
+                       f"{full['hostGibLoad']:g} / {lora['hostGibLoad']:g} | {full['hostGibTraining']:g} | "
+                       f"{full['hostGibExport']:g} / {merged['hostGibExport']:g} | {f['verdict']} |")
     return "\n".join(out)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--reserve", type=float, default=0.3, help="fraction of HBM left for activations and workspace")
-    args = ap.parse_args()
-    t = table(args.rank, args.reserve)
+    ap.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
+    ap.add_argument("--reserve", type=float, default=model_sizes.HBM_RESERVE,
+                    help=f"fraction of HBM left for activations and workspace (default {model_sizes.HBM_RESERVE})")
+    ap.add_argument("--overhead-gib", type=float, default=model_sizes.RANK_OVERHEAD_GIB,
+                    help=f"host memory per rank beyond its shard (default {model_sizes.RANK_OVERHEAD_GIB}, measured "
+                         "with bench/sharded_load.py)")
+    args = ap.parse_args(argv)
+    t = table(args.rank, args.reserve, args.overhead_gib)
     OUT.write_text(json.dumps(t, indent=2) + "\n")
     print(markdown(t))
-    print(f"\n(GB per chip: full / LoRA; fits when at most {1 - args.reserve:.0%} of the chip's HBM; "
-          f"written to {OUT.relative_to(Path.cwd()) if OUT.is_relative_to(Path.cwd()) else OUT})")
+    print(f"\n(written to {OUT.relative_to(REPO)})")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import yaml
 
-from tpuft import builders, catalog, records
+from tpuft import builders, catalog, model_sizes, records
 from tpuft.constants import DATASET_COLUMN_KEYS, KIND, DatasetType
-from tpuft.spec import Problem, SpecError
+from tpuft.spec import Problem, SpecError, TPUFinetune
 from tpuft.strictfields import parse_strict
 
 EXIT_INVALID = 2
@@ -92,9 +92,33 @@ def run_validate(args: argparse.Namespace) -> int:
             datasets.append(tft.spec.dataset)
             print(f"{label}: {tft.meta.ref}: valid ({tft.spec.accelerator} {tft.spec.slice.topology}, "
                   f"{tft.spec.slices} slice(s), {tft.spec.slice.hosts} host(s)/slice, {tft.spec.num_workers} workers)")
+            for warning in fit_warnings(tft):   # an estimate: told, never refused
+                print(f"{label}: {tft.meta.ref}: {warning}", file=sys.stderr)
     if args.data is not None:
         failed += not _validate_data(args, datasets)
     return EXIT_INVALID if failed else 0
+
+
+def fit_warnings(tft: TPUFinetune) -> list[str]:
+    """Where spec.model is a model whose shape tpuft.model_sizes knows: a line for each figure (HBM
+    per chip, a worker pod's memory at load, in training, at export) that does not fit the slice."""
+    shape = model_sizes.known(tft.spec.model)
+    if shape is None:
+        return []
+    training, lora = tft.spec.training, tft.spec.training.lora
+    run = model_sizes.Run(method=training.method, rank=lora.rank if lora else 0,
+                          targets=lora.target_modules if lora else (), framework=training.framework,
+                          merged=builders.merges(tft), pod_memory=_worker_memory(tft))
+    fit = model_sizes.fit(shape, tft.spec.slice, run)
+    return model_sizes.warnings(tft.spec.model, fit)
+
+
+def _worker_memory(tft: TPUFinetune) -> str:
+    """The worker container's memory limit, as the RayCluster builder sets it (spec.resources.worker
+    over the catalog's default)."""
+    group = builders.build_raycluster(tft)["spec"]["workerGroupSpecs"][0]
+    worker = next(c for c in group["template"]["spec"]["containers"] if c["name"] == builders.WORKER_CONTAINER)
+    return worker["resources"]["limits"]["memory"]
 
 
 def _validate_data(args: argparse.Namespace, datasets: list) -> bool:

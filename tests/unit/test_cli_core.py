@@ -75,3 +75,42 @@ def test_render_from_stdin_with_namespace():
     r = tpuft("render", "-", "-n", "team-a", stdin=(EXAMPLES / "local-cpu.yaml").read_text())
     assert r.returncode == 0, r.stderr
     assert {d["metadata"]["namespace"] for d in yaml.safe_load_all(r.stdout)} == {"team-a"}
+
+
+def _validate_model(tmp_path, model: str, **spec):
+    doc = yaml.safe_load((EXAMPLES / "v6e-4x4.yaml").read_text())
+    doc["spec"]["model"] = model
+    doc["spec"].update(spec)
+    path = tmp_path / "model.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return tpuft("validate", str(path))
+
+
+def test_validate_warns_when_a_known_model_cannot_fit_the_slice_naming_the_figure(tmp_path):
+    r = _validate_model(tmp_path, "google/gemma-3-27b-it")   # full, on a v6e 4x4
+    assert r.returncode == 0 and "valid (v6e 4x4" in r.stdout
+    assert r.stderr.count("warning:") == 1, r.stderr
+    assert ("warning: spec.model google/gemma-3-27b-it (27.0B parameters) needs about 27 GB of HBM per chip "
+            "with method full on v6e 4x4, more than the 22.4 GB") in r.stderr
+    assert "use method lora or a topology of at least 4x8" in r.stderr
+
+
+def test_validate_names_the_pod_memory_a_merged_export_needs_and_reads_the_workers_memory(tmp_path):
+    lora = {"training": {"method": "lora"}, "export": {"merge": True}}
+    r = _validate_model(tmp_path, "meta-llama/Llama-3.1-70B-Instruct", **lora)
+    assert r.returncode == 0
+    assert r.stderr.count("warning:") == 1, r.stderr
+    assert "needs about 267 GiB of memory in worker pod 0 at export with method lora on v6e 4x4, more than the " \
+           "pod's 200 GiB: raise spec.resources.worker.limits.memory" in r.stderr
+    roomy = {**lora, "resources": {"worker": {"limits": {"memory": "300Gi"}}}}
+    assert "warning" not in _validate_model(tmp_path, "meta-llama/Llama-3.1-70B-Instruct", **roomy).stderr
+    # not merged: rank 0 gathers the adapters only
+    r = _validate_model(tmp_path, "meta-llama/Llama-3.1-70B-Instruct", training={"method": "lora"})
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+
+
+def test_validate_does_not_warn_for_a_model_that_fits_nor_for_one_it_does_not_know(tmp_path):
+    for model in ("google/gemma-3-1b-it", "google/gemma-4-E2B-it", "gs://my-bucket/models/llama-70b"):
+        r = _validate_model(tmp_path, model)
+        assert r.returncode == 0 and "valid (v6e 4x4" in r.stdout, r.stderr
+        assert r.stderr == "", (model, r.stderr)

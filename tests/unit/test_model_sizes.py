@@ -1,0 +1,91 @@
+"""tpuft.model_sizes: the arithmetic of what fits, and that the fit table (bench/lora_fit.py) and
+`tpuft validate` give the same numbers."""
+import importlib.util
+import json
+
+import pytest
+
+from tests.factories import small_object
+from tests.paths import REPO
+from tpuft import catalog, cli_core, model_sizes, spec
+from tpuft.model_sizes import GB, GIB, LORA, Run
+
+
+def _bench():
+    loaded = importlib.util.spec_from_file_location("lora_fit", REPO / "bench" / "lora_fit.py")
+    module = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(("model", "published"), [
+    (model_sizes.LLAMA_3_2_1B, 1.24e9), (model_sizes.LLAMA_3_2_3B, 3.21e9), (model_sizes.LLAMA_3_1_8B, 8.03e9),
+    (model_sizes.LLAMA_3_1_70B, 70.55e9), (model_sizes.GEMMA_3_1B, 1.00e9)])
+def test_parameter_counts_match_the_published_sizes(model, published):
+    assert model.parameters() == pytest.approx(published, rel=0.005)
+
+
+def test_known_models_are_found_by_hugging_face_id_only():
+    assert model_sizes.known("google/gemma-3-27b-it") is model_sizes.GEMMA_3_27B
+    assert model_sizes.known("Meta-Llama/Llama-3.1-8B-Instruct") is model_sizes.LLAMA_3_1_8B
+    assert model_sizes.known("google/gemma-4-E2B-it") is None
+    assert model_sizes.known("gs://bucket/gemma-3-27b-it") is None
+    assert set(model_sizes.BY_HF_ID.values()) == set(model_sizes.MODELS)
+
+
+def test_quantities():
+    assert model_sizes.quantity_bytes("200Gi") == 200 * GIB
+    assert model_sizes.quantity_bytes("96G") == 96e9
+    assert model_sizes.quantity_bytes("1024") == 1024
+    with pytest.raises(ValueError):
+        model_sizes.quantity_bytes("12X")
+
+
+def test_lora_holds_the_frozen_base_in_bf16_on_a_tpu_and_in_fp32_on_cpu():
+    m = model_sizes.LLAMA_3_1_8B
+    p, a = m.parameters(), m.lora_parameters(16)
+    tpu = model_sizes.fit(m, catalog.resolve_slice("v6e", "4x4"), Run(method=LORA))
+    assert tpu.hbm.need == pytest.approx((2 * p + 16 * a) / 16 / GB)
+    cpu = model_sizes.fit(m, catalog.resolve_slice("cpu", "2"), Run(method=LORA))
+    assert cpu.hbm is None   # the pod holds the state: fp32 base, adapters with their moments
+    assert cpu.training.need == pytest.approx((4 * p + 16 * a) / 2 / GIB + model_sizes.RANK_OVERHEAD_GIB)
+
+
+def test_each_rank_loads_only_its_shard_so_more_hosts_hold_less_each():
+    m, overhead = model_sizes.GEMMA_3_27B, 4 * model_sizes.RANK_OVERHEAD_GIB
+    small, large = (model_sizes.fit(m, catalog.resolve_slice("v6e", t)) for t in ("4x4", "4x8"))
+    assert small.load.need - overhead == pytest.approx(4 * m.parameters() / 4 / GIB)   # 4 of 16 ranks' fp32 shards
+    assert large.load.need - overhead == pytest.approx((small.load.need - overhead) / 2)
+    assert small.export.need == large.export.need   # pod 0 gathers the whole model either way
+
+
+def test_a_single_host_slice_holds_every_rank_in_one_pod():
+    shape = catalog.resolve_slice("v6e", "2x4")
+    f = model_sizes.fit(model_sizes.GEMMA_3_27B, shape)
+    assert shape.hosts == 1
+    assert f.load.need == pytest.approx(4 * model_sizes.GEMMA_3_27B.parameters() / GIB
+                                        + 8 * model_sizes.RANK_OVERHEAD_GIB)
+
+
+def test_the_results_file_is_what_the_bench_computes():
+    bench = _bench()
+    fresh = bench.table(16, model_sizes.HBM_RESERVE, model_sizes.RANK_OVERHEAD_GIB)
+    assert json.loads((REPO / "bench" / "results" / "lora_fit.json").read_text()) == json.loads(json.dumps(fresh))
+
+
+def test_the_fit_table_and_validate_use_the_same_numbers():
+    bench = _bench()
+    table = bench.table(16, model_sizes.HBM_RESERVE, model_sizes.RANK_OVERHEAD_GIB)
+    row = next(r for r in table["rows"] if r["model"] == "Gemma 3 27B")
+    full = row["fits"]["v6e 4x4"]["full"]
+    assert not full["fits"] and row["fits"]["v6e 4x4"]["verdict"] == "LoRA only (full: HBM)"
+    tft = spec.parse(small_object("big", "default", model="google/gemma-3-27b-it"))   # v6e 4x4, full
+    (warning,) = cli_core.fit_warnings(tft)
+    assert f"needs about {full['hbmGbPerChip']:.3g} GB of HBM per chip" in warning
+    row = next(r for r in table["rows"] if r["model"] == "Llama 3.1 70B")
+    merged = row["fits"]["v6e 4x4"]["loraMerged"]
+    tft = spec.parse(small_object("big", "default", model="meta-llama/Llama-3.1-70B",
+                                  training={"method": "lora"}, export={"merge": True}))
+    (warning,) = cli_core.fit_warnings(tft)
+    assert f"needs about {merged['hostGibExport']:.3g} GiB of memory in worker pod 0 at export" in warning
+    assert row["fits"]["v6e 4x4"]["verdict"] == "LoRA, not merged (full: HBM, export; merged: export)"
