@@ -15,7 +15,8 @@ shards inside a slice, and more slices are replicas (HSDP), so they do not lower
   rank or process adding RANK_OVERHEAD_GIB (the runtime, not the model):
     at load      each rank's shard of the weights as the sharded load fills it: 4 per full weight,
                  2 per frozen one, 4 per adapter (on a TPU the shard is read through host memory
-                 into HBM, so this is an upper bound). JAX reads the whole model in fp32 per host.
+                 into HBM, so this is an upper bound). JAX reads each of its host's devices' shards
+                 of the files the same way (jax_model.open_hf_dir): the host's share too.
     in training  the overhead only: weights, gradients and AdamW's moments are in HBM.
     at export    rank 0's pod, where the whole model is gathered: full 4 (fp32) + 2 (its bf16
                  copy); lora merged 2 (the bf16 base) + 2 (the copies the adapters are merged
@@ -190,7 +191,7 @@ def fit(model: ModelShape, shape: catalog.SliceShape, run: Run = Run()) -> Fit:
     ranks = 1 if jax else shape.devices_per_host
     overhead = ranks * run.rank_overhead_gib * GIB
     pod = quantity_bytes(run.pod_memory or shape.worker_pod.memory) / GIB
-    weights = total("weights") if jax else ranks * total("weights") / shape.devices
+    weights = total("weights") * shape.devices_per_host / shape.devices   # the host's share, either framework
     kept = 0 if shape.is_tpu else ranks * total("state") / shape.devices   # the pod holds the state on CPU
     export_kind = FULL if run.method == FULL else "merged" if run.merged else "adapter"
     exported = EXPORT_BYTES[export_kind][0 if shape.is_tpu else 1] * (a if export_kind == "adapter" else p)

@@ -1,11 +1,14 @@
-"""`tpuft plot NAME [-n NS] -o loss.png [--source auto|status|tensorboard]`: a run's loss and
-throughput per optimizer step, as a PNG (matplotlib, imported only here: the `local` extra).
+"""`tpuft plot NAME [-n NS] -o loss.png [--source auto|status|tensorboard]`: a run's loss (and, with
+spec.evaluation, its eval loss) and throughput per optimizer step, as a PNG or SVG (by the output's
+suffix; matplotlib, imported only here: the `local` extra). `tpuft plot --logdir DIR -o loss.png`
+draws a run's TensorBoard folder without a cluster (a run of `python -m tpuft_workload train`).
 
 Two sources, both written by the workload's rank 0:
-  * status.training.history: at most HISTORY_MAX_POINTS (step, loss, tokensPerSecond) points,
-    downsampled (tpuft_workload.report.add_point); read with the user's own kubectl;
+  * status.training.history: at most HISTORY_MAX_POINTS (step, loss, tokensPerSecond, evalLoss
+    when evaluated there) points, downsampled (tpuft_workload.report.add_point); read with the
+    user's own kubectl;
   * the TensorBoard event files under {storagePath}/{run}/tensorboard (tpuft_workload.metrics_log):
-    every report, when that folder is readable here (the local cluster's hostPath).
+    every report and evaluation, when that folder is readable here (the local cluster's hostPath).
 auto (the default) takes the event files when they are readable here, else the history.
 
 The event files are read by `read_events`, standard library only: TFRecord framing and the few
@@ -31,6 +34,7 @@ from tpuft.logs_cli import built_from
 # tpuft_workload.metrics_log's tags (that module needs the workload's dependencies; one test ties them)
 LOSS_TAG = "train/loss"
 TOKENS_TAG = "train/tokens_per_second"
+EVAL_LOSS_TAG = "eval/loss"
 LOSS_LABEL = "loss (cross-entropy, nats per token)"
 TOKENS_LABEL = "throughput (real tokens/s, whole slice)"
 STEP_LABEL = "optimizer step"
@@ -48,28 +52,38 @@ class NoPlot(RuntimeError):
 
 @dataclass(frozen=True)
 class Series:
-    """Loss and throughput per step, as plotted; `source` says where they came from."""
+    """Loss, eval loss (none without spec.evaluation) and throughput per step, as plotted; `source`
+    says where they came from."""
     steps: tuple[int, ...]
     loss: tuple[float, ...]
     tokens_steps: tuple[int, ...]
     tokens_per_second: tuple[float, ...]
     source: str
+    eval_steps: tuple[int, ...] = ()
+    eval_loss: tuple[float, ...] = ()
 
 
 def from_history(history: list[dict]) -> Series:
     """Pure: status.training.history as a Series (points without a number are left out)."""
-    s, lo, t = c.HistoryPoint.STEP.value, c.HistoryPoint.LOSS.value, c.HistoryPoint.TOKENS_PER_SECOND.value
-    loss = [(p[s], p[lo]) for p in history if isinstance(p.get(s), int) and isinstance(p.get(lo), (int, float))]
-    tps = [(p[s], p[t]) for p in history if isinstance(p.get(s), int) and isinstance(p.get(t), (int, float))]
-    return Series(tuple(x for x, _ in loss), tuple(float(y) for _, y in loss), tuple(x for x, _ in tps),
-                  tuple(float(y) for _, y in tps), f"status.training.history ({len(history)} points, downsampled)")
+    s = c.HistoryPoint.STEP.value
+
+    def points(key: c.HistoryPoint) -> list[tuple[int, float]]:
+        return [(p[s], float(p[key.value])) for p in history
+                if isinstance(p.get(s), int) and isinstance(p.get(key.value), (int, float))]
+
+    loss, tps, ev = (points(k) for k in (c.HistoryPoint.LOSS, c.HistoryPoint.TOKENS_PER_SECOND, c.HistoryPoint.EVAL_LOSS))
+    return Series(*_columns(loss), *_columns(tps), f"status.training.history ({len(history)} points, downsampled)",
+                  *_columns(ev))
 
 
 def from_events(scalars: dict[str, list[tuple[int, float]]], where: str) -> Series:
     """Pure: read_events' scalars as a Series."""
-    loss, tps = scalars.get(LOSS_TAG, []), scalars.get(TOKENS_TAG, [])
-    return Series(tuple(s for s, _ in loss), tuple(v for _, v in loss), tuple(s for s, _ in tps),
-                  tuple(v for _, v in tps), f"TensorBoard events in {where}")
+    return Series(*_columns(scalars.get(LOSS_TAG, [])), *_columns(scalars.get(TOKENS_TAG, [])),
+                  f"TensorBoard events in {where}", *_columns(scalars.get(EVAL_LOSS_TAG, [])))
+
+
+def _columns(points: list[tuple[int, float]]) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    return tuple(s for s, _ in points), tuple(v for _, v in points)
 
 
 # --- TensorBoard event files ---------------------------------------------------------------------------
@@ -164,12 +178,20 @@ def title(obj: dict) -> str:
 
 
 def figure(series: Series, heading: str):
-    """A matplotlib Figure: loss over steps above, throughput over steps below, a shared step axis."""
+    """A matplotlib Figure: loss over steps above (the eval loss beside it, its lowest marked, when
+    the run evaluated), throughput over steps below, a shared step axis."""
     from matplotlib.figure import Figure   # no pyplot: no GUI backend, no global state
 
     fig = Figure(figsize=(8, 6), layout="constrained")
     loss_ax, tps_ax = fig.subplots(2, 1, sharex=True)
-    loss_ax.plot(series.steps, series.loss, marker=".", color="tab:blue")
+    loss_ax.plot(series.steps, series.loss, marker=".", color="tab:blue", label="training loss (report interval)")
+    if series.eval_steps:
+        loss_ax.plot(series.eval_steps, series.eval_loss, marker="o", color="tab:orange", label="eval loss")
+        lowest = min(range(len(series.eval_loss)), key=series.eval_loss.__getitem__)
+        loss_ax.plot([series.eval_steps[lowest]], [series.eval_loss[lowest]], marker="*", markersize=14,
+                     color="tab:red", linestyle="none",
+                     label=f"lowest eval loss {series.eval_loss[lowest]:.4f} (step {series.eval_steps[lowest]})")
+        loss_ax.legend()
     loss_ax.set_ylabel(LOSS_LABEL)
     loss_ax.grid(alpha=0.3)
     tps_ax.plot(series.tokens_steps, series.tokens_per_second, marker=".", color="tab:green")
@@ -183,9 +205,12 @@ def figure(series: Series, heading: str):
 
 # --- the command ---------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", help="the TPUFinetune")
+    p.add_argument("name", nargs="?", help="the TPUFinetune (or --logdir)")
     p.add_argument("--namespace", "-n", default="default")
-    p.add_argument("--output", "-o", required=True, help="the PNG to write, e.g. loss.png")
+    p.add_argument("--output", "-o", required=True, help="the image to write, e.g. loss.png or loss.svg")
+    p.add_argument("--logdir", default=None, metavar="DIR",
+                   help="plot this TensorBoard folder ({storagePath}/{run}/tensorboard) instead of a TPUFinetune: "
+                        "no cluster needed")
     p.add_argument("--source", choices=[s.value for s in Source], default=Source.AUTO.value,
                    help="status: status.training.history (downsampled); tensorboard: the event files under "
                         "storagePath (every report; readable here only); auto: those when readable, else status")
@@ -216,16 +241,29 @@ def series_for(obj: dict, source: Source) -> Series:
     return series
 
 
+def series_of_logdir(logdir: str) -> Series:
+    """The Series of a TensorBoard folder read here; NoPlot when it holds no loss."""
+    files, scalars = read_events(logdir)
+    if not scalars.get(LOSS_TAG):
+        raise NoPlot(f"no training loss in {logdir} ({files} event files): give a run's {c.TENSORBOARD_DIR} folder")
+    return from_events(scalars, logdir)
+
+
 def run(args: argparse.Namespace, err: TextIO | None = None) -> int:
     err = err or sys.stderr
     try:
-        obj = kubectl.get(args.kubectl, c.PLURAL, args.name, args.namespace,
-                          what=f"{c.KIND} {args.namespace}/{args.name}")
-        if obj is None:
-            raise NoPlot(f"{c.KIND} {args.namespace}/{args.name} not found")
-        series = series_for(obj, Source(args.source))
+        if getattr(args, "logdir", None):
+            series, heading = series_of_logdir(args.logdir), Path(args.logdir).resolve().parent.name
+        elif not args.name:
+            raise NoPlot("give a TPUFinetune's name, or --logdir DIR")
+        else:
+            obj = kubectl.get(args.kubectl, c.PLURAL, args.name, args.namespace,
+                              what=f"{c.KIND} {args.namespace}/{args.name}")
+            if obj is None:
+                raise NoPlot(f"{c.KIND} {args.namespace}/{args.name} not found")
+            series, heading = series_for(obj, Source(args.source)), title(obj)
         try:
-            fig = figure(series, title(obj))
+            fig = figure(series, heading)
         except ImportError:
             raise NoPlot("matplotlib is not installed: pip install 'tpufinetune-operator[local]'") from None
         fig.savefig(args.output, dpi=120)

@@ -84,8 +84,16 @@ def test_a_series_from_the_history(history, steps, loss, tokens_steps):
     assert "status.training.history" in s.source
 
 
+def test_a_series_from_the_history_with_evaluations():
+    history = [{"step": 5, "loss": 2.0, "tokensPerSecond": 10.0}, {"step": 8, "loss": 1.8, "evalLoss": 2.5},
+               {"step": 10, "loss": 1.5, "tokensPerSecond": 12.0, "evalLoss": 2.25}]
+    s = plot_cli.from_history(history)
+    assert (s.steps, s.eval_steps, s.eval_loss) == ((5, 8, 10), (8, 10), (2.5, 2.25))
+
+
 def test_the_tags_are_the_workloads():
-    assert {plot_cli.LOSS_TAG: "loss", plot_cli.TOKENS_TAG: "tokens_per_s"}.items() <= metrics_log.SCALARS.items()
+    assert {plot_cli.LOSS_TAG: "loss", plot_cli.TOKENS_TAG: "tokens_per_s",
+            plot_cli.EVAL_LOSS_TAG: "eval_loss"}.items() <= metrics_log.SCALARS.items()
 
 
 def _obj(storage: str, history: list[dict] | None = None, phase: str = "Training") -> dict:
@@ -162,3 +170,36 @@ def test_the_command_writes_a_png(monkeypatch, tmp_path):
 def test_the_command_without_the_object_exits_1(monkeypatch, tmp_path):
     rc, err = _run(monkeypatch, tmp_path, None)
     assert rc == 1 and err == "tpuft plot: TPUFinetune ns/ft not found\n" and not (tmp_path / "loss.png").exists()
+
+
+EVALUATED = [{**p, "evalLoss": loss} for p, loss in zip(HISTORY, (2.0, 1.5, 1.75))]
+
+
+def test_the_eval_loss_is_drawn_beside_the_training_loss_its_lowest_marked():
+    obj = _obj("gs://bucket/ck", EVALUATED)
+    loss_ax, _ = plot_cli.figure(plot_cli.series_for(obj, Source.STATUS), plot_cli.title(obj)).axes
+    train, evaluated, lowest = loss_ax.lines
+    assert list(evaluated.get_xdata()) == [5, 10, 15] and list(evaluated.get_ydata()) == [2.0, 1.5, 1.75]
+    assert (list(lowest.get_xdata()), list(lowest.get_ydata())) == ([10], [1.5])
+    assert [t.get_text() for t in loss_ax.get_legend().get_texts()] == [
+        "training loss (report interval)", "eval loss", "lowest eval loss 1.5000 (step 10)"]
+    assert plot_cli.figure(plot_cli.from_history(HISTORY), "t").axes[0].get_legend() is None   # no evaluation
+
+
+def test_a_logdir_is_plotted_without_a_cluster(monkeypatch, tmp_path):
+    def no_kubectl(*a, **k):
+        raise AssertionError("kubectl called")
+
+    monkeypatch.setattr(plot_cli.kubectl, "get", no_kubectl)
+    logdir = tmp_path / "run" / "tensorboard"
+    logdir.mkdir(parents=True)
+    _write(logdir / "events.out.tfevents.1700000000.host.1.s0000000", _scalar_event(4, "train/loss", 2.0),
+           _scalar_event(8, "train/loss", 1.5), _scalar_event(8, "eval/loss", 1.75))
+    err = io.StringIO()
+    args = argparse.Namespace(name=None, namespace="ns", output=str(tmp_path / "loss.svg"), source="auto",
+                              kubectl="kubectl", logdir=str(logdir))
+    assert plot_cli.run(args, err=err) == 0, err.getvalue()
+    assert "2 points from TensorBoard events in" in err.getvalue()
+    assert (tmp_path / "loss.svg").read_text().lstrip().startswith("<?xml")
+    args.logdir, args.output = None, str(tmp_path / "none.png")
+    assert plot_cli.run(args, err=err) == 1 and "give a TPUFinetune's name, or --logdir DIR" in err.getvalue()

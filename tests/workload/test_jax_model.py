@@ -94,6 +94,34 @@ def test_one_adamw_step_matches_torch(tokenizer):
     assert abs(got - want) <= REL_TOL * want, (got, want)
 
 
+def test_activation_checkpointing_remats_each_layer_with_the_same_loss_and_gradients(tokenizer):
+    import jax
+
+    _, cfg, params = jax_model.from_torch(tiny.build_model(len(tokenizer), seed=5))
+    batch = jax_model.inputs_from_rows(_rows(tokenizer, True, n=2), True)
+
+    def loss_and_grads(remat: bool):
+        return jax.jit(jax.value_and_grad(lambda p: jax_model.loss(p, cfg, batch, remat=remat)))(params)
+
+    (plain, plain_grads), (remat, remat_grads) = loss_and_grads(False), loss_and_grads(True)
+    assert abs(float(remat) - float(plain)) <= REL_TOL * float(plain)
+    for name, g in plain_grads.items():
+        assert np.allclose(remat_grads[name], g, rtol=REL_TOL, atol=1e-7), name
+    traced = str(jax.make_jaxpr(lambda p: jax_model.loss(p, cfg, batch, remat=True))(params))
+    assert traced.count("remat2[") == cfg.num_layers   # one jax.checkpoint per decoder layer
+
+
+def test_weight_decay_applies_to_weight_matrices_only(tokenizer):
+    """Norm scales (1-D) and the embedding table are left out; projections and an untied lm_head decay."""
+    _, cfg, params = jax_model.from_torch(tiny.build_model(len(tokenizer)))
+    mask = jax_model.decay_mask(params)
+    assert not cfg.tie_word_embeddings and mask["lm_head.weight"]
+    assert not mask["model.embed_tokens.weight"] and not mask["model.norm.weight"]
+    assert not mask["model.layers.0.input_layernorm.weight"]
+    assert mask["model.layers.1.self_attn.q_proj.weight"] and mask["model.layers.0.mlp.down_proj.weight"]
+    assert not jax_model.decays("model.layers.0.self_attn.q_proj.bias", (64,))
+
+
 def _gemma(tmp_path, **overrides):
     import torch
     from transformers import GemmaConfig, GemmaForCausalLM
@@ -171,7 +199,7 @@ import json, os, sys
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 from functools import partial
-import jax, numpy as np, optax
+import jax, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tests.workload.inprocess_data import build_blocks, load_records
 from tpuft_workload import jax_model as jm, jax_train as jt, pipeline, tiny
@@ -181,19 +209,20 @@ _, mcfg, host = jt.load_weights(tiny.BUILTIN_MODEL, tok, 0)
 blocks = build_blocks(tok, load_records(tiny.BUILTIN_DATASET, "train[:40]"), 64, True)[:8]
 rows = pipeline.rows_of(blocks, np)
 rows = {**jm.inputs_from_rows(rows, True), "n_real": rows["n_real"].astype("int32")}   # as _Jax.step
+micro = {k: v[None] for k, v in rows.items()}   # one micro-batch
 out = {}
 for slices in (1, 2):
     mesh = jt.build_mesh(jax, slices)
     params = {n: jt._put(jax, a, NamedSharding(mesh, jt.param_spec(a.shape, mesh.shape["fsdp"])))
               for n, a in host.items()}
-    tx = optax.adamw(1e-2)
+    tx = jt.optimizer(host, 0.01, 1.0)
     opt = tx.init(params)
-    batch = {k: jt._put(jax, v, NamedSharding(mesh, P(jt.MESH_AXES))) for k, v in rows.items()}
-    step = jax.jit(partial(jt._train_step, tx, mcfg, None))
+    batch = {k: jt._put(jax, v, NamedSharding(mesh, P(None, jt.MESH_AXES))) for k, v in micro.items()}
+    step = jax.jit(partial(jt.train_step, tx, mcfg, None, False))
     losses = []
     for _ in range(3):
-        params, opt, loss, _, _ = step(params, opt, batch)
-        losses.append(float(loss))
+        params, opt, sums, _ = step(params, opt, batch, np.float32(1e-2))
+        losses.append(float(sums["loss_sum"] / sums["labelled"]))
     out[slices] = {"mesh": dict(mesh.shape), "losses": losses}
 try:
     jt.build_mesh(jax, 3)
@@ -220,3 +249,52 @@ def test_two_cpu_slices_make_a_data_by_fsdp_mesh_that_trains_like_one_slice():
     assert one[-1] < one[0]
     assert two == pytest.approx(one, rel=REL_TOL)
     assert out["refused"] == "4 JAX devices do not split into 3 equal slices"
+
+
+_SHARD_BY_SHARD = """
+import json, os, sys
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import jax, numpy as np, torch
+from jax.sharding import NamedSharding
+from transformers import LlamaConfig, LlamaForCausalLM
+from tpuft_workload import jax_model as jm, jax_train as jt
+
+folder = sys.argv[1]
+torch.manual_seed(3)
+LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+                 ).to(torch.bfloat16).save_pretrained(folder, max_shard_size="40KB")
+_, _, whole = jm.load_hf_dir(folder)
+_, _, lazy = jm.open_hf_dir(folder)
+mesh = jt.build_mesh(jax, 1)
+out = {"files": len(lazy.handles), "tensors": {}}
+for name, saved in lazy.items():
+    sharding = NamedSharding(mesh, jt.param_spec(saved.shape, mesh.shape["fsdp"]))
+    by_shard, from_whole = jt._put(jax, saved, sharding), jt._put(jax, whole[name], sharding)
+    out["tensors"][name] = {"equal": bool((np.asarray(by_shard) == np.asarray(from_whole)).all()),
+                            "sharded": bool(jt.param_spec(saved.shape, 4)), "read": saved.read_bytes,
+                            "bytes": saved.size * 4}
+lazy.close()
+print(json.dumps(out))
+"""
+
+
+def test_a_saved_model_is_placed_shard_by_shard_with_the_weights_of_a_whole_read(tmp_path):
+    """A bf16 checkpoint in several files, placed over four CPU devices: each parameter equals the
+    one placed from the whole tensor, and a sharded one is read once in total (each device's rows
+    once), never whole per device. In a process of its own: the device count is fixed when JAX
+    first starts."""
+    import json
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _SHARD_BY_SHARD, str(tmp_path)], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["files"] > 1
+    tensors = out["tensors"]
+    assert tensors and all(t["equal"] for t in tensors.values())
+    sharded = [t for t in tensors.values() if t["sharded"]]
+    assert sharded and all(t["read"] == t["bytes"] for t in sharded)   # 4 devices' rows, each once

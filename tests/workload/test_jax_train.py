@@ -21,7 +21,7 @@ import pytest
 from tests.factories import (TINY_EPOCHS, TINY_STEPS_PER_EPOCH, assert_export_generates, tensorboard_scalars,
                              tiny_train_argv)
 from tpuft_workload import __main__ as cli
-from tpuft_workload import checkpoint, jax_checkpoint, jax_train, train
+from tpuft_workload import checkpoint, jax_checkpoint, jax_train, pipeline, train
 from tpuft_workload.platform import resolve_target
 from tpuft_workload.report import TRAINING_KEYS
 
@@ -134,3 +134,193 @@ def test_an_object_store_path_orbax_cannot_reach_fails_before_ray(monkeypatch, c
     assert cli.main(tiny_train_argv(FRAMEWORK, "s3://bucket/ckpt", "run")) == 1
     out = capsys.readouterr().out
     assert "s3fs is not installed" in out and "spec.checkpoint.storagePath" in out
+
+
+# ---- the recipe's step and optimizer (no Ray cluster needed) -----------------------------------------
+
+MATRIX, NORM = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.input_layernorm.weight"
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    """(ModelConfig, host params, 4 packed rows of 64 tokens as train_step's inputs)."""
+    import numpy as np
+
+    from tests.workload.inprocess_data import build_blocks, load_records
+    from tpuft_workload import jax_model, pipeline, tiny
+
+    tok = tiny.build_tokenizer()
+    _, cfg, params = jax_model.from_torch(tiny.build_model(len(tok), seed=7))
+    rows = pipeline.rows_of(build_blocks(tok, load_records(tiny.BUILTIN_DATASET, "train[:40]"), 64, True)[:4], np)
+    return cfg, params, {**jax_model.inputs_from_rows(rows, True), "n_real": rows["n_real"].astype("int32")}
+
+
+def _micro_batches(inputs: dict, k: int) -> dict:
+    """The rows as k stacked micro-batches, in order."""
+    return {key: v.reshape(k, -1, *v.shape[1:]) for key, v in inputs.items()}
+
+
+def test_k_micro_batches_update_as_one_batch_k_times_larger(tiny_model):
+    """train_step with plain SGD (no clip), whose update is the gradient times the rate: for k of 1
+    and 2 the update is the rate it is given times the gradient of the mean loss over every labelled
+    token of the whole batch (the micro-batches' counts differ, so a mean of their means would not
+    match), with the same loss, counts and gradient norm. AdamW itself is not compared here: its
+    first step, rate x g / (|g| + 1e-8), turns float-order noise in gradients near 1e-8 into
+    differences of 1e-3 of the rate."""
+    from functools import partial
+
+    import jax
+    import numpy as np
+    import optax
+
+    from tpuft_workload import jax_model
+
+    cfg, params, inputs = tiny_model
+    per_micro = [int(jax_model.labelled_tokens(m)) for m in _micro_batches(inputs, 2)["labels"]]
+    assert per_micro[0] != per_micro[1]
+    want_loss, want_grad = jax.jit(jax.value_and_grad(lambda p: jax_model.loss(p, cfg, inputs)))(params)
+    sgd = optax.chain(optax.clip_by_global_norm(1e9), optax.inject_hyperparams(optax.sgd)(learning_rate=0.0))
+    step = jax.jit(partial(jax_train.train_step, sgd, cfg, None, False))
+    rate = 64.0   # a large step: the update stands well above float32 rounding of the params
+    for k in (1, 2):
+        after, _, sums, grad_norm = step(params, sgd.init(params), _micro_batches(inputs, k), np.float32(rate))
+        assert int(sums["labelled"]) == sum(per_micro) and int(sums["real"]) == int(inputs["n_real"].sum())
+        assert float(sums["loss_sum"]) / sum(per_micro) == pytest.approx(float(want_loss), rel=1e-5)
+        assert float(grad_norm) == pytest.approx(float(optax.global_norm(want_grad)), rel=1e-5)
+        for name, p in params.items():
+            assert np.allclose((p - after[name]) / rate, want_grad[name], rtol=1e-4, atol=1e-8), (k, name)
+
+
+def test_each_step_takes_the_rate_it_is_given():
+    """The recipe's optimizer over two steps at two rates set by with_rate: optax's AdamW (the same
+    mask, clip and decay) with each rate fixed for its step."""
+    import numpy as np
+    import optax
+
+    from tpuft_workload import jax_model
+
+    rng = np.random.default_rng(0)
+    params = {MATRIX: rng.normal(size=(4, 4)).astype(np.float32), NORM: np.ones(4, np.float32)}
+    grads = [{n: rng.normal(size=p.shape).astype(np.float32) for n, p in params.items()} for _ in range(2)]
+    rates = (1e-2, 2e-3)
+    tx = jax_train.optimizer(params, 0.1, 1.0)
+    got, state = params, tx.init(params)
+    for rate, g in zip(rates, grads):
+        updates, state = tx.update(g, jax_train.with_rate(state, rate), got)
+        got = optax.apply_updates(got, updates)
+    want = params
+    fixed = [optax.chain(optax.clip_by_global_norm(1.0),
+                         optax.adamw(r, weight_decay=0.1, mask=jax_model.decay_mask(params))) for r in rates]
+    reference_state = fixed[0].init(params)   # the rate is no part of AdamW's state
+    for reference, g in zip(fixed, grads):
+        updates, reference_state = reference.update(g, reference_state, want)
+        want = optax.apply_updates(want, updates)
+    for name, p in want.items():
+        assert np.allclose(got[name], p, rtol=1e-6, atol=1e-7), name
+    assert not np.allclose(want[MATRIX], params[MATRIX], atol=1e-3)
+
+
+def test_with_zero_gradients_only_weight_matrices_shrink():
+    """Decoupled decay, p *= 1 - rate x decay, on weight matrices; norms and the embedding table stay."""
+    import numpy as np
+    import optax
+
+    params = {name: np.ones(shape, np.float32) for name, shape in (
+        ("model.embed_tokens.weight", (8, 4)), ("model.norm.weight", (4,)), (NORM, (4,)), (MATRIX, (4, 4)),
+        ("lm_head.weight", (8, 4)))}
+    tx = jax_train.optimizer(params, 0.1, 1.0)
+    state = jax_train.with_rate(tx.init(params), 0.5)
+    updates, _ = tx.update({n: np.zeros_like(p) for n, p in params.items()}, state, params)
+    after = optax.apply_updates(params, updates)
+    shrunk = {n: float(np.asarray(after[n]).max()) for n in params if not np.allclose(after[n], params[n])}
+    assert shrunk == {MATRIX: pytest.approx(0.95), "lm_head.weight": pytest.approx(0.95)}
+
+
+def test_the_eval_set_is_scored_once_row_by_row_in_equal_batches_on_every_process():
+    """5 rows on 2 processes x 2 rows: 2 global batches each; the fill rows score nothing."""
+    import numpy as np
+
+    from tpuft_workload.jax_model import IGNORE
+
+    rows = {"n_real": np.arange(5), "labels": np.arange(5)[:, None].repeat(3, axis=1)}
+    per_process = [list(pipeline.eval_batches(rows, 2, rank, 2)) for rank in (0, 1)]
+    assert [len(b) for b in per_process] == [2, 2]
+    scored = [int(i) for batches in per_process for b in batches for i, lab in zip(b["n_real"], b["labels"])
+              if (lab != IGNORE).any()]
+    assert sorted(scored) == [0, 1, 2, 3, 4]
+
+
+# ---- the backend in this process (Ray only for the rows' object refs) ------------------------------
+
+@pytest.fixture(scope="module")
+def backend(ray_cluster, tmp_path_factory):
+    """The JAX backend as one worker of one builds it: 9 training rows, micro-batches of 2 accumulated
+    over 2 (2 steps an epoch), and 5 eval rows (not a whole number of batches)."""
+    import numpy as np
+    import ray
+
+    from tests.workload.inprocess_data import build_blocks, load_records
+    from tpuft_workload import loop, pipeline, tiny
+    from tpuft_workload.report import BackgroundReporter, StatusReporter
+
+    tok = tiny.build_tokenizer()
+    blocks = build_blocks(tok, load_records(tiny.BUILTIN_DATASET, "train[:60]"), 64, True)
+    train_rows, eval_rows = pipeline.rows_of(blocks[:9], np), pipeline.rows_of(blocks[9:14], np)
+    run_dir = str(tmp_path_factory.mktemp("jax-backend"))
+    cfg = loop.TrainConfig(
+        platform="cpu", model=tiny.BUILTIN_MODEL, rows=9, examples=9, pad_fraction=0.0, epochs=1,
+        batch_size_per_device=2, max_seq_length=64, learning_rate=1e-2, packing=True, checkpoint_every_steps=0,
+        report_every_steps=100, seed=0, fault="", run_dir=run_dir, run_dir_local=run_dir, export_uri="",
+        resume_from="", resume_manifest={}, cr_namespace="", cr_name="", status_every_s=10.0, peak_flops=None,
+        rows_ref=ray.put(train_rows), gradient_accumulation_steps=2, eval_rows=5, eval_rows_ref=ray.put(eval_rows))
+    backend = jax_train._Jax(loop.Worker(cfg, 0, 1, BackgroundReporter(StatusReporter("", ""))))
+    return backend, train_rows, eval_rows
+
+
+def _host(params) -> dict:
+    import numpy as np
+
+    return {n: np.array(p) for n, p in params.items()}
+
+
+def test_a_step_takes_k_micro_batches_of_the_epochs_rows(backend):
+    import numpy as np
+
+    from tpuft_workload import jax_model, pipeline
+
+    jax_backend, train_rows, _ = backend
+    assert jax_backend.steps_per_epoch == 9 // (2 * 2) and jax_backend.global_batch_size == 2 * 2
+    first = next(jax_backend.batches(0, 0))
+    whole = next(pipeline.epoch_batches(train_rows, 1, 0, 4, 0, 0))   # one batch of k x b rows
+    assert len(first) == 2 and all(len(m["n_real"]) == 2 for m in first)
+    assert np.array_equal(np.concatenate([m["input_ids"] for m in first]), whole["input_ids"])
+    s = jax_backend.step(first, 1e-2)
+    assert s.padded == 2 * 2 * 64 and int(s.labelled) == int(jax_model.labelled_tokens(whole["labels"]))
+
+
+def test_evaluate_is_the_loss_summed_over_every_eval_row_and_changes_nothing(backend):
+    import jax
+    import numpy as np
+
+    from tpuft_workload import jax_model
+
+    jax_backend, _, eval_rows = backend
+    before = _host(jax_backend.params)
+    loss_sum, labelled = jax_backend.evaluate()
+    want_sum, want_count = jax.jit(lambda p: jax_model.loss_sums(p, jax_backend.mcfg, jax_model.inputs_from_rows(
+        eval_rows, True)))(before)
+    assert labelled == int(want_count) > 0
+    assert loss_sum == pytest.approx(float(want_sum), rel=1e-5)
+    assert all(np.array_equal(p, before[n]) for n, p in _host(jax_backend.params).items())
+
+
+def test_load_from_restores_a_saved_checkpoint(backend, tmp_path):
+    import numpy as np
+
+    jax_backend, _, _ = backend
+    jax_checkpoint.save(jax_backend._state(), {"step": 0}, str(tmp_path), 0)
+    saved = _host(jax_backend.params)
+    jax_backend.step(next(jax_backend.batches(0, 0)), 1e-2)
+    assert not np.array_equal(_host(jax_backend.params)[MATRIX], saved[MATRIX])
+    jax_backend.load_from(str(tmp_path))
+    assert all(np.array_equal(p, saved[n]) for n, p in _host(jax_backend.params).items())

@@ -22,20 +22,32 @@ class FakeBackend:
     flops_per_token = 1e6
     peak_flops = None
 
-    def __init__(self, stop_at: int = -1, restored: tuple[str, dict] | None = None):
-        self.stop_at, self.restored = stop_at, restored
+    def __init__(self, stop_at: int = -1, restored: tuple[str, dict] | None = None, eval_losses=()):
+        self.stop_at, self.restored, self.eval_losses = stop_at, restored, list(eval_losses)
         self.saved: list[tuple[str, dict, dict]] = []   # (name, train_state, metrics)
         self.epochs: list[tuple[int, int]] = []         # (epoch, skip) of each batches() call
         self.steps = 0
+        self.rates: list[float] = []     # the learning rate of each step
+        self.evaluated: list[int] = []   # the steps evaluated after
+        self.loaded: list[str] = []      # load_from's paths
 
     def batches(self, epoch, skip):
         self.epochs.append((epoch, skip))
         return iter(range(skip, SPE))
 
-    def step(self, batch):
+    def step(self, micro_batches, learning_rate):
         self.steps += 1
+        self.rates.append(learning_rate)
         k = self.steps
         return loop.Step(loss_sum=(2.0 - 0.1 * k) * k, labelled=k, real=12, padded=16, grad_norm=1.5)
+
+    def evaluate(self):
+        loss = self.eval_losses[len(self.evaluated)]
+        self.evaluated.append(self.steps)
+        return loss * 10, 10
+
+    def load_from(self, path):
+        self.loaded.append(path)
 
     def totals(self, values):
         return [float(v) for v in values]
@@ -85,13 +97,14 @@ def make_run(tmp_path, monkeypatch):
     monkeypatch.setattr(loop, "Prometheus", partial(Prometheus, gauge=FakeGauge))
     monkeypatch.setattr(preemption, "write_marker", lambda step, ckpt: None)
 
-    def make(backend: FakeBackend, report_every: int = 100, epochs: int = EPOCHS):
+    def make(backend: FakeBackend, report_every: int = 100, epochs: int = EPOCHS, **recipe):
+        """`recipe`: TrainConfig's fields beyond the tiny run's (the schedule, maxSteps, evaluation)."""
         cfg = loop.TrainConfig(
             platform="cpu", model="m", rows=56, examples=60, pad_fraction=0.25, epochs=epochs,
             batch_size_per_device=4, max_seq_length=4, learning_rate=3e-3, packing=True,
             checkpoint_every_steps=CKPT_EVERY, report_every_steps=report_every, seed=0, fault="",
             run_dir=str(tmp_path), run_dir_local=str(tmp_path), export_uri="/export", resume_from="",
-            resume_manifest={}, cr_namespace="ns", cr_name="run", status_every_s=0.0, peak_flops=None)
+            resume_manifest={}, cr_namespace="ns", cr_name="run", status_every_s=0.0, peak_flops=None, **recipe)
         return loop.Run(loop.Worker(cfg, 0, 2, FakeReporter()), backend), ray_reports
     return make
 
@@ -226,3 +239,180 @@ def test_the_window_loss_is_per_labelled_token_of_every_rank():
         window.add(loop.Step(loss_sum=loss_sum, labelled=labelled, real=100, padded=128, grad_norm=1.0))
     assert window.reduce()["loss"] == 2.5
     assert math.isnan(loop.window_metrics(0.0, 0, 4.0, 4, 0, 400, 5.0, 0.0, 2)["loss"])
+
+
+# ---- the recipe: the schedule, maxSteps, the global batch --------------------------------------------
+
+def _schedule(schedule: str, warmup_steps: int = 0, warmup_ratio: float = 0.0, floor: float = 0.0) -> loop.TrainConfig:
+    return loop.TrainConfig.from_dict({
+        **dict.fromkeys(("platform", "model", "fault", "run_dir", "run_dir_local", "export_uri", "resume_from",
+                         "cr_namespace", "cr_name"), ""),
+        "rows": 1, "examples": 1, "pad_fraction": 0.0, "epochs": 1, "batch_size_per_device": 1,
+        "max_seq_length": 1, "learning_rate": 1.0, "packing": True, "checkpoint_every_steps": 0,
+        "report_every_steps": 1, "seed": 0, "resume_manifest": {}, "status_every_s": 0.0, "peak_flops": None,
+        "learning_rate_schedule": schedule, "warmup_steps": warmup_steps, "warmup_ratio": warmup_ratio,
+        "min_learning_rate_ratio": floor})
+
+
+@pytest.mark.parametrize("schedule, want", [
+    ("constant", [0.25, 0.5, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]),
+    ("linear", [0.25, 0.5, 0.75, 1.0, 1.0, 0.82, 0.64, 0.46, 0.28, 0.1]),
+    # 0.1 + 0.9 x (1 + cos(pi x k / 5)) / 2, k = 0 .. 5
+    ("cosine", [0.25, 0.5, 0.75, 1.0, 1.0, 0.9140576, 0.6890576, 0.4109424, 0.1859424, 0.1]),
+], ids=["constant", "linear", "cosine"])
+def test_the_schedule_warms_up_then_decays_to_the_floor(schedule, want):
+    """10 steps, 4 of warmup (0.25 .. 1 of the peak), then from the peak at step 4 down to the floor
+    (0.1 of the peak) at the last step, 9."""
+    cfg = _schedule(schedule, warmup_steps=4, floor=0.1)
+    assert [loop.learning_rate_at(cfg, i, 10) for i in range(10)] == pytest.approx(want)
+
+
+def test_a_warmup_ratio_is_of_the_runs_steps():
+    cfg = _schedule("linear", warmup_ratio=0.25)
+    assert [loop.learning_rate_at(cfg, i, 8) for i in range(3)] == [0.5, 1.0, 1.0]   # ceil(0.25 x 8) = 2 steps
+
+
+def test_each_step_trains_at_the_scheduled_rate_and_a_resume_continues_it(make_run):
+    recipe = {"learning_rate_schedule": "cosine", "warmup_steps": 3, "min_learning_rate_ratio": 0.1}
+    backend = FakeBackend()
+    run, _ = make_run(backend, **recipe)
+    run.train()
+    assert backend.rates == [loop.learning_rate_at(run.cfg, i, TOTAL) for i in range(TOTAL)]
+    assert backend.rates[2] == pytest.approx(3e-3) and backend.rates[-1] == pytest.approx(3e-4)
+    assert run.reporter.patches[-1]["learningRate"] == pytest.approx(3e-4)
+    state = {"step": 9, "path": "/runs/a/checkpoint_step_0000009", "metrics": {}}
+    resumed = FakeBackend(restored=("/runs/a", state))
+    again, _ = make_run(resumed, **recipe)
+    again.restore()
+    again.train()
+    assert resumed.rates == backend.rates[9:]
+
+
+def test_max_steps_passes_over_the_data_as_often_as_it_takes(make_run, tmp_path):
+    """maxSteps 17 of 7-step epochs: epochs 1 and 2 whole, the third cut at step 17, reported as 3."""
+    backend = FakeBackend()
+    run, _ = make_run(backend, epochs=1, max_steps=17)
+    run.restore()
+    assert run.train() is False
+    run.finish()
+    assert backend.steps == 17 and backend.epochs == [(0, 0), (1, 0), (2, 0)]
+    assert _steps(backend.saved) == [3, 6, 7, 9, 12, 14, 15, 17]   # the run's end is the last epoch's
+    final = run.reporter.patches[-1]
+    assert (final["epoch"], final["epochs"], final["step"], final["totalSteps"]) == (3, 3, 17, 17)
+    assert json.loads((tmp_path / loop.SUMMARY).read_text())["step"] == 17
+
+
+def test_the_global_batch_is_reported_from_the_start(make_run, capsys):
+    run, _ = make_run(FakeBackend(), gradient_accumulation_steps=3)
+    run.train()
+    assert {p["globalBatchSize"] for p in run.reporter.patches} == {2 * 4 * 3}   # 2 workers x 4 x 3
+    assert "[tpuft] global batch 24 sequences (4 per device x 3 accumulated" in capsys.readouterr().out
+
+
+# ---- the per-interval series and the epoch's mean ----------------------------------------------------
+
+def test_the_interval_series_holds_no_epoch_mean(make_run, tmp_path):
+    """Reports every 2 steps of a 7-step epoch (and the checkpoints' every 3): the report at step 7
+    is the mean of step 7 alone in the history and train/loss; the epoch's mean goes in epochLoss
+    and train/epoch_loss only."""
+    from tests.factories import tensorboard_scalars
+
+    backend = FakeBackend()
+    run, _ = make_run(backend, report_every=2, epochs=1)
+    run.train()
+    run.finish()
+    step_loss = {k: 2.0 - 0.1 * k for k in range(1, 8)}
+    window = {2: (1, 2), 3: (3,), 4: (4,), 6: (5, 6), 7: (7,)}
+    want = {s: sum(step_loss[k] * k for k in ks) / sum(ks) for s, ks in window.items()}
+    epoch_mean = sum(step_loss[k] * k for k in range(1, 8)) / sum(range(1, 8))
+    history = run.reporter.patches[-1]["history"]
+    assert {p["step"]: p["loss"] for p in history} == pytest.approx(want, abs=1e-5)
+    assert run.reporter.patches[-1]["epochLoss"] == pytest.approx(epoch_mean, abs=1e-5)
+    assert epoch_mean not in [pytest.approx(p["loss"], abs=1e-5) for p in history]
+    _, scalars = tensorboard_scalars(tmp_path / "tensorboard")
+    assert dict(scalars["train/loss"]) == pytest.approx(want, abs=1e-5)
+    assert scalars["train/epoch_loss"] == [(7, pytest.approx(epoch_mean, abs=1e-5))]
+
+
+# ---- evaluation --------------------------------------------------------------------------------------
+
+def test_evaluations_remember_the_best_and_count_since_it():
+    ev = loop.Evaluations()
+    assert ev.status() == {}
+    assert [ev.observe(s, loss, f"/c{s}") for s, loss in ((2, 3.0), (4, 2.0), (6, math.nan), (8, 2.5))] == \
+        [True, True, False, False]
+    assert (ev.best_loss, ev.best_step, ev.best_path, ev.since_best) == (2.0, 4, "/c4", 2)
+    assert ev.patience_spent(2) and not ev.patience_spent(3) and not ev.patience_spent(0)
+    assert ev.status() == {"evalLoss": 2.5, "evalPerplexity": pytest.approx(math.exp(2.5), abs=1e-4),
+                           "bestEvalLoss": 2.0, "bestStep": 4}
+    assert loop.Evaluations.from_dict(ev.as_dict()) == ev
+
+
+EVAL = {"eval_rows": 4}
+
+
+def test_evaluations_at_each_epoch_end_go_to_status_history_and_tensorboard(make_run, tmp_path, capsys):
+    from tests.factories import tensorboard_scalars
+
+    backend = FakeBackend(eval_losses=[3.0, 2.0])
+    run, _ = make_run(backend, report_every=2, **EVAL)
+    run.train()
+    run.finish()
+    assert backend.evaluated == [SPE, TOTAL]
+    final = run.reporter.patches[-1]
+    assert (final["evalLoss"], final["bestEvalLoss"], final["bestStep"]) == (2.0, 2.0, TOTAL)
+    assert final["evalPerplexity"] == pytest.approx(math.exp(2.0), abs=1e-4)
+    assert {p["step"]: p.get("evalLoss") for p in final["history"] if "evalLoss" in p} == {SPE: 3.0, TOTAL: 2.0}
+    _, scalars = tensorboard_scalars(tmp_path / "tensorboard")
+    assert scalars["eval/loss"] == [(SPE, 3.0), (TOTAL, 2.0)] and len(scalars["eval/perplexity"]) == 2
+    assert "Eval at step 7/14 | eval_loss=3.0000 | perplexity=20.086 | best=3.0000 at step 7" in capsys.readouterr().out
+
+
+def test_evaluations_every_n_steps_report_there_and_at_the_end(make_run):
+    backend = FakeBackend(eval_losses=[5.0, 4.0, 3.0, 2.0, 1.0])
+    run, ray_reports = make_run(backend, epochs=1, eval_every_steps=2, **EVAL)
+    run.train()
+    assert backend.evaluated == [2, 4, 6, 7]   # and the run's last step
+    assert [m["step"] for m in ray_reports] == [2, 4]   # an evaluation is a report (6: a checkpoint's)
+    assert [m["eval_loss"] for m in ray_reports] == [5.0, 4.0]
+
+
+def test_early_stopping_finishes_the_run_after_patience_evaluations_without_a_better_loss(make_run, tmp_path):
+    backend = FakeBackend(eval_losses=[3.0, 2.0, 2.5, 2.1, 1.0])
+    run, _ = make_run(backend, epochs=3, eval_every_steps=2, early_stopping_patience=2, **EVAL)
+    assert run.train() is False
+    run.finish()
+    assert backend.evaluated == [2, 4, 6, 8] and backend.steps == 8   # 2.5 then 2.1: two without beating 2.0
+    assert _steps(backend.saved)[-1] == 8   # the stop's step saved: a resubmission does not train on
+    message = "early stopping at step 8 of 21: the eval loss has not improved for 2 evaluations (best 2.0000 at step 4)"
+    final = run.reporter.patches[-1]
+    assert final["message"] == message and final["exportedModel"] == "/export" and backend.loaded == []
+    summary = json.loads((tmp_path / loop.SUMMARY).read_text())
+    assert (summary["step"], summary["exportedStep"], summary["message"]) == (8, 8, message)
+
+    resumed = FakeBackend(restored=("/runs/a", backend.saved[-1][1]))
+    again, _ = make_run(resumed, epochs=3, eval_every_steps=2, early_stopping_patience=2, **EVAL)
+    again.restore()
+    assert again.train() is False and resumed.steps == 0 and again.early_stop == message
+
+
+def test_keep_best_saves_each_improvement_ranks_it_first_and_exports_it(make_run, tmp_path):
+    backend = FakeBackend(eval_losses=[3.0, 2.0, 2.5, 2.6])
+    run, _ = make_run(backend, epochs=1, eval_every_steps=2, keep_best=True, **EVAL)
+    run.train()
+    run.finish()
+    assert backend.evaluated == [2, 4, 6, 7]
+    assert _steps(backend.saved) == [2, 3, 4, 6, 7]   # improvements (2, 4) saved beside the periodic ones
+    scores = {ts["step"]: m[loop.KEEP_SCORE] for _, ts, m in backend.saved}
+    assert scores == {2: 2 + loop.BEST_BONUS, 3: 3, 4: 4 + loop.BEST_BONUS, 6: 6, 7: 7}
+    assert backend.saved[-1][1]["evaluation"]["best_step"] == 4   # a resume keeps the best so far
+    best = str(tmp_path / "checkpoint_step_0000004")
+    assert backend.loaded == []   # the fake saved nothing: gone, so the last step is exported
+    (tmp_path / "checkpoint_step_0000004").mkdir()
+    (tmp_path / "checkpoint_step_0000004" / "COMMITTED").write_text("ok\n")
+    run.finish()
+    assert backend.loaded == [best]
+    summary = json.loads((tmp_path / loop.SUMMARY).read_text())
+    assert (summary["exportedStep"], summary["bestStep"], summary["bestEvalLoss"]) == (4, 4, 2.0)
+    assert run.reporter.patches[-1]["message"] == \
+        "exported step 4 (eval loss 2.0000, the run's lowest), not the last step 7 (eval loss 2.6000)"

@@ -164,3 +164,100 @@ def test_hsdp_over_two_slices_trains_like_fsdp_over_one_and_its_checkpoint_resum
 def test_device_mesh_refuses_slices_that_do_not_divide_the_workers():
     with pytest.raises(ValueError, match="6 workers do not split into 4 equal slices"):
         modellib.device_mesh(CPU, 6, 4)
+
+
+# ---- the optimizer's weight decay -----------------------------------------------------------------
+def _decayed(model, weight_decay: float = 0.1) -> tuple[set[str], set[str]]:
+    """(names with decay, names without) as decay_groups makes them."""
+    groups = modellib.decay_groups(model, weight_decay)
+    by_decay = {g["weight_decay"]: {id(p) for p in g["params"]} for g in groups}
+    names = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}   # a tied one: both names
+    return ({n for n, i in names.items() if i in by_decay.get(weight_decay, ())},
+            {n for n, i in names.items() if i in by_decay.get(0.0, ())})
+
+
+def test_weight_decay_is_on_weight_matrices_only():
+    """A Llama: norms and the input embedding without decay, every projection with it (the output
+    layer too, untied); tied, the output layer is the embedding. Biases: a module of each kind."""
+    model = tiny.build_model(len(tiny.build_tokenizer()), seed=0)
+    decay, plain = _decayed(model)
+    assert plain == {"model.embed_tokens.weight", "model.norm.weight"} | {
+        f"model.layers.{i}.{norm}.weight" for i in range(2) for norm in ("input_layernorm", "post_attention_layernorm")}
+    assert "lm_head.weight" in decay and all(n.endswith("_proj.weight") for n in decay - {"lm_head.weight"})
+    assert len(decay) == 2 * 7 + 1
+    model.lm_head.weight = model.model.embed_tokens.weight   # tied
+    decay, plain = _decayed(model)
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= plain and len(decay) == 2 * 7
+    toy = torch.nn.ModuleDict({"wte": torch.nn.Embedding(10, 4), "pos_embed": torch.nn.Linear(4, 4),
+                               "proj": torch.nn.Linear(4, 4), "ln": torch.nn.LayerNorm(4)})
+    decay, plain = _decayed(toy)
+    assert decay == {"proj.weight"}
+    assert plain == {"wte.weight", "pos_embed.weight", "pos_embed.bias", "proj.bias", "ln.weight", "ln.bias"}
+
+
+def test_with_zero_gradients_only_the_weight_matrices_shrink(world_of_one):
+    """AdamW's decoupled decay, sharded as a worker shards: a zero gradient moves nothing else."""
+    model = tiny.build_model(len(tiny.build_tokenizer()), seed=0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    modellib.shard(model, world_of_one, CPU, torch.device("cpu"))
+    decay, _ = _decayed(model)
+    opt = torch.optim.AdamW(modellib.decay_groups(model, 0.1), lr=0.5)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for n, p in model.named_parameters():
+        after = p.full_tensor()
+        assert torch.allclose(after, before[n] * (1 - 0.5 * 0.1) if n in decay else before[n]), n
+
+
+# ---- activation checkpointing -----------------------------------------------------------------------
+def _saved_bytes(model, inputs: dict) -> tuple[float, int]:
+    """(the loss, the bytes a forward keeps for the backward: tensors autograd saves outside a
+    checkpointed layer, which keeps only its inputs), then the backward."""
+    kept = 0
+
+    def pack(t):
+        nonlocal kept
+        kept += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(**inputs).loss
+    loss.backward()
+    return loss.item(), kept
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_activation_checkpointing_keeps_the_loss_and_gradients_and_keeps_less(world_of_one, method):
+    """At 1024 tokens a row: the same loss and gradients with every decoder layer recomputed (LoRA:
+    the frozen base's inputs need no gradient, which non-reentrant recomputation allows), the state
+    dict's names unchanged (checkpoints and exports do not see the wrapper), and far fewer bytes held
+    for the backward. bench/activation_checkpointing.py measures the peak RSS."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from tpuft_workload import lora
+
+    tok = tiny.build_tokenizer()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, len(tok), (2, 1024), generator=gen)
+    inputs = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(1024).repeat(2, 1)}
+    settings = lora.LoraSettings(rank=8, alpha=16, dropout=0.0, target_modules=("q_proj", "v_proj"))
+    got = {}
+    for on in (False, True):
+        model = tiny.build_model(len(tok), seed=0)
+        if method == "lora":
+            torch.manual_seed(0)   # the adapters' initial weights
+            model = lora.wrap(model, settings)
+        modellib.shard(model, world_of_one, CPU, torch.device("cpu"), activation_checkpointing=on)
+        loss, kept = _saved_bytes(model, inputs)
+        grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad.full_tensor()
+                 for n, p in model.named_parameters() if p.requires_grad}
+        nonzero = {n for n, g in grads.items() if g.abs().sum() > 0}
+        # LoRA's B starts at zero: A has no gradient yet, B has
+        assert nonzero == ({n for n in grads if "lora_B" in n} if method == "lora" else set(grads))
+        got[on] = loss, kept, grads, set(get_model_state_dict(model))
+    (loss_off, kept_off, grads_off, keys_off), (loss_on, kept_on, grads_on, keys_on) = got[False], got[True]
+    assert loss_on == pytest.approx(loss_off, rel=1e-6) and keys_on == keys_off
+    assert grads_on.keys() == grads_off.keys()
+    assert max((grads_on[n] - grads_off[n]).abs().max().item() for n in grads_on) < 1e-6
+    assert kept_on < kept_off / 2, (kept_on, kept_off)

@@ -152,3 +152,22 @@ def test_a_template_that_rewrites_earlier_turns_fails_naming_the_record(ray_clus
         pipeline.build(Dataset(str(data)), str(tmp_path / "model"), MAX_LEN, True)
     assert str(e.value).startswith(f"spec.dataset.name: {data}: the record asking 'What is the colour of the cat ?': "
                                    "the chat template renders the conversation up to turn 2 differently"), str(e.value)
+
+
+def test_an_eval_set_is_held_out_with_the_seed_or_read_from_its_own_split(ray_cluster):
+    """spec.evaluation.fraction: that share of the records, chosen by the seed, packed apart and left
+    out of training (the two sets' rows together are the records' rows, as without an eval set);
+    split: its own records, read and packed like the training ones."""
+    from tpuft.spec import Evaluation
+
+    spec = Dataset(BUILTIN_DATASET, "train[:60]")
+    whole = pipeline.build(spec, BUILTIN_MODEL, MAX_LEN, False)
+    held = pipeline.build(spec, BUILTIN_MODEL, MAX_LEN, False, Evaluation(fraction=0.25), seed=3)
+    again = pipeline.build(spec, BUILTIN_MODEL, MAX_LEN, False, Evaluation(fraction=0.25), seed=3)
+    other = pipeline.build(spec, BUILTIN_MODEL, MAX_LEN, False, Evaluation(fraction=0.25), seed=4)
+    assert held.eval is not None and held.eval.examples == 15 and held.examples == 45
+    assert _rows(held) + _rows(held.eval) == _rows(whole)   # padded: one row per example, none lost
+    assert _rows(held.eval) == _rows(again.eval) and _rows(held.eval) != _rows(other.eval)
+    own = pipeline.build(spec, BUILTIN_MODEL, MAX_LEN, False, Evaluation(split="train[60:70]"))
+    assert own.examples == 60 and own.eval.examples == 10
+    assert _rows(own.eval) == _rows(_build(BUILTIN_DATASET, "train[60:70]", packing=False))

@@ -244,3 +244,21 @@ def test_too_little_data_fails_with_a_clear_reason(ray_cluster, tmp_path, capsys
     assert body["succeeded"] is False
     assert "cannot fill one global batch" in body["error"] and "spec.training.batchSizePerDevice" in body["error"]
     assert body["error"].startswith("spec.dataset.name: ")   # on the driver, before any worker
+
+
+def test_a_saved_model_trains_from_shards_each_rank_read_for_itself(ray_cluster, tiny_train, tmp_path):
+    """spec.model a saved folder (safetensors): the workers build it on the meta device and read
+    their shards (tpuft_workload.sharded_load; the weights' equality with a full load is
+    test_sharded_load's), then train and export as from the builtin."""
+    from tpuft_workload import model as modellib
+    from tpuft_workload.tiny import build_model
+
+    tok = modellib.load_tokenizer("builtin:tiny-llama")
+    saved = tmp_path / "saved-llama"
+    build_model(len(tok), seed=42).save_pretrained(saved, max_shard_size="200KB")
+    tok.save_pretrained(saved)
+    run = _run(tiny_train, tmp_path / "storage", "uid-s", model=saved, epochs=1)
+    assert run.rc == 0 and run.body["succeeded"], run.body
+    losses = [p["loss"] for p in run.patches if p.get("loss") is not None]
+    assert losses and losses[-1] < 5.0   # trained from the saved weights, not from garbage storage
+    assert_export_generates(run.run_dir / checkpoint.EXPORT_DIR)

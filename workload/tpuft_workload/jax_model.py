@@ -19,10 +19,12 @@ position_ids do not continue by one); padded rows use positions 0..T-1 and mask 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 
 IGNORE = -100
+EMBEDDING = "model.embed_tokens.weight"   # also the output head when tie_word_embeddings
 SUPPORTED = ("llama", "gemma")
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu_tanh"}
 
@@ -89,7 +91,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
 
 def param_names(cfg: ModelConfig) -> list[str]:
     """Every trainable parameter, as LlamaForCausalLM / GemmaForCausalLM name them."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    names = [EMBEDDING, "model.norm.weight"]
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         names += [p + n for n in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
@@ -108,8 +110,55 @@ def _check_names(cfg: ModelConfig, found: set, where: str) -> None:
 
 
 def load_hf_dir(path: str):
-    """(HF config dict, ModelConfig, {name: float32 numpy array}) from a from_pretrained() folder."""
+    """(HF config dict, ModelConfig, {name: float32 numpy array}) from a from_pretrained() folder,
+    every tensor read whole (tests; a worker reads its shards: open_hf_dir)."""
     import numpy as np
+
+    hf, cfg, tensors = open_hf_dir(path)
+    try:
+        return hf, cfg, {name: np.asarray(t) for name, t in tensors.items()}
+    finally:
+        tensors.close()
+
+
+class HostTensors(dict):
+    """{name: SavedTensor} of one checkpoint folder, its files open (memory-mapped) until close()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.handles: dict[str, object] = {}
+
+    def close(self) -> None:
+        self.handles.clear()
+
+
+class SavedTensor:
+    """One tensor of a safetensors file, read region by region as float32 numpy: `shape`, `size`
+    and `ndim` without reading; `tensor[idx]` reads only that region (jax.make_array_from_callback
+    asks each device's shard); `np.asarray(tensor)` reads it whole."""
+
+    def __init__(self, handle, name: str):
+        self.window = handle.get_slice(name)
+        self.shape = tuple(self.window.get_shape())
+        self.size = int(math.prod(self.shape))
+        self.ndim = len(self.shape)
+        self.read_bytes = 0
+
+    def __getitem__(self, index):
+        import torch
+
+        region = self.window[index if index != () else slice(None)]
+        self.read_bytes += region.numel() * 4
+        return region.to(torch.float32).numpy()
+
+    def __array__(self, dtype=None, copy=None):
+        whole = self[tuple(slice(None) for _ in self.shape)]
+        return whole if dtype is None else whole.astype(dtype)
+
+
+def open_hf_dir(path: str) -> tuple[dict, ModelConfig, HostTensors]:
+    """(HF config dict, ModelConfig, {name: SavedTensor}) of a from_pretrained() folder: the files
+    opened, nothing read yet (torch's safetensors reader: bf16 files read without a device)."""
     from safetensors import safe_open
 
     with open(os.path.join(path, "config.json")) as f:
@@ -119,14 +168,15 @@ def load_hf_dir(path: str):
     files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
     if not files:
         raise ModelError(f"{path} holds no *.safetensors files")
-    wanted, params = set(param_names(cfg)), {}
+    wanted, tensors = set(param_names(cfg)), HostTensors()
     for name in files:
-        with safe_open(os.path.join(path, name), framework="flax") as f:  # flax: bf16 as jax arrays
-            for key in f.keys():
-                if key in wanted:
-                    params[key] = np.asarray(f.get_tensor(key), dtype=np.float32)
-    _check_names(cfg, set(params), path)
-    return hf, cfg, params
+        handle = safe_open(os.path.join(path, name), framework="pt")
+        tensors.handles[name] = handle
+        for key in handle.keys():
+            if key in wanted:
+                tensors[key] = SavedTensor(handle, key)
+    _check_names(cfg, set(tensors), path)
+    return hf, cfg, tensors
 
 
 def from_torch(model):
@@ -142,6 +192,17 @@ def from_torch(model):
 def hf_class(hf_config: dict) -> str:
     """The transformers class that loads what save_hf writes."""
     return "GemmaForCausalLM" if hf_config.get("model_type") == "gemma" else "LlamaForCausalLM"
+
+
+def decays(name: str, shape: tuple) -> bool:
+    """Whether AdamW's weight decay applies to a parameter: weight matrices only, not norm scales
+    (1-D; biases would be too) nor the embedding table (an untied lm_head is a weight matrix)."""
+    return len(shape) >= 2 and name != EMBEDDING
+
+
+def decay_mask(params: dict) -> dict:
+    """{name: decays(...)} over `params`: optax's weight-decay mask."""
+    return {name: decays(name, tuple(p.shape)) for name, p in params.items()}
 
 
 def save_hf(params: dict, hf_config: dict, directory: str, dtype=None) -> None:
@@ -227,41 +288,62 @@ def attention_mask(position_ids, key_mask):
     return causal & same & key_mask.astype(bool)[:, None, :]
 
 
-def forward(params: dict, cfg: ModelConfig, input_ids, position_ids, key_mask, dtype=None):
-    """Logits [B, T, vocab] (float32). `dtype`: the compute dtype (bf16 on TPU); params stay as given."""
+def _decoder_layer(p: dict, x, positions, mask, cfg: ModelConfig):
+    """One decoder layer on the residual stream `x` (`p`: the layer's parameters, short names)."""
+    x = x + _attention(p, _rms_norm(x, p["input_layernorm.weight"], cfg), positions, mask, cfg)
+    return x + _mlp(p, _rms_norm(x, p["post_attention_layernorm.weight"], cfg), cfg)
+
+
+def forward(params: dict, cfg: ModelConfig, input_ids, position_ids, key_mask, dtype=None, remat: bool = False):
+    """Logits [B, T, vocab] (float32). `dtype`: the compute dtype (bf16 on TPU); params stay as given.
+    `remat` (spec.training.activationCheckpointing): each decoder layer keeps only its input for the
+    backward pass and recomputes the rest (jax.checkpoint), trading compute for activation memory."""
+    import jax
     import jax.numpy as jnp
 
     cast = (lambda a: a.astype(dtype)) if dtype is not None else (lambda a: a)
-    embed = params["model.embed_tokens.weight"]
+    embed = params[EMBEDDING]
     x = cast(embed[input_ids])
     if cfg.gemma:
         x = x * jnp.asarray(cfg.hidden_size ** 0.5, dtype=x.dtype)
     mask = attention_mask(position_ids, key_mask)
+    layer = jax.checkpoint(_decoder_layer, static_argnums=(4,)) if remat else _decoder_layer
     for i in range(cfg.num_layers):
         p = {k[len(f"model.layers.{i}."):]: cast(v) for k, v in params.items() if k.startswith(f"model.layers.{i}.")}
-        x = x + _attention(p, _rms_norm(x, p["input_layernorm.weight"], cfg), position_ids, mask, cfg)
-        x = x + _mlp(p, _rms_norm(x, p["post_attention_layernorm.weight"], cfg), cfg)
+        x = layer(p, x, position_ids, mask, cfg)
     x = _rms_norm(x, cast(params["model.norm.weight"]), cfg)
     head = embed if cfg.tie_word_embeddings else params["lm_head.weight"]
     return _linear(x, cast(head)).astype(jnp.float32)
 
 
-def loss_sums(params: dict, cfg: ModelConfig, batch: dict, dtype=None):
+def _next_token_labels(labels):
+    """Each position's target: the next token's label (HF's shift), IGNORE at the end."""
+    import jax.numpy as jnp
+
+    return jnp.concatenate([labels[..., 1:], jnp.full_like(labels[..., :1], IGNORE)], axis=-1)
+
+
+def labelled_tokens(labels):
+    """The tokens the loss scores in `labels` ([..., T]: loss_sums' count), before any forward pass."""
+    return (_next_token_labels(labels) != IGNORE).sum()
+
+
+def loss_sums(params: dict, cfg: ModelConfig, batch: dict, dtype=None, remat: bool = False):
     """(summed next-token cross entropy, labelled tokens) over `batch`: HF's ForCausalLMLoss
     before its division, so sums from several shards average exactly."""
     import jax
     import jax.numpy as jnp
 
-    logits = forward(params, cfg, batch["input_ids"], batch["position_ids"], batch["key_mask"], dtype)
-    labels = jnp.concatenate([batch["labels"][:, 1:], jnp.full_like(batch["labels"][:, :1], IGNORE)], axis=1)
+    logits = forward(params, cfg, batch["input_ids"], batch["position_ids"], batch["key_mask"], dtype, remat)
+    labels = _next_token_labels(batch["labels"])
     valid = labels != IGNORE
     logp = jax.nn.log_softmax(logits, axis=-1)
     picked = jnp.take_along_axis(logp, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
     return -(picked * valid).sum(), valid.sum()
 
 
-def loss(params: dict, cfg: ModelConfig, batch: dict, dtype=None):
-    total, count = loss_sums(params, cfg, batch, dtype)
+def loss(params: dict, cfg: ModelConfig, batch: dict, dtype=None, remat: bool = False):
+    total, count = loss_sums(params, cfg, batch, dtype, remat)
     return total / count.clip(1)
 
 

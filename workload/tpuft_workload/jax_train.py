@@ -11,9 +11,11 @@ so 2 CPU workers form one 2-device JAX program exactly as 4 TPU hosts form a 16-
 Workers (`train_loop`): a 2-D mesh (data = slices, fsdp = the devices of a slice) over every
 device of every process; each parameter and its AdamW moments sharded over `fsdp` on its first
 divisible dimension (FSDP: XLA all-gathers weights for the step and reduce-scatters the
-gradients); each step's global batch sharded over the whole mesh from the worker's Ray Data
-shard (`jax.make_array_from_process_local_data`). bf16 compute with float32 master weights on
-accelerators, float32 on CPU; Orbax checkpoints (tpuft_workload.jax_checkpoint). The run itself
+gradients); each step's global micro-batches sharded over the whole mesh from the worker's rows
+(`jax.make_array_from_process_local_data`) and accumulated inside one jit (`train_step`). The
+recipe: AdamW with decay on weight matrices only, clipping, and the rate of
+loop.learning_rate_at set each step without recompiling (`optimizer`). bf16 compute with float32
+master weights on accelerators, float32 on CPU; Orbax checkpoints (tpuft_workload.jax_checkpoint). The run itself
 (restore, reports, checkpoint cadence, status keys, log lines, TensorBoard files, the run summary,
 a stop on SIGTERM) is tpuft_workload.loop's, the torch path's too; this file is its JAX backend
 (`_Jax`): the processes agree on a stop's step through JAX's own preemption sync point.
@@ -32,6 +34,7 @@ from tpuft_workload import checkpoint as ckptlib
 from tpuft_workload import data as datalib
 from tpuft_workload import jax_checkpoint, loop, pipeline, preemption
 from tpuft_workload import jax_model as jm
+from tpuft_workload.command import Command
 from tpuft_workload.platform import PLATFORMS, Target
 from tpuft_workload.report import flops_per_token, gpu_slice_peak
 from tpuft_workload.train import prepare, run_config
@@ -46,19 +49,19 @@ def scaling_config(target: Target):
     return _scaling_config(target, per_host=True)
 
 
-def build_trainer(args, target: Target, fault_spec: str = ""):
+def build_trainer(command: Command, target: Target, fault_spec: str = ""):
     """(JaxTrainer, its train_loop_config as a dict: TrainConfig.as_dict)."""
     from ray.train.v2.jax import JaxTrainer
 
     scaling = scaling_config(target)
-    storage, packed, cfg = prepare(args, target, fault_spec)
+    storage, packed, cfg = prepare(command, target, fault_spec)
     return JaxTrainer(
         train_loop_per_worker=train_loop, train_loop_config=cfg, scaling_config=scaling,
-        run_config=run_config(args, storage)), cfg
+        run_config=run_config(command, storage)), cfg
 
 
-def run_training(args, target: Target, fault_spec: str = "") -> int:
-    return _run_training(args, target, fault_spec, build=build_trainer)
+def run_training(command: Command, target: Target, fault_spec: str = "") -> int:
+    return _run_training(command, target, fault_spec, build=build_trainer)
 
 
 # ---- worker: JAX setup ------------------------------------------------------------------------
@@ -86,10 +89,10 @@ def init_jax(platform_kind: str, rank: int, world: int):
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if world == 1:   # nothing to coordinate
+        return jax
     address = f"{ray.util.get_node_ip_address()}:{_free_port()}" if rank == 0 else None
-    address = broadcast_from_rank_zero(address)
-    if world > 1:
-        jax.distributed.initialize(address, world, rank)
+    jax.distributed.initialize(broadcast_from_rank_zero(address), world, rank)
     return jax
 
 
@@ -128,39 +131,74 @@ def param_spec(shape: tuple, shards: int):
 
 
 def _put(jax, array, sharding):
-    """A host array every process holds in full -> a global jax.Array, each device its slice."""
+    """A host array (or a jax_model.SavedTensor, read region by region) -> a global jax.Array, each
+    device given only its slice."""
     return jax.make_array_from_callback(array.shape, sharding, lambda idx: array[idx])
 
 
-def _train_step(tx, cfg: jm.ModelConfig, dtype, params, opt_state, batch):
-    """One AdamW step on the global batch: the mean loss over every labelled token of every
-    shard (one jit over the mesh: exact data-parallel averaging, FSDP gathers/scatters by XLA).
-    Returns (params, opt_state, that mean, the global batch's sums: loss_sum, labelled and real
-    tokens, the gradient norm)."""
-    import jax
+def optimizer(params: dict, weight_decay: float, max_grad_norm: float):
+    """The recipe's AdamW (torch's: decoupled decay scaled by the rate) on `params`' structure:
+    gradients clipped to `max_grad_norm` (global norm), decay on weight matrices only
+    (jax_model.decays), and the rate an injected hyperparameter that each step sets (`with_rate`),
+    so a schedule's changing rate never recompiles the step."""
     import optax
 
-    def mean_loss(p):
-        total, count = jm.loss_sums(p, cfg, batch, dtype)
-        return total / count.clip(1), {"loss_sum": total, "labelled": count}
+    adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=0.0, weight_decay=weight_decay,
+                                                  mask=jm.decay_mask(params))
+    return optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw)
 
-    (loss, sums), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    sums = {**sums, "real": batch["n_real"].sum()}
+
+def with_rate(opt_state, learning_rate):
+    """`optimizer`'s state with its rate set to `learning_rate` (a traced scalar inside the jit)."""
+    import jax.numpy as jnp
+
+    clip, adamw = opt_state
+    rate = jnp.asarray(learning_rate, adamw.hyperparams["learning_rate"].dtype)
+    return clip, adamw._replace(hyperparams={**adamw.hyperparams, "learning_rate": rate})
+
+
+def train_step(tx, cfg: jm.ModelConfig, dtype, remat: bool, params, opt_state, micro_batches: dict, learning_rate):
+    """One optimizer step over k micro-batches, stacked ([k, global micro-batch, ...] each key):
+    the gradient of the mean loss over every labelled token of all k (each micro-batch's summed
+    loss over the count of all k, gradients summed by a lax.scan over them), so k micro-batches of b rows
+    update the params as one batch of k x b; then `tx` (`optimizer`) at `learning_rate`. One jit over
+    the mesh: exact data-parallel averaging, FSDP gathers/scatters by XLA. Returns (params,
+    opt_state, the step's sums: loss_sum, labelled and real tokens, the gradient norm)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    labelled = jm.labelled_tokens(micro_batches["labels"])
+    share = 1.0 / labelled.clip(1).astype(jnp.float32)
+
+    def loss_and_grads(batch):
+        def scaled(p):
+            total, _ = jm.loss_sums(p, cfg, batch, dtype, remat)
+            return total * share, total
+
+        (_, total), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+        return total, grads
+
+    def accumulate(carry, batch):
+        total, grads = loss_and_grads(batch)
+        return (carry[0] + total, jax.tree.map(jnp.add, carry[1], grads)), None
+
+    if micro_batches["labels"].shape[0] == 1:   # no accumulator: one gradient's memory, not two
+        loss_sum, grads = loss_and_grads(jax.tree.map(lambda v: v[0], micro_batches))
+    else:
+        start = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        (loss_sum, grads), _ = jax.lax.scan(accumulate, start, micro_batches)
+    updates, opt_state = tx.update(grads, with_rate(opt_state, learning_rate), params)
+    sums = {"loss_sum": loss_sum, "labelled": labelled, "real": micro_batches["n_real"].sum()}
     # the norm before clip_by_global_norm, as torch's clip_grad_norm_ returns it
-    return optax.apply_updates(params, updates), opt_state, loss, sums, optax.global_norm(grads)
+    return optax.apply_updates(params, updates), opt_state, sums, optax.global_norm(grads)
 
 
 def _model_dir(ref: str) -> str:
     """A from_pretrained() folder on this host for a local path, gs:// URI or hub id."""
     from tpuft_workload import model as modellib
 
-    path = modellib._local_copy(ref)
-    if os.path.isdir(path):
-        return path
-    from huggingface_hub import snapshot_download
-
-    return snapshot_download(ref, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+    return modellib.weights_dir(ref)
 
 
 def load_weights(model_ref: str, tokenizer, seed: int):
@@ -172,7 +210,7 @@ def load_weights(model_ref: str, tokenizer, seed: int):
         from tpuft_workload.tiny import build_model
 
         return jm.from_torch(build_model(len(tokenizer), seed=seed))
-    return jm.load_hf_dir(_model_dir(model_ref))
+    return jm.open_hf_dir(_model_dir(model_ref))   # read shard by shard as the parameters are placed
 
 
 # ---- worker: the backend ----------------------------------------------------------------------
@@ -223,14 +261,17 @@ class _Jax:
         cfg = self.cfg
         self.tokenizer = modellib.load_tokenizer(cfg.model)
         self.rows = ray.get(cfg.rows_ref)   # the shared rows, mapped from the node's object store
-        # a worker feeds all of its host's devices: batchSizePerDevice rows each
+        self.eval_rows = ray.get(cfg.eval_rows_ref) if cfg.eval_rows_ref is not None else None
+        # a worker feeds all of its host's devices: batchSizePerDevice rows each, per micro-batch
         self.local_batch = cfg.batch_size_per_device * self.jax.local_device_count()
-        self.steps_per_epoch = datalib.steps_per_epoch(cfg.rows, self.world, self.local_batch)
-        self.worker.say(f"[tpuft] {loop.data_line(cfg)}; {self.steps_per_epoch} steps/epoch x {cfg.epochs} epochs "
-                        f"on {self.world} JAX processes, {self.jax.device_count()} devices")
+        self.accumulation = cfg.gradient_accumulation_steps
+        self.global_batch_size = self.local_batch * self.world * self.accumulation   # sequences per optimizer step
+        self.steps_per_epoch = datalib.steps_per_epoch(cfg.rows, self.world, self.local_batch * self.accumulation)
+        self.worker.say(f"[tpuft] {loop.data_line(cfg)}; {self.steps_per_epoch} steps/epoch of {self.accumulation} "
+                        f"micro-batches x {cfg.epochs} epochs on {self.world} JAX processes, "
+                        f"{self.jax.device_count()} devices")
 
     def _model(self) -> None:
-        import optax
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
@@ -241,15 +282,24 @@ class _Jax:
         self.worker.adopt_architecture(arch, self.barrier)
         self.parameter_counts = (arch["parameters"], arch["parameters"])   # full fine-tuning only (trainable, total)
         self.mesh = build_mesh(jax, cfg.slices)
+        # Each device's shard read from the files (a SavedTensor) or cut from the host array (the
+        # builtin): no process builds the whole tree of a saved model.
         self.params = {n: _put(jax, a, self._sharding(a)) for n, a in host.items()}
-        self.tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(cfg.learning_rate, weight_decay=0.01))
+        if isinstance(host, jm.HostTensors):
+            self.worker.say(f"[tpuft] read {sum(t.read_bytes for t in host.values()) / 2**20:.1f} MiB of "
+                            f"{sum(t.size for t in host.values()) * 4 / 2**20:.1f} MiB of weights (fp32) on this host")
+            host.close()
+        self.tx = optimizer(host, cfg.weight_decay, cfg.max_grad_norm)
         # Every leaf placed explicitly: the moments like their parameters; the step count, left to
         # jit, lands on one local device and no longer fits the mesh once Orbax restores it.
         shardings = jax.tree.map(self._sharding, jax.eval_shape(self.tx.init, self.params))
         self.opt_state = jax.jit(self.tx.init, out_shardings=shardings)(self.params)
         self.batch_sharding = NamedSharding(self.mesh, P(MESH_AXES))
+        self.micro_batches_sharding = NamedSharding(self.mesh, P(None, MESH_AXES))
         dtype = jax.numpy.bfloat16 if self.plat.mixed_precision else None
-        self.step_fn = jax.jit(partial(_train_step, self.tx, self.mcfg, dtype), donate_argnums=(0, 1))
+        self.step_fn = jax.jit(partial(train_step, self.tx, self.mcfg, dtype, cfg.activation_checkpointing),
+                               donate_argnums=(0, 1))
+        self.eval_fn = jax.jit(lambda params, batch: jm.loss_sums(params, self.mcfg, batch, dtype))
 
     def _sharding(self, leaf):
         """Where a parameter (or a state leaf of its shape) lives: FSDP over the mesh's fsdp axis."""
@@ -258,17 +308,40 @@ class _Jax:
         return NamedSharding(self.mesh, param_spec(leaf.shape, self.mesh.shape["fsdp"]))
 
     def batches(self, epoch: int, skip: int):
-        return pipeline.epoch_batches(self.rows, self.world, self.rank, self.local_batch, self.cfg.seed, epoch,
-                                      skip=skip)
+        """Per optimizer step, this worker's micro-batches: its rows of the step (the epoch's
+        permutation in steps of k micro-batches) cut into k, so micro-batch i of every worker
+        makes the global micro-batch i."""
+        b = self.local_batch
+        for rows in pipeline.epoch_batches(self.rows, self.world, self.rank, b * self.accumulation, self.cfg.seed,
+                                           epoch, skip=skip):
+            yield [{k: v[i * b:(i + 1) * b] for k, v in rows.items()} for i in range(self.accumulation)]
 
-    def step(self, rows: dict) -> loop.Step:
-        """One optimizer step on this worker's rows of the global batch: summed loss, labelled and
-        real tokens and gradient norm, global (left on the device)."""
-        local = {**jm.inputs_from_rows(rows, self.cfg.packing), "n_real": rows["n_real"].astype("int32")}
-        batch = {k: self.jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in local.items()}
-        self.params, self.opt_state, _, sums, grad_norm = self.step_fn(self.params, self.opt_state, batch)
+    def step(self, micro_batches: list, learning_rate: float) -> loop.Step:
+        """One optimizer step on this worker's rows of the step's micro-batches: summed loss,
+        labelled and real tokens and gradient norm, global (left on the device)."""
+        import numpy as np
+
+        local = [{**jm.inputs_from_rows(rows, self.cfg.packing), "n_real": rows["n_real"].astype("int32")}
+                 for rows in micro_batches]
+        stacked = {k: np.stack([m[k] for m in local]) for k in local[0]}
+        batch = {k: self.jax.make_array_from_process_local_data(
+                     self.micro_batches_sharding, v, (len(local), self.local_batch * self.world, *v.shape[2:]))
+                 for k, v in stacked.items()}
+        self.params, self.opt_state, sums, grad_norm = self.step_fn(self.params, self.opt_state, batch,
+                                                                    np.float32(learning_rate))
         return loop.Step(loss_sum=sums["loss_sum"], labelled=sums["labelled"], real=sums["real"],
-                         padded=self.local_batch * self.world * self.cfg.max_seq_length, grad_norm=grad_norm)
+                         padded=len(local) * self.local_batch * self.world * self.cfg.max_seq_length,
+                         grad_norm=grad_norm)
+
+    def evaluate(self) -> tuple[float, float]:
+        """(summed loss, labelled tokens) over the whole eval set, global: the same on every process."""
+        loss_sum, labelled = 0, 0
+        for rows in pipeline.eval_batches(self.eval_rows, self.world, self.rank, self.local_batch):
+            batch = {k: self.jax.make_array_from_process_local_data(self.batch_sharding, v)
+                     for k, v in jm.inputs_from_rows(rows, self.cfg.packing).items()}
+            total, count = self.eval_fn(self.params, batch)
+            loss_sum, labelled = loss_sum + total, labelled + count
+        return float(loss_sum), float(labelled)
 
     def totals(self, values: list) -> list[float]:
         """Already global (one program over the mesh): only read off the device."""
@@ -302,9 +375,17 @@ class _Jax:
         path = ckptlib.find_latest_committed(self.cfg.run_dir) or self.cfg.resume_from
         if not path:
             return None
+        return path, self._restore(path)
+
+    def load_from(self, path: str) -> None:
+        """The params and optimizer state of the committed checkpoint at `path` (keep-best)."""
+        self._restore(path)
+
+    def _restore(self, path: str) -> dict:
+        """Collective: the state at `path` onto the live state's shardings; its train_state."""
         state, train_state = jax_checkpoint.load(jax_checkpoint.abstract(self._state()), path)
         self.params, self.opt_state = state["params"], state["opt_state"]
-        return path, train_state
+        return train_state
 
     def _generation(self):
         """The base's generation config (generation_config.json beside its weights, else derived from

@@ -2,9 +2,11 @@
 checkpoints, then finish (export, the run's summary) or stop (told to: tpuft_workload.preemption).
 
 What the run reports (status.training, Ray Train's metrics, the log lines, TensorBoard and the
-Prometheus gauges), when it saves, and how it resumes and stops is decided here, once. A framework
-(train.py: torch FSDP2; jax_train.py: JAX) is a `Backend`: its batches, one step, the ranks' stop
-vote, the sums over ranks of a report window, save/load of a checkpoint, a barrier and the export.
+Prometheus gauges), each step's learning rate, when it evaluates, saves and stops early, which
+checkpoint it exports (keepBest), and how it resumes and stops is decided here, once. A framework
+(train.py: torch FSDP2; jax_train.py: JAX) is a `Backend`: its micro-batches, one optimizer step,
+the eval loss, the ranks' stop vote, the sums over ranks of a report window, save/load of a
+checkpoint, a barrier and the export.
 
 Importable without Ray or a framework (both are imported by the backends): tests/workload/
 test_loop.py drives `Run` with a fake backend.
@@ -18,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
-from tpuft.constants import TrainingStatus
+from tpuft.constants import HistoryPoint, TrainingStatus
 from tpuft_workload import checkpoint as ckptlib
 from tpuft_workload import faults as faultlib
 from tpuft_workload import preemption
@@ -151,18 +153,31 @@ class Step:
 
 class Backend(Protocol):
     """One framework's part of the run. The loop calls these; everything else is the loop's."""
-    steps_per_epoch: int          # global batches in one pass over the data
+    # optimizer steps in one pass over the data: rows // (data-parallel devices x
+    # batch_size_per_device x gradient_accumulation_steps)
+    steps_per_epoch: int
     flops_per_token: float        # MFU's numerator (report.flops_per_token)
     peak_flops: float | None      # MFU's denominator; None: no MFU
     # (trainable, total) parameters, status.training's trainableParameters and totalParameters; a
     # backend without it reports neither
     parameter_counts: tuple[int, int]
+    # Optional: sequences per optimizer step, when the workers are not the data-parallel devices
+    # (JAX: one worker per host); a backend without it: global_batch_size(cfg, world)
+    global_batch_size: int
 
-    def batches(self, epoch: int, skip: int) -> Iterator[Any]:
-        """This worker's batches of `epoch`, the first `skip` (trained before a resume) left out."""
+    def batches(self, epoch: int, skip: int) -> Iterator[list]:
+        """This worker's optimizer steps of `epoch`, each a list of cfg.gradient_accumulation_steps
+        micro-batches (a batch each); the first `skip` steps (trained before a resume) left out."""
 
-    def step(self, batch: Any) -> Step:
-        """One optimizer step on `batch`."""
+    def step(self, micro_batches: list, learning_rate: float) -> Step:
+        """One optimizer step at `learning_rate` over all `micro_batches`: the gradient of the token
+        mean over every labelled token of every micro-batch and rank (k micro-batches of b rows make
+        the update one batch of k x b would), clipped to cfg.max_grad_norm. The Step's sums are
+        over the micro-batches; its grad_norm is the norm before clipping."""
+
+    def evaluate(self) -> tuple[float, float]:
+        """(summed loss, labelled tokens) over the whole eval set (cfg.eval_rows_ref), each summed
+        over the ranks, the same on every rank; no gradients, the model back in train mode after."""
 
     def totals(self, values: list) -> list[float]:
         """Each value summed over the ranks (torch: one all-reduce), as floats."""
@@ -176,6 +191,10 @@ class Backend(Protocol):
 
     def load(self) -> tuple[str, dict] | None:
         """Restore from the checkpoint to resume: (its path, its train_state), None for none."""
+
+    def load_from(self, path: str) -> None:
+        """Collective: the weights (and optimizer state) of the committed checkpoint at `path`, which
+        `save` wrote (keepBest: the best one, before the export)."""
 
     def barrier(self) -> None:
         """Every rank has got here."""
@@ -300,17 +319,85 @@ def status_metrics(m: dict) -> dict:
             "stepTimeSeconds": round(m["step_time_s"], 4), "padFraction": round(m["pad_fraction"], 4)}
 
 
-def interval_line(epoch: int, epochs: int, step: int, total: int, m: dict) -> str:
+def interval_line(epoch: int, epochs: int, step: int, total: int, m: dict, learning_rate: float) -> str:
     """The per-interval log line both trainers print (`tpuft demo`'s docs and the benches read it)."""
     return (f"Epoch {epoch}/{epochs} | step {step}/{total} | loss={m['loss']:.4f} | "
             f"step_time={m['step_time_s']:.3f}s | tokens/s={m['tokens_per_s']:.1f} | "
-            f"padded_tokens/s={m['padded_tokens_per_s']:.1f}")
+            f"padded_tokens/s={m['padded_tokens_per_s']:.1f} | lr={learning_rate:.3g}")
 
 
 def epoch_line(epoch: int, epochs: int, m: dict) -> str:
     return (f"Epoch {epoch}/{epochs} | loss={m['loss']:.4f} | epoch_time={m['seconds']:.2f}s | "
             f"tokens/s={m['tokens_per_s']:.1f} | padded_tokens/s={m['padded_tokens_per_s']:.1f} | "
             f"pad={m['pad_fraction']:.1%}")
+
+
+def recipe_line(cfg: TrainConfig, global_batch: int, steps_per_epoch: int, total_steps: int, epochs: int) -> str:
+    """Rank 0's line at the start: the global batch, the steps and the learning-rate schedule."""
+    warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total_steps)
+    floor = "" if cfg.learning_rate_schedule == "constant" else f" to {cfg.min_learning_rate_ratio:g} x peak"
+    return (f"[tpuft] global batch {global_batch} sequences ({cfg.batch_size_per_device} per device x "
+            f"{cfg.gradient_accumulation_steps} accumulated, every device); {total_steps} optimizer steps "
+            f"({epochs} epochs of {steps_per_epoch}); learning rate {cfg.learning_rate:g}, {warmup} warmup steps, "
+            f"{cfg.learning_rate_schedule}{floor}; weight decay {cfg.weight_decay:g}, gradients clipped to "
+            f"{cfg.max_grad_norm:g}")
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
+def perplexity(loss: float) -> float | None:
+    """exp(loss); None when it is not a finite number a status can hold."""
+    return math.exp(loss) if loss < 100 else None
+
+
+KEEP_SCORE = "keep_score"   # the checkpoint metric Ray's CheckpointConfig ranks by with keepBest (train.run_config)
+BEST_BONUS = 1e12           # > any step: the best checkpoint outranks every other
+
+
+@dataclass
+class Evaluations:
+    """The evaluations so far: the latest eval loss, the lowest, its step and checkpoint, and the
+    evaluations since it (early stopping's count). Kept in each checkpoint's train_state, so a
+    resumed run keeps its best."""
+    loss: float | None = None
+    best_loss: float | None = None
+    best_step: int = -1
+    best_path: str = ""
+    since_best: int = 0
+
+    def observe(self, step: int, loss: float, path: str) -> bool:
+        """The evaluation at `step` (whose checkpoint is, or would be, `path`); True when it is
+        the lowest so far (a NaN never is)."""
+        self.loss = loss
+        if not math.isnan(loss) and (self.best_loss is None or loss < self.best_loss):
+            self.best_loss, self.best_step, self.best_path, self.since_best = loss, step, path, 0
+            return True
+        self.since_best += 1
+        return False
+
+    def patience_spent(self, patience: int) -> bool:
+        return patience > 0 and self.since_best >= patience
+
+    def status(self) -> dict:
+        """status.training's eval keys (none before the first evaluation)."""
+        if self.loss is None:
+            return {}
+        ppl = perplexity(self.loss)
+        out = {TrainingStatus.EVAL_LOSS.value: round(self.loss, 5),
+               TrainingStatus.EVAL_PERPLEXITY.value: None if ppl is None else round(ppl, 4)}
+        if self.best_loss is not None:
+            out |= {TrainingStatus.BEST_EVAL_LOSS.value: round(self.best_loss, 5),
+                    TrainingStatus.BEST_STEP.value: self.best_step}
+        return {k: v for k, v in out.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> Evaluations:
+        return cls(**(d or {}))
 
 
 def stopped(stop: bool) -> dict:
@@ -325,12 +412,21 @@ def resume_message(step: int, total_steps: int, source: str) -> str:
     return f"resumed at step {step} of {total_steps} from {source}"
 
 
+def checkpoint_exists(path: str) -> bool:
+    """A committed checkpoint is at `path` (the commit marker is its last file)."""
+    try:
+        ckptlib.read_bytes(ckptlib.join(path, ckptlib.COMMITTED))
+        return True
+    except OSError:
+        return False
+
+
 # ---- the run ---------------------------------------------------------------------------------------
 
 def work(config: dict, backend: Callable[[Worker], Backend]) -> None:
     """One training worker (Ray Train's train function): setup (`backend` builds the model),
-    restore, train (steps, reports, checkpoints), finish (export), or stop (told to: a checkpoint
-    at the next step boundary, no export)."""
+    restore, train (steps, reports, evaluations, checkpoints), finish (export), or stop (told to:
+    a checkpoint at the next step boundary, no export)."""
     preemption.install()
     worker = Worker.here(TrainConfig.from_dict(config))
     run = Run(worker, backend(worker))
@@ -350,93 +446,167 @@ class Run:
         self.faults = faultlib.parse_faults(cfg.fault)
         self.throttle = Throttle(cfg.status_every_s)
         self.spe = backend.steps_per_epoch
-        self.total_steps = self.spe * cfg.epochs
+        # maxSteps: as many passes over the data as it takes, the last one cut short
+        self.total_steps = cfg.max_steps or self.spe * cfg.epochs
+        self.epochs = -(-self.total_steps // self.spe) if self.spe else cfg.epochs
+        self.global_batch = getattr(backend, "global_batch_size", None) or global_batch_size(cfg, worker.world)
         # progress: restored from a checkpoint, moved by the loop
         self.step, self.resumed_from = 0, -1
         self.last_ckpt, self.message, self.source = "", None, ""
         self.last_metrics: dict = {}  # status.training metrics of the latest report, restored with a checkpoint
+        self.evaluations = Evaluations()
+        self.learning_rate = learning_rate_at(cfg, 0, self.total_steps)   # the latest step's
+        self.early_stop: str | None = None   # why the run stopped early (early stopping's message)
         self.tensorboard = TensorBoard(cfg.run_dir, enabled=False)   # rank 0's opens once restored (train)
         self.prometheus = Prometheus(enabled=False)
         counts = getattr(backend, "parameter_counts", None)
-        self.parameters = {TrainingStatus.TRAINABLE_PARAMETERS.value: counts[0],
-                           TrainingStatus.TOTAL_PARAMETERS.value: counts[1]} if counts else {}
+        # status.training keys that hold for the whole run
+        self.fixed = {TrainingStatus.GLOBAL_BATCH_SIZE.value: self.global_batch,
+                      **({TrainingStatus.TRAINABLE_PARAMETERS.value: counts[0],
+                          TrainingStatus.TOTAL_PARAMETERS.value: counts[1]} if counts else {})}
 
     # --- restore ------------------------------------------------------------------------------------
     def restore(self) -> None:
-        """Progress and the last report's metrics from the backend's checkpoint, if any."""
+        """Progress, the evaluations and the last report's metrics from the backend's checkpoint, if any."""
         restored = self.backend.load()
         if restored is None:
             return
         self.source, state = restored
         self.step, self.resumed_from, self.last_ckpt = int(state["step"]), int(state["step"]), state.get("path", "")
         self.last_metrics = dict(state.get("metrics") or {})
+        self.evaluations = Evaluations.from_dict(state.get("evaluation"))
         self.message = resume_message(self.step, self.total_steps, self.source)
         if self.rank == 0:
             say(f"[tpuft] {self.message}")
-        epoch = min(self.step // self.spe + 1, self.cfg.epochs) if self.spe else self.cfg.epochs
-        self.status(True, epoch=epoch, step=self.step, resumedFrom=self.source, resumedFromStep=self.step,
-                    message=self.message, lastCheckpoint=self.last_ckpt or None, **self.last_metrics)
+        self.status(True, epoch=self.epoch_at(self.step + 1), step=self.step, resumedFrom=self.source,
+                    resumedFromStep=self.step, message=self.message, lastCheckpoint=self.last_ckpt or None,
+                    **self.last_metrics)
+
+    def epoch_at(self, step: int) -> int:
+        """The (1-based) epoch that optimizer step `step` (1-based) belongs to, at most the last."""
+        return min(max(-(-step // self.spe), 1), self.epochs) if self.spe else self.epochs
 
     # --- report -------------------------------------------------------------------------------------
     def status(self, force: bool, **fields) -> None:
         """status.training of the TPUFinetune (rank 0, throttled unless forced)."""
         if self.rank == 0 and self.reporter.enabled and self.throttle.ready(force):
-            self.reporter.training(epochs=self.cfg.epochs, totalSteps=self.total_steps, **self.parameters, **fields)
+            self.reporter.training(epochs=self.epochs, totalSteps=self.total_steps, **self.fixed, **fields)
 
-    def record(self, m: dict) -> None:
-        """One report's metrics (a Window.reduce() result): status.training's keys, with MFU (when
-        the slice has a catalog peak) and the history point, become last_metrics (kept in each
-        checkpoint, so a restarted attempt continues the same curve), and rank 0 adds the report to
-        TensorBoard and its Prometheus gauges."""
+    def record(self, m: dict, evaluated: bool) -> None:
+        """One report's metrics (a Window.reduce() result, with epoch_loss at an epoch's end): status.training's
+        keys, with MFU (when the slice has a catalog peak), the learning rate, the epoch's and the
+        evaluations' numbers and the history point (with the eval loss when `evaluated` at this
+        step), become last_metrics (kept in each checkpoint, so a restarted attempt continues the
+        same curve), and rank 0 adds the report to TensorBoard and its Prometheus gauges."""
         metrics = status_metrics(m)
         utilisation = mfu(self.backend.flops_per_token, m["tokens_per_s"], self.backend.peak_flops)
         if utilisation is not None:
             metrics["mfu"] = utilisation
+        metrics[TrainingStatus.LEARNING_RATE.value] = float(f"{self.learning_rate:.6g}")
+        epoch_loss = round(m["epoch_loss"], 5) if "epoch_loss" in m else self.last_metrics.get(
+            TrainingStatus.EPOCH_LOSS.value)
+        if epoch_loss is not None:
+            metrics[TrainingStatus.EPOCH_LOSS.value] = epoch_loss
+        metrics |= self.evaluations.status()
         point = {"step": self.step, "loss": metrics["loss"], "tokensPerSecond": metrics["tokensPerSecond"]}
+        scalars = {**m, "mfu": utilisation}
+        if evaluated and TrainingStatus.EVAL_LOSS.value in metrics:
+            point[HistoryPoint.EVAL_LOSS.value] = metrics[TrainingStatus.EVAL_LOSS.value]
+            scalars |= {"eval_loss": self.evaluations.loss, "eval_perplexity": perplexity(self.evaluations.loss)}
         metrics["history"] = add_point(self.last_metrics.get("history") or [], point)
         self.last_metrics = metrics
-        self.tensorboard.add(self.step, {**m, "mfu": utilisation}, self.cfg.learning_rate)
+        self.tensorboard.add(self.step, scalars, self.learning_rate)
         self.prometheus.add(self.step, {**m, "mfu": utilisation})
 
-    def report(self, metrics: dict, save: bool) -> None:
+    def report(self, metrics: dict, save: bool, evaluated: bool = False) -> None:
         """ray.train.report, with this step's checkpoint when `save`. A stop's checkpoint carries
-        metrics["stopped"]: Result.metrics, which the driver reads, are the newest checkpoint's."""
-        self.record(metrics)
+        metrics["stopped"]: Result.metrics, which the driver reads, are the newest checkpoint's.
+        With keepBest a checkpoint's KEEP_SCORE ranks the best above the rest for Ray's num_to_keep."""
+        self.record(metrics, evaluated)
         metrics = {**metrics, "step": self.step, "total_steps": self.total_steps,
                    "resumed_from_step": self.resumed_from}
+        if evaluated and self.evaluations.loss is not None:
+            metrics["eval_loss"] = self.evaluations.loss
         if not save:
             report_to_ray(metrics)
             return
+        if self.cfg.keep_best:
+            metrics[KEEP_SCORE] = self.step + (BEST_BONUS if self.evaluations.best_step == self.step else 0.0)
         self.tensorboard.sync()
         name = ckpt_name(self.step)
         path = ckptlib.join(self.cfg.run_dir, name)
         self.backend.save(path, name, {"step": self.step, "epoch": metrics.get("epoch"), "path": path,
-                                       "metrics": self.last_metrics}, metrics)
+                                       "metrics": self.last_metrics, "evaluation": self.evaluations.as_dict()},
+                          metrics)
         self.last_ckpt = path
+
+    # --- evaluate -------------------------------------------------------------------------------------
+    def evaluate_if_due(self, epoch_end: bool) -> bool:
+        """The eval set's loss after this step, when one is due: every eval_every_steps steps and
+        at the run's last step, or (eval_every_steps 0) at each epoch's end. Early stopping is
+        decided here."""
+        cfg = self.cfg
+        if not cfg.eval_rows:
+            return False
+        every = cfg.eval_every_steps
+        if not (self.step % every == 0 or self.step >= self.total_steps if every else epoch_end):
+            return False
+        loss_sum, labelled = self.backend.evaluate()
+        loss = loss_sum / labelled if labelled else math.nan
+        ev = self.evaluations
+        ev.observe(self.step, loss, ckptlib.join(cfg.run_dir, ckpt_name(self.step)))
+        if self.rank == 0:
+            ppl = perplexity(loss)
+            say(f"Eval at step {self.step}/{self.total_steps} | eval_loss={loss:.4f} | "
+                f"perplexity={'-' if ppl is None else f'{ppl:.3f}'} | best={_num(ev.best_loss)} at step {ev.best_step}")
+        if ev.patience_spent(cfg.early_stopping_patience) and self.step < self.total_steps:
+            self.early_stop = self._early_stop_message()
+            if self.rank == 0:
+                say(f"[tpuft] {self.early_stop}")
+        return True
+
+    def _early_stop_message(self) -> str:
+        ev = self.evaluations
+        return (f"early stopping at step {self.step} of {self.total_steps}: the eval loss has not improved for "
+                f"{self.cfg.early_stopping_patience} evaluations (best {_num(ev.best_loss)} at step {ev.best_step})")
 
     # --- train ----------------------------------------------------------------------------------------
     def train(self) -> bool:
-        """Every epoch left; True when the ranks stopped on request (after that step's checkpoint)."""
-        self.tensorboard = TensorBoard(self.cfg.run_dir, self.rank == 0, resumed_at=self.step)
+        """Every step left; True when the ranks stopped on request (after that step's checkpoint).
+        An early stop (spec.evaluation.earlyStoppingPatience) ends it as finished."""
+        cfg = self.cfg
+        self.tensorboard = TensorBoard(cfg.run_dir, self.rank == 0, resumed_at=self.step)
         # tagged with the TPUFinetune's name (the run's directory name off the cluster)
-        tag = self.cfg.cr_name or self.cfg.run_dir.rstrip("/").rsplit("/", 1)[-1]
+        tag = cfg.cr_name or cfg.run_dir.rstrip("/").rsplit("/", 1)[-1]
         self.prometheus = Prometheus(self.rank == 0, tag)
-        for epoch in range(self.step // self.spe if self.spe else 0, self.cfg.epochs):
+        if self.rank == 0:
+            say(recipe_line(cfg, self.global_batch, self.spe, self.total_steps, self.epochs))
+        ev = self.evaluations
+        if ev.patience_spent(cfg.early_stopping_patience) and self.step < self.total_steps:   # resumed after one
+            self.early_stop = self._early_stop_message()
+            return False
+        for epoch in range(self.step // self.spe if self.spe else 0, self.epochs):
             if self._epoch(epoch):
                 return True
+            if self.early_stop:
+                break
         return False
 
     def _epoch(self, epoch: int) -> bool:
         """One epoch's steps; True when the ranks agreed to stop (that step's checkpoint is saved)."""
         cfg, spe = self.cfg, self.spe
         every_ckpt, every_rep = cfg.checkpoint_every_steps, cfg.report_every_steps
+        end = min(spe, self.total_steps - epoch * spe)   # maxSteps may end the last epoch early
         done = self.step - epoch * spe   # a resumed epoch passes over the batches it already trained on
+        if done >= end:
+            return False
         batches = self.backend.batches(epoch, done)
         epoch_win, win = Window(self.backend.totals), Window(self.backend.totals)
-        stop = False
-        for i, batch in zip(range(done, spe), batches):
+        stop = evaluated = False
+        for i, micro_batches in zip(range(done, end), batches):
             faultlib.fire_train(self.faults, self.rank, self.step + 1, cfg.run_dir_local)
-            s = self.backend.step(batch)
+            self.learning_rate = learning_rate_at(cfg, self.step, self.total_steps)
+            s = self.backend.step(micro_batches, self.learning_rate)
             self.step += 1
             for w in (win, epoch_win):
                 w.add(s)
@@ -444,35 +614,48 @@ class Run:
             # moot: the step is trained, so the run finishes (export) instead of saving a stop that a
             # resubmitted run would find with nothing left to train.
             stop = self.backend.stop_agreed(self.step) and self.step < self.total_steps
-            if i == spe - 1:  # the end of the epoch reports (and saves) below
+            paused = time.perf_counter()
+            evaluated = self.evaluate_if_due(epoch_end=i == end - 1)
+            if evaluated:   # evaluations are not training time
+                spent = time.perf_counter() - paused
+                for w in (win, epoch_win):
+                    w.excluded += spent
+            if i == end - 1:  # the end of the epoch reports (and saves) below
                 break
-            save = stop or (bool(every_ckpt) and self.step % every_ckpt == 0)
-            if self.step % every_rep == 0 or save:
+            best = evaluated and self.evaluations.best_step == self.step
+            save = (stop or bool(self.early_stop) or (bool(every_ckpt) and self.step % every_ckpt == 0)
+                    or (best and cfg.keep_best))
+            if self.step % every_rep == 0 or save or evaluated:
                 paused = time.perf_counter()
-                self._interval(epoch, win.reduce(), save, stop)
+                self._interval(epoch, win.reduce(), save, stop, evaluated)
                 # Reports and checkpoints are not training time: a report waits for the controller
                 # to poll the previous one (result queue of size 1, polled every 2 s). Rates leave
                 # them out, so tokens/s measures training steps only; epoch_time is the wall clock.
                 epoch_win.excluded += time.perf_counter() - paused
                 win = Window(self.backend.totals)
-            if stop:
-                return True
-        self._epoch_end(epoch, epoch_win.reduce(), stop)
+            if stop or self.early_stop:
+                return stop
+        # the interval since the last report, and the whole epoch (its own key: epoch_loss)
+        self._epoch_end(epoch, win.reduce(), epoch_win.reduce(), stop, evaluated)
         return stop
 
-    def _interval(self, epoch: int, m: dict, save: bool, stop: bool) -> None:
-        if self.rank == 0:
-            say(interval_line(epoch + 1, self.cfg.epochs, self.step, self.total_steps, m))
-        self.report({"epoch": epoch + 1, **m, **stopped(stop)}, save)
-        self.status(save, epoch=epoch + 1, step=self.step, lastCheckpoint=self.last_ckpt or None,
-                    **self.last_metrics)
+    def _now(self, force: bool, epoch: int) -> None:
+        """status.training after a report."""
+        self.status(force, epoch=epoch, step=self.step, lastCheckpoint=self.last_ckpt or None,
+                    **({"message": self.early_stop} if self.early_stop else {}), **self.last_metrics)
 
-    def _epoch_end(self, epoch: int, m: dict, stop: bool) -> None:
+    def _interval(self, epoch: int, m: dict, save: bool, stop: bool, evaluated: bool) -> None:
         if self.rank == 0:
-            say(epoch_line(epoch + 1, self.cfg.epochs, m))
-        self.report({"epoch": epoch + 1, "epoch_loss": m["loss"], "epoch_time_s": m["seconds"], **m,
-                     **stopped(stop)}, True)
-        self.status(True, epoch=epoch + 1, step=self.step, lastCheckpoint=self.last_ckpt, **self.last_metrics)
+            say(interval_line(epoch + 1, self.epochs, self.step, self.total_steps, m, self.learning_rate))
+        self.report({"epoch": epoch + 1, **m, **stopped(stop)}, save, evaluated)
+        self._now(save or evaluated, epoch + 1)
+
+    def _epoch_end(self, epoch: int, interval: dict, whole: dict, stop: bool, evaluated: bool) -> None:
+        if self.rank == 0:
+            say(epoch_line(epoch + 1, self.epochs, whole))
+        self.report({"epoch": epoch + 1, **interval, "epoch_loss": whole["loss"], "epoch_time_s": whole["seconds"],
+                     **stopped(stop)}, True, evaluated)
+        self._now(True, epoch + 1)
 
     # --- the end ------------------------------------------------------------------------------------
     def stop(self) -> None:
@@ -486,20 +669,42 @@ class Run:
         self.tensorboard.close()
         preemption.write_marker(self.step, self.last_ckpt)
 
+    def _keep_best(self) -> tuple[int, str | None]:
+        """keepBest: the best evaluation's weights loaded when it was not the last step's. Returns
+        (the step exported, what to say about it, None when there is nothing to say)."""
+        ev = self.evaluations
+        if not (self.cfg.keep_best and ev.best_loss is not None):
+            return self.step, None
+        if ev.best_step == self.step:
+            return self.step, f"exported step {self.step}: its eval loss {ev.best_loss:.4f} is the run's lowest"
+        if not checkpoint_exists(ev.best_path):   # every rank sees the same storage: all load, or none
+            return self.step, (f"keepBest: the checkpoint of the lowest eval loss (step {ev.best_step}, "
+                               f"{ev.best_loss:.4f}) is gone from {ev.best_path}; exported the last step {self.step}")
+        self.backend.load_from(ev.best_path)
+        return ev.best_step, (f"exported step {ev.best_step} (eval loss {ev.best_loss:.4f}, the run's lowest), "
+                              f"not the last step {self.step} (eval loss {_num(ev.loss)})")
+
     def finish(self) -> None:
-        """The end of a finished run: the export; rank 0 reports it into status and writes the run's
-        summary (Result.metrics is the latest *checkpoint's*, maybe an earlier attempt's: this file
-        is what the final attempt did; the history is in status and TensorBoard); every rank closes
-        its reporter and TensorBoard writer."""
+        """The end of a finished run: with keepBest the best checkpoint loaded, the export; rank 0
+        reports it into status and writes the run's summary (Result.metrics is the latest
+        *checkpoint's*, maybe an earlier attempt's: this file is what the final attempt did; the
+        history is in status and TensorBoard); every rank closes its reporter and TensorBoard writer."""
+        exported_step, kept = self._keep_best()
         exported = self.backend.export()
+        message = "; ".join(m for m in (self.early_stop, kept) if m) or None
         metrics = {k: v for k, v in self.last_metrics.items() if k != "history"}
         summary = {"step": self.step, "totalSteps": self.total_steps, "resumedFromStep": self.resumed_from,
-                   "lastCheckpoint": self.last_ckpt, "exportedModel": exported, **self.parameters, **metrics,
+                   "lastCheckpoint": self.last_ckpt, "exportedModel": exported, "exportedStep": exported_step,
+                   **self.fixed, **metrics,
                    **({"resumedFrom": self.source, "message": self.message} if self.source else {})}
+        if message:
+            summary["message"] = "; ".join(m for m in (summary.get("message"), message) if m)
         if self.rank == 0:
-            say(f"[tpuft] exported Hugging Face model to {exported}")
-            self.status(True, epoch=self.cfg.epochs, step=self.step, lastCheckpoint=self.last_ckpt,
-                        exportedModel=exported, **self.last_metrics)
+            if message:
+                say(f"[tpuft] {message}")
+            say(f"[tpuft] exported Hugging Face model (step {exported_step}) to {exported}")
+            self.status(True, epoch=self.epoch_at(self.step), step=self.step, lastCheckpoint=self.last_ckpt,
+                        exportedModel=exported, **({"message": message} if message else {}), **self.last_metrics)
             ckptlib.write_json(ckptlib.join(self.cfg.run_dir, SUMMARY), summary)
         self.reporter.close()
         self.tensorboard.close()

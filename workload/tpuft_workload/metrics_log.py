@@ -19,9 +19,13 @@ from tpuft.constants import TENSORBOARD_DIR, TRAIN_METRIC_TAG, TrainMetric
 
 log = logging.getLogger(__name__)
 
-# TensorBoard tag -> the report's key (a loop.Window.reduce() result plus mfu when known)
+# TensorBoard tag -> the report's key (a loop.Window.reduce() result plus mfu when known; an epoch's
+# end adds its mean loss, an evaluation its loss and perplexity)
 SCALARS = {
-    "train/loss": "loss",
+    "train/loss": "loss",   # each report interval's mean: never an epoch's
+    "train/epoch_loss": "epoch_loss",
+    "eval/loss": "eval_loss",
+    "eval/perplexity": "eval_perplexity",
     "train/grad_norm": "grad_norm",
     "train/tokens_per_second": "tokens_per_s",
     "train/padded_tokens_per_second": "padded_tokens_per_s",
@@ -67,7 +71,7 @@ class TensorBoard:
             for tag, key in SCALARS.items():
                 if metrics.get(key) is not None:
                     self._writer.add_scalar(tag, float(metrics[key]), step)
-            self._writer.add_scalar("train/learning_rate", learning_rate, step)   # constant: no schedule
+            self._writer.add_scalar("train/learning_rate", learning_rate, step)   # the latest step's
             self._writer.flush()
         except Exception as e:  # noqa: BLE001
             self._off(e)

@@ -71,6 +71,39 @@ def load_model(model_ref: str, tokenizer, platform: Platform, seed: int):
     return model
 
 
+def weights_dir(model_ref: str) -> str:
+    """A from_pretrained() folder on this host for a local path, a gs:// URI (downloaded once per
+    host: _local_copy) or a hub id (huggingface_hub's cache, shared by the host's ranks)."""
+    path = _local_copy(model_ref)
+    if os.path.isdir(path):
+        return path
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(model_ref, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+
+
+def empty_model(model_ref: str, platform: Platform):
+    """spec.model's module tree with its parameters on the meta device, to be filled shard by shard
+    once sharded (`shard`, then sharded_load.fill with weights_dir): a saved model in safetensors.
+    None for the builtin (built whole: it is tiny) and for a folder without safetensors."""
+    if model_ref == BUILTIN_MODEL:
+        return None
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tpuft_workload import sharded_load
+
+    path = weights_dir(model_ref)
+    if not sharded_load.loadable(path):
+        return None
+    config = AutoConfig.from_pretrained(path)
+    for tower in _text_only(config):
+        setattr(config, tower, None)
+    with sharded_load.parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager" if platform.is_tpu else "sdpa")
+    model.config.get_text_config().use_cache = False
+    return model
+
+
 def _text_only(config) -> dict:
     """Multimodal checkpoints (Gemma 4): the vision/audio towers dropped, as GKE's TorchTPU recipe
     does: from_pretrained's config overrides."""
@@ -114,23 +147,70 @@ def labelled_tokens(labels):
     return (labels[:, 1:] != -100).sum(dtype=torch.int32)
 
 
-def token_mean_loss(model, inputs: dict):
+def token_mean_loss(model, micro_batches: list[dict], defer_all_reduce: bool = False):
     """Forward and backward of the global batch's mean loss per labelled token, from this rank's
-    `inputs` (labels included), as JAX's step takes it. transformers divides the summed loss by
-    `num_items_in_batch`: here every rank's labelled tokens (one all-reduce SUM on the default
-    group), at least 1 (a global batch of prompts only: loss and gradient 0). FSDP2 averages the
-    gradients over the ranks (HSDP too: it divides by replicate x shard), so the loss backpropagated
-    is the world size times that. Returns (this rank's summed loss, float32, and its labelled
-    tokens): a report window divides the one by the other, each summed over ranks and steps."""
+    `micro_batches` (labels included), as JAX's step takes it: the global batch is every rank's
+    micro-batches. transformers divides each micro-batch's summed loss by `num_items_in_batch`:
+    here the labelled tokens of every micro-batch of every rank (one all-reduce SUM on the default
+    group), at least 1 (a global batch of prompts only: loss and gradient 0), so the gradients
+    accumulated over the micro-batches are the whole batch's token mean. FSDP2 averages the
+    gradients over the ranks (HSDP too: it divides by replicate x shard), so the loss
+    backpropagated is the world size times that. `defer_all_reduce` (HSDP): the all-reduce across
+    replicas only after the last micro-batch (FSDP2 adds the earlier ones' reduce-scattered
+    gradients to it), so the slow network is crossed once per optimizer step. Returns (this rank's
+    summed loss, float32, and its labelled tokens): a report window divides the one by the other,
+    each summed over ranks and steps."""
+    import torch
     import torch.distributed as dist
 
-    labelled = labelled_tokens(inputs["labels"])
+    labelled = torch.stack([labelled_tokens(b["labels"]) for b in micro_batches]).sum(dtype=torch.int32)
     total = labelled.clone()
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     total = total.clamp(min=1)
-    loss = model(**inputs, num_items_in_batch=total).loss
-    (loss * dist.get_world_size()).backward()
-    return loss.detach().float() * total, labelled
+    world = dist.get_world_size()
+    loss_sum = torch.zeros((), dtype=torch.float32, device=total.device)
+    for i, inputs in enumerate(micro_batches):
+        if defer_all_reduce:
+            model.set_requires_all_reduce(i == len(micro_batches) - 1)
+        loss = model(**inputs, num_items_in_batch=total).loss
+        (loss * world).backward()
+        loss_sum += loss.detach().float() * total
+    return loss_sum, labelled
+
+
+def decay_groups(model, weight_decay: float) -> list[dict]:
+    """AdamW's parameter groups: weight decay on the weight matrices (LoRA's adapters too), none on
+    biases, norms (every parameter of fewer than 2 dimensions) or embeddings (an nn.Embedding's
+    weight, any module named *embed*, and an output layer tied to the input embedding: the same
+    parameter). Trainable parameters only; an empty group is left out."""
+    import torch
+
+    no_decay = {id(p) for name, m in model.named_modules()
+                if isinstance(m, torch.nn.Embedding) or "embed" in name.rsplit(".", 1)[-1]
+                for p in m.parameters()}
+    decay, plain = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (plain if p.ndim < 2 or id(p) in no_decay else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def checkpoint_layers(model, layers: list) -> list:
+    """Each of `layers` replaced in its parent by a non-reentrant checkpoint wrapper: its
+    activations are recomputed in the backward pass instead of kept. Before fully_shard, which then
+    shards the wrapper (its state_dict keys are the layer's: checkpoints and exports are unchanged).
+    Returns the wrappers."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    parents = {id(child): (parent, name) for parent in model.modules() for name, child in parent.named_children()}
+    wrapped = []
+    for layer in layers:
+        parent, name = parents[id(layer)]
+        wrapper = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        setattr(parent, name, wrapper)
+        wrapped.append(wrapper)
+    return wrapped
 
 
 MESH_DIMS = ("replicate", "shard")  # HSDP's (across slices, inside a slice)
@@ -151,8 +231,9 @@ def device_mesh(platform: Platform, world: int, slices: int = 1):
     return init_device_mesh(platform.device_type, (slices, world // slices), mesh_dim_names=MESH_DIMS)
 
 
-def shard(model, mesh, platform: Platform, device):
-    """fully_shard every decoder layer, then the root. Returns the trainable parameters."""
+def shard(model, mesh, platform: Platform, device, activation_checkpointing: bool = False):
+    """fully_shard every decoder layer (with `activation_checkpointing`, wrapped first:
+    `checkpoint_layers`), then the root. Returns the trainable parameters."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dtypes = train_dtypes(platform)
@@ -164,15 +245,27 @@ def shard(model, mesh, platform: Platform, device):
             if dtypes:
                 p.data = p.data.to(dtypes[0])  # frozen: no fp32 master copy needed
             ignored.add(p)
+        elif dtypes and not p.requires_grad:
+            # LoRA's frozen base: kept in the compute dtype (half of fp32's bytes); only the
+            # trained adapters keep an fp32 master copy
+            p.data = p.data.to(dtypes[0])
     layers = _decoder_layers(model)
     if not layers:
         raise RuntimeError(f"found no decoder layers in {type(model).__name__} to shard "
                            "(looked for _no_split_modules and *DecoderLayer)")
+    if activation_checkpointing:
+        layers = checkpoint_layers(model, layers)
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored or None)
-    model.to(device)  # moves what FSDP does not own (ignored params, buffers)
+    if any(p.is_meta for p in model.parameters()):   # built to be filled shard by shard (sharded_load)
+        from tpuft_workload.sharded_load import materialize
+
+        materialize(model, device)
+    else:
+        model.to(device)  # moves what FSDP does not own (ignored params, buffers)
     how = "x".join(str(n) for n in mesh.shape)
-    log.info("FSDP2: sharded %d %s layers + root over %d devices (%s)", len(layers), type(layers[0]).__name__,
-             mesh.size(), f"HSDP {how}: replicate x shard" if mesh.ndim > 1 else "FSDP")
+    log.info("FSDP2: sharded %d %s layers + root over %d devices (%s)%s", len(layers), type(layers[0]).__name__,
+             mesh.size(), f"HSDP {how}: replicate x shard" if mesh.ndim > 1 else "FSDP",
+             ", activations recomputed per layer" if activation_checkpointing else "")
     return [p for p in model.parameters() if p.requires_grad]

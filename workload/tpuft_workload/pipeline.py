@@ -35,7 +35,7 @@ from tpuft.constants import DatasetFormat as Format
 from tpuft import records as recordslib
 from tpuft.spec import Dataset, Evaluation
 from tpuft_workload import data as datalib
-from tpuft_workload.render import RenderError
+from tpuft_workload.render import IGNORE, RenderError
 
 CHECK_BATCH = 4096         # records per batch of the driver's check
 TOKENIZE_BATCH = 256        # records per tokenize task batch
@@ -257,6 +257,21 @@ def epoch_batches(rows, world: int, rank: int, batch_size: int, seed: int, epoch
     order = datalib.rank_batches(len(rows["n_real"]), world, rank, batch_size, epoch, seed)
     for indices in order[skip:]:
         yield {k: v[indices] for k, v in rows.items()}
+
+
+def eval_batches(rows: dict, world: int, rank: int, batch_size: int):
+    """This rank's share of the whole eval set (every row, in order), `batch_size` rows a batch
+    (world x batch_size a global one). The last global batch is filled up with copies of the first
+    rows, their labels all ignored: every row is scored exactly once, and every rank runs the same
+    number of batches (a forward is a collective under FSDP2 and JAX's sharding)."""
+    import numpy as np
+
+    n, per = len(rows["n_real"]), world * batch_size
+    for start in range(0, n, per):
+        mine = np.arange(start + rank * batch_size, start + (rank + 1) * batch_size)
+        batch = {k: v[mine % n] for k, v in rows.items()}
+        batch["labels"] = np.where((mine < n)[:, None], batch["labels"], IGNORE)
+        yield batch
 
 
 def torch_batches(rows, world: int, rank: int, batch_size: int, seed: int, epoch: int, skip: int = 0):

@@ -11,12 +11,15 @@ tokenizes the dataset once, through the model's chat template; the driver packs 
 rows and puts them in the object store; each epoch every worker takes its slice of each global
 batch of a seeded permutation of the rows.
 
-Workers (`train_loop`): tpuft_workload.loop's run (restore, steps, reports every K steps and at
-epoch ends, checkpoints, then finish or stop on SIGTERM: shared with the JAX path) over this file's
-torch backend (`_Torch`): setup (the shared rows; the model sharded
-with FSDP2), the step (on the global batch's mean loss per labelled token, the JAX path's objective:
-each rank's summed loss over every rank's labelled tokens), the ranks' stop vote (an all-reduce over
-gloo), DCP checkpoints (the run's own latest, else --resume-from's, restored) and the HF export.
+Workers (`train_loop`): tpuft_workload.loop's run (restore, steps at the scheduled rate, reports
+every K steps and at epoch ends, evaluations, checkpoints, then finish or stop on SIGTERM: shared
+with the JAX path) over this file's torch backend (`_Torch`): setup (the shared rows and eval rows;
+the model sharded with FSDP2, each decoder layer recomputed in the backward with
+activationCheckpointing; AdamW with decay on weight matrices only), the step (its micro-batches
+accumulated on the global batch's mean loss per labelled token, the JAX path's objective: each
+rank's summed loss over every rank's labelled tokens of every micro-batch; clipped), the eval
+loss, the ranks' stop vote (an all-reduce over gloo), DCP checkpoints (the run's own latest, else
+--resume-from's, restored; keepBest's, loaded before the export) and the HF export.
 """
 from __future__ import annotations
 
@@ -96,16 +99,21 @@ class _Torch:
         cfg = self.cfg
         self.tokenizer = modellib.load_tokenizer(cfg.model)   # for the export
         self.rows = ray.get(cfg.rows_ref)   # the shared rows, mapped from the node's object store
-        self.steps_per_epoch = datalib.steps_per_epoch(cfg.rows, self.world, cfg.batch_size_per_device)
-        self.worker.say(f"[tpuft] {loop.data_line(cfg)}; {self.steps_per_epoch} steps/epoch x {cfg.epochs} epochs "
-                        f"on {self.world} workers")
+        self.eval_rows = ray.get(cfg.eval_rows_ref) if cfg.eval_rows_ref is not None else None
+        per_step = cfg.batch_size_per_device * cfg.gradient_accumulation_steps
+        self.steps_per_epoch = datalib.steps_per_epoch(cfg.rows, self.world, per_step)
+        self.worker.say(f"[tpuft] {loop.data_line(cfg)}; {self.steps_per_epoch} steps/epoch of "
+                        f"{cfg.gradient_accumulation_steps} micro-batches on {self.world} workers")
 
     def _model(self) -> None:
         import torch
         from tpuft_workload import model as modellib
 
         cfg = self.cfg
-        self.model = modellib.load_model(cfg.model, self.tokenizer, self.plat, cfg.seed)
+        # A saved model is built on the meta device and each rank reads only its shards, below
+        # (sharded_load): no rank ever holds the whole model. The builtin is built whole.
+        empty = modellib.empty_model(cfg.model, self.plat)
+        self.model = empty if empty is not None else modellib.load_model(cfg.model, self.tokenizer, self.plat, cfg.seed)
         arch = ckptlib.architecture(self.model)   # the base's: what a resume point must match
         # counted before sharding: MFU's numerator
         self.flops_per_token = flops_per_token(arch["parameters"], self.model.config.to_dict(), cfg.max_seq_length)
@@ -113,38 +121,79 @@ class _Torch:
         if cfg.lora:   # before sharding: FSDP2 shards the frozen base and the adapters alike
             self.model = loralib.wrap(self.model, cfg.lora)
         mesh = modellib.device_mesh(self.plat, self.world, cfg.slices)
-        self.params = modellib.shard(self.model, mesh, self.plat, self.device)   # LoRA: the adapters
+        # LoRA: the adapters
+        self.params = modellib.shard(self.model, mesh, self.plat, self.device, cfg.activation_checkpointing)
+        if empty is not None:
+            from tpuft_workload import sharded_load
+
+            read = sharded_load.fill(self.model, modellib.weights_dir(cfg.model))
+            self.worker.say(f"[tpuft] loaded {cfg.model} shard by shard: {read['tensors']} tensors, "
+                            f"{read['bytes'] / 2**20:.1f} MiB read by this rank")
+        # HSDP with accumulation: the all-reduce across slices once per optimizer step, not per micro-batch
+        self.defer_all_reduce = mesh.ndim > 1 and cfg.gradient_accumulation_steps > 1
         self.parameter_counts = loralib.parameter_counts(self.model)
         self.worker.say(f"[tpuft] training {self.parameter_counts[0]:,} of {self.parameter_counts[1]:,} parameters"
                         + (f" (LoRA rank {cfg.lora.rank} on {','.join(cfg.lora.target_modules)})" if cfg.lora else ""))
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=0.01)
+        # the rate is set before every step (loop.learning_rate_at)
+        self.opt = torch.optim.AdamW(modellib.decay_groups(self.model, cfg.weight_decay), lr=cfg.learning_rate)
         self.model.train()
 
     def batches(self, epoch: int, skip: int):
-        return pipeline.torch_batches(self.rows, self.world, self.rank, self.cfg.batch_size_per_device,
-                                      self.cfg.seed, epoch, skip=skip)
+        """Per optimizer step, this rank's rows of the step (the epoch's permutation in steps of
+        batch x accumulation rows a rank) cut into gradient_accumulation_steps micro-batches."""
+        b, k = self.cfg.batch_size_per_device, self.cfg.gradient_accumulation_steps
+        for rows in pipeline.torch_batches(self.rows, self.world, self.rank, b * k, self.cfg.seed, epoch, skip=skip):
+            yield [{key: v[i * b:(i + 1) * b] for key, v in rows.items()} for i in range(k)]
 
-    def step(self, batch: dict) -> loop.Step:
-        """One optimizer step on `batch` (this rank's [batch, max_len] part of the global batch) on the
-        global batch's mean loss per labelled token (model.token_mean_loss): this rank's summed loss,
-        labelled and real tokens (the window sums them over the ranks), the global gradient norm."""
+    def _inputs(self, batch: dict) -> dict:
+        """A batch's model inputs on the device: packed rows restart position_ids per example
+        (block-diagonal attention); padded rows mask."""
+        keys = ("input_ids", "labels", "position_ids" if self.cfg.packing else "attention_mask")
+        return {k: batch[k].to(self.device) for k in keys}
+
+    def step(self, micro_batches: list, learning_rate: float) -> loop.Step:
+        """One optimizer step at `learning_rate` on this rank's micro-batches (each [batch, max_len])
+        on the global batch's mean loss per labelled token (model.token_mean_loss): this rank's
+        summed loss, labelled and real tokens (the window sums them over the ranks), the global
+        gradient norm before clipping to max_grad_norm."""
         import torch
 
         from tpuft_workload import model as modellib
 
-        # packed rows restart position_ids per example (block-diagonal attention); padded rows mask
-        keys = ("input_ids", "labels", "position_ids" if self.cfg.packing else "attention_mask")
-        inputs = {k: batch[k].to(self.device) for k in keys}
-        loss_sum, labelled = modellib.token_mean_loss(self.model, inputs)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, 1.0)   # the norm before clipping
+        for group in self.opt.param_groups:
+            group["lr"] = learning_rate
+        loss_sum, labelled = modellib.token_mean_loss(self.model, [self._inputs(b) for b in micro_batches],
+                                                      self.defer_all_reduce)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)   # the norm before clipping
         if hasattr(grad_norm, "full_tensor"):   # FSDP2: a DTensor
             grad_norm = grad_norm.full_tensor()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return loop.Step(loss_sum=loss_sum, labelled=labelled,
-                         real=int(batch["n_real"].sum()),
-                         padded=self.cfg.batch_size_per_device * self.cfg.max_seq_length,
+                         real=sum(int(b["n_real"].sum()) for b in micro_batches),
+                         padded=len(micro_batches) * self.cfg.batch_size_per_device * self.cfg.max_seq_length,
                          grad_norm=grad_norm.detach().float())
+
+    def evaluate(self) -> tuple[float, float]:
+        """(summed loss, labelled tokens) of the whole eval set, over every rank: each rank takes its
+        share of each global batch of the rows in order; a share past the end is a row with no
+        label (every rank runs the same forwards: FSDP2 gathers the weights in each)."""
+        import torch
+
+        from tpuft_workload import model as modellib
+
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        labelled = torch.zeros((), dtype=torch.int32, device=self.device)
+        self.model.eval()
+        with torch.no_grad():
+            for rows in pipeline.eval_batches(self.eval_rows, self.world, self.rank, self.cfg.batch_size_per_device):
+                inputs = self._inputs({k: torch.from_numpy(v.astype("int64")) for k, v in rows.items()})
+                # num_items_in_batch 1: transformers' loss is then the sum over the labelled tokens
+                loss_sum += self.model(**inputs, num_items_in_batch=1).loss.float()
+                labelled += modellib.labelled_tokens(inputs["labels"])
+        self.model.train()
+        total_loss, total_labelled = self.totals([loss_sum, labelled])
+        return total_loss, total_labelled
 
     def totals(self, values: list) -> list[float]:
         """One all-reduce SUM of the window's numbers (float32 on the device)."""
@@ -189,9 +238,17 @@ class _Torch:
             ckpt = Checkpoint(latest, filesystem=ckptlib.filesystem(latest))
         if ckpt is None:
             return None
+        return latest or ckpt.path, self._load(ckpt)
+
+    def _load(self, ckpt) -> dict:
+        """Collective: model and optimizer state from a ray.train.Checkpoint; returns its train_state."""
         with ckpt.as_directory() as d:
-            state = ckptlib.load(self.model, self.opt, d, trainable_only=bool(cfg.lora))
-        return latest or ckpt.path, state
+            return ckptlib.load(self.model, self.opt, d, trainable_only=bool(self.cfg.lora))
+
+    def load_from(self, path: str) -> None:
+        from ray.train import Checkpoint
+
+        self._load(Checkpoint(path, filesystem=ckptlib.filesystem(path)))
 
     def export(self) -> str | None:
         import torch
@@ -307,8 +364,13 @@ def run_config(command: Command, storage: str):
     """RunConfig(name, storage_path): a re-submitted job with the same run name resumes there."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
 
+    evaluation = command.run.evaluation
+    # keepBest: Ray keeps the best-scored checkpoints (and always the newest); loop.KEEP_SCORE puts
+    # the lowest eval loss's first, the rest by step
+    best = ({"checkpoint_score_attribute": loop.KEEP_SCORE, "checkpoint_score_order": "max"}
+            if evaluation and evaluation.keep_best else {})
     return RunConfig(name=command.run_name, storage_path=storage,
-                     checkpoint_config=CheckpointConfig(num_to_keep=command.run.checkpoint.keep),
+                     checkpoint_config=CheckpointConfig(num_to_keep=command.run.checkpoint.keep, **best),
                      failure_config=FailureConfig(max_failures=command.run.training.max_failures))
 
 

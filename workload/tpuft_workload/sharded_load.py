@@ -1,0 +1,178 @@
+"""Load a saved model shard by shard: no rank ever holds more than its FSDP2 shards.
+
+The module tree is built with its parameters on torch's meta device (nothing allocated; buffers,
+such as the rotary tables, are computed as usual), sharded with FSDP2, given storage for this
+rank's shards only (`to_empty`), then each shard is read from the safetensors files: only the
+rows of dim 0 this rank holds (`safe_open(...).get_slice`, memory-mapped), so a rank reads and keeps
+about 1/world of the model. A tied weight is one parameter and is read once; a parameter FSDP2
+does not shard (the frozen, replicated Gemma per-layer table) is read whole. LoRA's adapters are
+not in the base's files: they get PEFT's own initialisation after the base is filled.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class ShardedLoadError(RuntimeError):
+    """The checkpoint cannot fill the model: which tensors, which files, what to do."""
+
+
+def loadable(path: str) -> bool:
+    """Whether `path` is a directory this module loads from (safetensors, one file or an index)."""
+    folder = Path(path)
+    return (folder / INDEX).is_file() or (folder / SINGLE).is_file()
+
+
+def weight_files(path: str) -> dict[str, str]:
+    """{tensor name: its file} of a safetensors checkpoint directory."""
+    folder = Path(path)
+    if (folder / INDEX).is_file():
+        weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
+        return {name: str(folder / file) for name, file in weight_map.items()}
+    from safetensors import safe_open
+
+    with safe_open(str(folder / SINGLE), framework="pt") as f:
+        return {name: str(folder / SINGLE) for name in f.keys()}
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device; buffers stay real (a rotary
+    table is computed from the config, not read)."""
+    import torch
+    from torch import nn
+
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            kind = type(module._parameters[name])
+            module._parameters[name] = kind(module._parameters[name].to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        with torch.device("cpu"):
+            yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def materialize(model, device) -> None:
+    """Storage for this rank's shards (and the unsharded parameters), uninitialised; the buffers
+    keep their values (to_empty would drop them)."""
+    buffers = {name: buf.detach().clone() for name, buf in model.named_buffers() if buf.device.type != "meta"}
+    model.to_empty(device=device)
+    import torch
+
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name in buffers:
+                buf.copy_(buffers[name].to(buf.device))
+
+
+def _local_rows(param):
+    """(the tensor this rank fills, the global offset of its rows) of a parameter: a DTensor's local
+    shard and where it starts in dim 0, or a plain tensor whole."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return param.data, None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    local = param.to_local()
+    if tuple(local.shape) != tuple(shape) or any(offset[1:]):
+        raise ShardedLoadError(f"a shard of shape {tuple(local.shape)} at {tuple(offset)}: only dim-0 sharding "
+                               "(FSDP2's Shard(0)) is read shard by shard")
+    return local, offset[0]
+
+
+def fill(model, path: str) -> dict[str, int]:
+    """Every parameter (and every persistent buffer the files hold) of a sharded, materialized
+    model from the safetensors in `path`, each rank reading only its rows. Returns
+    {"tensors": filled, "bytes": read by this rank}. ShardedLoadError names what is missing."""
+    import torch
+    from safetensors import safe_open
+
+    files = weight_files(path)
+    names: dict[int, list[str]] = {}   # a tied parameter has several names; the files hold one
+    params = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+        params[id(param)] = param
+    adapters = {id(p) for n, p in model.named_parameters() if _is_adapter(n)}
+    missing, read, handles = [], 0, {}
+    try:
+        with torch.no_grad():
+            for key, param in params.items():
+                if key in adapters:
+                    continue
+                source = next((_checkpoint_name(n) for n in names[key] if _checkpoint_name(n) in files), None)
+                if source is None:
+                    missing.append(names[key][0])
+                    continue
+                file = files[source]
+                if file not in handles:
+                    handles[file] = safe_open(file, framework="pt")
+                target, start = _local_rows(param)
+                window = handles[file].get_slice(source)
+                rows = window[start:start + target.shape[0]] if start is not None else window[:]
+                if tuple(rows.shape) != tuple(target.shape):
+                    raise ShardedLoadError(f"{source} in {file} has shape {tuple(rows.shape)} for this rank's "
+                                           f"{tuple(target.shape)}: the checkpoint is not of this architecture")
+                target.copy_(rows)
+                read += rows.numel() * rows.element_size()
+            for name, buf in model.named_buffers():
+                source = _checkpoint_name(name)
+                if source in files:
+                    file = files[source]
+                    if file not in handles:
+                        handles[file] = safe_open(file, framework="pt")
+                    buf.copy_(handles[file].get_tensor(source))
+    finally:
+        handles.clear()
+    if missing:
+        raise ShardedLoadError(f"{path} holds no tensor for {len(missing)} parameters, e.g. {missing[:3]}: it is "
+                               "not a checkpoint of this model (spec.model)")
+    _reset_adapters(model)
+    return {"tensors": len(params) - len(adapters), "bytes": read}
+
+
+def _is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name or ".lora_embedding_" in name
+
+
+def _checkpoint_name(name: str) -> str:
+    """A parameter's name in a Hugging Face checkpoint: PEFT's wrapping (base_model.model., base_layer.) taken off."""
+    name = name.removeprefix("base_model.model.")
+    return name.replace(".base_layer.", ".")
+
+
+def _reset_adapters(model) -> None:
+    """LoRA's adapters, which no base checkpoint holds: PEFT's initialisation (A random, B zero)."""
+    for module in model.modules():
+        reset = getattr(module, "reset_lora_parameters", None)
+        if reset is not None:
+            for adapter in getattr(module, "lora_A", {}):
+                reset(adapter, True)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (Linux: ru_maxrss is in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now."""
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
