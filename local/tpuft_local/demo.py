@@ -124,8 +124,11 @@ def stream(custom, namespace: str, name: str, clock: Clock, timeout: float,
         if tr and (tr.get(TR.STEP), tr.get(TR.EPOCH)) != seen_training:
             print(f"{clock.stamp()}   {_training_line(tr)}", flush=True)
             seen_training = (tr.get(TR.STEP), tr.get(TR.EPOCH))
-            if tr.get(TR.EPOCH) is not None and tr.get(TR.LOSS) is not None:
-                epoch_losses[int(tr[TR.EPOCH])] = float(tr[TR.LOSS])
+            # an epoch's mean loss (epochLoss: reported at its end, so the last report of each
+            # epoch holds that epoch's)
+            epoch_loss = tr.get(TR.EPOCH_LOSS, tr.get(TR.LOSS))
+            if tr.get(TR.EPOCH) is not None and epoch_loss is not None:
+                epoch_losses[int(tr[TR.EPOCH])] = float(epoch_loss)
         if on_poll is not None:
             on_poll()
         if phase in (c.Phase.SUCCEEDED.value, c.Phase.FAILED.value) or serving_ready(st):
