@@ -399,6 +399,22 @@ class Serve:
 
 
 @dataclass(frozen=True)
+class ServeSection:
+    """spec.serve as written: its declared scalars (the slice, replicas, resources and the API key's
+    Secret have their schema in tpuft.crd and their parser below). `Serve` is what it resolves to."""
+    enabled: bool = declare("Serve after training. Setting it to false while Serving deletes the RayService and ends "
+                            "in Succeeded.", default=False)
+    engine: str | None = declare("vllm (Ray Serve LLM on vLLM; the default on TPU) or transformers (the workload's own "
+                                 "deployment; the default on cpu).", enum=_values(ServeEngine))
+    image: str | None = declare("Serving image; required for vllm (the training image has no vLLM). Default for "
+                                "transformers: spec.image.", min_length=1, **_shell_safe())
+    max_model_length: int | None = declare("Prompt plus completion tokens per request (vLLM max_model_len).",
+                                           minimum=16, maximum=1_048_576)
+    timeout_seconds: int = declare("Fail with ServeFailed when the Serve app is not RUNNING this long after deploying "
+                                   "(or after it stops being RUNNING).", default=1800, minimum=10, maximum=86400)
+
+
+@dataclass(frozen=True)
 class Spec:
     """spec: the sections without a declaration here (the slice, resources, scheduling, serve, labels,
     annotations, env, hfTokenSecret) have their schema in tpuft.crd and their parser below."""
@@ -466,17 +482,13 @@ class TPUFinetune:
 
 # The API server's defaults on a bare object, by dotted spec key (what the declarations say, and
 # spec.serve's, whose section has no declarations yet).
-SERVE_DEFAULTS: dict[str, Any] = {"serve.enabled": False, "serve.replicas": 1, "serve.timeoutSeconds": 1800}
+SERVE_DEFAULTS: dict[str, Any] = {**fields.defaults(ServeSection, "serve."), "serve.replicas": 1}
 DEFAULTS: dict[str, Any] = {**fields.defaults(Spec), **SERVE_DEFAULTS}
 # Defaults inside spec.training.lora, an object the API server defaults only when it is there (its
 # presence asks for LoRA's settings): DEFAULTS stays exactly what a bare object is given.
 LORA_DEFAULTS: dict[str, Any] = fields.defaults(Lora, "training.lora.")
-# spec.serve's limits (its section has no declarations yet).
-LIMITS: dict[str, tuple[float, float]] = {
-    "serve.replicas": (1, 64),
-    "serve.timeoutSeconds": (10, 86400),
-    "serve.maxModelLength": (16, 1_048_576),
-}
+# spec.serve.replicas' bounds (a number or {min, max}: its schema is tpuft.crd's).
+LIMITS: dict[str, tuple[float, float]] = {"serve.replicas": (1, 64)}
 
 
 def default_of(key: str) -> Any:
@@ -832,47 +844,41 @@ def _serve(r: _Reader, spec: Mapping, training: catalog.SliceShape | None, image
     when enabled. The serve slice defaults to the training one and goes through the same catalog."""
     if spec.get("serve") is None:
         return None
-    sv = r.section(spec, "serve", "spec.serve")
-    enabled = r.boolean(sv, "enabled", "spec.serve.enabled", "serve.enabled")
+    serve = r.section(spec, "serve", "spec.serve")
+    section = ServeSection(**r.declared(ServeSection, serve, "spec.serve"))
     shape = training
-    if sv.get("accelerator") is not None or sv.get("topology") is not None:
+    if serve.get("accelerator") is not None or serve.get("topology") is not None:
         try:
-            shape = catalog.resolve_slice(sv.get("accelerator", spec.get("accelerator")),
-                                          sv.get("topology", spec.get("topology")),
+            shape = catalog.resolve_slice(serve.get("accelerator", spec.get("accelerator")),
+                                          serve.get("topology", spec.get("topology")),
                                           "spec.serve.accelerator", "spec.serve.topology")
         except catalog.CatalogError as e:
             r.fail(e.field, e.message)
             shape = None
-    engines = [e.value for e in ServeEngine]
-    engine_raw = r.string(sv, "engine", "spec.serve.engine")
-    if engine_raw is not None and engine_raw not in engines:
-        r.fail("spec.serve.engine", f"must be one of {', '.join(engines)} (got {engine_raw!r})")
-        engine_raw = None
-    engine = ServeEngine(engine_raw) if engine_raw else (
+    engine = ServeEngine(section.engine) if section.engine else (
         ServeEngine.VLLM if shape is not None and shape.is_tpu else ServeEngine.TRANSFORMERS)
-    serve_image = r.string(sv, "image", "spec.serve.image")
-    if serve_image and UNSAFE.search(serve_image):
-        r.fail("spec.serve.image", f"Invalid value: {json.dumps(serve_image)}: {SHELL_SAFE_MATCHES[1]}")
-    if enabled and engine == ServeEngine.VLLM and not serve_image:
+    if section.enabled and engine == ServeEngine.VLLM and not section.image and serve.get("image") is None:
         r.fail("spec.serve.image", "is required with engine vllm: the training image has no vLLM (use a vLLM TPU "
                "image, or engine transformers to serve with the training image)")
-    max_len = _serve_max_length(r, sv, model)
-    replicas = _serve_replicas(r, sv)
-    timeout = r.integer(sv, "timeoutSeconds", "spec.serve.timeoutSeconds", "serve.timeoutSeconds")
-    resources = _resources(r, sv, "spec.serve.resources")
-    api_key = _secret_ref(r, sv, "apiKeySecret", "spec.serve.apiKeySecret", SERVE_API_KEY_SECRET_KEY)
-    if not enabled or shape is None:
+    known = BUILTIN_MODEL_MAX_POSITIONS.get(model or "")
+    if section.max_model_length is not None and known is not None and section.max_model_length > known:
+        r.fail("spec.serve.maxModelLength", f"{section.max_model_length} is longer than {model}'s context ({known} "
+               "positions)")
+    replicas = _serve_replicas(r, serve)
+    resources = _resources(r, serve, "spec.serve.resources")
+    api_key = _secret_ref(r, serve, "apiKeySecret", "spec.serve.apiKeySecret", SERVE_API_KEY_SECRET_KEY)
+    if not section.enabled or shape is None:
         return None
-    return Serve(slice=shape, replicas=replicas, engine=engine, image=serve_image or image or "",
-                 image_pull_policy=pull if not serve_image else None, max_model_length=max_len,
-                 timeout_seconds=timeout, resources=resources, api_key_secret=api_key)
+    return Serve(slice=shape, replicas=replicas, engine=engine, image=section.image or image or "",
+                 image_pull_policy=pull if not section.image else None, max_model_length=section.max_model_length,
+                 timeout_seconds=section.timeout_seconds, resources=resources, api_key_secret=api_key)
 
 
-def _serve_replicas(r: _Reader, sv: Mapping) -> ServeReplicas:
+def _serve_replicas(r: _Reader, serve: Mapping) -> ServeReplicas:
     """A number n is {min: n, max: n}; the object form needs both bounds, min <= max."""
-    path, value = "spec.serve.replicas", sv.get("replicas", DEFAULTS["serve.replicas"])
+    path, value = "spec.serve.replicas", serve.get("replicas", DEFAULTS["serve.replicas"])
     if not isinstance(value, Mapping):
-        n = r.integer(sv, "replicas", path, "serve.replicas")
+        n = r.integer(serve, "replicas", path, "serve.replicas")
         return ServeReplicas(n, n)
     unknown = sorted(set(value) - {"min", "max"})
     if unknown:
@@ -887,20 +893,6 @@ def _serve_replicas(r: _Reader, sv: Mapping) -> ServeReplicas:
     if lo > hi:
         r.fail(path, f"min ({lo}) is above max ({hi}): give min <= max")
     return ServeReplicas(lo, max(lo, hi))
-
-
-def _serve_max_length(r: _Reader, sv: Mapping, model: str | None) -> int | None:
-    value = sv.get("maxModelLength")
-    if value is None:
-        return None
-    lo, hi = LIMITS["serve.maxModelLength"]
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        r.fail("spec.serve.maxModelLength", f"must be an integer between {int(lo)} and {int(hi)} (got {value!r})")
-        return None
-    known = BUILTIN_MODEL_MAX_POSITIONS.get(model or "")
-    if known is not None and value > known:
-        r.fail("spec.serve.maxModelLength", f"{value} is longer than {model}'s context ({known} positions)")
-    return value
 
 
 def _scheduling(r: _Reader, spec: Mapping) -> Scheduling:

@@ -3,8 +3,8 @@
 The module tree is built with its parameters on torch's meta device (nothing allocated; buffers,
 such as the rotary tables, are computed as usual), sharded with FSDP2, given storage for this
 rank's shards only (`to_empty`), then each shard is read from the safetensors files: only the
-rows of dim 0 this rank holds (`safe_open(...).get_slice`, memory-mapped), so a rank reads and keeps
-about 1/world of the model. A tied weight is one parameter and is read once; a parameter FSDP2
+rows of dim 0 this rank holds, one byte range of the file each (plain reads, not a memory map),
+so a rank reads and keeps about 1/world of the model. A tied weight is one parameter and is read once; a parameter FSDP2
 does not shard (the frozen, replicated Gemma per-layer table) is read whole. LoRA's adapters are
 not in the base's files: they get PEFT's own initialisation after the base is filled.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -95,13 +96,67 @@ def _local_rows(param):
     return local, offset[0]
 
 
+class _SafetensorsFile:
+    """One safetensors file, read by byte range with plain reads: a dim-0 row range of a tensor is
+    one contiguous range of the file, so a rank reads exactly its rows. Not memory-mapped: mapped
+    pages a rank touched would count in its resident memory until the file is closed."""
+
+    def __init__(self, path: str):
+        import struct
+
+        self.path = path
+        self.handle = open(path, "rb", buffering=0)
+        length = struct.unpack("<Q", self.handle.read(8))[0]
+        self.header = json.loads(self.handle.read(length))
+        self.base = 8 + length
+
+    def close(self) -> None:
+        self.handle.close()
+
+    def read_into(self, name: str, target, start: int | None) -> int:
+        """Rows [start, start + len(target)) of tensor `name` (all of it when start is None) copied
+        into `target`; the bytes read."""
+        import torch
+
+        entry = self.header[name]
+        dtype = _DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ShardedLoadError(f"{name} in {self.path} is {entry['dtype']}, a dtype this loader does not read")
+        shape = tuple(entry["shape"])
+        first, count = (0, shape[0] if shape else 1) if start is None else (start, target.shape[0])
+        wanted = shape if start is None else (count, *shape[1:])
+        if tuple(target.shape) != wanted or first + count > (shape[0] if shape else 1):
+            raise ShardedLoadError(f"{name} in {self.path} has shape {shape}, not the {tuple(target.shape)} this rank "
+                                   "holds: the checkpoint is not of this architecture")
+        row = math.prod(shape[1:]) * dtype.itemsize
+        buffer = bytearray(count * row)
+        if buffer:
+            self.handle.seek(self.base + entry["data_offsets"][0] + first * row)
+            got = self.handle.readinto(buffer)
+            if got != len(buffer):
+                raise ShardedLoadError(f"{self.path} ends inside {name}: the file is truncated; download it again")
+            target.copy_(torch.frombuffer(buffer, dtype=dtype).view(target.shape))
+        return len(buffer)
+
+
+def _dtypes() -> dict:
+    import torch
+
+    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+            "BOOL": torch.bool}
+
+
+_DTYPES: dict = {}
+
+
 def fill(model, path: str) -> dict[str, int]:
     """Every parameter (and every persistent buffer the files hold) of a sharded, materialized
     model from the safetensors in `path`, each rank reading only its rows. Returns
     {"tensors": filled, "bytes": read by this rank}. ShardedLoadError names what is missing."""
     import torch
-    from safetensors import safe_open
 
+    _DTYPES.update(_dtypes())
     files = weight_files(path)
     names: dict[int, list[str]] = {}   # a tied parameter has several names; the files hold one
     params = {}
@@ -109,7 +164,13 @@ def fill(model, path: str) -> dict[str, int]:
         names.setdefault(id(param), []).append(name)
         params[id(param)] = param
     adapters = {id(p) for n, p in model.named_parameters() if _is_adapter(n)}
-    missing, read, handles = [], 0, {}
+    missing, read, opened = [], 0, {}
+
+    def file_of(source: str) -> _SafetensorsFile:
+        if files[source] not in opened:
+            opened[files[source]] = _SafetensorsFile(files[source])
+        return opened[files[source]]
+
     try:
         with torch.no_grad():
             for key, param in params.items():
@@ -119,26 +180,15 @@ def fill(model, path: str) -> dict[str, int]:
                 if source is None:
                     missing.append(names[key][0])
                     continue
-                file = files[source]
-                if file not in handles:
-                    handles[file] = safe_open(file, framework="pt")
                 target, start = _local_rows(param)
-                window = handles[file].get_slice(source)
-                rows = window[start:start + target.shape[0]] if start is not None else window[:]
-                if tuple(rows.shape) != tuple(target.shape):
-                    raise ShardedLoadError(f"{source} in {file} has shape {tuple(rows.shape)} for this rank's "
-                                           f"{tuple(target.shape)}: the checkpoint is not of this architecture")
-                target.copy_(rows)
-                read += rows.numel() * rows.element_size()
+                read += file_of(source).read_into(source, target, start)
             for name, buf in model.named_buffers():
                 source = _checkpoint_name(name)
                 if source in files:
-                    file = files[source]
-                    if file not in handles:
-                        handles[file] = safe_open(file, framework="pt")
-                    buf.copy_(handles[file].get_tensor(source))
+                    read += file_of(source).read_into(source, buf, None)
     finally:
-        handles.clear()
+        for opened_file in opened.values():
+            opened_file.close()
     if missing:
         raise ShardedLoadError(f"{path} holds no tensor for {len(missing)} parameters, e.g. {missing[:3]}: it is "
                                "not a checkpoint of this model (spec.model)")
@@ -166,10 +216,13 @@ def _reset_adapters(model) -> None:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident memory (Linux: ru_maxrss is in KiB)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident memory: VmHWM, its address space's high-water mark (not
+    getrusage's ru_maxrss, which keeps the parent's peak across fork and exec)."""
+    with open(f"/proc/{os.getpid()}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no VmHWM in /proc/self/status")
 
 
 def rss_bytes() -> int:
