@@ -24,8 +24,11 @@ TRAINING = {
     TrainingStatus.TRAINABLE_PARAMETERS: 524288, TrainingStatus.TOTAL_PARAMETERS: 10174976,
     TrainingStatus.MFU: 0.375,
     TrainingStatus.HISTORY: [{"step": 10, "loss": 2.5, "tokensPerSecond": 90.5},
-                             {"step": 20, "loss": 1.5, "tokensPerSecond": 100.5}],
+                             {"step": 20, "loss": 1.5, "tokensPerSecond": 100.5, "evalLoss": 1.75}],
     TrainingStatus.UPDATED_AT: "2026-01-01T12:00:00Z",
+    TrainingStatus.LEARNING_RATE: 1.5e-5, TrainingStatus.GLOBAL_BATCH_SIZE: 64, TrainingStatus.EPOCH_LOSS: 1.625,
+    TrainingStatus.EVAL_LOSS: 1.75, TrainingStatus.EVAL_PERPLEXITY: 5.75, TrainingStatus.BEST_EVAL_LOSS: 1.5,
+    TrainingStatus.BEST_STEP: 10,
 }
 VERIFICATION = {
     VerificationStatus.PASSED: True, VerificationStatus.RANKS: 16, VerificationStatus.HOSTS: 4,
