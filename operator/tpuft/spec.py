@@ -577,13 +577,6 @@ class _Reader:
             self.fail(path, f"must be between {int(lo)} and {int(hi)} (got {value})")
         return value
 
-    def boolean(self, obj: Mapping, key: str, path: str, dkey: str) -> bool:
-        value = obj.get(key, DEFAULTS[dkey])
-        if not isinstance(value, bool):
-            self.fail(path, f"must be true or false (got {value!r})")
-            return bool(DEFAULTS[dkey])
-        return value
-
     def str_map(self, obj: Mapping, key: str, path: str, keys: re.Pattern | None = None,
                 values: re.Pattern | None = None, reserved: Reserved | None = None) -> dict[str, str]:
         value = obj.get(key) or {}

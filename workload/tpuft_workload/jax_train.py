@@ -194,23 +194,17 @@ def train_step(tx, cfg: jm.ModelConfig, dtype, remat: bool, params, opt_state, m
     return optax.apply_updates(params, updates), opt_state, sums, optax.global_norm(grads)
 
 
-def _model_dir(ref: str) -> str:
-    """A from_pretrained() folder on this host for a local path, gs:// URI or hub id."""
-    from tpuft_workload import model as modellib
-
-    return modellib.weights_dir(ref)
-
-
 def load_weights(model_ref: str, tokenizer, seed: int):
     """(HF config dict, ModelConfig, host params) of spec.model; the builtin is built with the
     torch path's seed, so both frameworks start from the same weights."""
+    from tpuft_workload import model as modellib
     from tpuft_workload.tiny import BUILTIN_MODEL
 
     if model_ref == BUILTIN_MODEL:
         from tpuft_workload.tiny import build_model
 
         return jm.from_torch(build_model(len(tokenizer), seed=seed))
-    return jm.open_hf_dir(_model_dir(model_ref))   # read shard by shard as the parameters are placed
+    return jm.open_hf_dir(modellib.weights_dir(model_ref))   # read shard by shard as the parameters are placed
 
 
 # ---- worker: the backend ----------------------------------------------------------------------
@@ -392,11 +386,12 @@ class _Jax:
         its config), with the chat template's turn end among its stop ids."""
         from transformers import GenerationConfig, PretrainedConfig
 
+        from tpuft_workload import model as modellib
         from tpuft_workload.tiny import BUILTIN_MODEL
 
         try:
             base = None if self.cfg.model == BUILTIN_MODEL else GenerationConfig.from_pretrained(
-                _model_dir(self.cfg.model))
+                modellib.weights_dir(self.cfg.model))
         except OSError:   # the base has none: from its config, as transformers derives one
             base = None
         if base is None:

@@ -82,17 +82,14 @@ def weights_dir(model_ref: str) -> str:
     return snapshot_download(model_ref, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
 
 
-def empty_model(model_ref: str, platform: Platform):
-    """spec.model's module tree with its parameters on the meta device, to be filled shard by shard
-    once sharded (`shard`, then sharded_load.fill with weights_dir): a saved model in safetensors.
-    None for the builtin (built whole: it is tiny) and for a folder without safetensors."""
-    if model_ref == BUILTIN_MODEL:
-        return None
+def empty_model(path: str, platform: Platform):
+    """The module tree of the saved model in `path` (weights_dir's) with its parameters on the meta
+    device, to be filled shard by shard once sharded (`shard`, then sharded_load.fill(model, path)).
+    None for a folder without safetensors (then load_model reads it whole)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from tpuft_workload import sharded_load
 
-    path = weights_dir(model_ref)
     if not sharded_load.loadable(path):
         return None
     config = AutoConfig.from_pretrained(path)

@@ -52,6 +52,7 @@ class DataError(ValueError):
 
     def __init__(self, message: str, field: str = "spec.dataset.name"):
         super().__init__(f"{field}: {message}")
+        self.message = message
 
 
 @dataclass(frozen=True)
@@ -227,7 +228,7 @@ def _examples(spec: Dataset, model: str, field: str = "spec.dataset.name") -> tu
         layout = _layout(ds, src, spec)
         count = _check_records(ds, src, layout)
     except DataError as e:
-        raise DataError(str(e).split(": ", 1)[1], field) from None
+        raise DataError(e.message, field) from None
     tokenized = ds.map_batches(_Tokenize, fn_constructor_args=(model, layout), batch_size=TOKENIZE_BATCH,
                                batch_format="pyarrow",
                                concurrency=(1, max(1, min(TOKENIZE_ACTORS_MAX, (os.cpu_count() or 2) // 2))),

@@ -11,6 +11,7 @@ not in the base's files: they get PEFT's own initialisation after the base is fi
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -119,7 +120,7 @@ class _SafetensorsFile:
         import torch
 
         entry = self.header[name]
-        dtype = _DTYPES.get(entry["dtype"])
+        dtype = _dtypes().get(entry["dtype"])
         if dtype is None:
             raise ShardedLoadError(f"{name} in {self.path} is {entry['dtype']}, a dtype this loader does not read")
         shape = tuple(entry["shape"])
@@ -139,15 +140,14 @@ class _SafetensorsFile:
         return len(buffer)
 
 
+@functools.cache
 def _dtypes() -> dict:
+    """safetensors' dtype names as torch's."""
     import torch
 
     return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
             "BOOL": torch.bool}
-
-
-_DTYPES: dict = {}
 
 
 def fill(model, path: str) -> dict[str, int]:
@@ -156,7 +156,6 @@ def fill(model, path: str) -> dict[str, int]:
     {"tensors": filled, "bytes": read by this rank}. ShardedLoadError names what is missing."""
     import torch
 
-    _DTYPES.update(_dtypes())
     files = weight_files(path)
     names: dict[int, list[str]] = {}   # a tied parameter has several names; the files hold one
     params = {}
@@ -223,9 +222,3 @@ def peak_rss_bytes() -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     raise OSError("no VmHWM in /proc/self/status")
-
-
-def rss_bytes() -> int:
-    """This process's resident memory now."""
-    with open(f"/proc/{os.getpid()}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

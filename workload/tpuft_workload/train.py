@@ -42,6 +42,7 @@ from tpuft.spec import Lora, Run
 from tpuft_workload.command import Command
 from tpuft_workload.platform import PLATFORMS, Target, load_backend
 from tpuft_workload.report import StatusReporter, flops_per_token, gpu_slice_peak
+from tpuft_workload.tiny import BUILTIN_MODEL
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,9 @@ class _Torch:
         cfg = self.cfg
         # A saved model is built on the meta device and each rank reads only its shards, below
         # (sharded_load): no rank ever holds the whole model. The builtin is built whole.
-        empty = modellib.empty_model(cfg.model, self.plat)
+        # (the builtin is built whole: it is tiny)
+        weights = None if cfg.model == BUILTIN_MODEL else modellib.weights_dir(cfg.model)
+        empty = modellib.empty_model(weights, self.plat) if weights is not None else None
         self.model = empty if empty is not None else modellib.load_model(cfg.model, self.tokenizer, self.plat, cfg.seed)
         arch = ckptlib.architecture(self.model)   # the base's: what a resume point must match
         # counted before sharding: MFU's numerator
@@ -126,7 +129,7 @@ class _Torch:
         if empty is not None:
             from tpuft_workload import sharded_load
 
-            read = sharded_load.fill(self.model, modellib.weights_dir(cfg.model))
+            read = sharded_load.fill(self.model, weights)
             self.worker.say(f"[tpuft] loaded {cfg.model} shard by shard: {read['tensors']} tensors, "
                             f"{read['bytes'] / 2**20:.1f} MiB read by this rank")
         # HSDP with accumulation: the all-reduce across slices once per optimizer step, not per micro-batch
