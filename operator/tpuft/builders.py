@@ -276,12 +276,24 @@ def _cluster_spec(tft: TPUFinetune, component: c.Component, max_slices: int | No
     }
 
 
-def run_document(tft: TPUFinetune) -> str:
+def run_document(tft: TPUFinetune, slices: int | None = None) -> str:
     """The workload's fields of the spec, as the one JSON document both entrypoints carry
     (tpuft.spec.workload_document; the workload reads it with tpuft.spec.parse_run). export.merge
-    says whether merged weights are written: asked for, or needed by vLLM (merges)."""
+    says whether merged weights are written: asked for, or needed by vLLM (merges). `slices`: a
+    training job on fewer slices than the spec's (spec.recovery.elastic), with elastic_accumulation's."""
     spec = dataclasses.replace(tft.spec, export=Export(merge=merges(tft)))
+    if slices is not None and slices != spec.slices:
+        accumulation = elastic_accumulation(spec.training.gradient_accumulation_steps, spec.slices, slices)
+        spec = dataclasses.replace(spec, slices=slices, training=dataclasses.replace(
+            spec.training, gradient_accumulation_steps=accumulation))
     return json.dumps(workload_document(spec), sort_keys=True, separators=(",", ":"))
+
+
+def elastic_accumulation(accumulation: int, slices: int, active: int) -> int:
+    """Gradient accumulation steps on `active` of `slices` slices: the same global batch where
+    accumulation x slices divides by active (2 slices to 1: twice the steps), else the nearest count
+    (status.training.globalBatchSize then says the batch trained with)."""
+    return max(1, round(accumulation * slices / active))
 
 
 def verify_entrypoint(tft: TPUFinetune) -> str:
@@ -302,8 +314,8 @@ def run_name(tft: TPUFinetune) -> str:
     return f"{base}-{tft.meta.uid}" if tft.meta.uid else base
 
 
-def train_entrypoint(tft: TPUFinetune) -> str:
-    return shlex.join(["python", "-m", WORKLOAD_MODULE, "train", "--spec", run_document(tft),
+def train_entrypoint(tft: TPUFinetune, slices: int | None = None) -> str:
+    return shlex.join(["python", "-m", WORKLOAD_MODULE, "train", "--spec", run_document(tft, slices),
                        "--run-name", run_name(tft), "--log-file", log_path(tft, c.Component.TRAIN)])
 
 
@@ -355,8 +367,9 @@ def build_verify_job(tft: TPUFinetune, attempt: int = 0) -> dict:
     return _rayjob(tft, names(tft).verify_attempt(attempt), c.Component.VERIFY, verify_entrypoint(tft), deadline)
 
 
-def build_train_job(tft: TPUFinetune, attempt: int = 0) -> dict:
-    return _rayjob(tft, names(tft).train_attempt(attempt), c.Component.TRAIN, train_entrypoint(tft), None)
+def build_train_job(tft: TPUFinetune, attempt: int = 0, slices: int | None = None) -> dict:
+    """`slices`: fewer than spec.slices while a lost slice is not back (spec.recovery.elastic)."""
+    return _rayjob(tft, names(tft).train_attempt(attempt), c.Component.TRAIN, train_entrypoint(tft, slices), None)
 
 
 def build_workload_identity(tft: TPUFinetune) -> list[dict]:

@@ -261,6 +261,8 @@ class Reason(str, enum.Enum):
     RETRYING = "Retrying"
     WAITING_FOR_PREVIOUS = "WaitingForPrevious"  # an earlier object of this name is still being deleted
     REPLACING_SLICE = "ReplacingSlice"   # a host was lost: waiting for the replaced slice
+    TRAINING_ON_FEWER_SLICES = "TrainingOnFewerSlices"   # spec.recovery.elastic: a lost slice not back in time
+    RESIZING = "Resizing"     # every slice whole again (spec.recovery.elastic): back to training on all of them
     DEPLOYING = "Deploying"   # the RayService is being created / its Serve app is not RUNNING yet
     SERVING = "Serving"
     SERVE_STOPPED = "ServeStopped"   # spec.serve.enabled set to false: the RayService is deleted
@@ -286,6 +288,7 @@ class Reason(str, enum.Enum):
     SPEC_CHANGE_IGNORED = "SpecChangeIgnored"
     TTL_EXPIRED = "TTLExpired"
     SLICE_BLOCKED = "SliceBlocked"   # a new cause keeps the slice from coming up (tpuft.diagnosis)
+    MAINTENANCE_NOTICE = "MaintenanceNotice"   # GKE's notice on a node under the slice: a checkpoint is asked for
     RECONCILE_ERROR = "ReconcileError"
 
 
@@ -404,6 +407,8 @@ class TrainingStatus(str, enum.Enum):
     EVAL_PERPLEXITY = "evalPerplexity"
     BEST_EVAL_LOSS = "bestEvalLoss"
     BEST_STEP = "bestStep"                  # the step of bestEvalLoss
+    # status.recovery.checkpointRequestedAt answered: a committed checkpoint saved after it was seen
+    CHECKPOINT_REQUEST_SAVED = "checkpointRequestSaved"
 
 
 class HistoryPoint(str, enum.Enum):

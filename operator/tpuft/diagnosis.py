@@ -74,6 +74,11 @@ class PodObs:
     host_index: int | None = None       # its host within that replica (KUBERAY_HOST_INDEX_LABEL)
     memory_limit: str = ""              # the Ray container's (KubeRay's first) resources.limits.memory
     oom_killed: tuple[OomKilled, ...] = ()
+    uid: str = ""                       # metadata.uid: a replaced pod has a new one, whatever its name
+    node: str = ""                      # spec.nodeName ("" until scheduled)
+    phase: str = ""                     # status.phase: Pending, Running, Succeeded, Failed
+    ready: bool | None = None           # the Ready condition (None: not reported yet)
+    not_ready: str = ""                 # Ready=False: its reason and message (the node lifecycle controller's when the node is lost)
 
     @property
     def is_head(self) -> bool:
@@ -94,9 +99,14 @@ class PodObs:
                         if ((x.get("state") or {}).get("waiting") or {}).get("reason"))
         replica, host = _place(labels, containers)
         limits = {x.get("name") or "": _memory_limit(x) for x in containers}
+        ready: Mapping[str, Any] = next((x for x in conditions if x.get("type") == "Ready"), {})
         return cls(meta.get("name") or "", owners[0] if owners else None, bool(meta.get("deletionTimestamp")),
                    unschedulable, waiting, labels.get(c.RAY_NODE_TYPE_LABEL) or "", status.get("podIP") or "",
-                   replica, host, next(iter(limits.values()), ""), _oom_killed(statuses, limits))
+                   replica, host, next(iter(limits.values()), ""), _oom_killed(statuses, limits),
+                   meta.get("uid") or "", (pod.get("spec") or {}).get("nodeName") or "", status.get("phase") or "",
+                   {"True": True, "False": False}.get(ready.get("status") or ""),
+                   " ".join(x for x in (ready.get("reason"), ready.get("message")) if x) if ready.get("status") == "False"
+                   else "")
 
 
 def _waiting(cs: Mapping[str, Any], images: Mapping[str, str]) -> Waiting:

@@ -8,6 +8,11 @@ drift and which block deletion when the operator is gone). Instead:
 
   * `kopf.index` keeps the TPUFinetunes and, per row of observed.CHILD_KINDS, the owned children
     (label tpufinetune.dev/name) in memory; `kopf.on.event` on each kind queues the owner's key.
+  * the RayClusters' pods (labels tpufinetune.dev/name and ray.io/cluster) are indexed too, each reduced
+    to a diagnosis.PodObs, and the nodes that are not Ready or carry a GKE maintenance notice (a
+    hosts.NodeObs; nothing for the rest): a lost host or a notice queues the owner at once (tpuft.hosts).
+    Where the operator may not watch nodes (a namespaced install), kopf warns once and the pods' own
+    Ready condition still shows a lost node.
   * startup reads the settings (tpuft.settings, from the environment) and starts a work queue
     (tpuft.workqueue, kept in kopf's `memo`) whose handler is the reconciler (tpuft.reconciler).
 """
@@ -21,6 +26,8 @@ import kopf
 
 from tpuft import constants as c
 from tpuft import metrics
+from tpuft.diagnosis import PodObs
+from tpuft.hosts import NodeObs
 from tpuft.kube import Kube, new_api_client
 from tpuft.observed import CHILD_KINDS, ChildKind, IndexedChild
 from tpuft.reconciler import Indexes, Reconciler
@@ -30,6 +37,9 @@ from tpuft.workqueue import WorkQueue
 OWNED = {c.LABEL_NAME: kopf.PRESENT}
 QUEUE = "queue"   # the work queue's key in kopf's memo
 OBJECT_INDEX = "tpufinetunes"   # the TPUFinetunes' kopf index (the startup handler's keyword argument)
+POD_INDEX = "pods_by_owner"     # the RayClusters' pods by their TPUFinetune's key
+NODE_INDEX = "noteworthy_nodes"  # nodes not Ready or with a maintenance notice, by name
+SLICE_PODS = {c.LABEL_NAME: kopf.PRESENT, c.RAY_CLUSTER_LABEL: kopf.PRESENT}
 
 
 def index_id(kind: ChildKind) -> str:
@@ -70,6 +80,34 @@ async def child_event(namespace: str, labels: Any, memo: kopf.Memo, **_: Any) ->
         queue.kick((namespace, labels[c.LABEL_NAME]))
 
 
+@kopf.index("", "v1", "pods", id=POD_INDEX, labels=SLICE_PODS)  # type: ignore[arg-type]
+def pods_by_owner(namespace: str, labels: Any, body: Any, **_: Any) -> dict:
+    return {(namespace, labels[c.LABEL_NAME]): PodObs.of(body)}
+
+
+@kopf.on.event("", "v1", "pods", id="pod_event", labels=SLICE_PODS)  # type: ignore[arg-type]
+async def pod_event(namespace: str, labels: Any, memo: kopf.Memo, **_: Any) -> None:
+    if (queue := _queue(memo)) is not None:
+        queue.kick((namespace, labels[c.LABEL_NAME]))
+
+
+@kopf.index("", "v1", "nodes", id=NODE_INDEX)
+def noteworthy_nodes(name: str, body: Any, **_: Any) -> dict | None:
+    node = NodeObs.of(body)
+    return {name: node} if node.noteworthy else None
+
+
+@kopf.on.event("", "v1", "nodes", id="node_event")  # type: ignore[arg-type]
+async def node_event(name: str, body: Any, memo: kopf.Memo, pods_by_owner: kopf.Index, **_: Any) -> None:
+    """Queues the owners of the pods on a noteworthy node; a Ready node's routine updates queue
+    nothing (a notice withdrawn is seen at the next resync)."""
+    if (queue := _queue(memo)) is None or not NodeObs.of(body).noteworthy:
+        return
+    for key, pods in pods_by_owner.items():
+        if any(p.node == name for p in pods):
+            queue.kick(key)
+
+
 for _kind in CHILD_KINDS:
     kopf.index(_kind.group, _kind.version, _kind.plural, id=index_id(_kind), labels=OWNED)(index_child)  # type: ignore[arg-type]
     kopf.on.event(_kind.group, _kind.version, _kind.plural, id=f"{_kind.kind.lower()}_event",
@@ -92,7 +130,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: An
     settings.posting.level = logging.WARNING      # kopf's own k8s Events: only problems
     settings.watching.server_timeout = 300        # re-list at least every 5 minutes
     metrics.serve(config.metrics_port)
-    indexes = Indexes(kwargs[OBJECT_INDEX], {k.kind: kwargs[index_id(k)] for k in CHILD_KINDS})
+    indexes = Indexes(kwargs[OBJECT_INDEX], {k.kind: kwargs[index_id(k)] for k in CHILD_KINDS},
+                      kwargs[POD_INDEX], kwargs[NODE_INDEX])
     queue = controller(Kube(new_api_client(), config.api_timeout_seconds), config, indexes)
     queue.start()
     memo[QUEUE] = queue

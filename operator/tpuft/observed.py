@@ -14,6 +14,7 @@ from tpuft import builders
 from tpuft import constants as c
 from tpuft.constants import Condition, ConditionStatus, EventType, Reason
 from tpuft.diagnosis import PodObs
+from tpuft.hosts import NodeObs
 from tpuft.spec import TPUFinetune
 
 LIVE_SPEC_FIELDS = ("suspend", "ttlSecondsAfterFinished")
@@ -130,6 +131,10 @@ class Observed:
     pools: tuple[tuple[str, str, int], ...] | None = None
     # Kueue's Workload for the RayCluster (objects with a queue label, phases.wants_queue); None: not read.
     queue: QueueObs | None = None
+    # The RayCluster's own pods as the pod watch keeps them (tpuft.hosts), and those of their nodes that
+    # are not Ready or carry a GKE maintenance notice, by name.
+    hosts: tuple[PodObs, ...] = ()
+    nodes: Mapping[str, NodeObs] = field(default_factory=dict)
 
 
 class Op(str, enum.Enum):

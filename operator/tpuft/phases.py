@@ -57,15 +57,17 @@ from typing import Any, Mapping
 from tpuft import builders, goodput
 from tpuft import constants as c
 from tpuft.constants import Condition, ConditionStatus, EventType, Phase, Reason
+from tpuft import hosts
 from tpuft.diagnosis import Blocker, blocking, host_of, pool_hint
+from tpuft.builders import elastic_accumulation
 from tpuft.spec import DEFAULTS, SpecError, TPUFinetune, parse
 from tpuft.observed import (
     CONDITION_ORDER, SERVE_ENABLED_FIELD, Action, ClusterObs, Decision, Event, JobObs, Killer, MemoryKill, Observed, Op,
     QueueObs, Tunables, cluster_progress, cluster_provisioned, cluster_suspended, fmt_time, job_failed,
     job_failure_detail, job_finishing, job_lost, job_settled, job_state, job_succeeded, memory_kill, parse_time,
     service_progress, service_ready, serving_ready, slice_loss, spec_diff)
-from tpuft.status import (Children, IgnoredSpecChange, LostSlice, LostSubmission, Preemption, Recovery, Resubmit,
-                          RunCondition, RunStatus, Serving, Slice, Verification)
+from tpuft.status import (Children, Elastic, IgnoredSpecChange, LostSlice, LostSubmission, MaintenanceNotice, Preemption,
+                          Recovery, Resubmit, RunCondition, RunStatus, Serving, Slice, Verification)
 
 
 # --- the draft status ---------------------------------------------------------------------------
@@ -366,14 +368,30 @@ def _provisioning(draft: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
         return _requeue(draft, tft, obs)
     ready = (obs.cluster is not None and cluster_provisioned(obs.cluster.status, obs.cluster.generation)
              and not slice_loss(obs.cluster.status))   # RayClusterProvisioned stays True after a loss
-    if ready and not obs.jobs_deleting:
+    # The pods a later loss is judged against (tpuft.hosts): every one of them seen Ready by the pod watch.
+    recorded = hosts.whole(obs.hosts, 1 + shape.hosts * tft.spec.slices) if obs.hosts else None
+    unseen = ready and bool(obs.hosts) and recorded is None
+    replacing = draft.previous.reason in (Reason.REPLACING_SLICE.value, Reason.RESIZING.value)
+    stopping = _stop_old_jobs(draft, tft, obs) if replacing else []
+    if ready and not unseen and not obs.jobs_deleting and not stopping:
         draft.set_condition(Condition.SLICE_PROVISIONED, ConditionStatus.TRUE, Reason.SLICE_READY,
                             cluster_progress(tft, obs.cluster))
+        if recorded or draft.recovery.slice_pods or draft.recovery.elastic:
+            draft.status = replace(draft.status, recovery=replace(draft.recovery.slice_whole(recorded), elastic=None))
         return _start_verification(draft, tft) if tft.spec.verification.enabled else _start_training(draft, tft, obs)
+    if replacing and not stopping and not obs.jobs_deleting and (fewer := _elastic_slices(draft, tft, obs)):
+        return _train_on_fewer_slices(draft, tft, obs, fewer)
     progress = cluster_progress(tft, obs.cluster)
-    if ready:   # after a replacement or a resume: KubeRay would take the old submitter Job (same name) for the new one's
+    if stopping:
+        progress += (f"; RayJob {', '.join(stopping)} is saving its checkpoint (its pod was told to stop) before "
+                     "it is stopped")
+        draft.requeue_after(STOPPING_LOOK_SECONDS)
+    elif ready and obs.jobs_deleting:   # KubeRay would take the old submitter Job (same name) for the new one's
         progress += (f"; waiting for RayJob {', '.join(obs.jobs_deleting)} (deleted before) to be gone before "
                      "submitting again")
+    elif unseen:
+        progress += "; waiting for the pod watch to show each of the slice's pods Ready"
+        draft.requeue_after(STOPPING_LOOK_SECONDS)
     if obs.cluster is not None and obs.cluster.suspended:  # not by us, not Kueue's (no queue label): who?
         progress += "; the RayCluster is suspended, not by this operator (spec.suspend is false, no queue label)"
     found = blocking(obs.pods)
@@ -401,6 +419,12 @@ def _provisioning(draft: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
         reason = Reason.REPLACING_SLICE
         what = (f"replacing the slice ({draft.recovery.slice_replacements} of "
                 f"{tft.spec.recovery.max_slice_replacements}): {what}")
+        if tft.spec.recovery.elastic and tft.spec.slices > 1:
+            wait = tft.spec.recovery.elastic_wait_seconds - draft.seconds_in_phase()
+            if wait > 0:
+                draft.requeue_after(wait)
+    elif draft.previous.reason == Reason.RESIZING.value:
+        reason, what = Reason.RESIZING, f"back to all {tft.spec.slices} slices: {what}"
     draft.set_condition(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, reason, progress)
     draft.move_to(Phase.PROVISIONING, reason, f"{what}: {progress}")
     draft.requeue_after(timeout - draft.seconds_in_phase())
@@ -411,6 +435,51 @@ def wants_pods(obj: Mapping[str, Any]) -> bool:
     """Whether the handler should list the RayCluster's pods for this reconcile: while the slice
     is being created or is coming up (the only phases a stall cause or a leftover matters in)."""
     return RunStatus.of(obj.get("status")).phase in (None, Phase.PENDING, Phase.PROVISIONING)
+
+
+STOPPING_LOOK_SECONDS = 2.0   # how often a RayJob saving its stop checkpoint is looked at (events come too)
+
+
+def _stop_old_jobs(draft: _Draft, tft: TPUFinetune, obs: Observed) -> list[str]:
+    """After a loss or a resize: the slice's RayJobs still on the cluster. One whose pod was told to stop
+    saves its checkpoint and ends by itself (preStop, tpuft_workload.preemption); it is deleted once it
+    has ended, or once the pod's own stop bound has passed. Returns those still saving."""
+    saving = []
+    for name in sorted(x for x in {_verify_job(draft, tft), draft.children.train_job} if x is not None):
+        job = obs.jobs.get(name)
+        if job is None:
+            continue
+        if job_settled(job) or job_failed(job) or job_succeeded(job) or draft.seconds_in_phase() >= c.PRESTOP_WAIT_SECONDS:
+            draft.add_action(Op.DELETE, c.RAYJOB_KIND, name)
+        else:
+            saving.append(name)
+    return saving
+
+
+def _elastic_slices(draft: _Draft, tft: TPUFinetune, obs: Observed) -> int:
+    """spec.recovery.elastic, a replacement waited for elasticWaitSeconds: how many slices are whole
+    to train on (0: stay, every slice or none is whole, or it is too soon)."""
+    recovery, shape = tft.spec.recovery, tft.spec.slice
+    if (not recovery.elastic or tft.spec.slices < 2 or draft.previous.reason != Reason.REPLACING_SLICE.value
+            or draft.seconds_in_phase() < recovery.elastic_wait_seconds or not hosts.head_ready(obs.hosts)):
+        return 0
+    whole = hosts.whole_slices(obs.hosts, shape.hosts, replica_per_slice=shape.is_tpu)
+    return whole if 0 < whole < tft.spec.slices else 0
+
+
+def _train_on_fewer_slices(draft: _Draft, tft: TPUFinetune, obs: Observed, slices: int) -> Decision:
+    """Training resumes from its checkpoint on the whole slices; they were verified before and are
+    unchanged, so they are not verified again (the lost slice is, when every slice is back)."""
+    accumulation = elastic_accumulation(tft.spec.training.gradient_accumulation_steps, tft.spec.slices, slices)
+    up = tuple(sorted(p.uid for p in obs.hosts if not p.deleting and p.phase == "Running" and p.ready is True))
+    elastic = Elastic(slices=slices, gradient_accumulation_steps=accumulation, since=fmt_time(draft.now))
+    draft.status = replace(draft.status, recovery=replace(draft.recovery.slice_whole(up), elastic=elastic))
+    msg = (f"a lost slice is not back after {tft.spec.recovery.elastic_wait_seconds}s: training resumes from its "
+           f"checkpoint on {slices} of {tft.spec.slices} slices (gradient accumulation {accumulation}, was "
+           f"{tft.spec.training.gradient_accumulation_steps}); back to {tft.spec.slices} once every slice is whole")
+    draft.add_event(EventType.WARNING, Reason.TRAINING_ON_FEWER_SLICES, msg)
+    draft.set_condition(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, Reason.TRAINING_ON_FEWER_SLICES, msg)
+    return _start_training(draft, tft, obs, slices=slices)
 
 
 def _start_verification(draft: _Draft, tft: TPUFinetune, reason: Reason = Reason.VERIFYING,
@@ -430,18 +499,27 @@ def _verify_job(draft: _Draft, tft: TPUFinetune) -> str:
     return builders.names(tft).verify_attempt(draft.recovery.lost_count(Phase.VERIFYING))
 
 
-def _start_training(draft: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
+def _start_training(draft: _Draft, tft: TPUFinetune, obs: Observed, slices: int | None = None) -> Decision:
     attempts = draft.status.training_attempts or 0
     index = max(attempts - 1, 0)  # after a resume the interrupted attempt continues from its checkpoint
     name = builders.names(tft).train_attempt(index)
-    draft.add_action(Op.CREATE, c.RAYJOB_KIND, name, builders.build_train_job(tft, index))
+    draft.add_action(Op.CREATE, c.RAYJOB_KIND, name, builders.build_train_job(tft, index, slices))
     draft.status = replace(draft.status, training_attempts=max(attempts, 1),
                            children=replace(draft.children, train_job=name))
     draft.set_condition(Condition.TRAINING_SUCCEEDED, ConditionStatus.UNKNOWN, Reason.TRAINING,
                         f"RayJob {name} submitted")
-    draft.move_to(Phase.TRAINING, Reason.TRAINING, f"training (RayJob {name}, attempt {index + 1} of "
-                  f"{tft.spec.training.max_job_retries + 1})")
+    draft.move_to(Phase.TRAINING, *_training_says(draft, tft, name, index + 1))
     return draft.finish()
+
+
+def _training_says(draft: _Draft, tft: TPUFinetune, job: str, attempt: int) -> tuple[Reason, str]:
+    """Training's reason and message: on fewer slices than the spec's (spec.recovery.elastic), it says so."""
+    msg = f"training (RayJob {job}, attempt {attempt} of {tft.spec.training.max_job_retries + 1})"
+    elastic = draft.recovery.elastic
+    if elastic is None:
+        return Reason.TRAINING, msg
+    return Reason.TRAINING_ON_FEWER_SLICES, (f"{msg} on {elastic.slices} of {tft.spec.slices} slices (a lost slice "
+                                             "is not back; training returns to every slice once it is)")
 
 
 def _lost_cluster(draft: _Draft, tft: TPUFinetune, obs: Observed) -> bool:
@@ -454,7 +532,7 @@ def _lost_cluster(draft: _Draft, tft: TPUFinetune, obs: Observed) -> bool:
     return True
 
 
-def _replace_slice(draft: _Draft, tft: TPUFinetune, obs: Observed, cause: str) -> Decision:
+def _replace_slice(draft: _Draft, tft: TPUFinetune, obs: Observed, cause: str, stopping: bool = False) -> Decision:
     """A host was lost under a running job: stop the jobs (they cannot finish on a broken slice),
     let KubeRay recreate the lost pods, wait for the whole slice under a fresh provisioning
     deadline, verify it again and resume training from its checkpoint (the same attempt, as after
@@ -472,8 +550,11 @@ def _replace_slice(draft: _Draft, tft: TPUFinetune, obs: Observed, cause: str) -
                      hosts=tft.spec.slice.hosts * tft.spec.slices, step=draft.status.reported_step)
     draft.status = replace(draft.status, recovery=draft.recovery.record_loss(loss))
     submitted = {_verify_job(draft, tft), draft.children.train_job}
+    # A training job whose pod was told to stop saves that step's checkpoint and ends by itself: it is
+    # left to (_stop_old_jobs deletes it once ended), unless the run ends here.
+    saving = draft.children.train_job if stopping and was == Phase.TRAINING and done < allowed else None
     for job in sorted(name for name in submitted if name is not None):
-        if job in obs.jobs:   # while the head may still be up: KubeRay's finalizer stops the Ray job
+        if job in obs.jobs and job != saving:   # while the head may still be up: KubeRay's finalizer stops the Ray job
             draft.add_action(Op.DELETE, c.RAYJOB_KIND, job)
     if done >= allowed:
         msg = (f"a host of the slice was lost during {was.value} ({cause}) and the slice has already been replaced "
@@ -484,7 +565,7 @@ def _replace_slice(draft: _Draft, tft: TPUFinetune, obs: Observed, cause: str) -
         draft.set_condition(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, reason, msg)
         draft.fail(reason, msg)
         return draft.finish()
-    draft.status = replace(draft.status, recovery=draft.recovery.replacing_slice())
+    draft.status = replace(draft.status, recovery=replace(draft.recovery.replacing_slice(), slice_pods=None))
     msg = (f"replacing the slice ({done + 1} of {allowed}): a host was lost during {was.value} ({cause}); "
            "KubeRay recreates the lost pods, then the slice is verified again"
            + (" and training resumes from its last checkpoint"
@@ -505,8 +586,8 @@ def _verifying(draft: _Draft, tft: TPUFinetune, obs: Observed, tunables: Tunable
     assert obs.cluster is not None
     if _evicted(tft, obs):   # KubeRay deletes the pods of a suspended cluster: not a lost host
         return _requeue(draft, tft, obs)
-    if lost := slice_loss(obs.cluster.status):
-        return _replace_slice(draft, tft, obs, lost)
+    if loss := _host_loss(draft, obs):
+        return _replace_slice(draft, tft, obs, loss.cause)
     job = obs.jobs.get(name)
     if job is None:
         draft.fail(Reason.CHILD_DELETED, f"RayJob {name} was deleted during verification")
@@ -564,9 +645,13 @@ def _training(draft: _Draft, tft: TPUFinetune, obs: Observed, tunables: Tunables
     job = obs.jobs.get(name)
     if _evicted(tft, obs) and not (job is not None and job_succeeded(job)):
         return _requeue(draft, tft, obs)
-    lost = slice_loss(obs.cluster.status)
-    if lost and not (job is not None and job_succeeded(job)):   # a finished run needs no slice any more
-        return _replace_slice(draft, tft, obs, lost)
+    loss = _host_loss(draft, obs)
+    if loss and not (job is not None and job_succeeded(job)):   # a finished run needs no slice any more
+        return _replace_slice(draft, tft, obs, loss.cause, loss.stopping)
+    if job is not None and not job_settled(job):
+        _maintenance(draft, obs)
+        if (resized := _grow_back(draft, tft, obs, name)) is not None:
+            return resized
     if job is None:
         draft.fail(Reason.CHILD_DELETED, f"RayJob {name} was deleted during training")
         return draft.finish()
@@ -604,7 +689,77 @@ def _training(draft: _Draft, tft: TPUFinetune, obs: Observed, tunables: Tunables
             return draft.finish()
         draft.fail(reason, msg)
         return draft.finish()
-    draft.move_to(Phase.TRAINING, Reason.TRAINING, f"training (RayJob {name}, attempt {counted} of {retries + 1})")
+    draft.move_to(Phase.TRAINING, *_training_says(draft, tft, name, counted))
+    return draft.finish()
+
+
+def _host_loss(draft: _Draft, obs: Observed) -> hosts.Loss | None:
+    """A lost host of the running slice: judged against the pods it was found whole with (the pod
+    watch, tpuft.hosts), else (no record: pods not watched) as KubeRay's ready count shows it."""
+    assert obs.cluster is not None
+    recorded = draft.recovery.slice_pods
+    if recorded:
+        return hosts.lost(recorded, obs.hosts, obs.nodes)
+    lost = slice_loss(obs.cluster.status)
+    return hosts.Loss(lost) if lost else None
+
+
+def _maintenance(draft: _Draft, obs: Observed) -> None:
+    """GKE's maintenance notice on a node under the running slice: a checkpoint is asked for at the
+    next step boundary (status.recovery.checkpointRequestedAt; training goes on), once per notice; the
+    step the job saved for it is recorded when it answers. The host's loss, when it comes, is the usual
+    replacement."""
+    found, last = hosts.maintenance(obs.hosts, obs.nodes), draft.recovery.last_maintenance
+    if found and not (last is not None and (last.node, last.notice) == found):
+        node, notice = found
+        seen = MaintenanceNotice(time=fmt_time(draft.now), node=node, notice=notice, step=draft.status.reported_step)
+        draft.status = replace(draft.status, recovery=draft.recovery.maintenance_notice(seen, fmt_time(draft.now)))
+        draft.add_event(EventType.WARNING, Reason.MAINTENANCE_NOTICE,
+                        f"node {node} under the slice: {notice}; the training job is asked for a checkpoint at its "
+                        "next step boundary")
+        return
+    training = draft.status.training
+    answered = training is not None and training.checkpoint_request_saved is not None and (
+        training.checkpoint_request_saved == draft.recovery.checkpoint_requested_at)
+    if last is not None and last.checkpoint_step is None and answered and last.time == draft.recovery.checkpoint_requested_at:
+        assert training is not None
+        draft.status = replace(draft.status, recovery=replace(
+            draft.recovery, last_maintenance=replace(last, checkpoint_step=training.step)))
+        draft.add_event(EventType.NORMAL, Reason.MAINTENANCE_NOTICE,
+                        f"checkpoint at step {training.step} saved for the maintenance notice on node {last.node}")
+
+
+GROW_BACK_CHECKPOINT_WAIT_SECONDS = 300   # a job that never answers the checkpoint request is stopped after this
+
+
+def _grow_back(draft: _Draft, tft: TPUFinetune, obs: Observed, job: str) -> Decision | None:
+    """Training on fewer slices (spec.recovery.elastic) and every slice whole again: a checkpoint is asked
+    for, then the job is stopped and the run goes back through Provisioning (reason Resizing) to verify
+    every slice and train on all of them from that checkpoint."""
+    elastic, shape = draft.recovery.elastic, tft.spec.slice
+    if elastic is None or hosts.whole_slices(obs.hosts, shape.hosts, replica_per_slice=shape.is_tpu) < tft.spec.slices:
+        return None
+    requested, since = parse_time(draft.recovery.checkpoint_requested_at), parse_time(elastic.since)
+    if requested is None or since is None or requested <= since:
+        draft.status = replace(draft.status, recovery=replace(draft.recovery,
+                                                               checkpoint_requested_at=fmt_time(draft.now)))
+        draft.requeue_after(GROW_BACK_CHECKPOINT_WAIT_SECONDS)
+        return None
+    training = draft.status.training
+    answered = training is not None and training.checkpoint_request_saved == draft.recovery.checkpoint_requested_at
+    if not answered and (draft.now - requested).total_seconds() < GROW_BACK_CHECKPOINT_WAIT_SECONDS:
+        draft.requeue_after(GROW_BACK_CHECKPOINT_WAIT_SECONDS - (draft.now - requested).total_seconds())
+        return None
+    draft.add_action(Op.DELETE, c.RAYJOB_KIND, job)
+    saved = (f"the checkpoint at step {training.step} asked for is saved" if answered and training is not None
+             else f"no answer to the checkpoint request within {GROW_BACK_CHECKPOINT_WAIT_SECONDS}s")
+    msg = (f"every one of the {tft.spec.slices} slices is whole again ({saved}): training on {elastic.slices} "
+           f"stops, the slices are verified and training resumes on all of them")
+    draft.status = replace(draft.status, recovery=replace(draft.recovery, elastic=None, slice_pods=None))
+    draft.add_event(EventType.NORMAL, Reason.RESIZING, msg)
+    draft.set_condition(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, Reason.RESIZING, msg)
+    draft.move_to(Phase.PROVISIONING, Reason.RESIZING, msg)
+    draft.restart_clock()
     return draft.finish()
 
 
@@ -621,7 +776,9 @@ def wants_failure_pods(obj: Mapping[str, Any], observed: Observed) -> bool:
     if current is None or observed.cluster is None:
         return False
     job = observed.jobs.get(current)
-    return (job is not None and job_failed(job) and not job_lost(job)) or slice_loss(observed.cluster.status) is not None
+    recorded = (status.recovery or Recovery()).slice_pods
+    return ((job is not None and job_failed(job) and not job_lost(job)) or slice_loss(observed.cluster.status) is not None
+            or (bool(recorded) and hosts.lost(recorded or (), observed.hosts, observed.nodes) is not None))
 
 
 def _memory_kill(draft: _Draft, obs: Observed, job: JobObs | None) -> MemoryKill | None:

@@ -15,12 +15,14 @@ import copy
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Collection, Mapping, Sequence
 
 from tpuft import builders, diagnosis, metrics, phases
 from tpuft import constants as c
+from tpuft.diagnosis import PodObs
+from tpuft.hosts import NodeObs, of_cluster
 from tpuft.kube import Kube, KubeError, Rejected
 from tpuft.ledger import Ledger
 from tpuft.observed import CHILD_KINDS, AdmissionError, Decision, Event, IndexedChild, Observed, Op, live, parse_time
@@ -37,6 +39,8 @@ class Snapshot:
     """One key's entries in the indexes, copied: what one reconcile reads."""
     body: dict | None
     children: Children
+    pods: tuple[PodObs, ...] = ()                 # its RayClusters' pods (frozen: no copy needed)
+    nodes: Mapping[str, NodeObs] = field(default_factory=dict)   # those pods' nodes that are noteworthy
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,8 @@ class Indexes:
     each child kind's children by their owner's key."""
     objects: Mapping[Key, Any]
     children: Mapping[str, Mapping[Key, Any]]   # ChildKind.kind -> index
+    pods: Mapping[Key, Any] = field(default_factory=dict)    # handlers.POD_INDEX
+    nodes: Mapping[str, Any] = field(default_factory=dict)   # handlers.NODE_INDEX
 
     @classmethod
     def empty(cls) -> Indexes:
@@ -53,7 +59,9 @@ class Indexes:
     def snapshot(self, key: Key) -> Snapshot:
         body = next(iter(self.objects.get(key, [])), None)
         children = {kind: [copy.deepcopy(x) for x in index.get(key, [])] for kind, index in self.children.items()}
-        return Snapshot(copy.deepcopy(body), children)
+        pods = tuple(self.pods.get(key, ()))
+        nodes = {p.node: node for p in pods if p.node and (node := next(iter(self.nodes.get(p.node, ())), None))}
+        return Snapshot(copy.deepcopy(body), children, pods, nodes)
 
 
 class Reconciler:
@@ -82,7 +90,8 @@ class Reconciler:
             metrics.RECONCILES.labels(result="error").inc()
 
     # Everything below runs in a worker thread: plain blocking API calls.
-    def observe(self, obj: dict, children: Children) -> Observed:
+    def observe(self, obj: dict, children: Children, pods: tuple[PodObs, ...] = (),
+                nodes: Mapping[str, NodeObs] | None = None) -> Observed:
         ns, uid = obj["metadata"]["namespace"], obj["metadata"].get("uid")
         # Children we deleted: after a relist (410) kopf's index can keep them forever (it never
         # sees their DELETED event), so they are confirmed with a GET.
@@ -98,6 +107,8 @@ class Reconciler:
             fields[kind.field] = kind.observe(found, names)
         observed = Observed(**fields)
         if observed.cluster is not None:
+            observed = dataclasses.replace(observed, hosts=of_cluster(pods, observed.cluster.uid),
+                                           nodes=dict(nodes or {}))
             jobs = children.get(c.RAYJOB_KIND, ())
             observed = dataclasses.replace(observed, jobs_deleting=self._deleting_jobs(ns, jobs, removed, uid))
         cluster = observed.cluster
@@ -183,7 +194,7 @@ class Reconciler:
             return None
         ns, name = key
         now = datetime.now(timezone.utc)
-        observed = self.observe(obj, snap.children)
+        observed = self.observe(obj, snap.children, snap.pods, snap.nodes)
         decision = phases.decide(obj, observed, now, self.tunables)
         uid = obj["metadata"].get("uid", "")
         decision, done = self._act(key, obj, observed, decision, now)

@@ -301,6 +301,16 @@ class Recovery:
     max_slice_replacements: int = declare(
         "Times the slice is replaced (KubeRay recreates the lost pods), verified again and training resumed from "
         "its checkpoint; one more loss fails with SliceLost.", default=2, minimum=0, maximum=20)
+    # With slices > 1 a lost slice need not stop the run: the others train on (HSDP's replicate dimension
+    # shrinks, the global batch kept by gradient accumulation) until it is back.
+    elastic: bool = declare(
+        "With spec.slices > 1: when a lost slice is not back within elasticWaitSeconds, training resumes from its "
+        "checkpoint on the slices that are whole (the global batch kept by gradient accumulation where the slice "
+        "counts divide), and returns to every slice from the next checkpoint once they are all whole again.",
+        default=False)
+    elastic_wait_seconds: int = declare(
+        "How long a replacement slice may take before training goes on without it (spec.recovery.elastic).",
+        default=120, minimum=0, maximum=86400)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from tpuft.constants import (GOODPUT_RATIO, GOODPUT_TOTAL, HISTORY_MAX_POINTS, L
                              TrainingStatus, VerificationStatus)
 from tpuft.fields import declare, declared, from_json, schema_of, to_json
 
+MAX_SLICE_PODS = 4097   # the head and 4096 hosts: more than any slice times spec.slices allows
 DESCRIPTION = ("Observed state, written by the operator (phase, conditions, children) and by the workload "
                "(verification, training).")
 WORKLOAD_BLOCKS = ("verification", "training")   # the workload's to write; the operator only reads them
@@ -75,6 +76,23 @@ class LostSlice:
 
 
 @dataclass(frozen=True)
+class MaintenanceNotice:
+    time: str | None = declare("When the notice was seen.", format="date-time")
+    node: str | None = declare("The node under the slice that carries it.")
+    notice: str | None = declare("GKE's notice: its label or taint and value.")
+    step: int | None = declare("The training step last reported when it was seen.")
+    checkpoint_step: int | None = declare("The step of the checkpoint the run saved for it (absent until saved).")
+
+
+@dataclass(frozen=True)
+class Elastic:
+    slices: int | None = declare("The slices the current training job runs on (fewer than spec.slices while a "
+                                 "lost slice has not come back).")
+    gradient_accumulation_steps: int | None = declare("The accumulation that keeps the global batch on them.")
+    since: str | None = declare("When training went on with fewer slices.", format="date-time")
+
+
+@dataclass(frozen=True)
 class LostSubmission:
     time: str | None = declare("When it was seen.", format="date-time")
     phase: str | None = declare("VerifyingCollectives or Training.")
@@ -104,6 +122,17 @@ class Recovery:
         schema=_array_of(LostSubmission, "One lost submission.", LOST_SUBMISSION_RETRIES))
     resubmit: Resubmit | None = declare("A lost RayJob waiting out its backoff before it is resubmitted; absent "
                                         "otherwise.")
+    slice_pods: tuple[str, ...] | None = declare(
+        "The UIDs of the RayCluster's pods when the slice was last found whole: one of them terminating, ended, not "
+        "Ready or gone, or another pod in their place, is a lost host.", schema=lambda: {
+            "type": "array", "items": {"type": "string"}, "maxItems": MAX_SLICE_PODS})
+    checkpoint_requested_at: str | None = declare(
+        "A checkpoint the operator asks the training job for (a maintenance notice on a node under the slice): the "
+        "job saves at its next step boundary, goes on training and answers in training.checkpointRequestSaved.",
+        format="date-time")
+    last_maintenance: MaintenanceNotice | None = declare("The latest GKE maintenance notice seen under the slice.")
+    elastic: Elastic | None = declare("Training on fewer slices than spec.slices (spec.recovery.elastic); absent "
+                                      "while every slice trains.")
 
     def record_loss(self, loss: LostSlice) -> Recovery:
         """A host of the slice was lost: the loss joins the history (the latest RECOVERY_HISTORY_MAX
@@ -124,6 +153,12 @@ class Recovery:
     def lost_submission(self, lost: LostSubmission) -> Recovery:
         """A lost RayJob resubmitted: recorded, and no longer waited for."""
         return replace(self, lost_submissions=(*(self.lost_submissions or ()), lost), resubmit=None)
+
+    def slice_whole(self, pods: tuple[str, ...] | None) -> Recovery:
+        return replace(self, slice_pods=pods)
+
+    def maintenance_notice(self, notice: MaintenanceNotice, requested_at: str) -> Recovery:
+        return replace(self, last_maintenance=notice, checkpoint_requested_at=requested_at)
 
     def lost_count(self, phase: Phase | None = None) -> int:
         """Lost submissions resubmitted so far in this run (in `phase` only, when given)."""
@@ -305,6 +340,10 @@ class Training:
     best_eval_loss: float | None = declare("The lowest evalLoss so far (with keepBest: the model exported).",
                                            name=TrainingStatus.BEST_EVAL_LOSS.value)
     best_step: int | None = declare("The step of bestEvalLoss.", name=TrainingStatus.BEST_STEP.value)
+    checkpoint_request_saved: str | None = declare(
+        "The status.recovery.checkpointRequestedAt value the workload answered: every rank saved a committed "
+        "checkpoint (lastCheckpoint) at the step boundary after rank 0 saw it, and training went on.",
+        name=TrainingStatus.CHECKPOINT_REQUEST_SAVED.value)
 
 
 _names_follow(Verification, (k.value for k in VerificationStatus))

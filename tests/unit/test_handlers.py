@@ -19,8 +19,12 @@ def test_each_child_kind_has_an_index_and_an_event_handler_filtered_by_owner():
     registry = get_default_registry()
     indexes = {h.id: h for h in registry._indexing.get_all_handlers()}
     events = {h.id: h for h in registry._watching.get_all_handlers()}
-    assert set(indexes) == {"tpufinetunes", *(handlers.index_id(k) for k in CHILD_KINDS)}
-    assert set(events) == {"tpufinetune_event", "raycluster_event", "rayjob_event", "rayservice_event"}
+    assert set(indexes) == {"tpufinetunes", *(handlers.index_id(k) for k in CHILD_KINDS), handlers.POD_INDEX,
+                            handlers.NODE_INDEX}
+    assert set(events) == {"tpufinetune_event", "raycluster_event", "rayjob_event", "rayservice_event", "pod_event",
+                           "node_event"}
+    pods = indexes[handlers.POD_INDEX]
+    assert pods.selector.any_name == "pods" and pods.labels == handlers.SLICE_PODS
     for kind in CHILD_KINDS:
         h = indexes[handlers.index_id(kind)]
         assert (h.selector.group, h.selector.version, h.selector.any_name) == (kind.group, kind.version, kind.plural)

@@ -32,10 +32,11 @@ exact set).
 # or a host was lost (a worker killed for memory), and the
 # serving cluster's (by our labels) until its app runs: the scheduler's and the kubelet's reason
 # for a stall goes into status, and a re-created object waits for the deleted one's pods to go.
-# Read only; nothing else on pods.
+# Watched too (our labels and ray.io/cluster): a lost host is seen the moment its pod is told to
+# stop, fails or is replaced (tpuft.hosts). Read only; nothing else on pods.
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list"]
+  verbs: ["list", "watch"]
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
@@ -65,7 +66,8 @@ exact set).
 kopf's own cluster-scoped needs (kopf 1.45, --standalone so no kopfpeerings):
 CustomResourceDefinitions list/watch in both modes (the resource observer); Namespaces
 list/watch only in namespaced mode (the namespace observer lists them only when not
---all-namespaces). Plus, cluster-wide only and optional, list on nodes (node pool hints).
+--all-namespaces). Plus, cluster-wide only and optional, list/watch on nodes (node pool hints, and
+a node under a slice that is not Ready or carries a GKE maintenance notice).
 */}}
 {{- define "tpuft.rbac.frameworkRules" -}}
 - apiGroups: ["apiextensions.k8s.io"]
@@ -77,9 +79,11 @@ list/watch only in namespaced mode (the namespace observer lists them only when 
   verbs: ["list", "watch"]
 {{- else if .Values.rbac.nodePoolHints }}
 # Node pool hints (rbac.nodePoolHints): the TPU node pools' labels, for a slice the scheduler
-# cannot place. Read only, cluster-wide installs only.
+# cannot place; and, watched, a node under a running slice that is not Ready or carries GKE's
+# maintenance notice (a checkpoint is asked for before the host goes). Read only, cluster-wide
+# installs only; without it kopf warns once and the pods' own Ready condition still shows a lost node.
 - apiGroups: [""]
   resources: ["nodes"]
-  verbs: ["list"]
+  verbs: ["list", "watch"]
 {{- end }}
 {{- end -}}
