@@ -8,7 +8,9 @@ has a KubeRay worker pod deleted N times mid-training; each time the operator re
 Per repetition: seconds from the pod deletion to (a) the operator seeing the loss
 (status.recovery grows), (b) training resumed (status.training.resumedFromStep set by the new
 job, and a step beyond it reported), and the steps lost (last step reported before the loss
-minus the step resumed from; the true loss is at most checkpoint.everySteps). Medians at the end.
+minus the step resumed from; the true loss is at most checkpoint.everySteps), and where the time
+went: when each stage was first seen (the slice being replaced, verifying again, the training job
+submitted, the checkpoint loaded). Medians at the end.
 Every wait is bounded; the object is deleted at the end.
 """
 from __future__ import annotations
@@ -27,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 NAMESPACE = "bench-replacement"
 NAME = "bench-heal"
 EVERY = 5
-POLL_S = 0.5
+POLL_S = 0.25
 WAIT_BOUND_S = 600   # no single wait lasts longer than this
 
 
@@ -79,12 +81,28 @@ def one_loss(kc: Path, index: int) -> dict:
     victim = sorted(p["metadata"]["name"] for p in pods)[index % len(pods)]
     t0 = time.monotonic()
     kubectl(kc, "delete", "pod", victim, "--wait=false")
-    seen = wait(kc, "the loss seen", lambda st: (st.get("recovery") or {}).get("sliceReplacements", 0) > index)
+    marks: dict[str, float] = {}   # where the time goes: when each stage was first seen, from the deletion
+
+    def mark(st: dict) -> None:
+        stage = {"Provisioning": "slice_replacing", "VerifyingCollectives": "verifying",
+                 "Training": "train_job_submitted"}.get(st.get("phase") or "")
+        if stage and stage not in marks and (stage != "train_job_submitted" or "verifying" in marks):
+            marks[stage] = round(time.monotonic() - t0, 2)
+
+    def seen_loss(st: dict) -> bool:
+        mark(st)
+        return (st.get("recovery") or {}).get("sliceReplacements", 0) > index
+
+    seen = wait(kc, "the loss seen", seen_loss)
     t_seen = time.monotonic() - t0
     step_lost_at = seen["recovery"]["history"][-1].get("step", step_before)
 
     def resumed(st: dict) -> bool:
+        mark(st)
         tr = st.get("training") or {}
+        if st.get("phase") == "Training" and tr.get("resumedFromStep") is not None and "resumed_from_checkpoint" not in marks \
+                and tr.get("updatedAt", "") > seen["recovery"]["history"][-1]["time"]:
+            marks["resumed_from_checkpoint"] = round(time.monotonic() - t0, 2)
         return (st.get("phase") == "Training" and tr.get("resumedFromStep") is not None
                 and tr.get("step", 0) > tr["resumedFromStep"] and tr.get("updatedAt", "") > seen["recovery"]["history"][-1]["time"])
 
@@ -92,7 +110,7 @@ def one_loss(kc: Path, index: int) -> dict:
     t_resumed = time.monotonic() - t0
     from_step = st["training"]["resumedFromStep"]
     out = {"victim": victim, "loss_seen_s": round(t_seen, 2), "training_resumed_s": round(t_resumed, 2),
-           "last_reported_step": step_lost_at, "resumed_from_step": from_step,
+           "stages_s": marks, "last_reported_step": step_lost_at, "resumed_from_step": from_step,
            "steps_lost": step_lost_at - from_step}
     say(f"loss {index + 1}: {out}")
     return out
@@ -123,6 +141,10 @@ def main() -> int:
     result = {"repetitions": len(losses), "checkpoint_every_steps": EVERY, "losses": losses,
               "median_loss_seen_s": statistics.median(x["loss_seen_s"] for x in losses),
               "median_training_resumed_s": statistics.median(x["training_resumed_s"] for x in losses),
+              "median_stages_s": {k: statistics.median(x["stages_s"][k] for x in losses if k in x["stages_s"])
+                                  for k in ("slice_replacing", "verifying", "train_job_submitted",
+                                            "resumed_from_checkpoint")
+                                  if any(k in x["stages_s"] for x in losses)},
               "median_steps_lost": statistics.median(x["steps_lost"] for x in losses),
               "max_steps_lost": max(x["steps_lost"] for x in losses),
               "ended": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

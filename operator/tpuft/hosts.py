@@ -131,5 +131,10 @@ def whole_slices(pods: tuple[PodObs, ...], hosts_per_slice: int, replica_per_sli
     return len(up) // max(hosts_per_slice, 1)
 
 
+def ready_workers(pods: tuple[PodObs, ...]) -> int:
+    """Workers running and Ready, none told to stop (KubeRay counts a terminating pod ready until it exits)."""
+    return sum(1 for p in pods if not p.is_head and not p.deleting and p.phase == "Running" and p.ready is True)
+
+
 def head_ready(pods: tuple[PodObs, ...]) -> bool:
     return any(p.is_head and not p.deleting and p.phase == "Running" and p.ready is True for p in pods)

@@ -460,7 +460,9 @@ def _elastic_slices(draft: _Draft, tft: TPUFinetune, obs: Observed) -> int:
     """spec.recovery.elastic, a replacement waited for elasticWaitSeconds: how many slices are whole
     to train on (0: stay, every slice or none is whole, or it is too soon)."""
     recovery, shape = tft.spec.recovery, tft.spec.slice
+    # Only a run that has trained: its slices were verified (or verification is off) and it has a checkpoint to go on from.
     if (not recovery.elastic or tft.spec.slices < 2 or draft.previous.reason != Reason.REPLACING_SLICE.value
+            or not draft.status.training_attempts
             or draft.seconds_in_phase() < recovery.elastic_wait_seconds or not hosts.head_ready(obs.hosts)):
         return 0
     whole = hosts.whole_slices(obs.hosts, shape.hosts, replica_per_slice=shape.is_tpu)
@@ -546,7 +548,8 @@ def _replace_slice(draft: _Draft, tft: TPUFinetune, obs: Observed, cause: str, s
     if killed is not None:   # a container the kernel ended for memory is restarted: its pod not ready meanwhile
         cause = f"{cause}; {_killed_for_memory(tft, killed)}"
     loss = LostSlice(time=fmt_time(draft.now), phase=was.value, cause=cause,
-                     hosts_ready=int(obs.cluster.status.get("readyWorkerReplicas") or 0),
+                     hosts_ready=(hosts.ready_workers(obs.hosts) if obs.hosts
+                                  else int(obs.cluster.status.get("readyWorkerReplicas") or 0)),
                      hosts=tft.spec.slice.hosts * tft.spec.slices, step=draft.status.reported_step)
     draft.status = replace(draft.status, recovery=draft.recovery.record_loss(loss))
     submitted = {_verify_job(draft, tft), draft.children.train_job}
@@ -837,7 +840,9 @@ def _resubmit_training(draft: _Draft, tft: TPUFinetune, index: int, reason: Reas
     """The next training RayJob (attempt `index`, a new name), after a failed attempt (Retrying)
     or a lost submission (SubmissionLost); it resumes from the last checkpoint."""
     next_job = builders.names(tft).train_attempt(index)
-    draft.add_action(Op.CREATE, c.RAYJOB_KIND, next_job, builders.build_train_job(tft, index))
+    elastic = draft.recovery.elastic   # still on fewer slices: the next attempt too
+    draft.add_action(Op.CREATE, c.RAYJOB_KIND, next_job,
+                     builders.build_train_job(tft, index, elastic.slices if elastic else None))
     draft.status = replace(draft.status, training_attempts=index + 1,
                            children=replace(draft.children, train_job=next_job))
     draft.add_event(EventType.WARNING, reason, msg)
