@@ -8,6 +8,8 @@ Kueue, so that the node trains it once instead of once per disruption:
 2. a KubeRay worker pod is then deleted mid-training (a host lost): KubeRay recreates it, our
    operator stops the jobs, waits for the whole slice and resumes the same training attempt from
    its last checkpoint, counting one slice replacement;
+   then GKE's maintenance notice (its label) goes on the node: the run saves a checkpoint at its
+   next step and trains on;
 3. our operator's pod is deleted while the resumed training runs (the Deployment starts another,
    which picks the run up), and training still ends;
 4. it then serves with an image that does not exist: the kubelet's pull error is in status while
@@ -21,6 +23,7 @@ is tests/integration/test_handlers.py's."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import yaml
@@ -38,6 +41,7 @@ EVERY = 5           # checkpoint.everySteps: the most a host loss may cost
 SPLIT = "train[:340]"
 SERVE_TIMEOUT = 60
 BAD_IMAGE = "docker.io/tpufinetune/serving:does-not-exist"
+MAINTENANCE_LABEL = "cloud.google.com/scheduled-maintenance-time"   # GKE's notice of an upcoming host maintenance
 
 
 def _tft(kubectl, ns: str, name: str) -> dict:
@@ -165,6 +169,20 @@ def test_preemption_host_loss_operator_restart_then_a_missing_serving_image(clus
     assert seen["phase"] in ("Provisioning", "Training"), seen
     wait_until(lambda: training(0, resumed_past=first_resume), timeout=900, interval=2,
                what="training resumed on the replaced slice")
+
+    # 2b. GKE's maintenance notice on the node under the slice: a checkpoint at the next step, training going on.
+    notice = f"{MAINTENANCE_LABEL}={int(time.time()) + 3600}"
+    try:
+        kubectl("label", "node", node.NODE_NAME, notice, "--overwrite", check=True)
+        st = wait_until(lambda: ((s := _status(kubectl, ns, "life")).get("recovery", {}).get("lastMaintenance") or {})
+                        .get("checkpointStep") is not None and s, timeout=300, interval=1,
+                        what="the checkpoint asked for by the maintenance notice")
+    finally:
+        kubectl("label", "node", node.NODE_NAME, f"{MAINTENANCE_LABEL}-")
+    maintenance, t = st["recovery"]["lastMaintenance"], st["training"]
+    assert maintenance["node"] == node.NODE_NAME and MAINTENANCE_LABEL in maintenance["notice"], maintenance
+    assert t["checkpointRequestSaved"] == st["recovery"]["checkpointRequestedAt"], (t, st["recovery"])
+    assert st["phase"] == "Training" and maintenance["checkpointStep"] >= maintenance.get("step", 0), st
 
     # 3. The operator's pod deleted mid-training: its Deployment's next pod carries on.
     (old,) = [p["metadata"]["name"] for p in _operator_pods(kubectl)]
