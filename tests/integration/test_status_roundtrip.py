@@ -28,8 +28,13 @@ TRAINING = {
     TrainingStatus.UPDATED_AT: "2026-01-01T12:00:00Z",
     TrainingStatus.LEARNING_RATE: 1.5e-5, TrainingStatus.GLOBAL_BATCH_SIZE: 64, TrainingStatus.EPOCH_LOSS: 1.625,
     TrainingStatus.EVAL_LOSS: 1.75, TrainingStatus.EVAL_PERPLEXITY: 5.75, TrainingStatus.BEST_EVAL_LOSS: 1.5,
-    TrainingStatus.BEST_STEP: 10,
+    TrainingStatus.BEST_STEP: 10, TrainingStatus.CHECKPOINT_REQUEST_SAVED: "2026-01-01T12:00:00Z",
 }
+# status.recovery's pod watch, maintenance and elastic keys (a run that has lost a slice and trains on one).
+RECOVERY = {"sliceReplacements": 1, "slicePods": ["uid-head", "uid-w0"], "checkpointRequestedAt": "2026-01-01T12:00:00Z",
+            "lastMaintenance": {"time": "2026-01-01T11:00:00Z", "node": "n-1", "step": 9, "checkpointStep": 10,
+                                "notice": "cloud.google.com/scheduled-maintenance-time=1767268800"},
+            "elastic": {"slices": 1, "gradientAccumulationSteps": 2, "since": "2026-01-01T11:30:00Z"}}
 VERIFICATION = {
     VerificationStatus.PASSED: True, VerificationStatus.RANKS: 16, VerificationStatus.HOSTS: 4,
     VerificationStatus.ALL_REDUCE_SUM: 136.0, VerificationStatus.EXPECTED_SUM: 136.0,
@@ -58,7 +63,8 @@ def test_every_status_key_survives_a_round_trip(kube_api, kubeconfig, namespace,
            "status": first.status}
     decision = phases.decide(obj, observed.Observed(cluster=observed.ClusterObs(f"{name}-ray")), now)
     assert "ignoredSpecChange" in decision.status
-    api.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, {"status": decision.status},
+    written = {**decision.status, "recovery": RECOVERY}
+    api.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, {"status": written},
                                               _content_type="application/merge-patch+json")
 
     status = api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)["status"]
@@ -66,4 +72,4 @@ def test_every_status_key_survives_a_round_trip(kube_api, kubeconfig, namespace,
     assert set(status["training"]) == set(TRAINING_KEYS)
     assert status["verification"] == {k.value: v for k, v in VERIFICATION.items()}
     assert set(status["verification"]) == set(VERIFICATION_KEYS)
-    assert owned(status) == decision.status   # nothing the operator writes is pruned either
+    assert owned(status) == written   # nothing the operator writes is pruned either
