@@ -97,6 +97,26 @@ class KubeRay:
             "spec": {"containers": [{"name": "ray-worker", "image": "img:1", **(container or {})}],
                      "automountServiceAccountToken": False}})
 
+    def running_pods(self, cluster: str, owner: str, workers: int) -> list[str]:
+        """The head and `workers` worker pods as KubeRay creates them from the RayCluster's template
+        (ray.io/cluster, ray.io/node-type, the run's tpufinetune.dev/name), bound to nodes and
+        reported Running and Ready as the kubelet would (this tier has neither). Returns their names."""
+        rc = self.get("rayclusters", cluster)["metadata"]
+        names = [f"{cluster}-head"] + [f"{cluster}-worker-{i}" for i in range(workers)]
+        for i, pod in enumerate(names):
+            node_type = "head" if i == 0 else "worker"
+            self.core.create_namespaced_pod(self.ns, {
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": pod, "labels": {"ray.io/cluster": cluster, "ray.io/node-type": node_type,
+                                                     "tpufinetune.dev/name": owner},
+                             "ownerReferences": [{"apiVersion": "ray.io/v1", "kind": "RayCluster", "name": cluster,
+                                                  "uid": rc["uid"], "controller": True}]},
+                "spec": {"nodeName": f"node-{i}", "containers": [{"name": f"ray-{node_type}", "image": "img:1"}],
+                         "automountServiceAccountToken": False}})
+            self.core.patch_namespaced_pod_status(pod, self.ns, {"status": {
+                "phase": "Running", "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": _now()}]}})
+        return names
+
     def unschedulable_worker(self, cluster: str, pod: str, message: str) -> None:
         """A worker pod, then the PodScheduled condition kube-scheduler writes when it cannot place
         it (this tier has no scheduler)."""

@@ -389,6 +389,39 @@ def test_a_host_lost_in_training_replaces_the_slice_and_resumes(operator, tft, k
     assert reasons.count("ReplacingSlice") == 1 and "SliceLost" in reasons
 
 
+def test_a_pod_told_to_stop_is_seen_at_once_and_its_job_left_to_save(operator, tft, kuberay, kube_api, namespace,
+                                                                     monkeypatch):
+    """The pod watch: a worker pod deleted mid-training (graceful: it stays terminating, here for want
+    of a kubelet) is a lost host the moment the API server marks it, well before any resync (a minute
+    here), while KubeRay's ready count has not moved. The training job is left to save the stop
+    checkpoint the pod's preStop asks for, and deleted once it has ended."""
+    monkeypatch.setenv("TPUFT_RESYNC_SECONDS", "60")
+    core = client.CoreV1Api(kube_api)
+    with operator():
+        tft.apply(verification={"enabled": False}, recovery={"maxSliceReplacements": 1})
+        tft.wait("Provisioning")
+        pods = kuberay.running_pods(f"{NAME}-ray", NAME, workers=4)
+        kuberay.cluster_ready(f"{NAME}-ray")
+        st = tft.wait("Training")
+        assert len(st["recovery"]["slicePods"]) == 5, st["recovery"]
+        kuberay.job_running(f"{NAME}-train")
+        time.sleep(1)   # the job's RUNNING seen
+        started = time.monotonic()
+        core.delete_namespaced_pod(pods[2], namespace)
+        st = tft.wait("Provisioning", timeout=10)
+        seen = time.monotonic() - started
+        print(f"a pod told to stop, seen as a lost host after {seen:.2f} s")
+        assert seen < 5, seen
+        (loss,) = st["recovery"]["history"]
+        assert f"pod {pods[2]} on node node-2 is being deleted" == loss["cause"] and loss["hostsReady"] == 3, loss
+        assert kuberay.get("rayclusters", f"{NAME}-ray")["status"]["readyWorkerReplicas"] == 4   # KubeRay: no dip yet
+        time.sleep(2)
+        assert tft.children("rayjobs") == [f"{NAME}-train"]   # left to save its checkpoint
+        assert "saving its checkpoint" in tft.status()["message"]
+        kuberay.job_failed(f"{NAME}-train", "Job entrypoint command failed with exit code 143")
+        wait_until(lambda: tft.children("rayjobs") == [], timeout=10, what="the ended job deleted")
+
+
 def test_a_worker_killed_for_memory_is_named_and_the_log_stays_out_of_status(operator, tft, kuberay, namespace):
     """The kernel's OOM killer ended a worker's container (its pod's lastState as the kubelet writes
     it, read through the real API server), then the training RayJob failed with KubeRay's message of
