@@ -24,6 +24,8 @@ SHORT_NAME = "tft"
 RAY_GROUP = "ray.io"
 RAY_VERSION = "v1"
 RAY_VERSION_PIN = "2.60.0"   # the Ray the RayCluster runs and the workload image carries
+RAY_DASHBOARD_AGENT_PORT = 52365          # the dashboard agent's listen port (KubeRay's default)
+RAY_NODE_HEALTH_PATH = "/api/healthz"     # its health check, KubeRay's readiness probe for Ray >= 2.53
 RAY_API_VERSION = f"{RAY_GROUP}/{RAY_VERSION}"
 RAYCLUSTER_KIND = "RayCluster"
 RAYCLUSTER_PLURAL = "rayclusters"
