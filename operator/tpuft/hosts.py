@@ -110,12 +110,14 @@ def lost(recorded: tuple[str, ...], pods: tuple[PodObs, ...], nodes: Mapping[str
 
 
 def maintenance(pods: tuple[PodObs, ...], nodes: Mapping[str, NodeObs]) -> tuple[str, str] | None:
-    """(node, notice) of the first node under the slice with a GKE maintenance notice, or None."""
-    for name in sorted({p.node for p in pods if p.node}):
-        node = nodes.get(name)
-        if node is not None and node.notice:
-            return name, node.notice
-    return None
+    """The nodes under the slice with a GKE maintenance notice and their notices, each joined by
+    "; " in node order (one checkpoint per change of this pair), or None."""
+    noticed = [(name, nodes[name].notice) for name in sorted({p.node for p in pods if p.node})
+               if name in nodes and nodes[name].notice]
+    if not noticed:
+        return None
+    return ", ".join(n for n, _ in noticed), "; ".join(f"{n}: {text}" if len(noticed) > 1 else text
+                                                      for n, text in noticed)
 
 
 def whole_slices(pods: tuple[PodObs, ...], hosts_per_slice: int, replica_per_slice: bool) -> int:

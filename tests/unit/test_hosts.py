@@ -228,3 +228,12 @@ def test_without_elastic_a_lost_slice_is_waited_for():
     d = phases.decide(o, Observed(cluster(4, 8, provisioned=True), hosts=lost), at(1000), TUN)
     assert d.phase == "Provisioning" and d.actions == () and d.status["reason"] == "ReplacingSlice"
     assert phases.Phase.PROVISIONING == Phase.PROVISIONING
+
+
+def test_two_nodes_with_notices_are_one_request_until_the_set_changes():
+    pods = slice_pods()
+    one = {"node-0-1": NodeObs("node-0-1", ready=True, notice="n1")}
+    both = {**one, "node-0-3": NodeObs("node-0-3", ready=True, notice="n3")}
+    assert hosts.maintenance(pods, one) == ("node-0-1", "n1")
+    assert hosts.maintenance(pods, both) == ("node-0-1, node-0-3", "node-0-1: n1; node-0-3: n3")
+    assert hosts.maintenance(pods, {"elsewhere": NodeObs("elsewhere", notice="n")}) is None
