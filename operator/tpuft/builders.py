@@ -296,7 +296,8 @@ def run_document(tft: TPUFinetune, slices: int | None = None) -> str:
     """The workload's fields of the spec, as the one JSON document both entrypoints carry
     (tpuft.spec.workload_document; the workload reads it with tpuft.spec.parse_run). export.merge
     says whether merged weights are written: asked for, or needed by vLLM (merges). `slices`: a
-    training job on fewer slices than the spec's (spec.recovery.elastic), with elastic_accumulation's."""
+    training job on fewer slices than the spec's (spec.recovery.elastic), with elastic_accumulation's
+    accumulation (the same global batch)."""
     spec = dataclasses.replace(tft.spec, export=Export(merge=merges(tft)))
     if slices is not None and slices != spec.slices:
         accumulation = elastic_accumulation(spec.training.gradient_accumulation_steps, spec.slices, slices)
@@ -306,10 +307,18 @@ def run_document(tft: TPUFinetune, slices: int | None = None) -> str:
 
 
 def elastic_accumulation(accumulation: int, slices: int, active: int) -> int:
-    """Gradient accumulation steps on `active` of `slices` slices: the same global batch where
-    accumulation x slices divides by active (2 slices to 1: twice the steps), else the nearest count
-    (status.training.globalBatchSize then says the batch trained with)."""
-    return max(1, round(accumulation * slices / active))
+    """Gradient accumulation steps on `active` of `slices` slices that keep the global batch (2 slices
+    to 1: twice the steps). The workload refuses to resume a checkpoint at another global batch (the
+    data's place and the schedule would not match), so `active` must divide accumulation x slices:
+    elastic_slices picks such a count."""
+    if (accumulation * slices) % active:
+        raise ValueError(f"{active} slices cannot keep the global batch of {slices} x {accumulation} accumulation steps")
+    return accumulation * slices // active
+
+
+def elastic_slices(accumulation: int, slices: int, whole: int) -> int:
+    """The most of the `whole` slices (fewer than `slices`) a run can train on at its global batch."""
+    return next(k for k in range(min(whole, slices - 1), 0, -1) if (accumulation * slices) % k == 0) if whole else 0
 
 
 def verify_entrypoint(tft: TPUFinetune) -> str:

@@ -59,7 +59,7 @@ from tpuft import constants as c
 from tpuft.constants import Condition, ConditionStatus, EventType, Phase, Reason
 from tpuft import hosts
 from tpuft.diagnosis import Blocker, blocking, host_of, pool_hint
-from tpuft.builders import elastic_accumulation
+from tpuft.builders import elastic_accumulation, elastic_slices
 from tpuft.spec import DEFAULTS, SpecError, TPUFinetune, parse
 from tpuft.observed import (
     CONDITION_ORDER, SERVE_ENABLED_FIELD, Action, ClusterObs, Decision, Event, JobObs, Killer, MemoryKill, Observed, Op,
@@ -457,8 +457,8 @@ def _stop_old_jobs(draft: _Draft, tft: TPUFinetune, obs: Observed) -> list[str]:
 
 
 def _elastic_slices(draft: _Draft, tft: TPUFinetune, obs: Observed) -> int:
-    """spec.recovery.elastic, a replacement waited for elasticWaitSeconds: how many slices are whole
-    to train on (0: stay, every slice or none is whole, or it is too soon)."""
+    """spec.recovery.elastic, a replacement waited for elasticWaitSeconds: how many of the whole slices
+    to train on, the most that keep the global batch (0: stay; none is whole, or it is too soon)."""
     recovery, shape = tft.spec.recovery, tft.spec.slice
     # Only a run that has trained: its slices were verified (or verification is off) and it has a checkpoint to go on from.
     if (not recovery.elastic or tft.spec.slices < 2 or draft.previous.reason != Reason.REPLACING_SLICE.value
@@ -466,7 +466,7 @@ def _elastic_slices(draft: _Draft, tft: TPUFinetune, obs: Observed) -> int:
             or draft.seconds_in_phase() < recovery.elastic_wait_seconds or not hosts.head_ready(obs.hosts)):
         return 0
     whole = hosts.whole_slices(obs.hosts, shape.hosts, replica_per_slice=shape.is_tpu)
-    return whole if 0 < whole < tft.spec.slices else 0
+    return elastic_slices(tft.spec.training.gradient_accumulation_steps, tft.spec.slices, whole)
 
 
 def _train_on_fewer_slices(draft: _Draft, tft: TPUFinetune, obs: Observed, slices: int) -> Decision:

@@ -237,3 +237,18 @@ def test_two_nodes_with_notices_are_one_request_until_the_set_changes():
     assert hosts.maintenance(pods, one) == ("node-0-1", "n1")
     assert hosts.maintenance(pods, both) == ("node-0-1, node-0-3", "node-0-1: n1; node-0-3: n3")
     assert hosts.maintenance(pods, {"elsewhere": NodeObs("elsewhere", notice="n")}) is None
+
+
+@pytest.mark.parametrize("accumulation,slices,whole,train_on,new_accumulation", [
+    (1, 2, 1, 1, 2),    # two slices to one: twice the steps
+    (2, 3, 2, 2, 3),    # 3 x 2 = 6 sequences-per-device steps: 2 slices of 3
+    (1, 3, 2, 1, 3),    # 3 does not split over 2: one slice keeps the batch
+    (1, 4, 3, 2, 2),    # 3 whole, but 4 splits over 2 (not 3)
+    (1, 2, 0, 0, None),
+])
+def test_elastic_keeps_the_global_batch(accumulation, slices, whole, train_on, new_accumulation):
+    from tpuft.builders import elastic_accumulation, elastic_slices
+    assert elastic_slices(accumulation, slices, whole) == train_on
+    if train_on:
+        assert elastic_accumulation(accumulation, slices, train_on) == new_accumulation
+        assert new_accumulation * train_on == accumulation * slices
