@@ -52,8 +52,8 @@ class FakeBackend:
     def totals(self, values):
         return [float(v) for v in values]
 
-    def stop_agreed(self, step):
-        return step == self.stop_at
+    def agree(self, step, checkpoint_wanted):
+        return loop.Agreement(stop=step == self.stop_at, checkpoint=checkpoint_wanted)
 
     def save(self, path, name, train_state, metrics):
         self.saved.append((name, train_state, metrics))
@@ -76,6 +76,9 @@ class FakeReporter:
 
     def training(self, **fields):
         self.patches.append(fields)
+
+    def checkpoint_request(self):
+        return None
 
     def close(self):
         pass

@@ -220,17 +220,25 @@ class _StopVote:
     jax.distributed.initialize starts JAX's preemption service, whose own SIGTERM handler (it replaces
     preemption.install's) tells the coordination service; the processes agree on the next step after
     the furthest any has reached, and every call in between only reads a local value (no collective,
-    no device sync: well under a microsecond per step). One process: its own flag."""
+    no device sync: well under a microsecond per step). One process: its own flag.
+
+    The operator's checkpoint request, which only rank 0 sees (its status answer): rank 0's 0/1
+    broadcast to every process (`broadcast_one_to_all`, a one-int collective over the devices) at
+    each step boundary. It waits for the devices to finish the step just dispatched, which the
+    loop's step does not otherwise do."""
 
     def __init__(self, jax):
         self.sync = jax.process_count() > 1
 
-    def agreed(self, step: int) -> bool:
+    def agreed(self, step: int, checkpoint_wanted: bool = False) -> loop.Agreement:
         if self.sync:
+            import numpy as np
             from jax.experimental import multihost_utils
 
-            return multihost_utils.reached_preemption_sync_point(step)
-        return preemption.requested()
+            stop = multihost_utils.reached_preemption_sync_point(step)
+            checkpoint = bool(multihost_utils.broadcast_one_to_all(np.int32(checkpoint_wanted)))
+            return loop.Agreement(stop=bool(stop), checkpoint=checkpoint)
+        return loop.Agreement(stop=preemption.requested(), checkpoint=checkpoint_wanted)
 
 
 class _Jax:
@@ -341,8 +349,8 @@ class _Jax:
         """Already global (one program over the mesh): only read off the device."""
         return [float(v) for v in values]
 
-    def stop_agreed(self, step: int) -> bool:
-        return self.vote.agreed(step)
+    def agree(self, step: int, checkpoint_wanted: bool) -> loop.Agreement:
+        return self.vote.agreed(step, checkpoint_wanted)
 
     def barrier(self) -> None:
         ray.train.collective.barrier()

@@ -5,8 +5,9 @@ What the run reports (status.training, Ray Train's metrics, the log lines, Tenso
 Prometheus gauges), each step's learning rate, when it evaluates, saves and stops early, which
 checkpoint it exports (keepBest), and how it resumes and stops is decided here, once. A framework
 (train.py: torch FSDP2; jax_train.py: JAX) is a `Backend`: its micro-batches, one optimizer step,
-the eval loss, the ranks' stop vote, the sums over ranks of a report window, save/load of a
-checkpoint, a barrier and the export.
+the eval loss, the ranks' agreement at each step boundary (stop; save on the operator's checkpoint
+request and go on), the sums over ranks of a report window, save/load of a checkpoint, a barrier
+and the export.
 
 Importable without Ray or a framework (both are imported by the backends): tests/workload/
 test_loop.py drives `Run` with a fake backend.
@@ -151,6 +152,13 @@ class Step:
     grad_norm: Any   # the global gradient norm before clipping
 
 
+@dataclass(frozen=True)
+class Agreement:
+    """What every rank agreed at a step boundary (Backend.agree)."""
+    stop: bool         # stop after this step's checkpoint (SIGTERM: tpuft_workload.preemption)
+    checkpoint: bool   # save this step's checkpoint and go on (the operator's checkpoint request)
+
+
 class Backend(Protocol):
     """One framework's part of the run. The loop calls these; everything else is the loop's."""
     # optimizer steps in one pass over the data: rows // (data-parallel devices x
@@ -182,8 +190,10 @@ class Backend(Protocol):
     def totals(self, values: list) -> list[float]:
         """Each value summed over the ranks (torch: one all-reduce), as floats."""
 
-    def stop_agreed(self, step: int) -> bool:
-        """After `step`: whether the ranks agree to stop now (any was told to: every one, same step)."""
+    def agree(self, step: int, checkpoint_wanted: bool) -> Agreement:
+        """After `step`, one exchange among the ranks: stop now (any was told to: every one, same
+        step), and save a checkpoint now (any rank wants one: rank 0 when it saw an unanswered
+        status.recovery.checkpointRequestedAt)."""
 
     def save(self, path: str, name: str, train_state: dict, metrics: dict) -> None:
         """This step's checkpoint at `path` (directory `name`) holding `train_state`, committed
@@ -352,6 +362,7 @@ def perplexity(loss: float) -> float | None:
     return math.exp(loss) if loss < 100 else None
 
 
+GLOBAL_BATCH_STATE = "global_batch"   # train_state's: sequences per optimizer step when saved (Run._check_global_batch)
 KEEP_SCORE = "keep_score"   # the checkpoint metric Ray's CheckpointConfig ranks by with keepBest (train.run_config)
 BEST_BONUS = 1e12           # > any step: the best checkpoint outranks every other
 
@@ -412,6 +423,21 @@ def resume_message(step: int, total_steps: int, source: str) -> str:
     return f"resumed at step {step} of {total_steps} from {source}"
 
 
+def global_batch_refusal(source: str, state: dict, global_batch: int, per_device: int, accumulation: int,
+                         slices: int) -> str | None:
+    """Why the checkpoint at `source` (its train_state `state`) cannot resume at `global_batch`
+    sequences per optimizer step; None when it can (the same global batch, or a checkpoint that
+    does not record one). Its step would be another place in the data and the schedule."""
+    saved = state.get(GLOBAL_BATCH_STATE)
+    if saved is None or int(saved) == global_batch:
+        return None
+    return (f"{source} was saved at a global batch of {saved} sequences per optimizer step; this run's is "
+            f"{global_batch} ({global_batch // (per_device * accumulation)} devices x {per_device} per device x "
+            f"{accumulation} accumulated, {slices} slice(s)): its step {state.get('step')} would be another place "
+            f"in the data and the schedule. Resume with spec.training.gradientAccumulationSteps (or "
+            f"batchSizePerDevice) such that devices x per device x accumulation is {saved}")
+
+
 def checkpoint_exists(path: str) -> bool:
     """A committed checkpoint is at `path` (the commit marker is its last file)."""
     try:
@@ -457,6 +483,10 @@ class Run:
         self.evaluations = Evaluations()
         self.learning_rate = learning_rate_at(cfg, 0, self.total_steps)   # the latest step's
         self.early_stop: str | None = None   # why the run stopped early (early stopping's message)
+        # The operator's checkpoint request (status.recovery.checkpointRequestedAt), rank 0's view: the
+        # value the next save answers, and the value answered (status.training.checkpointRequestSaved)
+        self.request_saving: str | None = None
+        self.request_answered: str | None = None
         self.tensorboard = TensorBoard(cfg.run_dir, enabled=False)   # rank 0's opens once restored (train)
         self.prometheus = Prometheus(enabled=False)
         counts = getattr(backend, "parameter_counts", None)
@@ -472,6 +502,7 @@ class Run:
         if restored is None:
             return
         self.source, state = restored
+        self._check_global_batch(state)
         self.step, self.resumed_from, self.last_ckpt = int(state["step"]), int(state["step"]), state.get("path", "")
         self.last_metrics = dict(state.get("metrics") or {})
         self.evaluations = Evaluations.from_dict(state.get("evaluation"))
@@ -481,6 +512,25 @@ class Run:
         self.status(True, epoch=self.epoch_at(self.step + 1), step=self.step, resumedFrom=self.source,
                     resumedFromStep=self.step, message=self.message, lastCheckpoint=self.last_ckpt or None,
                     **self.last_metrics)
+
+    def _check_global_batch(self, state: dict) -> None:
+        """A checkpoint resumes on another slice count or accumulation (an elastic resume) only with
+        the same global batch: the step count is then the same place in the data (each step's rows
+        are the epoch permutation's next global batch, whoever holds them) and in the schedule.
+        Another global batch would put step s elsewhere in the data: refused, on every rank (each
+        read the same train_state), rank 0's reason in status first. Checkpoints written before
+        the global batch was recorded are not checked."""
+        cfg = self.cfg
+        msg = global_batch_refusal(self.source, state, self.global_batch, cfg.batch_size_per_device,
+                                   cfg.gradient_accumulation_steps, cfg.slices)
+        if msg is None:
+            return
+        if self.rank == 0:
+            say(f"[tpuft] {msg}")
+            self.reporter.training(message=msg)
+            self.reporter.close()
+        self.backend.barrier()   # rank 0's status write is out before any rank fails
+        raise ckptlib.ResumeError(msg)
 
     def epoch_at(self, step: int) -> int:
         """The (1-based) epoch that optimizer step `step` (1-based) belongs to, at most the last."""
@@ -536,9 +586,11 @@ class Run:
         name = ckpt_name(self.step)
         path = ckptlib.join(self.cfg.run_dir, name)
         self.backend.save(path, name, {"step": self.step, "epoch": metrics.get("epoch"), "path": path,
-                                       "metrics": self.last_metrics, "evaluation": self.evaluations.as_dict()},
-                          metrics)
+                                       "metrics": self.last_metrics, "evaluation": self.evaluations.as_dict(),
+                                       GLOBAL_BATCH_STATE: self.global_batch}, metrics)
         self.last_ckpt = path
+        if self.request_saving:   # any committed save after the request was seen answers it
+            self.request_answered, self.request_saving = self.request_saving, None
 
     # --- evaluate -------------------------------------------------------------------------------------
     def evaluate_if_due(self, epoch_end: bool) -> bool:
@@ -613,7 +665,8 @@ class Run:
             # Every rank takes part in the agreement (a collective); a stop on the run's last step is
             # moot: the step is trained, so the run finishes (export) instead of saving a stop that a
             # resubmitted run would find with nothing left to train.
-            stop = self.backend.stop_agreed(self.step) and self.step < self.total_steps
+            agreed = self.backend.agree(self.step, self._checkpoint_wanted())
+            stop = agreed.stop and self.step < self.total_steps
             paused = time.perf_counter()
             evaluated = self.evaluate_if_due(epoch_end=i == end - 1)
             if evaluated:   # evaluations are not training time
@@ -623,8 +676,8 @@ class Run:
             if i == end - 1:  # the end of the epoch reports (and saves) below
                 break
             best = evaluated and self.evaluations.best_step == self.step
-            save = (stop or bool(self.early_stop) or (bool(every_ckpt) and self.step % every_ckpt == 0)
-                    or (best and cfg.keep_best))
+            save = (stop or agreed.checkpoint or bool(self.early_stop)
+                    or (bool(every_ckpt) and self.step % every_ckpt == 0) or (best and cfg.keep_best))
             if self.step % every_rep == 0 or save or evaluated:
                 paused = time.perf_counter()
                 self._interval(epoch, win.reduce(), save, stop, evaluated)
@@ -639,10 +692,30 @@ class Run:
         self._epoch_end(epoch, win.reduce(), epoch_win.reduce(), stop, evaluated)
         return stop
 
+    def _checkpoint_wanted(self) -> bool:
+        """Rank 0: a checkpoint request the latest status answer carried (report.BackgroundReporter.
+        checkpoint_request: not yet answered in the object) that this run has not answered either.
+        The other ranks learn it from the step boundary's agreement."""
+        if self.rank != 0:
+            return False
+        wanted = self.reporter.checkpoint_request()
+        if wanted is None or wanted == self.request_answered:
+            return False
+        if wanted != self.request_saving:
+            say(f"[tpuft] checkpoint requested (status.recovery.checkpointRequestedAt {wanted}): saving step "
+                f"{self.step}'s checkpoint, then training on")
+        self.request_saving = wanted
+        return True
+
+    def _answered(self) -> dict:
+        """status.training's answer to the checkpoint request, once a save answered it."""
+        return {TrainingStatus.CHECKPOINT_REQUEST_SAVED.value: self.request_answered} if self.request_answered else {}
+
     def _now(self, force: bool, epoch: int) -> None:
         """status.training after a report."""
         self.status(force, epoch=epoch, step=self.step, lastCheckpoint=self.last_ckpt or None,
-                    **({"message": self.early_stop} if self.early_stop else {}), **self.last_metrics)
+                    **({"message": self.early_stop} if self.early_stop else {}), **self._answered(),
+                    **self.last_metrics)
 
     def _interval(self, epoch: int, m: dict, save: bool, stop: bool, evaluated: bool) -> None:
         if self.rank == 0:
@@ -664,7 +737,8 @@ class Run:
         msg = preemption.message(self.step)
         if self.rank == 0:
             say(f"[tpuft] {msg}")
-            self.status(True, step=self.step, lastCheckpoint=self.last_ckpt, message=msg, **self.last_metrics)
+            self.status(True, step=self.step, lastCheckpoint=self.last_ckpt, message=msg, **self._answered(),
+                        **self.last_metrics)
         self.reporter.close()
         self.tensorboard.close()
         preemption.write_marker(self.step, self.last_ckpt)
@@ -704,7 +778,8 @@ class Run:
                 say(f"[tpuft] {message}")
             say(f"[tpuft] exported Hugging Face model (step {exported_step}) to {exported}")
             self.status(True, epoch=self.epoch_at(self.step), step=self.step, lastCheckpoint=self.last_ckpt,
-                        exportedModel=exported, **({"message": message} if message else {}), **self.last_metrics)
+                        exportedModel=exported, **({"message": message} if message else {}), **self._answered(),
+                        **self.last_metrics)
             ckptlib.write_json(ckptlib.join(self.cfg.run_dir, SUMMARY), summary)
         self.reporter.close()
         self.tensorboard.close()

@@ -6,6 +6,13 @@ merge patch to the status subresource. Enabled only when TPUFT_NAMESPACE and TPU
 are set. A failed report is logged and swallowed: progress reporting never kills a run.
 A merge patch (RFC 7386) replaces a list wholly, so each status.training.history sent is the
 whole curve (`add_point`), never appended to what the object holds.
+
+The API server answers a patch with the whole object: the reporter keeps what the operator asks of
+the run from it (`Requests`: status.recovery.checkpointRequestedAt, and the value the run already
+answered in status.training.checkpointRequestSaved), so asking costs no extra request. Only when
+no patch was sent for REQUEST_POLL_S (reports far apart) does the background thread read the
+status once (a GET, which the job's Role allows beside the patch), so a request waits at most that
+long to be seen.
 """
 from __future__ import annotations
 
@@ -13,11 +20,17 @@ import datetime as _dt
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Mapping
 
 from tpuft.catalog import gpu_peak_flops
 from tpuft.constants import (ENV_CR_NAME, ENV_CR_NAMESPACE, GROUP, HISTORY_MAX_POINTS, PLURAL, VERSION, HistoryPoint,
                              TrainingStatus, VerificationStatus)
+
+# status.recovery's key the operator writes to ask for a checkpoint (tpuft.status.Recovery's field)
+RECOVERY_CHECKPOINT_REQUESTED_AT = "checkpointRequestedAt"
+# Without a patch for this long, rank 0's reporter reads the status once for a checkpoint request
+REQUEST_POLL_S = 60.0
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +93,30 @@ def status_path(namespace: str, name: str) -> str:
     return f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}/status"
 
 
+@dataclass(frozen=True)
+class Requests:
+    """What the operator asks of the run, as the latest patch answer held it."""
+    checkpoint_requested_at: str | None = None   # status.recovery.checkpointRequestedAt
+    checkpoint_request_saved: str | None = None  # status.training.checkpointRequestSaved: the one answered
+
+    @classmethod
+    def of(cls, obj) -> Requests | None:
+        """From the API server's answer (the TPUFinetune as a dict); None when it is not one."""
+        if not isinstance(obj, Mapping):
+            return None
+        status = obj.get("status") or {}
+        recovery, training = status.get("recovery") or {}, status.get("training") or {}
+        requested = recovery.get(RECOVERY_CHECKPOINT_REQUESTED_AT)
+        saved = training.get(TrainingStatus.CHECKPOINT_REQUEST_SAVED.value)
+        return cls(str(requested) if requested else None, str(saved) if saved else None)
+
+    @property
+    def unanswered(self) -> str | None:
+        """The checkpoint request the object holds no answer to."""
+        requested = self.checkpoint_requested_at
+        return requested if requested and requested != self.checkpoint_request_saved else None
+
+
 class StatusReporter:
     """Patches status.verification / status.training of one TPUFinetune. No-op when unset."""
 
@@ -90,6 +127,7 @@ class StatusReporter:
         self._api = None
         self.failures = 0
         self.last_error: str | None = None
+        self.requests: Requests | None = None   # from the latest patch answer (None before one)
 
     @property
     def enabled(self) -> bool:
@@ -115,10 +153,11 @@ class StatusReporter:
             return False
         body = {"status": {key: value}}
         try:
-            self._client().patch_namespaced_custom_object_status(
+            answer = self._client().patch_namespaced_custom_object_status(
                 GROUP, VERSION, self.namespace, PLURAL, self.name, body,
                 _content_type="application/merge-patch+json", _request_timeout=self.timeout_s,
             )
+            self.requests = Requests.of(answer) or self.requests
             return True
         except Exception as e:  # noqa: BLE001 - never let reporting kill training
             self.failures += 1
@@ -127,6 +166,24 @@ class StatusReporter:
             self.last_error = f"{type(e).__name__}: {getattr(e, 'status', '')} {reason}".strip()
             log.warning("could not patch %s status.%s (%s); continuing",
                         status_path(self.namespace, self.name), key, self.last_error)
+            return False
+
+    def read_requests(self) -> bool:
+        """A GET of the status, for the operator's requests only (when no patch answer is recent).
+        A failure is logged like a patch's; False then."""
+        if not self.enabled:
+            return False
+        try:
+            answer = self._client().get_namespaced_custom_object_status(
+                GROUP, VERSION, self.namespace, PLURAL, self.name, _request_timeout=self.timeout_s)
+            self.requests = Requests.of(answer) or self.requests
+            return True
+        except Exception as e:  # noqa: BLE001 - never let reporting kill training
+            self.failures += 1
+            reason = getattr(e, "reason", None) or type(e).__name__
+            self.last_error = f"{type(e).__name__}: {getattr(e, 'status', '')} {reason}".strip()
+            log.warning("could not read %s for a checkpoint request (%s); continuing",
+                        status_path(self.namespace, self.name), self.last_error)
             return False
 
     def verification(self, status: dict) -> bool:
@@ -143,15 +200,18 @@ class StatusReporter:
 class BackgroundReporter:
     """Sends status.training patches from a daemon thread so a slow or unreachable API server
     never stalls rank 0 (and with it every rank, at the next collective). Pending patches
-    coalesce: the newest fields win. `close()` flushes what is left, with a bound."""
+    coalesce: the newest fields win. `close()` flushes what is left, with a bound. Idle for
+    `poll_s` (no patch sent), the thread reads the status once for the operator's requests."""
 
-    def __init__(self, reporter: StatusReporter):
+    def __init__(self, reporter: StatusReporter, poll_s: float = REQUEST_POLL_S):
         import threading
 
         self.reporter = reporter
+        self.poll_s = poll_s
         self._pending: dict = {}
         self._cv = threading.Condition()
         self._closed = False
+        self._last_sent = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="tpuft-status", daemon=True)
         if reporter.enabled:
             self._thread.start()
@@ -159,6 +219,13 @@ class BackgroundReporter:
     @property
     def enabled(self) -> bool:
         return self.reporter.enabled
+
+    def checkpoint_request(self) -> str | None:
+        """The checkpoint request (status.recovery.checkpointRequestedAt) the latest patch answer
+        held without an answer in status.training.checkpointRequestSaved; None for none. A read of
+        what the sending thread last stored: no request of its own."""
+        requests = self.reporter.requests
+        return requests.unanswered if requests else None
 
     def training(self, **fields) -> None:
         if not self.enabled:
@@ -174,11 +241,18 @@ class BackgroundReporter:
         while True:
             with self._cv:
                 while not self._pending and not self._closed:
-                    self._cv.wait()
+                    idle = time.monotonic() - self._last_sent
+                    if idle >= self.poll_s:
+                        break
+                    self._cv.wait(self.poll_s - idle)
                 if not self._pending and self._closed:
                     return
                 fields, self._pending = self._pending, {}
-            self.reporter.training(**fields)
+            if fields:
+                self.reporter.training(**fields)
+            else:   # idle: the request a patch answer would have carried
+                self.reporter.read_requests()
+            self._last_sent = time.monotonic()
 
     def close(self, timeout_s: float = 30.0) -> None:
         with self._cv:

@@ -18,7 +18,8 @@ the model sharded with FSDP2, each decoder layer recomputed in the backward with
 activationCheckpointing; AdamW with decay on weight matrices only), the step (its micro-batches
 accumulated on the global batch's mean loss per labelled token, the JAX path's objective: each
 rank's summed loss over every rank's labelled tokens of every micro-batch; clipped), the eval
-loss, the ranks' stop vote (an all-reduce over gloo), DCP checkpoints (the run's own latest, else
+loss, the ranks' vote at each step boundary (stop; the operator's checkpoint request: one all-reduce
+over gloo), DCP checkpoints (the run's own latest, else
 --resume-from's, restored; keepBest's, loaded before the export) and the HF export.
 """
 from __future__ import annotations
@@ -55,24 +56,27 @@ def train_loop(config: dict) -> None:
 
 
 class _StopVote:
-    """The ranks' agreement to stop at this step boundary: any rank told to (SIGTERM) -> all. One
-    all-reduce MAX of a 0/1 int32 per step, on the host over gloo (the default group on CPU, a gloo
-    group of its own beside NCCL or the TPU backend): it never waits on the device; about 0.1 ms on
-    loopback, a few network round trips across hosts."""
+    """The ranks' agreement at this step boundary: stop (any rank told to, SIGTERM -> all) and save
+    a checkpoint (rank 0 saw the operator's request -> all). One all-reduce MAX of two 0/1 int32 per
+    step, on the host over gloo (the default group on CPU, a gloo group of its own beside NCCL or the
+    TPU backend): it never waits on the device; about 0.1 ms on loopback, a few network round trips
+    across hosts."""
 
     def __init__(self, backend: str):
         import torch
         import torch.distributed as dist
 
         self.group = None if backend == "gloo" else dist.new_group(backend="gloo")
-        self.flag = torch.zeros(1, dtype=torch.int32)
+        self.flags = torch.zeros(2, dtype=torch.int32)   # (stop, checkpoint)
 
-    def agreed(self) -> bool:
+    def agreed(self, checkpoint_wanted: bool = False) -> loop.Agreement:
         import torch.distributed as dist
 
-        self.flag.fill_(int(preemption.requested()))
-        dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(self.flag.item())
+        self.flags[0] = int(preemption.requested())
+        self.flags[1] = int(checkpoint_wanted)
+        dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, group=self.group)
+        stop, checkpoint = self.flags.tolist()
+        return loop.Agreement(stop=bool(stop), checkpoint=bool(checkpoint))
 
 
 class _Torch:
@@ -207,8 +211,8 @@ class _Torch:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t.cpu().tolist()
 
-    def stop_agreed(self, step: int) -> bool:
-        return self.vote.agreed()
+    def agree(self, step: int, checkpoint_wanted: bool) -> loop.Agreement:
+        return self.vote.agreed(checkpoint_wanted)
 
     def barrier(self) -> None:
         import torch
@@ -302,6 +306,8 @@ def prepare(command: Command, target: Target, fault_spec: str = "") -> tuple[str
     packed = pipeline.build(run.dataset, run.model, training.max_seq_length, training.packing, run.evaluation,
                             training.seed)
     per_step = training.batch_size_per_device * training.gradient_accumulation_steps
+    check_resume_batch(run_dir, resume_from, target.world_size * per_step, training.batch_size_per_device,
+                       training.gradient_accumulation_steps, target.slices)
     if datalib.steps_per_epoch(packed.rows, target.world_size, per_step) == 0:
         raise pipeline.DataError(
             f"{packed.rows} training rows cannot fill one global batch of {target.world_size} workers x "
@@ -336,6 +342,24 @@ def prepare(command: Command, target: Target, fault_spec: str = "") -> tuple[str
     cfg["rows_ref"] = packed.ref
     cfg["eval_rows_ref"] = packed.eval.ref if packed.eval else None
     return storage, packed, cfg
+
+
+def check_resume_batch(run_dir: str, resume_from: str, global_batch: int, per_device: int, accumulation: int,
+                       slices: int) -> None:
+    """Before any worker starts: the checkpoint the workers will resume (this run's newest committed
+    one, else --resume-from's) was saved at this global batch (another slice count is fine when the
+    accumulation keeps it: loop.global_batch_refusal). ResumeError otherwise. The workers check again."""
+    source = ckptlib.find_latest_committed(run_dir) or resume_from
+    if not source:
+        return
+    try:
+        state = ckptlib.read_json(ckptlib.join(source, ckptlib.TRAIN_STATE))
+    except (OSError, ValueError):
+        return   # the workers' load names what is wrong with it
+    msg = loop.global_batch_refusal(source, state if isinstance(state, dict) else {}, global_batch, per_device,
+                                    accumulation, slices)
+    if msg:
+        raise ckptlib.ResumeError(msg)
 
 
 def _model_checks(run: Run, resume_from: str, resume_manifest: dict) -> loralib.LoraSettings | None:
