@@ -46,6 +46,10 @@ def kubectl(kubeconfig: Path, *args: str, input: str | None = None, check: bool 
     return res.stdout
 
 
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 1))   # a second early: status' times are whole seconds
+
+
 def status(kc: Path) -> dict:
     return json.loads(kubectl(kc, "get", "tft", NAME, "-o", "json")).get("status") or {}
 
@@ -97,19 +101,25 @@ def one_loss(kc: Path, index: int) -> dict:
     t_seen = time.monotonic() - t0
     step_lost_at = seen["recovery"]["history"][-1].get("step", step_before)
 
+    submitted: list[str] = []   # when the resumed job's Training began (UTC, status' own format)
+
     def resumed(st: dict) -> bool:
         mark(st)
         tr = st.get("training") or {}
-        if st.get("phase") == "Training" and tr.get("resumedFromStep") is not None and "resumed_from_checkpoint" not in marks \
-                and tr.get("updatedAt", "") > seen["recovery"]["history"][-1]["time"]:
+        if st.get("phase") != "Training" or "verifying" not in marks:
+            return False
+        if not submitted:
+            submitted.append(_now())
+        fresh = tr.get("updatedAt", "") > submitted[0]   # written by the new job, not the stopped one's last report
+        if fresh and tr.get("resumedFromStep") is not None and "resumed_from_checkpoint" not in marks:
             marks["resumed_from_checkpoint"] = round(time.monotonic() - t0, 2)
-        return (st.get("phase") == "Training" and tr.get("resumedFromStep") is not None
-                and tr.get("step", 0) > tr["resumedFromStep"] and tr.get("updatedAt", "") > seen["recovery"]["history"][-1]["time"])
+        return fresh and tr.get("resumedFromStep") is not None and tr.get("step", 0) > tr["resumedFromStep"]
 
     st = wait(kc, "training resumed", resumed)
     t_resumed = time.monotonic() - t0
     from_step = st["training"]["resumedFromStep"]
     out = {"victim": victim, "loss_seen_s": round(t_seen, 2), "training_resumed_s": round(t_resumed, 2),
+           "resumed_at": st["training"]["updatedAt"],
            "stages_s": marks, "last_reported_step": step_lost_at, "resumed_from_step": from_step,
            "steps_lost": step_lost_at - from_step}
     say(f"loss {index + 1}: {out}")
@@ -134,7 +144,8 @@ def main() -> int:
     try:
         for i in range(args.repetitions):
             wait(kc, f"training before loss {i + 1}", lambda st: st.get("phase") == "Training"
-                 and (st.get("training") or {}).get("step", 0) >= (st.get("training") or {}).get("resumedFromStep", 0) + EVERY + 1)
+                 and (st.get("training") or {}).get("step", 0) >= (st.get("training") or {}).get("resumedFromStep", 0) + EVERY + 1
+                 and (not losses or (st.get("training") or {}).get("updatedAt", "") > losses[-1]["resumed_at"]))
             losses.append(one_loss(kc, i))
     finally:
         kubectl(kc, "delete", "tft", NAME, "--ignore-not-found", "--wait=false", check=False)

@@ -97,11 +97,16 @@ def noteworthy_nodes(name: str, body: Any, **_: Any) -> dict | None:
     return {name: node} if node.noteworthy else None
 
 
-@kopf.on.event("", "v1", "nodes", id="node_event")  # type: ignore[arg-type]
-async def node_event(name: str, body: Any, memo: kopf.Memo, pods_by_owner: kopf.Index, **_: Any) -> None:
-    """Queues the owners of the pods on a noteworthy node; a Ready node's routine updates queue
-    nothing (a notice withdrawn is seen at the next resync)."""
-    if (queue := _queue(memo)) is None or not NodeObs.of(body).noteworthy:
+def _noteworthy(body: Any, **_: Any) -> bool:
+    return NodeObs.of(body).noteworthy
+
+
+# A Ready node's routine updates (heartbeats) run no handler at all (kopf's `when`): no log line, no
+# queueing; a notice withdrawn is seen at the next resync.
+@kopf.on.event("", "v1", "nodes", id="node_event", when=_noteworthy)  # type: ignore[arg-type]
+async def node_event(name: str, memo: kopf.Memo, pods_by_owner: kopf.Index, **_: Any) -> None:
+    """Queues the owners of the pods on a noteworthy node."""
+    if (queue := _queue(memo)) is None:
         return
     for key, pods in pods_by_owner.items():
         if any(p.node == name for p in pods):

@@ -210,7 +210,9 @@ def test_a_resume_skips_the_batches_trained_and_continues_the_curve(make_run):
     run.train()
     assert backend.epochs == [(1, 2)] and backend.steps == TOTAL - 9
     assert _steps(backend.saved) == [12, 14]
-    assert [p["step"] for p in backend.saved[-1][1]["metrics"]["history"]] == [9, 12, 14]
+    # step 10, the first after the resume, is reported at once (then every 2 steps as before)
+    assert [p["step"] for p in backend.saved[-1][1]["metrics"]["history"]] == [9, 10, 12, 14]
+    assert [p["step"] for p in run.reporter.patches][:2] == [9, 10]
 
 
 def test_resumed_at_the_last_step_trains_nothing_and_keeps_the_metrics(make_run, tmp_path):

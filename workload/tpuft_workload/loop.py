@@ -678,9 +678,11 @@ class Run:
             best = evaluated and self.evaluations.best_step == self.step
             save = (stop or agreed.checkpoint or bool(self.early_stop)
                     or (bool(every_ckpt) and self.step % every_ckpt == 0) or (best and cfg.keep_best))
-            if self.step % every_rep == 0 or save or evaluated:
+            # The first step after a resume is reported at once: "training again" shows when it is.
+            first = self.step == self.resumed_from + 1 and self.resumed_from > 0
+            if self.step % every_rep == 0 or save or evaluated or first:
                 paused = time.perf_counter()
-                self._interval(epoch, win.reduce(), save, stop, evaluated)
+                self._interval(epoch, win.reduce(), save, stop, evaluated, force=first)
                 # Reports and checkpoints are not training time: a report waits for the controller
                 # to poll the previous one (result queue of size 1, polled every 2 s). Rates leave
                 # them out, so tokens/s measures training steps only; epoch_time is the wall clock.
@@ -717,11 +719,11 @@ class Run:
                     **({"message": self.early_stop} if self.early_stop else {}), **self._answered(),
                     **self.last_metrics)
 
-    def _interval(self, epoch: int, m: dict, save: bool, stop: bool, evaluated: bool) -> None:
+    def _interval(self, epoch: int, m: dict, save: bool, stop: bool, evaluated: bool, force: bool = False) -> None:
         if self.rank == 0:
             say(interval_line(epoch + 1, self.epochs, self.step, self.total_steps, m, self.learning_rate))
         self.report({"epoch": epoch + 1, **m, **stopped(stop)}, save, evaluated)
-        self._now(save or evaluated, epoch + 1)
+        self._now(save or evaluated or force, epoch + 1)
 
     def _epoch_end(self, epoch: int, interval: dict, whole: dict, stop: bool, evaluated: bool) -> None:
         if self.rank == 0:
