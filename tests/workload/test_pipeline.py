@@ -171,3 +171,22 @@ def test_an_eval_set_is_held_out_with_the_seed_or_read_from_its_own_split(ray_cl
     own = pipeline.build(spec, BUILTIN_MODEL, MAX_LEN, False, Evaluation(split="train[60:70]"))
     assert own.examples == 60 and own.eval.examples == 10
     assert _rows(own.eval) == _rows(_build(BUILTIN_DATASET, "train[60:70]", packing=False))
+
+
+def test_a_resumed_attempt_loads_the_packed_rows_the_first_kept(tmp_path):
+    """build_once: the first attempt packs and keeps the rows (and the eval set's) in the run's
+    directory; the next loads exactly them; another shape packs anew."""
+    from tpuft.spec import Evaluation
+
+    spec, held = Dataset(BUILTIN_DATASET, "train[:60]"), Evaluation(fraction=0.25)
+    first, kept = pipeline.build_once(str(tmp_path), spec, BUILTIN_MODEL, MAX_LEN, True, held, seed=3)
+    assert not kept and list((tmp_path / pipeline.PACKED_DIR).glob("packed-*.npz"))
+    again, kept = pipeline.build_once(str(tmp_path), spec, BUILTIN_MODEL, MAX_LEN, True, held, seed=3)
+    assert kept and _rows(again) == _rows(first) and _rows(again.eval) == _rows(first.eval)
+    assert [getattr(again, k) for k in pipeline.PACKED_META] == [getattr(first, k) for k in pipeline.PACKED_META]
+    other, kept = pipeline.build_once(str(tmp_path), spec, BUILTIN_MODEL, MAX_LEN, True, held, seed=4)
+    assert not kept and _rows(other.eval) != _rows(first.eval)
+    for path in (tmp_path / pipeline.PACKED_DIR).glob("packed-*.npz"):   # a damaged copy: packed again, not trusted
+        path.write_bytes(b"not an npz")
+    damaged, kept = pipeline.build_once(str(tmp_path), spec, BUILTIN_MODEL, MAX_LEN, True, held, seed=3)
+    assert not kept and _rows(damaged) == _rows(first)

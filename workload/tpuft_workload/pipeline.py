@@ -18,6 +18,9 @@ Stages (driver, `build`):
              counted), then whole examples bin-packed into max_seq_length rows
              (tpuft_workload.data.pack_examples) or padded one per row.
   share      the rows as numpy arrays, `ray.put` once: every worker on a node maps the same copy.
+  keep       (`build_once`) the packed rows saved in the run's directory, keyed by everything that
+             shapes them: a resumed attempt (a lost host, a preemption, a retry) loads them instead of
+             reading and tokenizing again (seconds here, minutes for a large dataset).
 
 Order (`epoch_batches`): every epoch a seeded permutation of all the rows, the same on every rank;
 rank r takes its slice of each global batch; the ragged end is dropped so every rank runs the same
@@ -26,6 +29,10 @@ steps, and a resumed epoch skips exactly the batches already trained.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import io
+import json
+import logging
 import os
 import random
 import re
@@ -41,6 +48,10 @@ CHECK_BATCH = 4096         # records per batch of the driver's check
 TOKENIZE_BATCH = 256        # records per tokenize task batch
 TOKENIZE_ACTORS_MAX = 8     # tokenizer actors at most (each loads the tokenizer; a TPU host has ~180 CPUs)
 ROW_COLUMNS = ("input_ids", "labels", "position_ids", "attention_mask", "n_real")
+PACKED_FORMAT = 1           # the kept rows' layout (packed_key): a change invalidates every kept copy
+PACKED_DIR = "data"         # under the run's directory
+PACKED_META = ("rows", "examples", "pad_fraction", "type", "truncated", "dropped")
+log = logging.getLogger(__name__)
 PLAIN_SPLIT = re.compile(r"^[A-Za-z0-9_-]+$")   # a whole split: no slicing, so Ray Data may read the file itself
 
 
@@ -218,6 +229,67 @@ def build(spec: Dataset, model: str, max_len: int, packing: bool, evaluation: Ev
         raise DataError(f"the eval set has no example that fits spec.training.maxSeqLength ({max_len} tokens): "
                         "hold out more records, or give a longer maxSeqLength", "spec.evaluation")
     return dataclasses.replace(packed, eval=eval_packed)
+
+
+def packed_key(spec: Dataset, model: str, max_len: int, packing: bool, evaluation: Evaluation | None,
+               seed: int) -> str:
+    """What the packed rows depend on, hashed: the same run document gives the same rows."""
+    shape = {"format": PACKED_FORMAT, "dataset": dataclasses.asdict(spec), "model": model, "max_len": max_len,
+             "packing": packing, "evaluation": dataclasses.asdict(evaluation) if evaluation else None, "seed": seed}
+    return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def to_bytes(rows: dict, meta: dict, eval_rows: dict | None = None, eval_meta: dict | None = None) -> bytes:
+    """Packed rows (and the eval set's) as one .npz, their counts in a JSON member."""
+    import numpy as np
+
+    arrays = {f"train.{k}": v for k, v in rows.items()}
+    if eval_rows is not None:
+        arrays |= {f"eval.{k}": v for k, v in eval_rows.items()}
+    header = {"train": meta, "eval": eval_meta}
+    buf = io.BytesIO()
+    np.savez(buf, meta=np.frombuffer(json.dumps(header).encode(), dtype=np.uint8), **arrays)
+    return buf.getvalue()
+
+
+def from_bytes(data: bytes) -> tuple[dict, dict, dict | None, dict | None]:
+    """to_bytes' (rows, meta, eval rows, eval meta)."""
+    import numpy as np
+
+    with np.load(io.BytesIO(data)) as z:
+        header = json.loads(z["meta"].tobytes().decode())
+        rows = {k: z[f"train.{k}"] for k in ROW_COLUMNS}
+        eval_rows = {k: z[f"eval.{k}"] for k in ROW_COLUMNS} if header["eval"] is not None else None
+    return rows, header["train"], eval_rows, header["eval"]
+
+
+def build_once(run_dir: str, spec: Dataset, model: str, max_len: int, packing: bool,
+               evaluation: Evaluation | None = None, seed: int = 0) -> tuple[Packed, bool]:
+    """`build`, kept in the run's directory (PACKED_DIR) the first time and loaded from there after:
+    (the rows, whether they were loaded). A copy that cannot be read or written is only logged."""
+    import ray
+
+    from tpuft_workload import checkpoint as ckptlib
+
+    uri = ckptlib.join(run_dir, PACKED_DIR, f"packed-{packed_key(spec, model, max_len, packing, evaluation, seed)}.npz")
+    try:
+        rows, meta, eval_rows, eval_meta = from_bytes(ckptlib.read_bytes(uri))
+    except FileNotFoundError:
+        pass
+    except Exception as e:  # noqa: BLE001 - a damaged copy: packed again, and written anew
+        log.warning("the kept packed rows %s cannot be read (%s: %s); packing again", uri, type(e).__name__, e)
+    else:
+        held = None if eval_rows is None or eval_meta is None else Packed(ray.put(eval_rows), **eval_meta)
+        return Packed(ray.put(rows), **meta, eval=held), True
+    packed = build(spec, model, max_len, packing, evaluation, seed)
+    try:
+        meta = {k: getattr(packed, k) for k in PACKED_META}
+        held = packed.eval
+        ckptlib.write_bytes(uri, to_bytes(ray.get(packed.ref), meta, ray.get(held.ref) if held else None,
+                                          {k: getattr(held, k) for k in PACKED_META} if held else None))
+    except Exception as e:  # noqa: BLE001 - a resume then packs again: slower, not wrong
+        log.warning("the packed rows cannot be kept at %s (%s: %s)", uri, type(e).__name__, e)
+    return packed, False
 
 
 def _examples(spec: Dataset, model: str, field: str = "spec.dataset.name") -> tuple[list, int, str]:

@@ -303,8 +303,10 @@ def prepare(command: Command, target: Target, fault_spec: str = "") -> tuple[str
     resume = run.checkpoint.resume_from
     resume_from, resume_manifest = ckptlib.resolve_resume(resume) if resume else ("", {})
     lora = _model_checks(run, resume_from, resume_manifest)
-    packed = pipeline.build(run.dataset, run.model, training.max_seq_length, training.packing, run.evaluation,
-                            training.seed)
+    packed, kept = pipeline.build_once(run_dir, run.dataset, run.model, training.max_seq_length, training.packing,
+                                       run.evaluation, training.seed)
+    if kept:
+        print(f"[tpuft] the packed rows kept by an earlier attempt of this run loaded ({packed.rows} rows)", flush=True)
     per_step = training.batch_size_per_device * training.gradient_accumulation_steps
     check_resume_batch(run_dir, resume_from, target.world_size * per_step, training.batch_size_per_device,
                        training.gradient_accumulation_steps, target.slices)
