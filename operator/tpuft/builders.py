@@ -339,9 +339,10 @@ def run_name(tft: TPUFinetune) -> str:
     return f"{base}-{tft.meta.uid}" if tft.meta.uid else base
 
 
-def train_entrypoint(tft: TPUFinetune, slices: int | None = None) -> str:
+def train_entrypoint(tft: TPUFinetune, slices: int | None = None, after_verification: bool = False) -> str:
     return shlex.join(["python", "-m", WORKLOAD_MODULE, "train", "--spec", run_document(tft, slices),
-                       "--run-name", run_name(tft), "--log-file", log_path(tft, c.Component.TRAIN)])
+                       "--run-name", run_name(tft), "--log-file", log_path(tft, c.Component.TRAIN),
+                       *(["--after-verification"] if after_verification else [])])
 
 
 def merges(tft: TPUFinetune) -> bool:
@@ -392,9 +393,12 @@ def build_verify_job(tft: TPUFinetune, attempt: int = 0) -> dict:
     return _rayjob(tft, names(tft).verify_attempt(attempt), c.Component.VERIFY, verify_entrypoint(tft), deadline)
 
 
-def build_train_job(tft: TPUFinetune, attempt: int = 0, slices: int | None = None) -> dict:
-    """`slices`: fewer than spec.slices while a lost slice is not back (spec.recovery.elastic)."""
-    return _rayjob(tft, names(tft).train_attempt(attempt), c.Component.TRAIN, train_entrypoint(tft, slices), None)
+def build_train_job(tft: TPUFinetune, attempt: int = 0, slices: int | None = None,
+                    after_verification: bool = False) -> dict:
+    """`slices`: fewer than spec.slices while a lost slice is not back (spec.recovery.elastic).
+    `after_verification`: submitted beside the slice's re-verification; its trainer waits for it."""
+    return _rayjob(tft, names(tft).train_attempt(attempt), c.Component.TRAIN,
+                   train_entrypoint(tft, slices, after_verification), None)
 
 
 def build_workload_identity(tft: TPUFinetune) -> list[dict]:

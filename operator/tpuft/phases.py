@@ -378,7 +378,11 @@ def _provisioning(draft: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
                             cluster_progress(tft, obs.cluster))
         if recorded or draft.recovery.slice_pods or draft.recovery.elastic:
             draft.status = replace(draft.status, recovery=replace(draft.recovery.slice_whole(recorded), elastic=None))
-        return _start_verification(draft, tft) if tft.spec.verification.enabled else _start_training(draft, tft, obs)
+        if not tft.spec.verification.enabled:
+            return _start_training(draft, tft, obs)
+        # After a loss or a resize the training job goes in beside the verification: its submission, data
+        # and driver start overlap it, and its trainer waits for CollectivesVerified (--after-verification).
+        return _start_verification(draft, tft, with_training=replacing and bool(draft.status.training_attempts))
     if replacing and not stopping and not obs.jobs_deleting and (fewer := _elastic_slices(draft, tft, obs)):
         return _train_on_fewer_slices(draft, tft, obs, fewer)
     progress = cluster_progress(tft, obs.cluster)
@@ -485,15 +489,34 @@ def _train_on_fewer_slices(draft: _Draft, tft: TPUFinetune, obs: Observed, slice
 
 
 def _start_verification(draft: _Draft, tft: TPUFinetune, reason: Reason = Reason.VERIFYING,
-                        message: str | None = None) -> Decision:
+                        message: str | None = None, with_training: bool = False) -> Decision:
     index = draft.recovery.lost_count(Phase.VERIFYING)   # a fresh name after each lost submission
     name = builders.names(tft).verify_attempt(index)
     draft.add_action(Op.CREATE, c.RAYJOB_KIND, name, builders.build_verify_job(tft, index))
     draft.status = replace(draft.status, children=replace(draft.children, verify_job=name))
+    if with_training:
+        attempts = draft.status.training_attempts or 1
+        train = builders.names(tft).train_attempt(attempts - 1)   # the interrupted attempt, from its checkpoint
+        draft.add_action(Op.CREATE, c.RAYJOB_KIND, train,
+                         builders.build_train_job(tft, attempts - 1, after_verification=True))
+        draft.status = replace(draft.status, children=replace(draft.children, train_job=train))
+        message = message or (f"verifying collectives on every device (RayJob {name}); RayJob {train} submitted "
+                              "beside it, training once they pass")
     draft.set_condition(Condition.COLLECTIVES_VERIFIED, ConditionStatus.UNKNOWN, reason,
                         message or f"RayJob {name} submitted")
     draft.move_to(Phase.VERIFYING, reason, message or f"verifying collectives on every device (RayJob {name})")
     return draft.finish()
+
+
+def _waiting_train_job(draft: _Draft, obs: Observed) -> str | None:
+    """The training RayJob submitted beside this verification (after a loss), when it exists."""
+    train = draft.children.train_job
+    return train if train is not None and train in obs.jobs else None
+
+
+def _stop_waiting_train_job(draft: _Draft, obs: Observed) -> None:
+    if (train := _waiting_train_job(draft, obs)) is not None:
+        draft.add_action(Op.DELETE, c.RAYJOB_KIND, train)
 
 
 def _verify_job(draft: _Draft, tft: TPUFinetune) -> str:
@@ -599,6 +622,12 @@ def _verifying(draft: _Draft, tft: TPUFinetune, obs: Observed, tunables: Tunable
     if job_succeeded(job):
         draft.set_condition(Condition.COLLECTIVES_VERIFIED, ConditionStatus.TRUE, Reason.VERIFIED,
                             workload or f"RayJob {name} succeeded")
+        if (train := _waiting_train_job(draft, obs)) is not None:   # submitted beside it: it trains now
+            attempts = draft.status.training_attempts or 1
+            draft.set_condition(Condition.TRAINING_SUCCEEDED, ConditionStatus.UNKNOWN, Reason.TRAINING,
+                                f"RayJob {train} submitted")
+            draft.move_to(Phase.TRAINING, *_training_says(draft, tft, train, attempts))
+            return draft.finish()
         return _start_training(draft, tft, obs)
     if job_lost(job) and draft.recovery.lost_count() < c.LOST_SUBMISSION_RETRIES:
         msg = _resubmission_due(draft, job, names.verify_attempt(draft.recovery.lost_count(Phase.VERIFYING) + 1),
@@ -617,6 +646,7 @@ def _verifying(draft: _Draft, tft: TPUFinetune, obs: Observed, tunables: Tunable
                   if killed else job_failure_detail(job, _full_log(tft, c.Component.VERIFY)))
         msg = f"collective verification failed: {detail}" + (f"; workload: {workload}" if workload else "")
         draft.set_condition(Condition.COLLECTIVES_VERIFIED, ConditionStatus.FALSE, reason, msg)
+        _stop_waiting_train_job(draft, obs)
         if _finishing(draft, job, Condition.COLLECTIVES_VERIFIED, f"failing with {reason.value}", tunables):
             return draft.finish()
         draft.fail(reason, msg)
@@ -627,6 +657,7 @@ def _verifying(draft: _Draft, tft: TPUFinetune, obs: Observed, tunables: Tunable
                f"RayJob {name} {job_state(job)}; a host that never joins (wrong topology, unhealthy ICI) "
                "looks like this")
         draft.set_condition(Condition.COLLECTIVES_VERIFIED, ConditionStatus.FALSE, Reason.COLLECTIVE_TIMEOUT, msg)
+        _stop_waiting_train_job(draft, obs)
         draft.fail(Reason.COLLECTIVE_TIMEOUT, msg)
         return draft.finish()
     # Same message as on entry: the job's own progress lives in the RayJob's status, and an

@@ -617,12 +617,20 @@ def test_a_host_lost_in_training_replaces_the_slice_then_verifies_and_resumes_th
     assert "replacing the slice (1 of 2)" in waiting.status["message"] and waiting.actions == ()
     o = apply(o, waiting)
     d = phases.decide(o, Observed(lost(hosts, hosts)), at(120), TUN)   # whole again
-    assert d.phase == "VerifyingCollectives" and kinds(d) == [("create", "RayJob", n.verify_job)]
+    # verified again, the same attempt's training job submitted beside it (it resumes once verified)
+    assert d.phase == "VerifyingCollectives"
+    assert kinds(d) == [("create", "RayJob", n.verify_job), ("create", "RayJob", train)]
+    assert d.actions[1].body == builders.build_train_job(parse(o), 0, after_verification=True)
+    assert "--after-verification" in d.actions[1].body["spec"]["entrypoint"]
     o = apply(o, d)
-    d = phases.decide(o, Observed(lost(hosts, hosts), {n.verify_job: job(n.verify_job, "SUCCEEDED", "Complete")}),
-                      at(130), TUN)
-    assert d.phase == "Training" and kinds(d) == [("create", "RayJob", train)]   # same attempt: it resumes
+    d = phases.decide(o, Observed(lost(hosts, hosts), {n.verify_job: job(n.verify_job, "SUCCEEDED", "Complete"),
+                                                       train: job(train, "RUNNING")}), at(130), TUN)
+    assert d.phase == "Training" and d.actions == ()   # it is already there
     assert d.status["trainingAttempts"] == 1 and d.status["recovery"]["sliceReplacements"] == 1
+    failed = job(n.verify_job, "FAILED", "Failed", reason="AppFailed", message="rank 1 hung")
+    d = phases.decide(o, Observed(lost(hosts, hosts), {n.verify_job: failed, train: job(train, "RUNNING")}),
+                      at(130), TUN)
+    assert d.phase == "Failed" and ("delete", "RayJob", train) in kinds(d)   # the waiting job goes too
 
 
 def test_every_job_of_the_slice_is_stopped_when_a_host_goes():
@@ -1017,7 +1025,8 @@ def test_a_recovered_slice_waits_for_the_deleted_rayjobs_before_submitting_again
     assert d.phase == "Provisioning" and d.actions == ()
     assert f"waiting for RayJob {n.train_job} (deleted before) to be gone before submitting again" in d.status["message"]
     d = phases.decide(apply(o, d), Observed(lost(4)), at(112), TUN)
-    assert d.phase == "VerifyingCollectives" and kinds(d) == [("create", "RayJob", n.verify_job)]
+    assert d.phase == "VerifyingCollectives"
+    assert kinds(d) == [("create", "RayJob", n.verify_job), ("create", "RayJob", n.train_job)]   # beside it
 
 
 # --- a RayJob KubeRay lost (observed.job_lost) -------------------------------------------------------

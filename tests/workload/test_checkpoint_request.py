@@ -326,3 +326,44 @@ def test_the_jax_vote_of_one_process_is_its_own_wish():
     vote = jax_train._StopVote(SimpleNamespace(process_count=lambda: 1))
     assert vote.agreed(3, True) == loop.Agreement(stop=False, checkpoint=True)
     assert vote.agreed(4, False) == loop.Agreement(stop=False, checkpoint=False)
+
+
+class _Conditions:
+    """A StatusReporter's condition() answering from a script (None: not read)."""
+    enabled = True
+
+    def __init__(self, *answers):
+        self.answers, self.reads = list(answers), 0
+
+    def condition(self, ctype):
+        assert ctype == "CollectivesVerified"
+        self.reads += 1
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+
+def test_a_training_job_submitted_beside_the_verification_waits_for_it():
+    from tpuft_workload.train import wait_for_verification
+
+    clock = iter(range(1000))
+    tick = lambda: next(clock)   # noqa: E731 - a second per read
+    waits = _Conditions(("Unknown", "RayJob submitted"), None, ("Unknown", ""), ("True", "passed"))
+    assert wait_for_verification(waits, 60, clock=tick, sleep=lambda s: None) is None and waits.reads == 4
+    failed = _Conditions(("Unknown", ""), ("False", "rank 1 (slice 0): all_reduce mismatch"))
+    reason = wait_for_verification(failed, 60, clock=tick, sleep=lambda s: None)
+    assert reason and "verification failed" in reason and "all_reduce mismatch" in reason
+    never = _Conditions(("Unknown", ""))
+    reason = wait_for_verification(never, 5, clock=tick, sleep=lambda s: None)
+    assert reason and "did not pass within 5s" in reason
+
+
+def test_after_verification_is_a_flag_of_train_not_of_the_document():
+    from tpuft_workload.__main__ import parse_args
+
+    command, _ = parse_args(["train", "--spec", '{"accelerator": "cpu", "topology": "2", "model": "builtin:tiny-llama",'
+                             ' "dataset": {"name": "builtin:dolly-mini"}, "checkpoint": {"storagePath": "/tmp/x"}}',
+                             "--run-name", "r", "--after-verification"])
+    assert command.after_verification
+    command, _ = parse_args(["train", "--spec", '{"accelerator": "cpu", "topology": "2", "model": "builtin:tiny-llama",'
+                             ' "dataset": {"name": "builtin:dolly-mini"}, "checkpoint": {"storagePath": "/tmp/x"}}',
+                             "--run-name", "r"])
+    assert not command.after_verification

@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--run-name", required=True,
                    help="run directory under --storage-path (the operator adds the object's UID); "
                         "re-submitting the same name resumes")
+    t.add_argument("--after-verification", action="store_true",
+                   help="start the trainer only once the TPUFinetune's CollectivesVerified condition is True (the "
+                        "operator submits this job beside the slice's re-verification, so its setup overlaps it); "
+                        "False, or not within the verification's timeout: exit failed")
     for section, cls in _FLAG_SECTIONS:
         _add_declared(t, section, cls)
     return parser
@@ -117,7 +121,8 @@ def _document(args: argparse.Namespace) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise ValueError(f"--spec is not JSON: {e}") from None
     for dest, value in vars(args).items():
-        if value is None or dest in ("spec", "command", "run_name", "log_file", "collective_timeout_seconds"):
+        if value is None or dest in ("spec", "command", "run_name", "log_file", "collective_timeout_seconds",
+                                         "after_verification"):
             continue
         if dest.endswith("columns"):
             value = dict(value)
@@ -150,7 +155,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Command, Target]:
     except (ValueError, CatalogError) as e:
         parser.error(str(e))
     command = Command(args.command, run, getattr(args, "run_name", "") or "", args.log_file,
-                      getattr(args, "collective_timeout_seconds", None))
+                      getattr(args, "collective_timeout_seconds", None), bool(getattr(args, "after_verification", False)))
     return command, target
 
 

@@ -13,3 +13,5 @@ class Command:
     run_name: str = ""              # train: the run's directory under checkpoint.storagePath
     log_file: str | None = None
     collective_timeout_seconds: float | None = None   # verify
+    # train: submitted beside a re-verification (after a lost host); the trainer starts once it passed
+    after_verification: bool = False

@@ -186,6 +186,21 @@ class StatusReporter:
                         status_path(self.namespace, self.name), self.last_error)
             return False
 
+    def condition(self, ctype: str) -> tuple[str, str] | None:
+        """(status, message) of the TPUFinetune's condition `ctype`, or None (absent, or not read:
+        logged like a failed patch)."""
+        if not self.enabled:
+            return None
+        try:
+            answer = self._client().get_namespaced_custom_object_status(
+                GROUP, VERSION, self.namespace, PLURAL, self.name, _request_timeout=self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - the caller waits on and retries
+            reason = getattr(e, "reason", None) or type(e).__name__
+            log.warning("could not read %s (%s: %s)", status_path(self.namespace, self.name), type(e).__name__, reason)
+            return None
+        found = next((x for x in (answer.get("status") or {}).get("conditions") or [] if x.get("type") == ctype), None)
+        return (found.get("status") or "", found.get("message") or "") if found else None
+
     def verification(self, status: dict) -> bool:
         return self._patch("verification", {k: status.get(k) for k in VERIFICATION_KEYS})
 

@@ -418,6 +418,31 @@ def build_trainer(command: Command, target: Target, fault_spec: str = ""):
     ), cfg
 
 
+VERIFY_WAIT_GRACE_S = 120   # past the operator's own verification deadline (timeout + its grace): it decides first
+VERIFY_POLL_S = 1.0
+
+
+def wait_for_verification(reporter: StatusReporter, timeout_s: float, poll_s: float = VERIFY_POLL_S,
+                          clock=time.monotonic, sleep=time.sleep) -> str | None:
+    """--after-verification: wait until the object's CollectivesVerified condition is True (the
+    operator resets it to Unknown when it submits this job beside the verification). None when it
+    is; the reason otherwise (False: the verification failed; or no answer within timeout_s)."""
+    from tpuft.constants import Condition
+
+    if not reporter.enabled:
+        return None   # by hand, outside the operator: nothing to wait for
+    ctype, end = Condition.COLLECTIVES_VERIFIED.value, clock() + timeout_s
+    print(f"[tpuft] waiting for the slice's verification ({ctype}) before training", flush=True)
+    while clock() < end:
+        found = reporter.condition(ctype)
+        if found and found[0] == "True":
+            return None
+        if found and found[0] == "False":
+            return f"the slice's verification failed ({ctype}=False: {found[1]}); not training"
+        sleep(poll_s)
+    return f"the slice's verification did not pass within {timeout_s:g}s ({ctype} not True); not training"
+
+
 def _failed(error: str) -> int:
     print(f"{RESULT_PREFIX} " + json.dumps({"succeeded": False, "error": error[:1000]}), flush=True)
     return 1
@@ -432,6 +457,11 @@ def run_training(command: Command, target: Target, fault_spec: str = "", build=N
         log.error("%s", e)
         return _failed(str(e))
     run = command.run
+    if command.after_verification:
+        refused = wait_for_verification(StatusReporter(), run.verification.timeout_seconds + VERIFY_WAIT_GRACE_S)
+        if refused:
+            log.error("%s", refused)
+            return _failed(refused)
     print(f"Starting fine-tuning: model={run.model} dataset={run.dataset.name}[{run.dataset.split}] "
           f"{target.shape.generation} {target.shape.topology} x{target.slices} -> "
           f"{trainer.scaling_config.num_workers} workers ({type(trainer).__name__}), global batch "
