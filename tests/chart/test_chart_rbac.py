@@ -24,7 +24,7 @@ APPLICATION = {
     # events from kopf (core v1) and the handlers (either API)
     ("", "events"): {"create", "patch"},
     # a RayCluster's pods while its slice comes up (tpuft.diagnosis; leftovers of a deleted object)
-    ("", "pods"): {"list"},
+    ("", "pods"): {"list", "watch"},   # and watched: a lost host seen at once (tpuft.hosts)
     ("events.k8s.io", "events"): {"create", "patch"},
     # per-CR workload identity (ServiceAccount + Role + RoleBinding)
     ("", "serviceaccounts"): {"get", "list", "watch", "create", "patch"},
@@ -41,7 +41,7 @@ FRAMEWORK = {
 }
 FRAMEWORK_CLUSTER_WIDE = {
     **FRAMEWORK,
-    ("", "nodes"): {"list"},   # rbac.nodePoolHints (default on): TPU node pools for an unschedulable slice
+    ("", "nodes"): {"list", "watch"},   # rbac.nodePoolHints (default on): TPU node pools; a node lost or noticed
 }
 FRAMEWORK_NAMESPACED = {
     **FRAMEWORK,
@@ -77,10 +77,10 @@ def test_no_wildcards_no_secrets_no_escalation(render, mode):
                     assert "*" not in item, f"wildcard in {key}: {r}"
             for res in r["resources"]:
                 assert res.split("/")[0] not in {"secrets", "configmaps"}, f"{key}: {r}"
-                if res.startswith("nodes"):   # node pool hints: read, never touch
-                    assert res == "nodes" and set(r["verbs"]) == {"list"}, f"{key}: {r}"
+                if res.startswith("nodes"):   # node pool hints, lost nodes, maintenance notices: read, never touch
+                    assert res == "nodes" and set(r["verbs"]) == {"list", "watch"}, f"{key}: {r}"
                 if res.startswith("pods"):   # read, never touch, never exec
-                    assert res == "pods" and set(r["verbs"]) == {"list"}, f"{key}: {r}"
+                    assert res == "pods" and set(r["verbs"]) == {"list", "watch"}, f"{key}: {r}"
             # verbs that would let it grant or impersonate beyond what it holds
             assert not {"escalate", "bind", "impersonate"} & set(r["verbs"]), f"{key}: {r}"
             # no blanket update/delete on its own CR (spec belongs to the user / GitOps)
