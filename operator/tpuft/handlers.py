@@ -11,8 +11,8 @@ drift and which block deletion when the operator is gone). Instead:
   * the RayClusters' pods (labels tpufinetune.dev/name and ray.io/cluster) are indexed too, each reduced
     to a diagnosis.PodObs, and the nodes that are not Ready or carry a GKE maintenance notice (a
     hosts.NodeObs; nothing for the rest): a lost host or a notice queues the owner at once (tpuft.hosts).
-    Where the operator may not watch nodes (a namespaced install), kopf warns once and the pods' own
-    Ready condition still shows a lost node.
+    Nodes only with TPUFT_WATCH_NODES=1 (the default; the chart sets 0 where its ClusterRole does not
+    allow it): the pods' own Ready condition still shows a lost node.
   * startup reads the settings (tpuft.settings, from the environment) and starts a work queue
     (tpuft.workqueue, kept in kopf's `memo`) whose handler is the reconciler (tpuft.reconciler).
 """
@@ -91,7 +91,6 @@ async def pod_event(namespace: str, labels: Any, memo: kopf.Memo, **_: Any) -> N
         queue.kick((namespace, labels[c.LABEL_NAME]))
 
 
-@kopf.index("", "v1", "nodes", id=NODE_INDEX)
 def noteworthy_nodes(name: str, body: Any, **_: Any) -> dict | None:
     node = NodeObs.of(body)
     return {name: node} if node.noteworthy else None
@@ -101,9 +100,6 @@ def _noteworthy(body: Any, **_: Any) -> bool:
     return NodeObs.of(body).noteworthy
 
 
-# A Ready node's routine updates (heartbeats) run no handler at all (kopf's `when`): no log line, no
-# queueing; a notice withdrawn is seen at the next resync.
-@kopf.on.event("", "v1", "nodes", id="node_event", when=_noteworthy)  # type: ignore[arg-type]
 async def node_event(name: str, memo: kopf.Memo, pods_by_owner: kopf.Index, **_: Any) -> None:
     """Queues the owners of the pods on a noteworthy node."""
     if (queue := _queue(memo)) is None:
@@ -111,6 +107,16 @@ async def node_event(name: str, memo: kopf.Memo, pods_by_owner: kopf.Index, **_:
     for key, pods in pods_by_owner.items():
         if any(p.node == name for p in pods):
             queue.kick(key)
+
+
+# Only where nodes may be listed and watched (Settings.watch_nodes, read now: the watches are fixed
+# at import): kopf serves no index until every index is listed, so a 403 on nodes would stall it.
+# A Ready node's routine updates (heartbeats) run no handler (kopf's `when`): no log line, no
+# queueing; a notice withdrawn is seen at the next resync.
+WATCH_NODES = bool(Settings.from_env().watch_nodes)
+if WATCH_NODES:
+    kopf.index("", "v1", "nodes", id=NODE_INDEX)(noteworthy_nodes)  # type: ignore[arg-type]
+    kopf.on.event("", "v1", "nodes", id="node_event", when=_noteworthy)(node_event)  # type: ignore[arg-type]
 
 
 for _kind in CHILD_KINDS:
@@ -136,7 +142,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: An
     settings.watching.server_timeout = 300        # re-list at least every 5 minutes
     metrics.serve(config.metrics_port)
     indexes = Indexes(kwargs[OBJECT_INDEX], {k.kind: kwargs[index_id(k)] for k in CHILD_KINDS},
-                      kwargs[POD_INDEX], kwargs[NODE_INDEX])
+                      kwargs[POD_INDEX], kwargs.get(NODE_INDEX, {}))
     queue = controller(Kube(new_api_client(), config.api_timeout_seconds), config, indexes)
     queue.start()
     memo[QUEUE] = queue

@@ -1,5 +1,6 @@
 """The operator's runtime settings: read from the environment once, at startup (`Settings.from_env`
-in handlers.startup), and passed to what needs them. Nothing reads them at import time, so a test
+in handlers.startup), and passed to what needs them. Nothing reads them at import time (but
+watch_nodes, which decides which watches kopf starts, when tpuft.handlers is imported), so a test
 (or a second operator in one process) sets the environment before it starts the operator.
 
 Each field is one variable, TPUFT_ and the field's name in capitals; unset or empty means the default.
@@ -42,6 +43,9 @@ class Settings:
     api_timeout_seconds: float = _knob(30.0, "the timeout of each Kubernetes API request the reconciler makes")
     metrics_port: int = _knob(9090, "the Prometheus endpoint's port (`/metrics`); 0 disables it")
     log_level: str = _knob("", "the `tpuft` loggers' level (DEBUG, INFO, WARNING, ...); unset: as kopf sets it")
+    watch_nodes: int = _knob(1, "1: watch nodes (lost nodes and GKE maintenance notices under a slice; needs "
+                                "list/watch on nodes, cluster-wide); 0: not (a namespaced install: the pods' own "
+                                "Ready condition still shows a lost node). Read when tpuft.handlers is imported")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
