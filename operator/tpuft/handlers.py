@@ -115,7 +115,7 @@ async def node_event(name: str, memo: kopf.Memo, pods_by_owner: kopf.Index, **_:
 # queueing; a notice withdrawn is seen at the next resync.
 WATCH_NODES = bool(Settings.from_env().watch_nodes)
 if WATCH_NODES:
-    kopf.index("", "v1", "nodes", id=NODE_INDEX)(noteworthy_nodes)  # type: ignore[arg-type]
+    kopf.index("", "v1", "nodes", id=NODE_INDEX)(noteworthy_nodes)
     kopf.on.event("", "v1", "nodes", id="node_event", when=_noteworthy)(node_event)  # type: ignore[arg-type]
 
 
