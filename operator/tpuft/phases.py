@@ -372,8 +372,8 @@ def _provisioning(draft: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
     recorded = hosts.whole(obs.hosts, 1 + shape.hosts * tft.spec.slices) if obs.hosts else None
     unseen = ready and bool(obs.hosts) and recorded is None
     replacing = draft.previous.reason in (Reason.REPLACING_SLICE.value, Reason.RESIZING.value)
-    stopping = _stop_old_jobs(draft, tft, obs) if replacing else []
-    if ready and not unseen and not obs.jobs_deleting and not stopping:
+    stopping, stopped = _stop_old_jobs(draft, tft, obs, whole_again=ready and not unseen) if replacing else ([], [])
+    if ready and not unseen and not obs.jobs_deleting and not stopping and not stopped:
         draft.set_condition(Condition.SLICE_PROVISIONED, ConditionStatus.TRUE, Reason.SLICE_READY,
                             cluster_progress(tft, obs.cluster))
         if recorded or draft.recovery.slice_pods or draft.recovery.elastic:
@@ -383,16 +383,16 @@ def _provisioning(draft: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
         # After a loss or a resize the training job goes in beside the verification: its submission, data
         # and driver start overlap it, and its trainer waits for CollectivesVerified (--after-verification).
         return _start_verification(draft, tft, with_training=replacing and bool(draft.status.training_attempts))
-    if replacing and not stopping and not obs.jobs_deleting and (fewer := _elastic_slices(draft, tft, obs)):
+    if replacing and not stopping and not stopped and not obs.jobs_deleting and (fewer := _elastic_slices(draft, tft, obs)):
         return _train_on_fewer_slices(draft, tft, obs, fewer)
     progress = cluster_progress(tft, obs.cluster)
     if stopping:
         progress += (f"; RayJob {', '.join(stopping)} is saving its checkpoint (its pod was told to stop) before "
                      "it is stopped")
         draft.requeue_after(STOPPING_LOOK_SECONDS)
-    elif ready and obs.jobs_deleting:   # KubeRay would take the old submitter Job (same name) for the new one's
-        progress += (f"; waiting for RayJob {', '.join(obs.jobs_deleting)} (deleted before) to be gone before "
-                     "submitting again")
+    elif ready and (obs.jobs_deleting or stopped):   # KubeRay would take the old submitter Job (same name) for the new one's
+        progress += (f"; waiting for RayJob {', '.join(sorted({*obs.jobs_deleting, *stopped}))} (deleted before) to be "
+                     "gone before submitting again")
     elif unseen:
         progress += "; waiting for the pod watch to show each of the slice's pods Ready"
         draft.requeue_after(STOPPING_LOOK_SECONDS)
@@ -444,20 +444,25 @@ def wants_pods(obj: Mapping[str, Any]) -> bool:
 STOPPING_LOOK_SECONDS = 2.0   # how often a RayJob saving its stop checkpoint is looked at (events come too)
 
 
-def _stop_old_jobs(draft: _Draft, tft: TPUFinetune, obs: Observed) -> list[str]:
+def _stop_old_jobs(draft: _Draft, tft: TPUFinetune, obs: Observed,
+                   whole_again: bool = False) -> tuple[list[str], list[str]]:
     """After a loss or a resize: the slice's RayJobs still on the cluster. One whose pod was told to stop
     saves its checkpoint and ends by itself (preStop, tpuft_workload.preemption); it is deleted once it
-    has ended, or once the pod's own stop bound has passed. Returns those still saving."""
-    saving = []
+    has ended, once the slice is whole again (KubeRay replaces a pod only once the old one is gone, i.e.
+    its preStop, and so the save, is over; a job told to stop before it trained never ends by itself),
+    or once the pod's own stop bound has passed. Returns (those still saving, those deleted now)."""
+    saving, deleted = [], []
     for name in sorted(x for x in {_verify_job(draft, tft), draft.children.train_job} if x is not None):
         job = obs.jobs.get(name)
         if job is None:
             continue
-        if job_settled(job) or job_failed(job) or job_succeeded(job) or draft.seconds_in_phase() >= c.PRESTOP_WAIT_SECONDS:
+        if (whole_again or job_settled(job) or job_failed(job) or job_succeeded(job)
+                or draft.seconds_in_phase() >= c.PRESTOP_WAIT_SECONDS):
             draft.add_action(Op.DELETE, c.RAYJOB_KIND, name)
+            deleted.append(name)
         else:
             saving.append(name)
-    return saving
+    return saving, deleted
 
 
 def _elastic_slices(draft: _Draft, tft: TPUFinetune, obs: Observed) -> int:

@@ -252,3 +252,18 @@ def test_elastic_keeps_the_global_batch(accumulation, slices, whole, train_on, n
     if train_on:
         assert elastic_accumulation(accumulation, slices, train_on) == new_accumulation
         assert new_accumulation * train_on == accumulation * slices
+
+
+def test_a_job_told_to_stop_before_it_trained_is_deleted_once_the_slice_is_whole_again():
+    """No save to wait for (the pod went before any worker trained): KubeRay replaced the pod, so the
+    pod's stop is over; the old job goes, and nothing is submitted beside it until it is gone."""
+    o, whole = train_with_pods()
+    train = names(o).train_attempt(0)
+    o = apply(o, phases.decide(o, Observed(cluster(4, 4, provisioned=True), {train: job(train)},
+                                           hosts=replace_pod(whole, 1, deleting=True)), at(100), TUN))
+    back = replace_pod(whole, 1, uid="uid-new")
+    d = phases.decide(o, Observed(cluster(4, 4, provisioned=True), {train: job(train)}, hosts=back), at(110), TUN)
+    assert kinds(d) == [("delete", "RayJob", train)] and d.phase == "Provisioning"
+    assert "to be gone before submitting again" in d.status["message"]
+    d = phases.decide(apply(o, d), Observed(cluster(4, 4, provisioned=True), hosts=back), at(112), TUN)
+    assert d.phase == "VerifyingCollectives"
