@@ -97,7 +97,7 @@ class KubeRay:
             "spec": {"containers": [{"name": "ray-worker", "image": "img:1", **(container or {})}],
                      "automountServiceAccountToken": False}})
 
-    def running_pods(self, cluster: str, owner: str, workers: int) -> list[str]:
+    def running_pods(self, cluster: str, owner: str, workers: int, node_prefix: str = "node") -> list[str]:
         """The head and `workers` worker pods as KubeRay creates them from the RayCluster's template
         (ray.io/cluster, ray.io/node-type, the run's tpufinetune.dev/name), bound to nodes and
         reported Running and Ready as the kubelet would (this tier has neither). Returns their names."""
@@ -111,7 +111,7 @@ class KubeRay:
                                                      "tpufinetune.dev/name": owner},
                              "ownerReferences": [{"apiVersion": "ray.io/v1", "kind": "RayCluster", "name": cluster,
                                                   "uid": rc["uid"], "controller": True}]},
-                "spec": {"nodeName": f"node-{i}", "containers": [{"name": f"ray-{node_type}", "image": "img:1"}],
+                "spec": {"nodeName": f"{node_prefix}-{i}", "containers": [{"name": f"ray-{node_type}", "image": "img:1"}],
                          "automountServiceAccountToken": False}})
             self.core.patch_namespaced_pod_status(pod, self.ns, {"status": {
                 "phase": "Running", "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": _now()}]}})

@@ -422,6 +422,46 @@ def test_a_pod_told_to_stop_is_seen_at_once_and_its_job_left_to_save(operator, t
         wait_until(lambda: tft.children("rayjobs") == [], timeout=10, what="the ended job deleted")
 
 
+def test_a_maintenance_notice_on_a_node_under_the_slice_asks_for_a_checkpoint(operator, tft, kuberay, kube_api,
+                                                                             namespace, monkeypatch):
+    """GKE's notice (its label) on the Node under a training pod: the operator asks for a checkpoint
+    at once (the watch: resync at a minute), once; the job's answer (played here: rank 0 patches
+    status.training as the workload does) is recorded with the step saved; training goes on."""
+    monkeypatch.setenv("TPUFT_RESYNC_SECONDS", "60")
+    core = client.CoreV1Api(kube_api)
+    prefix = f"n-{namespace}"[:50]   # Nodes are cluster-wide: this test's own
+    node_name = f"{prefix}-2"
+    with operator():
+        tft.apply(verification={"enabled": False})
+        tft.wait("Provisioning")
+        kuberay.running_pods(f"{NAME}-ray", NAME, workers=4, node_prefix=prefix)
+        kuberay.cluster_ready(f"{NAME}-ray")
+        tft.wait("Training")
+        kuberay.job_running(f"{NAME}-train")
+        try:
+            core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": node_name}})
+            started = time.monotonic()
+            core.patch_node(node_name, {"metadata": {"labels": {
+                "cloud.google.com/scheduled-maintenance-time": "1767268800"}}})
+            st = wait_until(lambda: (s := tft.status()).get("recovery", {}).get("checkpointRequestedAt") and s,
+                            timeout=10, interval=0.2, what="the checkpoint asked for")
+        finally:
+            core.delete_node(node_name)
+        print(f"maintenance notice to checkpoint request: {time.monotonic() - started:.2f} s")
+        notice = st["recovery"]["lastMaintenance"]
+        assert notice["node"] == node_name and "scheduled-maintenance-time=1767268800" in notice["notice"], notice
+        requested = st["recovery"]["checkpointRequestedAt"]
+        api = client.CustomObjectsApi(kube_api)
+        api.patch_namespaced_custom_object_status("tpufinetune.dev", "v1alpha1", namespace, "tpufinetunes", NAME,
+                                                  {"status": {"training": {"step": 12, "checkpointRequestSaved": requested}}},
+                                                  _content_type="application/merge-patch+json")
+        st = wait_until(lambda: (s := tft.status())["recovery"]["lastMaintenance"].get("checkpointStep") and s,
+                        timeout=10, interval=0.2, what="the saved checkpoint recorded")
+        assert st["recovery"]["lastMaintenance"]["checkpointStep"] == 12 and st["phase"] == "Training", st
+    reasons = [(e["type"], e["reason"]) for e in tft.events() if e["reason"] == "MaintenanceNotice"]
+    assert reasons == [("Warning", "MaintenanceNotice"), ("Normal", "MaintenanceNotice")], reasons
+
+
 def test_a_worker_killed_for_memory_is_named_and_the_log_stays_out_of_status(operator, tft, kuberay, namespace):
     """The kernel's OOM killer ended a worker's container (its pod's lastState as the kubelet writes
     it, read through the real API server), then the training RayJob failed with KubeRay's message of
