@@ -20,7 +20,7 @@ from tpuft.status import Goodput
 
 def cause(phase: str | None, reason: str | None) -> GoodputCause | None:
     """The cause an interval spent in `phase` (ending with `reason`) counts for; None: not counted."""
-    if phase == Phase.PROVISIONING.value and reason == Reason.REPLACING_SLICE.value:
+    if phase == Phase.PROVISIONING.value and reason in (Reason.REPLACING_SLICE.value, Reason.RESIZING.value):
         return GoodputCause.RECOVERY
     return {Phase.PENDING.value: GoodputCause.PROVISIONING, Phase.PROVISIONING.value: GoodputCause.PROVISIONING,
             Phase.VERIFYING.value: GoodputCause.VERIFICATION, Phase.TRAINING.value: GoodputCause.TRAINING,

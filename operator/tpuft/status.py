@@ -224,7 +224,8 @@ _SPENT_IN = {
     GoodputCause.QUEUED: "Queued: waiting for Kueue's admission, first or after a preemption.",
     GoodputCause.VERIFICATION: "VerifyingCollectives.",
     GoodputCause.TRAINING: "Training: the productive seconds.",
-    GoodputCause.RECOVERY: "Provisioning a replacement slice after a lost host (reason ReplacingSlice).",
+    GoodputCause.RECOVERY: "Provisioning a replacement slice after a lost host (reason ReplacingSlice), or every "
+                           "slice again after training on fewer (reason Resizing).",
     GoodputCause.SUSPENDED: "Suspended (spec.suspend).",
 }
 
