@@ -18,7 +18,7 @@ the module Kueue v0.17.0 builds with):
 - `CapacityRevoked=True` when the booking's `maxRunDurationSeconds` parameter has run out since
   it was provisioned (GKE takes flex-start nodes back then), or when a test asks for it with the
   stand-in's own annotation REVOKE_ANNOTATION; `BookingExpired=True` when no pod consumed the
-  capacity within the booking time; either way its nodes go;
+  capacity within the booking time; either way its nodes go REMOVAL_NOTICE_SECONDS later;
 - nodes whose request is gone (Kueue deletes it with its Workload) are deleted.
 
 Settings, read on every pass from the ConfigMap SETTINGS (namespace kube-system), so a test can
@@ -59,6 +59,9 @@ REVOKE_ANNOTATION = "tpuft.local/revoke-capacity"
 DEFAULT_PROVISION_AFTER = 5.0
 DEFAULT_BOOKING_SECONDS = 600.0   # the cluster autoscaler's default booking time for a provisioned request
 POLL_SECONDS = 1.0
+# The nodes of an ended booking go this long after its condition is set: the notice in which Kueue
+# rejects the check and suspends the job (KubeRay deletes the pods), as GKE drains before it deletes.
+REMOVAL_NOTICE_SECONDS = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,9 +131,10 @@ def step(pr: Mapping, now: datetime, settings: Settings, consumed: bool) -> Step
     """The stand-in's decision for one ProvisioningRequest of its class, from its status alone."""
     meta, spec = pr.get("metadata") or {}, pr.get("spec") or {}
     gen, conds = int(meta.get("generation") or 1), _conditions(pr)
-    done = [conds.get(t) for t in (FAILED, BOOKING_EXPIRED, CAPACITY_REVOKED)]
-    if any(x and x.get("status") == "True" for x in done):
-        return Step(remove_nodes=True)   # the booking ended: its nodes go, the conditions stay
+    done = [x for x in (conds.get(t) for t in (FAILED, BOOKING_EXPIRED, CAPACITY_REVOKED))
+            if x and x.get("status") == "True"]
+    if done:   # the booking ended: its nodes go (after the notice), the conditions stay
+        return Step(remove_nodes=max(_since(x, now) for x in done) >= REMOVAL_NOTICE_SECONDS)
     accepted, provisioned = conds.get(ACCEPTED), conds.get(PROVISIONED)
     if not accepted:
         when = ("never (provisionAfterSeconds: never)" if settings.provision_after is None
@@ -146,12 +150,11 @@ def step(pr: Mapping, now: datetime, settings: Settings, consumed: bool) -> Step
         if revoke is not None or (limit and held >= float(limit)):
             why = revoke or f"the flex-start nodes ran for their maxRunDurationSeconds ({limit})"
             return Step(conditions=(_condition(CAPACITY_REVOKED, True, "CapacityRevoked",
-                                               f"capacity revoked (local stand-in for GKE): {why}", now, gen),),
-                        remove_nodes=True)
+                                               f"capacity revoked (local stand-in for GKE): {why}", now, gen),))
         if not consumed and held >= settings.booking_seconds:
             return Step(conditions=(_condition(BOOKING_EXPIRED, True, "BookingExpired",
                                                f"no pod consumed the capacity within {settings.booking_seconds:g} s "
-                                               "(local stand-in for GKE)", now, gen),), remove_nodes=True)
+                                               "(local stand-in for GKE)", now, gen),))
         return Step()
     if settings.provision_after is not None and _since(accepted, now) >= settings.provision_after:
         return Step(make_nodes=True, conditions=(_condition(

@@ -18,6 +18,7 @@ from tests.paths import EXAMPLES
 from tests.waiting import wait_until
 from tpuft import constants as c
 from tpuft_local import kueue, pools
+from tpuft_local import queued_provisioning as qp
 
 V6E = pools.DEFAULT_POOLS[0]
 
@@ -149,3 +150,99 @@ def test_a_missing_local_queue_and_a_shape_past_the_whole_quota_are_said_and_not
     cluster_kubectl("delete", "tft", "lost", "two", "-n", ns, check=True)
     wait_until(lambda: not _get(cluster_kubectl, "rayclusters,workloads", "-n", ns).get("items"), timeout=120,
                interval=1, what="lost's RayCluster and Workload gone")
+
+
+# --- GKE flex-start through Kueue's ProvisioningRequest check, with the named stand-in for GKE --------------
+def _standin_settings(kubectl, provision_after: str) -> None:
+    """The stand-in's delay (tpuft_local.queued_provisioning reads it on every pass)."""
+    _apply(kubectl, {"apiVersion": "v1", "kind": "ConfigMap",
+                     "metadata": {"name": qp.SETTINGS, "namespace": qp.SETTINGS_NAMESPACE},
+                     "data": {"provisionAfterSeconds": provision_after}})
+
+
+def _flex_nodes(kubectl) -> list[dict]:
+    return _get(kubectl, "nodes", "-l", f"{qp.OWNER_LABEL},{c.GKE_FLEX_START_SELECTOR}=true").get("items") or []
+
+
+def _requests(kubectl, ns: str) -> list[dict]:
+    return _get(kubectl, "provisioningrequests.autoscaling.x-k8s.io", "-n", ns).get("items") or []
+
+
+@pytest.fixture
+def flex_queue(cluster_kubectl, cluster_ns):
+    """A ClusterQueue with `up`'s AdmissionCheck `flex-start` (ProvisioningRequests of class
+    queued-provisioning.gke.io, answered by the stand-in) on `up`'s flex-start flavor, and LocalQueue `flex`."""
+    name = f"flex-{cluster_ns}"
+    cq = next(o for o in kueue.flex_start_objects(V6E) if o["kind"] == "ClusterQueue")
+    cq = {**cq, "metadata": {"name": name}}
+    _apply(cluster_kubectl, cq, kueue.local_queue(cluster_ns, name, "flex"))
+    yield "flex"
+    cluster_kubectl("delete", "tft", "--all", "-n", cluster_ns, "--wait=false")
+    wait_until(lambda: not _get(cluster_kubectl, "workloads", "-n", cluster_ns).get("items"), timeout=180,
+               interval=2, what=f"the Workloads in {cluster_ns} to go")
+    cluster_kubectl("delete", "clusterqueue", name, "--ignore-not-found")
+    _standin_settings(cluster_kubectl, str(qp.DEFAULT_PROVISION_AFTER))
+
+
+def test_flex_start_waits_for_capacity_in_the_provisioning_requests_words_provisions_and_a_revoked_booking_requeues(
+        cluster_kubectl, cluster_ns, flex_queue):
+    ns, kubectl = cluster_ns, cluster_kubectl
+    assert not _flex_nodes(kubectl), "flex-start nodes left from an earlier run"
+    _standin_settings(kubectl, "never")
+    _apply(kubectl, _slice("flex", flex_queue, scheduling={"provisioning": "flexStart", "maxRunDurationSeconds": 3600}),
+           ns=ns)
+    # 1. quota reserved, the ProvisioningRequest waits: the run says so in its words, as its own reason
+    st = wait_until(lambda: (s := _status(kubectl, ns, "flex")).get("reason") == "WaitingForCapacity" and s,
+                    timeout=120, interval=1, what="flex waiting for capacity")
+    assert st["phase"] == "Queued" and "Waiting for capacity" in st["message"] and "stand-in" in st["message"], st
+    (pr,) = _requests(kubectl, ns)
+    assert pr["spec"]["provisioningClassName"] == kueue.QUEUED_PROVISIONING_CLASS
+    assert pr["spec"]["parameters"][c.GKE_MAX_RUN_DURATION_PARAMETER] == "3600"   # from the RayCluster's annotation
+    assert _cond(pr["status"], "Accepted")["status"] == "True" and _cond(pr["status"], "Provisioned")["status"] == "False"
+    assert not _flex_nodes(kubectl) and not _get(kubectl, "pods", "-n", ns, "-l", "ray.io/cluster=flex-ray").get("items")
+    # 2./3. the stand-in provisions: a flex-start node pool appears, the run provisions and verifies on it
+    _standin_settings(kubectl, "0")
+    st = _phase(kubectl, ns, "flex", "VerifyingCollectives", "Failed", timeout=300, what="flex verifying its slice")
+    assert st["phase"] == "VerifyingCollectives", st
+    nodes = {n["metadata"]["name"]: n for n in _flex_nodes(kubectl)}
+    assert len(nodes) == V6E.slice.hosts, sorted(nodes)
+    workers = _get(kubectl, "pods", "-n", ns, "-l", "ray.io/cluster=flex-ray,ray.io/node-type=worker")["items"]
+    assert sorted(p["spec"].get("nodeName") for p in workers) == sorted(nodes)   # the slice is the provisioned one
+    attempts = st.get("trainingAttempts")
+    # 5. GKE takes the capacity back mid-run: a preemption, then queued again as a new Workload
+    (pr,) = _requests(kubectl, ns)
+    kubectl("annotate", "provisioningrequests.autoscaling.x-k8s.io", pr["metadata"]["name"], "-n", ns,
+            f"{qp.REVOKE_ANNOTATION}=revoked by tests/cluster/test_kueue.py", check=True)
+    st = wait_until(lambda: (s := _status(kubectl, ns, "flex")).get("recovery", {}).get("preemptions") and s,
+                    timeout=120, interval=1, what="flex preempted by the revoked capacity")
+    assert st["phase"] == "Queued" and "CapacityRevoked" in st["recovery"]["lastPreemption"]["cause"], st
+    assert not st["recovery"].get("sliceReplacements") and st.get("trainingAttempts") == attempts, st
+    st = _phase(kubectl, ns, "flex", "VerifyingCollectives", "Failed", timeout=300,
+                what="flex admitted again on a new booking and verifying")
+    assert st["phase"] == "VerifyingCollectives" and st["recovery"]["preemptions"] == 1, st
+    assert [p["metadata"]["uid"] for p in _requests(kubectl, ns)] != [pr["metadata"]["uid"]]   # a new request
+    # 4. deleting the run ends the booking: the provisioned nodes go
+    kubectl("delete", "tft", "flex", "-n", ns, check=True)
+    wait_until(lambda: not _flex_nodes(kubectl), timeout=180, interval=2, what="the flex-start nodes removed")
+
+
+def test_topology_aware_slices_land_whole_on_node_pools(cluster_kubectl, cluster_ns):
+    """Kueue TAS (ClusterQueue `tas`, Topology by cloud.google.com/gke-nodepool) places a `slices: 2`
+    run's 8 hosts 4 and 4 on the v6e pool's two node pools, checked where the real scheduler bound them."""
+    ns, kubectl = cluster_ns, cluster_kubectl
+    _apply(kubectl, kueue.local_queue(ns, kueue.TAS, "tas"))
+    _apply(kubectl, _slice("tas", "tas", slices=2, scheduling={"topologyAware": True}), ns=ns)
+    pods = wait_until(lambda: len(p := [x for x in _get(kubectl, "pods", "-n", ns, "-l",
+                                                        "ray.io/cluster=tas-ray,ray.io/node-type=worker")["items"]
+                                       if x["spec"].get("nodeName")]) == 8 and p,
+                      timeout=240, interval=2, what="the 8 hosts bound")
+    pool_of = {n["metadata"]["name"]: n["metadata"]["labels"][pools.POOL_LABEL]
+               for n in _get(kubectl, "nodes", "-l", pools.POOL_LABEL)["items"]}
+    per_pool: dict[str, list[str]] = {}
+    for p in pods:
+        per_pool.setdefault(pool_of[p["spec"]["nodeName"]], []).append(
+            p["metadata"]["labels"].get("ray.io/worker-group-replica-index", "?"))
+    print(f"TAS placement by node pool -> KubeRay replica index of each pod: {per_pool}")
+    assert sorted(len(v) for v in per_pool.values()) == [4, 4], per_pool
+    assert set(per_pool) <= {f"{V6E.name}-0", f"{V6E.name}-1"}, per_pool
+    kubectl("delete", "tft", "tas", "-n", ns, check=True)

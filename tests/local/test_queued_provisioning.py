@@ -66,9 +66,12 @@ def test_max_run_duration_revokes_the_capacity_and_removes_the_nodes():
     pr = _provisioned(parameters={"maxRunDurationSeconds": "3600"})
     assert qp.step(pr, at(5 + 3599), FAST, consumed=True) == qp.Step()
     revoked = qp.step(pr, at(5 + 3600), FAST, consumed=True)
-    assert types(revoked) == {"CapacityRevoked": "True"} and revoked.remove_nodes
-    after = qp.step(apply(pr, revoked), at(5 + 3601), FAST, consumed=True)
-    assert after == qp.Step(remove_nodes=True)   # ended: the conditions stay, nodes keep going
+    assert types(revoked) == {"CapacityRevoked": "True"} and not revoked.remove_nodes
+    pr = apply(pr, revoked)
+    notice = qp.REMOVAL_NOTICE_SECONDS
+    assert qp.step(pr, at(5 + 3600 + notice - 1), FAST, consumed=True) == qp.Step()   # Kueue suspends meanwhile
+    after = qp.step(pr, at(5 + 3600 + notice), FAST, consumed=True)
+    assert after == qp.Step(remove_nodes=True)   # ended: the conditions stay, the nodes go
 
 
 def test_the_stand_ins_annotation_revokes_at_once_in_its_words():
@@ -81,7 +84,8 @@ def test_an_unconsumed_booking_expires():
     pr = _provisioned()
     assert qp.step(pr, at(5 + 599), FAST, consumed=False) == qp.Step()
     expired = qp.step(pr, at(5 + 600), FAST, consumed=False)
-    assert types(expired) == {"BookingExpired": "True"} and expired.remove_nodes
+    assert types(expired) == {"BookingExpired": "True"}
+    assert qp.step(apply(pr, expired), at(5 + 600 + qp.REMOVAL_NOTICE_SECONDS), FAST, consumed=False).remove_nodes
     assert qp.step(pr, at(5 + 600), FAST, consumed=True) == qp.Step()   # pods on it: held
 
 
