@@ -934,7 +934,7 @@ def _scheduling(r: _Reader, spec: Mapping) -> Scheduling:
     if flex and (spot or reservation is not None):   # as the CRD's rule
         r.fail("spec.scheduling", FLEX_START_EXCLUSIVE)
     if declared.get("max_run_duration_seconds") is not None and not flex:
-        r.fail("spec.scheduling.maxRunDurationSeconds", MAX_RUN_DURATION_NEEDS_FLEX_START)
+        r.fail("spec.scheduling", MAX_RUN_DURATION_NEEDS_FLEX_START)   # as the CRD's rule, on the section
     tolerations = sc.get("tolerations") or []
     if not isinstance(tolerations, list) or not all(isinstance(t, Mapping) for t in tolerations):
         r.fail("spec.scheduling.tolerations", "must be a list of Kubernetes tolerations")
