@@ -75,6 +75,9 @@ CHECK_PENDING = "Pending"
 CHECK_READY = "Ready"
 CHECK_RETRY = "Retry"
 CHECK_REJECTED = "Rejected"
+# The Evicted condition's reason when Kueue deactivated the Workload (spec.active false) for a
+# Rejected check; the eviction then resets every check to Pending ("Previously: Rejected").
+KUEUE_DEACTIVATED_BY_CHECK = "DeactivatedDueToAdmissionCheck"
 # A ProvisioningRequest (autoscaling.x-k8s.io, cluster-autoscaler's API, created by Kueue's
 # ProvisioningRequest admission check): read only, for a check Kueue rejected, to tell a revoked or
 # expired booking (requeued like a preemption) from capacity that never came (the run fails).

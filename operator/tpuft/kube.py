@@ -165,7 +165,7 @@ class Kube:
         items = sorted(resp.get("items") or [], key=lambda w: (w.get("metadata") or {}).get("creationTimestamp") or "")
         workload = items[-1] if items else None
         queue = QueueObs.of(workload)
-        if queue.rejected_check is None:
+        if not queue.check_rejected:
             return queue
         return QueueObs.of(workload, self._provisioning_requests(ns))
 

@@ -135,6 +135,13 @@ class QueueObs:
     def rejected_check(self) -> CheckObs | None:
         return next((x for x in self.checks if x.state == c.CHECK_REJECTED), None)
 
+    @property
+    def check_rejected(self) -> bool:
+        """Kueue rejected an admission check: the check says so, or (once the eviction has reset the
+        checks to Pending) the deactivated Workload's eviction reason does."""
+        return self.rejected_check is not None or (not self.active and self.evicted.startswith(
+            c.KUEUE_DEACTIVATED_BY_CHECK))
+
 
 def booking_lost(workload: str | None, requests: tuple[Mapping[str, Any], ...]) -> str:
     """The newest of the Workload's ProvisioningRequests (Kueue makes one per attempt, owned by the

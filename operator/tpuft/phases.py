@@ -922,8 +922,8 @@ def _queued(draft: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
                             if kueue and kueue.workload else f"admitted (LocalQueue {queue})")
         again = draft.previous.reason in PREEMPTED_REASONS
         return _admitted(draft, tft, obs, "admitted again after a preemption" if again else "admitted")
-    if kueue is not None and kueue.rejected_check is not None and obs.cluster is not None and not obs.jobs:
-        return _rejected(draft, tft, obs, kueue, kueue.rejected_check)
+    if kueue is not None and kueue.check_rejected and obs.cluster is not None and not obs.jobs:
+        return _rejected(draft, tft, obs, kueue)
     timeout = tft.spec.queue_timeout_seconds
     words = _kueue_words(kueue)
     if timeout is not None and draft.seconds_in_phase() >= timeout:
@@ -947,17 +947,20 @@ def _queued(draft: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
     return draft.finish()
 
 
-def _rejected(draft: _Draft, tft: TPUFinetune, obs: Observed, kueue: QueueObs, check: CheckObs) -> Decision:
+def _rejected(draft: _Draft, tft: TPUFinetune, obs: Observed, kueue: QueueObs) -> Decision:
     """Kueue rejected an admission check and deactivated the Workload. A booking revoked or expired
     (the ProvisioningRequest's CapacityRevoked or BookingExpired) is a preemption: the RayCluster is
     deleted and made again, so that Kueue queues a new Workload (checkpoints kept, no attempt spent).
     Capacity that failed for good fails the run in the ProvisioningRequest's words."""
     names, queue = builders.names(tft), queue_name(tft)
+    check = kueue.rejected_check
+    what = (f"admission check {check.name}: {check.message or 'no message'}" if check
+            else f"Workload {kueue.workload} deactivated: {kueue.evicted}")
     if kueue.booking_lost and draft.previous.reason == Reason.REQUEUING.value:   # deleted: waiting for it to go
         draft.requeue_after(c.LEFTOVER_POLL_SECONDS)
         return draft.finish()
     if kueue.booking_lost:
-        msg = (f"{kueue.booking_lost} (admission check {check.name}, Workload {kueue.workload}); deleting RayCluster "
+        msg = (f"{kueue.booking_lost} (Workload {kueue.workload}); deleting RayCluster "
                f"{names.cluster} to queue it again as a new Workload; checkpoints kept")
         draft.add_action(Op.DELETE, c.RAYCLUSTER_KIND, names.cluster)
         draft.add_event(EventType.WARNING, Reason.PREEMPTED, msg)
@@ -966,13 +969,13 @@ def _rejected(draft: _Draft, tft: TPUFinetune, obs: Observed, kueue: QueueObs, c
         draft.requeue_after(c.LEFTOVER_POLL_SECONDS)
         return draft.finish()
     if not kueue.booking_read:   # cannot tell a lost booking from a failure: wait, say why
-        msg = (f"Kueue rejected admission check {check.name} ({check.message or 'no message'}) and its "
-               f"ProvisioningRequests in {tft.meta.namespace} could not be read to tell a lost booking from a failure; "
+        msg = (f"Kueue rejected an admission check ({what}) and the ProvisioningRequests in {tft.meta.namespace} "
+               "could not be read to tell a lost booking from a failure; "
                "the operator needs list on provisioningrequests.autoscaling.x-k8s.io (the chart's Role has it)")
         draft.move_to(Phase.QUEUED, Reason.QUEUED, msg)
         draft.requeue_after(c.QUEUE_POLL_SECONDS)
         return draft.finish()
-    msg = (f"Kueue rejected admission check {check.name} in LocalQueue {queue}: {check.message or 'no message'}; "
+    msg = (f"Kueue rejected an admission check in LocalQueue {queue} ({what}); "
            f"`kubectl get provisioningrequests -n {tft.meta.namespace}` shows why the capacity was not provisioned")
     draft.set_condition(Condition.ADMITTED, ConditionStatus.FALSE, Reason.CAPACITY_REJECTED, msg)
     draft.fail(Reason.CAPACITY_REJECTED, msg)

@@ -178,3 +178,14 @@ def test_a_rejected_checks_newest_provisioning_request_says_whether_the_booking_
     assert q.booking_lost == (f"{condition}: the {condition} message" if lost else "")
     unread = QueueObs.of(_workload("Rejected", "x", active=False), None)
     assert not unread.booking_read and unread.booking_lost == ""
+
+
+def test_a_check_rejected_is_seen_after_the_eviction_reset_it_to_pending():
+    wl = _workload("Pending", "Reset to Pending after eviction. Previously: Rejected", active=False)
+    wl["status"]["conditions"].append({"type": "Evicted", "status": "True", "reason": "DeactivatedDueToAdmissionCheck",
+                                       "message": "The workload is deactivated due to Admission check(s): flex-start"})
+    q = QueueObs.of(wl)
+    assert q.rejected_check is None and q.check_rejected
+    wl["status"]["conditions"][-1]["reason"] = "Deactivated"   # spec.active set false by someone: not a check
+    assert not QueueObs.of(wl).check_rejected
+    assert not QueueObs.of(_workload("Pending", WAITING)).check_rejected

@@ -1374,14 +1374,17 @@ def test_quota_reserved_then_waiting_for_capacity_in_the_provisioning_requests_w
 
 
 REVOKED = "CapacityRevoked: the flex-start nodes were reclaimed"
+DEACTIVATED = ("DeactivatedDueToAdmissionCheck: The workload is deactivated due to Admission check(s): flex-start, "
+               "were rejected")
 
 
 def test_a_revoked_booking_mid_run_is_a_preemption_then_a_new_workload_and_the_same_attempt_resumes():
     o, n = _labelled_training()
     train = n.train_attempt(0)
     o["status"]["training"] = {"step": 40}
-    rejected = capacity("Rejected", "the flex-start nodes were reclaimed", active=False, booking_lost=REVOKED,
-                        evicted="Deactivated: The workload is deactivated due to a rejected admission check")
+    # As Kueue v0.17.0 leaves it: deactivated, and the eviction has reset the rejected check to Pending
+    rejected = capacity("Pending", "Reset to Pending after eviction. Previously: Rejected", active=False,
+                        booking_lost=REVOKED, evicted=DEACTIVATED)
     d = phases.decide(o, Observed(cluster(0, suspended=True), {train: job(train)}, queue=rejected), at(10), TUN)
     assert d.phase == "Queued" and d.status["reason"] == "Preempted" and REVOKED in d.status["message"]
     assert kinds(d) == []   # the ranks save at their next step first (the pods' preStop)
@@ -1422,6 +1425,18 @@ def test_capacity_that_failed_for_good_fails_the_run_in_the_provisioning_request
     d = phases.decide(o, Observed(cluster(0, suspended=True), queue=failed), at(5), TUN)
     assert d.phase == "Failed" and d.status["reason"] == "CapacityRejected"
     assert "not offered in this zone" in d.status["message"] and "kubectl get provisioningrequests" in d.status["message"]
+    reset = capacity("Pending", "Reset to Pending after eviction. Previously: Rejected", active=False,
+                     evicted=DEACTIVATED)   # read after the eviction: the Workload's reason says it
+    d = phases.decide(o, Observed(cluster(0, suspended=True), queue=reset), at(5), TUN)
+    assert d.phase == "Failed" and d.status["reason"] == "CapacityRejected" and DEACTIVATED in d.status["message"]
+
+
+def test_a_workload_deactivated_by_someone_else_stays_queued():
+    o = queued(scheduling={"provisioning": "flexStart"})
+    o = apply(o, phases.decide(o, Observed(), at(0), TUN))
+    other = capacity("Pending", active=False, evicted="Deactivated: The workload is deactivated")
+    d = phases.decide(o, Observed(cluster(0, suspended=True), queue=other), at(5), TUN)
+    assert d.phase == "Queued" and kinds(d) == []
 
 
 def test_a_rejected_check_whose_provisioning_requests_cannot_be_read_waits_and_says_why():
