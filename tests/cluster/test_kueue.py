@@ -192,9 +192,10 @@ def test_flex_start_waits_for_capacity_in_the_provisioning_requests_words_provis
     _apply(kubectl, _slice("flex", flex_queue, scheduling={"provisioning": "flexStart", "maxRunDurationSeconds": 3600}),
            ns=ns)
     # 1. quota reserved, the ProvisioningRequest waits: the run says so in its words, as its own reason
-    st = wait_until(lambda: (s := _status(kubectl, ns, "flex")).get("reason") == "WaitingForCapacity" and s,
-                    timeout=120, interval=1, what="flex waiting for capacity")
-    assert st["phase"] == "Queued" and "Waiting for capacity" in st["message"] and "stand-in" in st["message"], st
+    # (first without a message: Kueue copies the request's once the stand-in has accepted it)
+    st = wait_until(lambda: "Waiting for capacity" in (s := _status(kubectl, ns, "flex")).get("message", "") and s,
+                    timeout=120, interval=1, what="the ProvisioningRequest's words in flex's status")
+    assert (st["phase"], st["reason"]) == ("Queued", "WaitingForCapacity") and "stand-in" in st["message"], st
     (pr,) = _requests(kubectl, ns)
     assert pr["spec"]["provisioningClassName"] == kueue.QUEUED_PROVISIONING_CLASS
     assert pr["spec"]["parameters"][c.GKE_MAX_RUN_DURATION_PARAMETER] == "3600"   # from the RayCluster's annotation
