@@ -265,6 +265,12 @@ def _cluster_spec(tft: TPUFinetune, component: c.Component, max_slices: int | No
     tolerations = [dict(t) for t in spec.scheduling.tolerations]
     if flex_start:   # GKE taints queued-provisioning nodes; the TPU taint is tolerated by admission
         tolerations.append({"key": c.GKE_QUEUED_TAINT, "operator": "Exists", "effect": "NoSchedule"})
+    topology = _slice_topology(tft) if training else {}
+    if topology:
+        # Kueue's TAS node controller reads the Workload's pod template, not the pods: the toleration
+        # the API server's ExtendedResourceToleration adds to each pod is not there, and a node with
+        # an untolerated NoSchedule taint counts as failed (its pods terminated, the Workload evicted).
+        tolerations.append({"key": c.TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
     if tolerations:
         pod_extra["tolerations"] = tolerations
     if training:
@@ -282,7 +288,6 @@ def _cluster_spec(tft: TPUFinetune, component: c.Component, max_slices: int | No
         per_slice, hosts = s.hosts, 1
         start_params = {"num-cpus": defaults.cpu}
     template = _pod_template(tft, component, [worker], pod_extra)
-    topology = _slice_topology(tft) if training else {}
     if topology:
         template["metadata"]["annotations"] = {**template["metadata"].get("annotations", {}), **topology}
     group = {

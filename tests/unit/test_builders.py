@@ -244,6 +244,9 @@ def test_topology_aware_keeps_each_slices_hosts_in_one_node_pool(slices, expecte
     assert group["replicas"] * group["numOfHosts"] == 4 * slices   # Kueue's pod set: slices x hosts pods
     annotations = group["template"]["metadata"].get("annotations", {})
     assert {k: v for k, v in annotations.items() if k.startswith("kueue.x-k8s.io/podset")} == expected
+    # Kueue's TAS node controller judges the node's taints by the template (not the admitted pod)
+    assert {"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"} in group["template"]["spec"][
+        "tolerations"]
 
 
 @pytest.mark.parametrize("doc", [
