@@ -227,23 +227,36 @@ def test_flex_start_waits_for_capacity_in_the_provisioning_requests_words_provis
     wait_until(lambda: not _flex_nodes(kubectl), timeout=180, interval=2, what="the flex-start nodes removed")
 
 
+def _workers(kubectl, ns: str, cluster: str) -> list[dict]:
+    return _get(kubectl, "pods", "-n", ns, "-l", f"ray.io/cluster={cluster},ray.io/node-type=worker").get("items") or []
+
+
 def test_topology_aware_slices_land_whole_on_node_pools(cluster_kubectl, cluster_ns):
-    """Kueue TAS (ClusterQueue `tas`, Topology by cloud.google.com/gke-nodepool) places a `slices: 2`
-    run's 8 hosts 4 and 4 on the v6e pool's two node pools, checked where the real scheduler bound them."""
+    """Kueue TAS (ClusterQueue `tas`, Topology by cloud.google.com/gke-nodepool): one slice's 4 hosts
+    bound on one node pool by the real scheduler; a `slices: 2` run's 8 hosts assigned 4 and 4 to the
+    v6e pool's two node pools (Kueue's assignment, the hostname node selector it puts on each pod).
+    Kueue v0.17.0 does not rank a RayCluster's pods, so a node pool's 4 pods may come from two KubeRay
+    replicas, and then the TPU webhook's replica affinity leaves some Pending (docs/kueue.md): the
+    8 are not asserted bound."""
     ns, kubectl = cluster_ns, cluster_kubectl
     _apply(kubectl, kueue.local_queue(ns, kueue.TAS, "tas"))
-    _apply(kubectl, _slice("tas", "tas", slices=2, scheduling={"topologyAware": True}), ns=ns)
-    pods = wait_until(lambda: len(p := [x for x in _get(kubectl, "pods", "-n", ns, "-l",
-                                                        "ray.io/cluster=tas-ray,ray.io/node-type=worker")["items"]
-                                       if x["spec"].get("nodeName")]) == 8 and p,
-                      timeout=240, interval=2, what="the 8 hosts bound")
     pool_of = {n["metadata"]["name"]: n["metadata"]["labels"][pools.POOL_LABEL]
                for n in _get(kubectl, "nodes", "-l", pools.POOL_LABEL)["items"]}
+    _apply(kubectl, _slice("one", "tas", scheduling={"topologyAware": True}), ns=ns)
+    bound = wait_until(lambda: len(p := [x for x in _workers(kubectl, ns, "one-ray") if x["spec"].get("nodeName")]) == 4
+                       and p, timeout=240, interval=2, what="one's 4 hosts bound")
+    assert len({pool_of[p["spec"]["nodeName"]] for p in bound}) == 1, [p["spec"]["nodeName"] for p in bound]
+    kubectl("delete", "tft", "one", "-n", ns, check=True)
+    wait_until(lambda: not _workers(kubectl, ns, "one-ray"), timeout=180, interval=2, what="one's pods gone")
+    _apply(kubectl, _slice("two", "tas", slices=2, scheduling={"topologyAware": True}), ns=ns)
+    placed = wait_until(lambda: len(p := [x for x in _workers(kubectl, ns, "two-ray")
+                                          if "kubernetes.io/hostname" in (x["spec"].get("nodeSelector") or {})]) == 8
+                        and p, timeout=240, interval=2, what="Kueue's placement of two's 8 hosts")
     per_pool: dict[str, list[str]] = {}
-    for p in pods:
-        per_pool.setdefault(pool_of[p["spec"]["nodeName"]], []).append(
+    for p in placed:
+        per_pool.setdefault(pool_of[p["spec"]["nodeSelector"]["kubernetes.io/hostname"]], []).append(
             p["metadata"]["labels"].get("ray.io/worker-group-replica-index", "?"))
     print(f"TAS placement by node pool -> KubeRay replica index of each pod: {per_pool}")
     assert sorted(len(v) for v in per_pool.values()) == [4, 4], per_pool
-    assert set(per_pool) <= {f"{V6E.name}-0", f"{V6E.name}-1"}, per_pool
-    kubectl("delete", "tft", "tas", "-n", ns, check=True)
+    assert set(per_pool) == {f"{V6E.name}-0", f"{V6E.name}-1"}, per_pool
+    kubectl("delete", "tft", "two", "-n", ns, check=True)
