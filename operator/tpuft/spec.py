@@ -386,9 +386,10 @@ class Scheduling:
 
     topology_aware: bool = declare(
         "Multi-host TPU only, with a kueue.x-k8s.io/queue-name label: ask Kueue's Topology Aware Scheduling to keep "
-        "each slice's hosts on one slice of nodes (GKE: one node pool, label cloud.google.com/gke-nodepool), for "
-        "every slice of spec.slices. The ClusterQueue's TPU ResourceFlavor needs a topologyName (a Kueue Topology "
-        "whose levels include cloud.google.com/gke-nodepool), or Kueue does not admit it.",
+        "each slice's hosts on one slice of nodes (GKE: one node pool, label cloud.google.com/gke-nodepool). The "
+        "ClusterQueue's TPU ResourceFlavor needs a topologyName (a Kueue Topology whose levels include "
+        "cloud.google.com/gke-nodepool), or Kueue does not admit it. With slices above 1, Kueue v0.17 fills each "
+        "node pool by count, not by KubeRay replica, and the slices may not come up (docs/kueue.md).",
         python_default=False)
 
     @property
