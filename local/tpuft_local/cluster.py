@@ -34,11 +34,12 @@ from tpuft_local.controlplane import ControlPlane, ControlPlaneError, free_port
 from tpuft_local.network import Network, NetworkError, from_env
 from tpuft_local.toolchain import (ARGOCD_COMMANDS, OPTIONAL_TOOLS, TOOLS, VERSIONS, ToolchainError, argocd_command,
                                    argocd_manifests_dir, cached_path, ensure_tools, kuberay_crd_dir, kueue_config_dir,
-                                   tool_path)
+                                   provisioning_request_crd, tool_path)
 
 REPO = Path(__file__).resolve().parents[2]
 
 APPLY_ATTEMPTS = 3
+PROVREQ_CRD = "provisioningrequests.autoscaling.x-k8s.io"   # cluster-autoscaler's API, Kueue's dependency
 APPLY_RETRY_WAIT_S = 5.0
 # kubectl's words for an API server that was too slow or not listening, as opposed to a refusal
 _TRANSIENT = ("Client.Timeout exceeded", "i/o timeout", "connection refused", "TLS handshake timeout",
@@ -71,6 +72,7 @@ NODE_COMPONENTS = (
     Component("containerd", "containerd"), Component("kubelet", "kubelet"), Component("kube-proxy", "kube-proxy"),
     Component("coredns", "coredns"), Component("kwok", "kwok"), Component("kuberay-operator", "kuberay-operator"),
     Component("tpu-webhook", "tpuft_local.tpu_webhook"), Component("kueue", "kueue"),
+    Component("queued-provisioning", "tpuft_local.queued_provisioning"),   # with Kueue: GKE's stand-in
     Component("tpufinetune-operator", "kopf"),
 )
 # Started by `up --argocd` only (after our operator), stopped first by `down`.
@@ -79,6 +81,7 @@ ARGOCD_COMPONENTS = (
     Component("argocd-repo-server", "argocd-repo-server"),
     Component("argocd-application-controller", "argocd-application-controller"),
 )
+KUEUE_COMPONENTS = ("kueue", "queued-provisioning")   # left out with --no-kueue
 KUEUE_OFF = "kueue.off"   # in the state dir: the last `up` was --no-kueue (status does not expect it)
 ARGOCD_ON = "argocd.on"   # in the state dir: the last `up` had --argocd (a plain `up` keeps it)
 
@@ -115,7 +118,7 @@ class LocalCluster:
         for name in self.cp.components:
             out.setdefault(name, None)
         for comp in NODE_COMPONENTS:
-            if comp.name != "kueue" or self.kueue:
+            if comp.name not in KUEUE_COMPONENTS or self.kueue:
                 out[comp.name] = self.pid(comp)
         for comp in ARGOCD_COMPONENTS if self.argocd else ():
             out[comp.name] = self.pid(comp)
@@ -393,11 +396,17 @@ class LocalCluster:
         off = self.state / KUEUE_OFF
         if not self.kueue:
             off.touch()
+            self._stop("queued-provisioning")
             self._stop("kueue")
             return
         off.unlink(missing_ok=True)
         comp = kueue_config_dir()
         self.cp.install_crds(sorted((comp / "crd" / "bases").glob("*.yaml")))
+        # Kueue sets up its ProvisioningRequest admission check only when the API is served at its start.
+        had_provreq = self.kubectl("get", "crd", PROVREQ_CRD, check=False).returncode == 0
+        self.cp.install_crds([provisioning_request_crd()])
+        if not had_provreq:
+            self._stop("kueue")
         self.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": kueue.NAMESPACE}},
                     *kueue.rbac(comp / "rbac")])
         kubeconfig = self._client_kubeconfig("kueue", kueue.USER)
@@ -419,6 +428,25 @@ class LocalCluster:
                                                 (self.cp.pki / "ca.crt").read_bytes()))
         self.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": DEMO_NAMESPACE, "labels": PSA_LABELS}},
                     *kueue.queue_objects(self.tpu_pools, DEMO_NAMESPACE)])
+        self._queued_provisioning()
+
+    def _queued_provisioning(self) -> None:
+        """The stand-in for GKE's queued provisioning (tpuft_local.queued_provisioning) and the Kueue
+        objects using it: the ClusterQueue `flex-start` (ProvisioningRequest admission check) for the
+        first v6e/tpu7x pool's shape, and the ClusterQueue `tas` (Topology Aware Scheduling) on it."""
+        from tpuft_local import kueue
+        from tpuft_local.demo_objects import DEMO_NAMESPACE
+        pool = next((p for p in self.tpu_pools if p.accelerator in ("v6e", "tpu7x")), None)
+        if pool is None:
+            return
+        user = "tpuft:queued-provisioning"
+        self.apply([*kueue.standin_rbac(user), *kueue.flex_start_objects(pool, DEMO_NAMESPACE),
+                    *kueue.tas_objects(pool, DEMO_NAMESPACE)])
+        kubeconfig = self._client_kubeconfig("queued-provisioning", user)
+        log = self.logs / "queued-provisioning.log"
+        self._start("queued-provisioning", [sys.executable, "-m", "tpuft_local.queued_provisioning",
+                                            f"--kubeconfig={kubeconfig}"],
+                    lambda: log.exists() and "running" in log.read_text(errors="replace"), timeout=60)
 
     def _operator(self) -> None:
         if self.operator_mode == "none":
@@ -519,7 +547,7 @@ class LocalCluster:
     def down(self, keep_packages: bool = False, purge: bool = False) -> list[str]:
         """Stop everything this state dir started, by PID, and undo the host changes."""
         self._stop_argocd()
-        for name in ("tpufinetune-operator", "kueue", "kuberay-operator", "tpu-webhook"):
+        for name in ("tpufinetune-operator", "queued-provisioning", "kueue", "kuberay-operator", "tpu-webhook"):
             self._stop(name)
         self.cp.stop_component("kube-controller-manager")  # nothing may recreate the pods we delete
         self.cp.stop_component("kube-scheduler")

@@ -14,7 +14,10 @@
 
 `--rehearse-tpu` applies examples/v6e-4x4.yaml instead: KubeRay places the slice's 4 workers on
 the 4 simulated v6e nodes and reports the RayCluster ready, the operator starts verification,
-and since nothing executes on simulated hosts the run ends at the verification deadline.
+and since nothing executes on simulated hosts the run ends at the verification deadline. With
+`--flex-start` the slice comes through Kueue's ProvisioningRequest check: the run waits for
+capacity, the local stand-in for GKE's queued provisioning makes the flex-start nodes, and they go
+when the run is deleted at the end.
 Every step says what it is doing; a failing step says which and what to do.
 """
 from __future__ import annotations
@@ -67,6 +70,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rehearse-tpu", action="store_true",
                    help="apply examples/v6e-4x4.yaml: 4 workers on the simulated v6e pool; ends at the "
                         "verification deadline, since nothing runs on simulated hosts")
+    p.add_argument("--flex-start", action="store_true",
+                   help="with --rehearse-tpu: get the slice through GKE flex-start (Kueue's ProvisioningRequest check, "
+                        "the local stand-in for GKE's queued provisioning); the slice's nodes go at the end")
     p.add_argument("--gitops", action="store_true",
                    help="through Argo CD: commit the object to the local cluster's git repository, an Application "
                         "syncs it (starts `tpuft cluster up --argocd`); prints Argo CD's sync and health")
@@ -275,7 +281,30 @@ def _manifest(args) -> dict:
         spec["provisioningTimeoutSeconds"] = args.provisioning_timeout
     if args.rehearse_tpu:
         spec.setdefault("verification", {})["timeoutSeconds"] = REHEARSAL_VERIFY_TIMEOUT
+    if getattr(args, "flex_start", False):
+        if not args.rehearse_tpu:
+            raise DemoError("--flex-start needs --rehearse-tpu: flex-start provisions a TPU slice (simulated here)")
+        from tpuft_local.kueue import FLEX_START
+        manifest.setdefault("metadata", {}).setdefault("labels", {})[c.KUEUE_QUEUE_LABEL] = FLEX_START
+        spec.setdefault("scheduling", {})["provisioning"] = c.Provisioning.FLEX_START.value
     return manifest
+
+
+def _release_flex_start(custom, core, namespace: str, name: str, clock: Clock, timeout: float = 180) -> None:
+    """Delete the run and wait (bounded) until the stand-in has removed its flex-start nodes."""
+    from tpuft_local.queued_provisioning import OWNER_LABEL
+    with contextlib.suppress(Exception):
+        custom.delete_namespaced_custom_object(c.GROUP, c.VERSION, namespace, c.PLURAL, name)
+    print(f"{clock.stamp()}   deleted {name}: the booking ends, its flex-start nodes go", flush=True)
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        left = [n.metadata.name for n in core.list_node(label_selector=OWNER_LABEL).items]
+        if not left:
+            print(f"{clock.stamp()}   the flex-start nodes are gone", flush=True)
+            return
+        time.sleep(2)
+    print(f"{clock.stamp()}   flex-start nodes still there after {timeout:.0f} s: {', '.join(left)} "
+          "(logs: queued-provisioning.log)", file=sys.stderr, flush=True)
 
 
 def _cluster(args, clock: Clock):
@@ -362,6 +391,8 @@ def run_demo(args: argparse.Namespace) -> int:
         final, losses = stream(custom, args.namespace, name, clock, args.timeout,
                                on_poll=lambda: [poll() for poll in polls])
         code = _summary(final, losses, placement, clock)
+        if getattr(args, "flex_start", False):
+            _release_flex_start(custom, client.CoreV1Api(api_client), args.namespace, name, clock)
         if view is not None:   # Argo CD's own verdict on the phase the run ended in
             view.settle("Healthy" if code == 0 else "Degraded")
         exchange = _chat(final, kubeconfig, clock) if code == 0 and serving_ready(final.get("status") or {}) else None

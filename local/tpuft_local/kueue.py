@@ -157,3 +157,111 @@ def _times(quantity: str, n: int) -> str:
         if quantity.endswith(suffix):
             return f"{int(quantity[:-len(suffix)]) * n}{suffix}"
     return str(int(quantity) * n)
+
+
+# --- GKE flex-start (queued provisioning) through Kueue's ProvisioningRequest admission check ---------
+FLEX_START = "flex-start"   # the ClusterQueue, LocalQueue, AdmissionCheck and ProvisioningRequestConfig
+QUEUED_PROVISIONING_CLASS = "queued-provisioning.gke.io"
+PROVISIONING_CONTROLLER = "kueue.x-k8s.io/provisioning-request"
+TOPOLOGY = "tpu-slices"     # Kueue TAS: a multi-host slice is one GKE node pool, its hosts the nodes
+
+
+def flex_start_flavor_name(pool) -> str:
+    return f"{pool.name}-{FLEX_START}"
+
+
+def flex_start_objects(pool, local_queue_namespace: str | None = None, slices: int = 2) -> list[dict]:
+    """GKE flex-start for one TPU shape, as GKE documents it for Kueue: a ResourceFlavor with the
+    flex-start node labels and the google.com/tpu and cloud.google.com/gke-queued tolerations, a
+    ProvisioningRequestConfig of class queued-provisioning.gke.io managing google.com/tpu, the
+    AdmissionCheck using it, a ClusterQueue `flex-start` with the check on that flavor (quota for
+    `slices` slices: the nodes do not exist until provisioned) and a LocalQueue. The chart's
+    kueue/gke-flex-start.yaml is the same shape (tests/local/test_kueue.py)."""
+    s, api = pool.slice, f"{c.KUEUE_GROUP}/{c.KUEUE_VERSION}"
+    node = poolslib.tpu_nodes(pool)[0]["status"]["allocatable"]
+    flavor = {"apiVersion": api, "kind": "ResourceFlavor",
+              "metadata": {"name": flex_start_flavor_name(pool), "labels": MANAGED},
+              "spec": {"nodeLabels": {**dict(s.node_selector), c.GKE_FLEX_START_SELECTOR: "true"},
+                       "tolerations": [{"key": c.TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"},
+                                       {"key": c.GKE_QUEUED_TAINT, "operator": "Exists", "effect": "NoSchedule"}]}}
+    config = {"apiVersion": api, "kind": "ProvisioningRequestConfig", "metadata": {"name": FLEX_START, "labels": MANAGED},
+              "spec": {"provisioningClassName": QUEUED_PROVISIONING_CLASS, "managedResources": [c.TPU_RESOURCE]}}
+    check = {"apiVersion": api, "kind": "AdmissionCheck", "metadata": {"name": FLEX_START, "labels": MANAGED},
+             "spec": {"controllerName": PROVISIONING_CONTROLLER,
+                      "parameters": {"apiGroup": c.KUEUE_GROUP, "kind": "ProvisioningRequestConfig", "name": FLEX_START}}}
+    cq = {"apiVersion": api, "kind": "ClusterQueue", "metadata": {"name": FLEX_START, "labels": MANAGED},
+          "spec": {"namespaceSelector": {},
+                   "resourceGroups": [{"coveredResources": ["cpu", "memory", c.TPU_RESOURCE], "flavors": [
+                       {"name": CPU_FLAVOR, "resources": [
+                           {"name": "cpu", "nominalQuota": CPU_QUOTA[0]}, {"name": "memory", "nominalQuota": CPU_QUOTA[1]},
+                           {"name": c.TPU_RESOURCE, "nominalQuota": 0}]},
+                       {"name": flex_start_flavor_name(pool), "resources": [
+                           {"name": "cpu", "nominalQuota": _times(node["cpu"], s.hosts * slices)},
+                           {"name": "memory", "nominalQuota": _times(node["memory"], s.hosts * slices)},
+                           {"name": c.TPU_RESOURCE, "nominalQuota": s.chips_per_host * s.hosts * slices}]}]}],
+                   # the check on the TPU flavor only: a CPU head needs no provisioning
+                   "admissionChecksStrategy": {"admissionChecks": [
+                       {"name": FLEX_START, "onFlavors": [flex_start_flavor_name(pool)]}]}}}
+    out = [flavor, config, check, cq]
+    if local_queue_namespace:
+        out.append(local_queue(local_queue_namespace, FLEX_START, FLEX_START))
+    return out
+
+
+def topology() -> dict:
+    """Kueue's Topology for TPU slices by GKE's labels: a node pool (one multi-host slice), its nodes."""
+    return {"apiVersion": f"{c.KUEUE_GROUP}/{c.KUEUE_VERSION}", "kind": "Topology",
+            "metadata": {"name": TOPOLOGY, "labels": MANAGED},
+            "spec": {"levels": [{"nodeLabel": c.GKE_NODEPOOL_LABEL}, {"nodeLabel": "kubernetes.io/hostname"}]}}
+
+
+TAS = "tas"   # the ClusterQueue and LocalQueue placing slices by Kueue Topology Aware Scheduling
+
+
+def tas_objects(pool, local_queue_namespace: str | None = None) -> list[dict]:
+    """Kueue Topology Aware Scheduling on a static TPU pool: the Topology, a flavor with the pool's
+    labels and topologyName, and a ClusterQueue `tas` with quota for all of the pool's slices (a
+    `slices: N` run's N x hosts pods placed slice by slice on node pools; tpuft.builders' pod-set
+    annotations ask for it with scheduling.topologyAware)."""
+    s, api = pool.slice, f"{c.KUEUE_GROUP}/{c.KUEUE_VERSION}"
+    node = poolslib.tpu_nodes(pool)[0]["status"]["allocatable"]
+    name = f"{pool.name}-{TAS}"
+    flavor = _flavor(name, dict(s.node_selector), tpu=True)
+    flavor["spec"]["topologyName"] = TOPOLOGY
+    hosts = s.hosts * pool.slices
+    cq = {"apiVersion": api, "kind": "ClusterQueue", "metadata": {"name": TAS, "labels": MANAGED},
+          "spec": {"namespaceSelector": {}, "resourceGroups": [{"coveredResources": ["cpu", "memory", c.TPU_RESOURCE],
+                                                                 "flavors": [
+              {"name": CPU_FLAVOR, "resources": [
+                  {"name": "cpu", "nominalQuota": CPU_QUOTA[0]}, {"name": "memory", "nominalQuota": CPU_QUOTA[1]},
+                  {"name": c.TPU_RESOURCE, "nominalQuota": 0}]},
+              {"name": name, "resources": [
+                  {"name": "cpu", "nominalQuota": _times(node["cpu"], hosts)},
+                  {"name": "memory", "nominalQuota": _times(node["memory"], hosts)},
+                  {"name": c.TPU_RESOURCE, "nominalQuota": s.chips_per_host * hosts}]}]}]}}
+    out = [topology(), flavor, cq]
+    if local_queue_namespace:
+        out.append(local_queue(local_queue_namespace, TAS, TAS))
+    return out
+
+
+def standin_rbac(user: str) -> list[dict]:
+    """What the queued-provisioning stand-in may do: read ProvisioningRequests and their PodTemplates,
+    set their status, list pods (who consumes a booking), make and remove the flex-start nodes, read
+    its settings ConfigMap."""
+    from tpuft_local import queued_provisioning as qp
+    name = "tpuft:queued-provisioning-standin"
+    rules = [
+        {"apiGroups": [qp.GROUP], "resources": [qp.PLURAL], "verbs": ["get", "list"]},
+        {"apiGroups": [qp.GROUP], "resources": [f"{qp.PLURAL}/status"], "verbs": ["patch"]},
+        {"apiGroups": [""], "resources": ["podtemplates"], "verbs": ["get"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["list", "create", "delete"]},
+        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"], "resourceNames": [qp.SETTINGS]},
+    ]
+    ref = {"apiGroup": "rbac.authorization.k8s.io"}
+    return [{"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+             "metadata": {"name": name, "labels": MANAGED}, "rules": rules},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+             "metadata": {"name": name, "labels": MANAGED}, "roleRef": {**ref, "kind": "ClusterRole", "name": name},
+             "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]}]

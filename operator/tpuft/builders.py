@@ -195,6 +195,29 @@ def _node_selector(tft: TPUFinetune) -> dict[str, str]:
     return sel
 
 
+def _slice_topology(tft: TPUFinetune) -> dict[str, str]:
+    """Kueue Topology Aware Scheduling's pod-set annotations for the worker group (one pod set of
+    slices x hosts pods): each slice's hosts in one node pool, GKE's unit of a multi-host slice.
+    Only when asked (scheduling.topologyAware) and queued: TAS is Kueue's, and a flavor without a
+    Topology does not admit an annotated pod set."""
+    s = tft.spec.slice
+    if not (tft.spec.scheduling.topology_aware and tft.meta.labels.get(c.KUEUE_QUEUE_LABEL) and s.is_tpu
+            and s.hosts > 1):
+        return {}
+    if tft.spec.slices == 1:
+        return {c.KUEUE_TAS_REQUIRED: c.GKE_NODEPOOL_LABEL}
+    return {c.KUEUE_TAS_SLICE_REQUIRED: c.GKE_NODEPOOL_LABEL, c.KUEUE_TAS_SLICE_SIZE: str(s.hosts)}
+
+
+def _provisioning_parameters(tft: TPUFinetune) -> dict[str, str]:
+    """The RayCluster's annotations Kueue passes to its ProvisioningRequest as spec.parameters
+    (prefix provreq.kueue.x-k8s.io/): flex-start's maximum run duration."""
+    sched = tft.spec.scheduling
+    if not (sched.flex_start and sched.max_run_duration_seconds):
+        return {}
+    return {c.PROVREQ_PARAMETER_PREFIX + c.GKE_MAX_RUN_DURATION_PARAMETER: str(sched.max_run_duration_seconds)}
+
+
 def _checkpoint_volume(tft: TPUFinetune) -> tuple[list[dict], list[dict]]:
     """(volumeMounts, volumes) for spec.checkpoint.volume: the same storage at storagePath on
     the head (Ray Train's driver) and every worker."""
@@ -217,6 +240,8 @@ def build_raycluster(tft: TPUFinetune) -> dict:
         "metadata": _metadata(tft, n.cluster, c.Component.CLUSTER, extra_labels),
         "spec": _cluster_spec(tft, c.Component.CLUSTER),
     }
+    if parameters := _provisioning_parameters(tft):
+        body["metadata"]["annotations"] = {**body["metadata"].get("annotations", {}), **parameters}
     if tft.spec.suspend:
         body["spec"]["suspend"] = True
     return body
@@ -245,10 +270,24 @@ def _cluster_spec(tft: TPUFinetune, component: c.Component, max_slices: int | No
     pod_extra: dict = {"volumes": [{"name": SHM_VOLUME, "emptyDir": {
         "medium": "Memory", "sizeLimit": spec.resources.shm_size or defaults.shm}}] + ck_volumes}
     selector = _node_selector(tft)
+    # Flex-start is the training slice's (Kueue's ProvisioningRequest for the queued RayCluster); the
+    # serving RayService is not queued, so it takes the pools as the rest of spec.scheduling says.
+    flex_start = training and spec.scheduling.flex_start
+    if flex_start:
+        selector = {**selector, c.GKE_FLEX_START_SELECTOR: "true"}
     if selector:
         pod_extra["nodeSelector"] = selector
-    if spec.scheduling.tolerations:
-        pod_extra["tolerations"] = [dict(t) for t in spec.scheduling.tolerations]
+    tolerations = [dict(t) for t in spec.scheduling.tolerations]
+    if flex_start:   # GKE taints queued-provisioning nodes; the TPU taint is tolerated by admission
+        tolerations.append({"key": c.GKE_QUEUED_TAINT, "operator": "Exists", "effect": "NoSchedule"})
+    topology = _slice_topology(tft) if training else {}
+    if topology:
+        # Kueue's TAS node controller reads the Workload's pod template, not the pods: the toleration
+        # the API server's ExtendedResourceToleration adds to each pod is not there, and a node with
+        # an untolerated NoSchedule taint counts as failed (its pods terminated, the Workload evicted).
+        tolerations.append({"key": c.TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+    if tolerations:
+        pod_extra["tolerations"] = tolerations
     if training:
         for container in (head, worker):
             _stop_at_a_checkpoint(container)
@@ -264,6 +303,9 @@ def _cluster_spec(tft: TPUFinetune, component: c.Component, max_slices: int | No
     else:
         per_slice, hosts = s.hosts, 1
         start_params = {"num-cpus": defaults.cpu}
+    template = _pod_template(tft, component, [worker], pod_extra)
+    if topology:
+        template["metadata"]["annotations"] = {**template["metadata"].get("annotations", {}), **topology}
     group = {
         "groupName": n.worker_group,
         "replicas": per_slice * spec.slices,
@@ -271,7 +313,7 @@ def _cluster_spec(tft: TPUFinetune, component: c.Component, max_slices: int | No
         "maxReplicas": per_slice * most,
         "numOfHosts": hosts,
         "rayStartParams": start_params,
-        "template": _pod_template(tft, component, [worker], pod_extra),
+        "template": template,
     }
     if s.tpu_resource_per_chip > 1:
         group["resources"] = {c.RAY_TPU_CUSTOM_RESOURCE: str(s.devices_per_host)}

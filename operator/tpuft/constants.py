@@ -71,6 +71,28 @@ KUEUE_QUOTA_RESERVED = "QuotaReserved"
 KUEUE_ADMITTED = "Admitted"
 KUEUE_EVICTED = "Evicted"
 KUEUE_PREEMPTED = "Preempted"
+# A Workload's status.admissionChecks[].state (Kueue's CheckState): Ready admits (with quota reserved),
+# Retry evicts and requeues, Rejected deactivates the Workload (spec.active false).
+CHECK_PENDING = "Pending"
+CHECK_READY = "Ready"
+CHECK_RETRY = "Retry"
+CHECK_REJECTED = "Rejected"
+# The Evicted condition's reason when Kueue deactivated the Workload (spec.active false) for a
+# Rejected check; the eviction then resets every check to Pending ("Previously: Rejected").
+KUEUE_DEACTIVATED_BY_CHECK = "DeactivatedDueToAdmissionCheck"
+# A ProvisioningRequest (autoscaling.x-k8s.io, cluster-autoscaler's API, created by Kueue's
+# ProvisioningRequest admission check): read only, for a check Kueue rejected, to tell a revoked or
+# expired booking (requeued like a preemption) from capacity that never came (the run fails).
+PROVREQ_GROUP = "autoscaling.x-k8s.io"
+PROVREQ_VERSION = "v1"
+PROVREQ_PLURAL = "provisioningrequests"
+PROVREQ_ACCEPTED = "Accepted"
+PROVREQ_PROVISIONED = "Provisioned"
+PROVREQ_FAILED = "Failed"
+PROVREQ_BOOKING_EXPIRED = "BookingExpired"
+PROVREQ_CAPACITY_REVOKED = "CapacityRevoked"
+# Kueue passes a job's annotations with this prefix to its ProvisioningRequests as spec.parameters.
+PROVREQ_PARAMETER_PREFIX = "provreq.kueue.x-k8s.io/"
 # How often a Queued object looks at its Workload (Kueue's changes to it do not wake the operator;
 # admission does: it unsuspends the RayCluster, which is watched).
 QUEUE_POLL_SECONDS = 5
@@ -106,6 +128,18 @@ GKE_TPU_TOPOLOGY_SELECTOR = "cloud.google.com/gke-tpu-topology"
 GKE_SPOT_SELECTOR = "cloud.google.com/gke-spot"
 GKE_RESERVATION_NAME_SELECTOR = "cloud.google.com/reservation-name"
 GKE_RESERVATION_AFFINITY_SELECTOR = "cloud.google.com/reservation-affinity"
+# Flex-start with queued provisioning (GKE's Dynamic Workload Scheduler): its nodes carry the
+# flex-start label and the queued-provisioning label and NoSchedule taint.
+GKE_FLEX_START_SELECTOR = "cloud.google.com/gke-flex-start"
+GKE_QUEUED_TAINT = "cloud.google.com/gke-queued"
+# The longest a flex-start node runs (GKE: 7 days), passed as the ProvisioningRequest's parameter.
+GKE_MAX_RUN_DURATION_PARAMETER = "maxRunDurationSeconds"
+GKE_MAX_RUN_DURATION_SECONDS = 7 * 24 * 3600
+GKE_NODEPOOL_LABEL = "cloud.google.com/gke-nodepool"   # one multi-host TPU slice is one node pool
+# Kueue Topology Aware Scheduling (v0.17): a pod template's pod-set annotations.
+KUEUE_TAS_REQUIRED = "kueue.x-k8s.io/podset-required-topology"
+KUEUE_TAS_SLICE_REQUIRED = "kueue.x-k8s.io/podset-slice-required-topology"
+KUEUE_TAS_SLICE_SIZE = "kueue.x-k8s.io/podset-slice-size"
 RAY_TPU_RESOURCE_PER_CHIP_ENV = "RAY_TPU_RESOURCE_PER_CHIP"
 RAY_TPU_CUSTOM_RESOURCE = "TPU"  # Ray's logical resource name
 HF_TOKEN_ENV = "HF_TOKEN"
@@ -271,6 +305,8 @@ class Reason(str, enum.Enum):
     FINISHING_RAYJOB = "FinishingRayJob"   # the Ray job ended: waiting for KubeRay to finish its RayJob
     SUBMISSION_LOST = "SubmissionLost"   # KubeRay lost a RayJob's Ray job: resubmitted (c.LOST_SUBMISSION_RETRIES)
     QUEUED = "Queued"         # waiting for Kueue to admit the Workload (Kueue's words in the message)
+    WAITING_FOR_CAPACITY = "WaitingForCapacity"   # quota reserved; an admission check (a ProvisioningRequest) pending
+    REQUEUING = "Requeuing"   # the booking was revoked or expired: the RayCluster is made again for a new Workload
     PREEMPTED = "Preempted"   # Kueue evicted the admitted Workload: the jobs stop, checkpoints stay
     ADMITTED = "Admitted"     # Kueue admitted it (condition Admitted)
     KUEUE_NOT_INSTALLED = "KueueNotInstalled"   # a queue label where no Workload API is served
@@ -278,6 +314,7 @@ class Reason(str, enum.Enum):
     INVALID_SPEC = "InvalidSpec"
     PROVISIONING_TIMEOUT = "ProvisioningTimeout"
     QUEUE_TIMEOUT = "QueueTimeout"   # not admitted within spec.queueTimeoutSeconds
+    CAPACITY_REJECTED = "CapacityRejected"   # Kueue rejected an admission check (the ProvisioningRequest Failed for good)
     ADMISSION_REJECTED = "AdmissionRejected"
     COLLECTIVE_TIMEOUT = "CollectiveTimeout"
     VERIFICATION_FAILED = "VerificationFailed"
@@ -292,6 +329,12 @@ class Reason(str, enum.Enum):
     SLICE_BLOCKED = "SliceBlocked"   # a new cause keeps the slice from coming up (tpuft.diagnosis)
     MAINTENANCE_NOTICE = "MaintenanceNotice"   # GKE's notice on a node under the slice: a checkpoint is asked for
     RECONCILE_ERROR = "ReconcileError"
+
+
+class Provisioning(str, enum.Enum):
+    """spec.scheduling.provisioning: how the slice's capacity is obtained."""
+    STANDARD = "standard"      # nodes already there or made by the autoscaler (on-demand, Spot or a reservation)
+    FLEX_START = "flexStart"   # GKE flex-start with queued provisioning: a ProvisioningRequest through Kueue
 
 
 class ImagePullPolicy(str, enum.Enum):

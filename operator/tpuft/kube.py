@@ -163,7 +163,22 @@ class Kube:
             log.warning("list %s in %s failed: %s", c.WORKLOAD_PLURAL, ns, e)
             return None
         items = sorted(resp.get("items") or [], key=lambda w: (w.get("metadata") or {}).get("creationTimestamp") or "")
-        return QueueObs.of(items[-1] if items else None)
+        workload = items[-1] if items else None
+        queue = QueueObs.of(workload)
+        if not queue.check_rejected:
+            return queue
+        return QueueObs.of(workload, self._provisioning_requests(ns))
+
+    def _provisioning_requests(self, ns: str) -> tuple[dict, ...] | None:
+        """The namespace's ProvisioningRequests (Kueue's, for a Workload whose check it rejected: a
+        revoked or expired booking is requeued, a failed one fails the run). None when unreadable."""
+        try:
+            resp = self.custom.list_namespaced_custom_object(
+                c.PROVREQ_GROUP, c.PROVREQ_VERSION, ns, c.PROVREQ_PLURAL, _request_timeout=self.timeout)
+        except Exception as e:  # noqa: BLE001 - the run waits (Queued) and says so instead of failing
+            log.warning("list %s in %s failed: %s", c.PROVREQ_PLURAL, ns, e)
+            return None
+        return tuple(resp.get("items") or [])
 
     # --- writes ----------------------------------------------------------------------------------
     def create(self, kind: str, ns: str, body: Mapping[str, Any], owner_uid: str) -> str:

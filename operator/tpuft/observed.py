@@ -76,6 +76,15 @@ class ServiceObs:
 
 
 @dataclass(frozen=True)
+class CheckObs:
+    """One of a Workload's status.admissionChecks: a ClusterQueue's AdmissionCheck (e.g. Kueue's
+    ProvisioningRequest check, whose message is the ProvisioningRequest's own condition message)."""
+    name: str
+    state: str        # Pending, Ready, Retry or Rejected (c.CHECK_*)
+    message: str = ""
+
+
+@dataclass(frozen=True)
 class QueueObs:
     """Kueue's view of the RayCluster (its Workload), read only for objects with a queue label
     while Kueue's answer matters (phases.wants_queue). `installed` False: no Workload API served."""
@@ -84,21 +93,69 @@ class QueueObs:
     admitted: bool = False
     waiting: str = ""               # QuotaReserved=False: why not admitted, in Kueue's words
     evicted: str = ""               # Evicted=True: "<reason>: <message>" (Preempted, InactiveWorkload, ...)
+    quota_reserved: bool = False    # QuotaReserved=True: what is left is the admission checks
+    active: bool = True             # spec.active; Kueue sets it false when it rejects an admission check
+    checks: tuple[CheckObs, ...] = ()
+    # For a Rejected check, the ProvisioningRequest's lost booking: "CapacityRevoked: <message>" or
+    # "BookingExpired: <message>" (a preemption: requeued); "" when it Failed instead (or none was read).
+    booking_lost: str = ""
+    booking_read: bool = True       # False: a Rejected check's ProvisioningRequests could not be read
 
     @classmethod
-    def of(cls, workload: Mapping[str, Any] | None) -> QueueObs:
+    def of(cls, workload: Mapping[str, Any] | None,
+           provisioning_requests: tuple[Mapping[str, Any], ...] | None = ()) -> QueueObs:
+        """From the Workload and, for a Rejected check, the ProvisioningRequests it owns (None: not
+        readable)."""
         if workload is None:
             return cls()
-        conditions = {x.get("type"): x for x in (workload.get("status") or {}).get("conditions") or []}
+        status = workload.get("status") or {}
+        conditions = {x.get("type"): x for x in status.get("conditions") or []}
 
         def true(ctype: str) -> dict | None:
             found = conditions.get(ctype) or {}
             return found if found.get("status") == "True" else None
         quota = conditions.get(c.KUEUE_QUOTA_RESERVED) or {}
         evicted = true(c.KUEUE_EVICTED)
-        return cls(workload=(workload.get("metadata") or {}).get("name"), admitted=true(c.KUEUE_ADMITTED) is not None,
+        name = (workload.get("metadata") or {}).get("name")
+        checks = tuple(CheckObs(str(x.get("name", "")), str(x.get("state", "")), str(x.get("message") or ""))
+                       for x in status.get("admissionChecks") or [])
+        return cls(workload=name, admitted=true(c.KUEUE_ADMITTED) is not None,
                    waiting=quota.get("message", "") if quota.get("status") != "True" else "",
-                   evicted=f"{evicted.get('reason', '')}: {evicted.get('message', '')}" if evicted else "")
+                   evicted=f"{evicted.get('reason', '')}: {evicted.get('message', '')}" if evicted else "",
+                   quota_reserved=quota.get("status") == "True",
+                   active=(workload.get("spec") or {}).get("active", True) is not False, checks=checks,
+                   booking_lost=booking_lost(name, provisioning_requests or ()),
+                   booking_read=provisioning_requests is not None)
+
+    @property
+    def pending_check(self) -> CheckObs | None:
+        """The first admission check not yet Ready (what the quota-reserved Workload waits for)."""
+        return next((x for x in self.checks if x.state != c.CHECK_READY), None)
+
+    @property
+    def rejected_check(self) -> CheckObs | None:
+        return next((x for x in self.checks if x.state == c.CHECK_REJECTED), None)
+
+    @property
+    def check_rejected(self) -> bool:
+        """Kueue rejected an admission check: the check says so, or (once the eviction has reset the
+        checks to Pending) the deactivated Workload's eviction reason does."""
+        return self.rejected_check is not None or (not self.active and self.evicted.startswith(
+            c.KUEUE_DEACTIVATED_BY_CHECK))
+
+
+def booking_lost(workload: str | None, requests: tuple[Mapping[str, Any], ...]) -> str:
+    """The newest of the Workload's ProvisioningRequests (Kueue makes one per attempt, owned by the
+    Workload): "<condition>: <message>" when its booking was revoked or expired, else ""."""
+    owned = [r for r in requests if any(o.get("kind") == c.WORKLOAD_KIND and o.get("name") == workload
+                                        for o in (r.get("metadata") or {}).get("ownerReferences") or [])]
+    if not owned:
+        return ""
+    newest = max(owned, key=lambda r: (r.get("metadata") or {}).get("creationTimestamp") or "")
+    for x in (newest.get("status") or {}).get("conditions") or []:
+        if x.get("type") in (c.PROVREQ_CAPACITY_REVOKED, c.PROVREQ_BOOKING_EXPIRED) and x.get("status") == "True":
+            return f"{x['type']}: {x.get('message', '')}"
+    return ""
 
 
 @dataclass(frozen=True)

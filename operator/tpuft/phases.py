@@ -62,8 +62,8 @@ from tpuft.diagnosis import Blocker, blocking, host_of, pool_hint
 from tpuft.builders import elastic_accumulation, elastic_slices
 from tpuft.spec import DEFAULTS, SpecError, TPUFinetune, parse
 from tpuft.observed import (
-    CONDITION_ORDER, SERVE_ENABLED_FIELD, Action, ClusterObs, Decision, Event, JobObs, Killer, MemoryKill, Observed, Op,
-    QueueObs, Tunables, cluster_progress, cluster_provisioned, cluster_suspended, fmt_time, job_failed,
+    CONDITION_ORDER, SERVE_ENABLED_FIELD, Action, CheckObs, ClusterObs, Decision, Event, JobObs, Killer, MemoryKill,
+    Observed, Op, QueueObs, Tunables, cluster_progress, cluster_provisioned, cluster_suspended, fmt_time, job_failed,
     job_failure_detail, job_finishing, job_lost, job_settled, job_state, job_succeeded, memory_kill, parse_time,
     service_progress, service_ready, serving_ready, slice_loss, spec_diff)
 from tpuft.status import (Children, Elastic, IgnoredSpecChange, LostSlice, LostSubmission, MaintenanceNotice, Preemption,
@@ -999,6 +999,10 @@ def wants_serve_pods(obj: Mapping[str, Any]) -> bool:
 
 
 # --- Kueue: Queued, admitted, preempted ----------------------------------------------------------------
+# A run waiting to be admitted again after it lost its slice to Kueue (preempted, or a booking lost).
+PREEMPTED_REASONS = (Reason.PREEMPTED.value, Reason.REQUEUING.value)
+
+
 def queue_name(tft: TPUFinetune) -> str | None:
     """The LocalQueue the object asks Kueue for (its kueue.x-k8s.io/queue-name label), or None."""
     return tft.meta.labels.get(c.KUEUE_QUEUE_LABEL) or None
@@ -1024,8 +1028,22 @@ def _evicted(tft: TPUFinetune, obs: Observed) -> bool:
 def _kueue_words(kueue: QueueObs | None) -> str:
     if kueue is None or not kueue.workload:
         return "Kueue has not made a Workload for it yet"
+    check = kueue.pending_check
+    if kueue.quota_reserved and check is not None and not kueue.evicted:
+        return _capacity_words(check)
     return (kueue.waiting or (kueue.evicted and f"evicted ({kueue.evicted})")
             or f"Workload {kueue.workload} is waiting for quota")
+
+
+def _capacity_words(check: CheckObs) -> str:
+    """Quota reserved, an admission check not Ready: for Kueue's ProvisioningRequest check its
+    message is the ProvisioningRequest's own (GKE's queued provisioning: why there is no capacity yet)."""
+    return (f"quota reserved; waiting for capacity: admission check {check.name} is {check.state}"
+            + (f": {check.message}" if check.message else ""))
+
+
+def _waiting_for_capacity(kueue: QueueObs | None) -> bool:
+    return bool(kueue and kueue.quota_reserved and kueue.pending_check is not None and not kueue.evicted)
 
 
 def _requeue(draft: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
@@ -1041,18 +1059,20 @@ def _requeue(draft: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
         # a checkpoint at its next step (tpuft_workload.preemption).
         active = {Phase.VERIFYING: _verify_job(draft, tft), Phase.TRAINING: draft.children.train_job}[was]
         draft.status = draft.status.without_resubmission()
-        cause = (kueue.evicted if kueue else "") or f"RayCluster {names.cluster} suspended by Kueue"
+        # A revoked booking (GKE took the flex-start nodes back) is a preemption too: its cause is the
+        # ProvisioningRequest's condition, read when Kueue rejects the check.
+        cause = ((kueue.booking_lost or kueue.evicted) if kueue else "") or f"RayCluster {names.cluster} suspended by Kueue"
         preemption = Preemption(time=fmt_time(draft.now), phase=was.value, cause=cause, step=draft.status.reported_step)
         draft.status = replace(draft.status, recovery=draft.recovery.record_preemption(preemption))
         if tft.spec.verification.enabled:
             draft.set_condition(Condition.COLLECTIVES_VERIFIED, ConditionStatus.UNKNOWN, Reason.PREEMPTED,
                                 "verified again once re-admitted")
-    preempted = running or bool(kueue and kueue.evicted) or draft.previous.reason == Reason.PREEMPTED.value
+    preempted = running or bool(kueue and kueue.evicted) or draft.previous.reason in PREEMPTED_REASONS
     reason = Reason.PREEMPTED if preempted else Reason.QUEUED
     words = _kueue_words(kueue)
     if running:
         jobs = f"RayJob {active} stopped once its pods are gone; " if active else ""
-        msg = (f"preempted by Kueue during {was.value} ({(kueue.evicted if kueue else '') or 'RayCluster suspended'}); "
+        msg = (f"preempted by Kueue during {was.value} ({cause}); "
                f"{jobs}checkpoints kept; it resumes from the last one once admitted again")
     else:
         msg = f"waiting for Kueue to admit RayCluster {names.cluster} again: {words}"
@@ -1069,6 +1089,11 @@ def _queued(draft: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
     names, kueue, queue = builders.names(tft), obs.queue, queue_name(tft)
     if obs.cluster is None and not obs.leftovers:   # deleted while queued: made again, queued again
         draft.add_action(Op.CREATE, c.RAYCLUSTER_KIND, names.cluster, builders.build_raycluster(tft))
+        if draft.previous.reason == Reason.REQUEUING.value:   # we deleted it: a new Workload, back in the queue
+            draft.move_to(Phase.QUEUED, Reason.PREEMPTED, f"RayCluster {names.cluster} made again after the lost "
+                          f"booking; waiting for Kueue to admit it (LocalQueue {queue}); checkpoints kept")
+            draft.requeue_after(c.QUEUE_POLL_SECONDS)
+            return draft.finish()
         draft.add_event(EventType.WARNING, Reason.CHILD_DELETED,
                         f"RayCluster {names.cluster} not found while queued; recreating it")
     if kueue is not None and not kueue.installed:
@@ -1093,8 +1118,10 @@ def _queued(draft: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
         draft.set_condition(Condition.ADMITTED, ConditionStatus.TRUE, Reason.ADMITTED,
                             f"admitted by Kueue (Workload {kueue.workload}, LocalQueue {queue})"
                             if kueue and kueue.workload else f"admitted (LocalQueue {queue})")
-        again = draft.previous.reason == Reason.PREEMPTED.value
+        again = draft.previous.reason in PREEMPTED_REASONS
         return _admitted(draft, tft, obs, "admitted again after a preemption" if again else "admitted")
+    if kueue is not None and kueue.check_rejected and obs.cluster is not None and not obs.jobs:
+        return _rejected(draft, tft, obs, kueue)
     timeout = tft.spec.queue_timeout_seconds
     words = _kueue_words(kueue)
     if timeout is not None and draft.seconds_in_phase() >= timeout:
@@ -1103,15 +1130,53 @@ def _queued(draft: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
         draft.set_condition(Condition.ADMITTED, ConditionStatus.FALSE, Reason.QUEUE_TIMEOUT, msg)
         draft.fail(Reason.QUEUE_TIMEOUT, msg)
         return draft.finish()
-    reason = Reason.PREEMPTED if draft.previous.reason == Reason.PREEMPTED.value else Reason.QUEUED
+    reason = Reason.PREEMPTED if draft.previous.reason in PREEMPTED_REASONS else Reason.QUEUED
+    if reason == Reason.QUEUED and _waiting_for_capacity(kueue):
+        reason = Reason.WAITING_FOR_CAPACITY   # Kueue reserved quota; the slice itself is not there yet
     if words not in (draft.previous.message or ""):   # one event per new reason Kueue gives
-        draft.add_event(EventType.NORMAL, Reason.QUEUED, f"LocalQueue {queue}: {words}")
+        draft.add_event(EventType.NORMAL, reason if reason == Reason.WAITING_FOR_CAPACITY else Reason.QUEUED,
+                        f"LocalQueue {queue}: {words}")
     lead = ("preempted by Kueue; waiting to be admitted again (checkpoints kept)" if reason == Reason.PREEMPTED
             else f"waiting for Kueue to admit RayCluster {names.cluster}")
     draft.set_condition(Condition.ADMITTED, ConditionStatus.FALSE, reason, words)
     draft.move_to(Phase.QUEUED, reason, f"{lead} (LocalQueue {queue}): {words}")
     draft.requeue_after(c.QUEUE_POLL_SECONDS if timeout is None
                         else min(c.QUEUE_POLL_SECONDS, timeout - draft.seconds_in_phase()))
+    return draft.finish()
+
+
+def _rejected(draft: _Draft, tft: TPUFinetune, obs: Observed, kueue: QueueObs) -> Decision:
+    """Kueue rejected an admission check and deactivated the Workload. A booking revoked or expired
+    (the ProvisioningRequest's CapacityRevoked or BookingExpired) is a preemption: the RayCluster is
+    deleted and made again, so that Kueue queues a new Workload (checkpoints kept, no attempt spent).
+    Capacity that failed for good fails the run in the ProvisioningRequest's words."""
+    names, queue = builders.names(tft), queue_name(tft)
+    check = kueue.rejected_check
+    what = (f"admission check {check.name}: {check.message or 'no message'}" if check
+            else f"Workload {kueue.workload} deactivated: {kueue.evicted}")
+    if kueue.booking_lost and draft.previous.reason == Reason.REQUEUING.value:   # deleted: waiting for it to go
+        draft.requeue_after(c.LEFTOVER_POLL_SECONDS)
+        return draft.finish()
+    if kueue.booking_lost:
+        msg = (f"{kueue.booking_lost} (Workload {kueue.workload}); deleting RayCluster "
+               f"{names.cluster} to queue it again as a new Workload; checkpoints kept")
+        draft.add_action(Op.DELETE, c.RAYCLUSTER_KIND, names.cluster)
+        draft.add_event(EventType.WARNING, Reason.PREEMPTED, msg)
+        draft.set_condition(Condition.ADMITTED, ConditionStatus.FALSE, Reason.REQUEUING, kueue.booking_lost)
+        draft.move_to(Phase.QUEUED, Reason.REQUEUING, msg)
+        draft.requeue_after(c.LEFTOVER_POLL_SECONDS)
+        return draft.finish()
+    if not kueue.booking_read:   # cannot tell a lost booking from a failure: wait, say why
+        msg = (f"Kueue rejected an admission check ({what}) and the ProvisioningRequests in {tft.meta.namespace} "
+               "could not be read to tell a lost booking from a failure; "
+               "the operator needs list on provisioningrequests.autoscaling.x-k8s.io (the chart's Role has it)")
+        draft.move_to(Phase.QUEUED, Reason.QUEUED, msg)
+        draft.requeue_after(c.QUEUE_POLL_SECONDS)
+        return draft.finish()
+    msg = (f"Kueue rejected an admission check in LocalQueue {queue} ({what}); "
+           f"`kubectl get provisioningrequests -n {tft.meta.namespace}` shows why the capacity was not provisioned")
+    draft.set_condition(Condition.ADMITTED, ConditionStatus.FALSE, Reason.CAPACITY_REJECTED, msg)
+    draft.fail(Reason.CAPACITY_REJECTED, msg)
     return draft.finish()
 
 

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from tpuft import catalog, fields
-from tpuft.constants import (API_VERSION, DATASET_COLUMN_KEYS, KIND, LORA_DEFAULT_TARGET_MODULES, RAY_VERSION_PIN,
+from tpuft.constants import (API_VERSION, DATASET_COLUMN_KEYS, GKE_MAX_RUN_DURATION_SECONDS, KIND,
+                             LORA_DEFAULT_TARGET_MODULES, RAY_VERSION_PIN,
                              RESERVED_ANNOTATIONS, RESERVED_ENV, RESERVED_LABELS, SERVE_API_KEY_SECRET_KEY,
                              TPU_RESOURCE, DatasetFormat, DatasetType, ImagePullPolicy, Overlong, Reserved,
-                             LearningRateSchedule, ServeEngine, TrainingFramework, TrainingMethod)
+                             LearningRateSchedule, Provisioning, ServeEngine, TrainingFramework, TrainingMethod)
 from tpuft.fields import declare
 
 # Children are named "{name}-{suffix}" (longest suffix "-workload", plus "-train-r99" for
@@ -367,13 +368,43 @@ class Resources:
     shm_size: str | None = None
 
 
+# spec.scheduling's rules across fields: the CRD's CEL (tpuft.crd) and the parser give these messages.
+FLEX_START_EXCLUSIVE = "provisioning flexStart excludes spot and reservation: flex-start is its own capacity type"
+MAX_RUN_DURATION_NEEDS_FLEX_START = "maxRunDurationSeconds applies to provisioning flexStart only"
+
+
 @dataclass(frozen=True)
 class Scheduling:
+    """spec.scheduling: spot, reservation, nodeSelector, tolerations and priorityClassName have their
+    schema in tpuft.crd and their parser below; provisioning and maxRunDurationSeconds are declared."""
     spot: bool = False
     reservation: str | None = None
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
     priority_class_name: str | None = None
+    provisioning: str = declare(
+        "How the slice's capacity is obtained. standard: nodes already in the pool or made by the autoscaler "
+        "(on-demand, or as spot and reservation say). flexStart: GKE flex-start with queued provisioning (Dynamic "
+        "Workload Scheduler): the workers select and tolerate flex-start nodes, and Kueue's ProvisioningRequest "
+        "admission check (the ClusterQueue of the kueue.x-k8s.io/queue-name label) gets the whole slice at once; "
+        "the run waits Queued (WaitingForCapacity) until it is provisioned. Left out: standard.",
+        python_default=Provisioning.STANDARD.value, enum=_values(Provisioning))
+    max_run_duration_seconds: int | None = declare(
+        "flexStart only: the longest the flex-start nodes run (the ProvisioningRequest's maxRunDurationSeconds "
+        "parameter, through Kueue; GKE's default and limit: 7 days). Checkpoint more often than this.",
+        minimum=600, maximum=GKE_MAX_RUN_DURATION_SECONDS)
+
+    topology_aware: bool = declare(
+        "Multi-host TPU only, with a kueue.x-k8s.io/queue-name label: ask Kueue's Topology Aware Scheduling to keep "
+        "each slice's hosts on one slice of nodes (GKE: one node pool, label cloud.google.com/gke-nodepool). The "
+        "ClusterQueue's TPU ResourceFlavor needs a topologyName (a Kueue Topology whose levels include "
+        "cloud.google.com/gke-nodepool), or Kueue does not admit it. With slices above 1, Kueue v0.17 fills each "
+        "node pool by count, not by KubeRay replica, and the slices may not come up (docs/kueue.md).",
+        python_default=False)
+
+    @property
+    def flex_start(self) -> bool:
+        return self.provisioning == Provisioning.FLEX_START.value
 
 
 @dataclass(frozen=True)
@@ -909,6 +940,12 @@ def _scheduling(r: _Reader, spec: Mapping) -> Scheduling:
         r.fail("spec.scheduling.reservation", f"{reservation!r} is not a GKE reservation name")
     if spot and reservation is not None:  # as the CRD's rule: has(reservation), even when empty
         r.fail("spec.scheduling", "spot and reservation are mutually exclusive: pick one capacity type")
+    declared = r.declared(Scheduling, sc, "spec.scheduling")
+    flex = declared.get("provisioning") == Provisioning.FLEX_START.value
+    if flex and (spot or reservation is not None):   # as the CRD's rule
+        r.fail("spec.scheduling", FLEX_START_EXCLUSIVE)
+    if declared.get("max_run_duration_seconds") is not None and not flex:
+        r.fail("spec.scheduling", MAX_RUN_DURATION_NEEDS_FLEX_START)   # as the CRD's rule, on the section
     tolerations = sc.get("tolerations") or []
     if not isinstance(tolerations, list) or not all(isinstance(t, Mapping) for t in tolerations):
         r.fail("spec.scheduling.tolerations", "must be a list of Kubernetes tolerations")
@@ -922,7 +959,7 @@ def _scheduling(r: _Reader, spec: Mapping) -> Scheduling:
     if priority and not DNS_SUBDOMAIN.fullmatch(priority):
         r.fail("spec.scheduling.priorityClassName", f"{priority!r} is not a PriorityClass name")
     return Scheduling(spot=spot, reservation=reservation, node_selector=node_selector,
-                      tolerations=tuple(dict(t) for t in tolerations), priority_class_name=priority)
+                      tolerations=tuple(dict(t) for t in tolerations), priority_class_name=priority, **declared)
 
 
 def _env(r: _Reader, spec: Mapping) -> tuple[Mapping[str, Any], ...]:

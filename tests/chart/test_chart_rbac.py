@@ -34,6 +34,8 @@ APPLICATION = {
     ("networking.k8s.io", "networkpolicies"): {"get", "create"},
     # Kueue's Workload of a queued RayCluster (its words in status): listed by job-uid label only
     ("kueue.x-k8s.io", "workloads"): {"list"},
+    # Kueue's ProvisioningRequests (GKE flex-start), listed once Kueue rejects a queued run's check
+    ("autoscaling.x-k8s.io", "provisioningrequests"): {"list"},
 }
 # kopf's own cluster-scoped needs (--standalone: no kopfpeerings).
 FRAMEWORK = {

@@ -18,6 +18,7 @@ from tests.paths import EXAMPLES
 from tests.waiting import wait_until
 from tpuft import constants as c
 from tpuft_local import kueue, pools
+from tpuft_local import queued_provisioning as qp
 
 V6E = pools.DEFAULT_POOLS[0]
 
@@ -149,3 +150,113 @@ def test_a_missing_local_queue_and_a_shape_past_the_whole_quota_are_said_and_not
     cluster_kubectl("delete", "tft", "lost", "two", "-n", ns, check=True)
     wait_until(lambda: not _get(cluster_kubectl, "rayclusters,workloads", "-n", ns).get("items"), timeout=120,
                interval=1, what="lost's RayCluster and Workload gone")
+
+
+# --- GKE flex-start through Kueue's ProvisioningRequest check, with the named stand-in for GKE --------------
+def _standin_settings(kubectl, provision_after: str) -> None:
+    """The stand-in's delay (tpuft_local.queued_provisioning reads it on every pass)."""
+    _apply(kubectl, {"apiVersion": "v1", "kind": "ConfigMap",
+                     "metadata": {"name": qp.SETTINGS, "namespace": qp.SETTINGS_NAMESPACE},
+                     "data": {"provisionAfterSeconds": provision_after}})
+
+
+def _flex_nodes(kubectl) -> list[dict]:
+    return _get(kubectl, "nodes", "-l", f"{qp.OWNER_LABEL},{c.GKE_FLEX_START_SELECTOR}=true").get("items") or []
+
+
+def _requests(kubectl, ns: str) -> list[dict]:
+    return _get(kubectl, "provisioningrequests.autoscaling.x-k8s.io", "-n", ns).get("items") or []
+
+
+@pytest.fixture
+def flex_queue(cluster_kubectl, cluster_ns):
+    """A ClusterQueue with `up`'s AdmissionCheck `flex-start` (ProvisioningRequests of class
+    queued-provisioning.gke.io, answered by the stand-in) on `up`'s flex-start flavor, and LocalQueue `flex`."""
+    name = f"flex-{cluster_ns}"
+    cq = next(o for o in kueue.flex_start_objects(V6E) if o["kind"] == "ClusterQueue")
+    cq = {**cq, "metadata": {"name": name}}
+    _apply(cluster_kubectl, cq, kueue.local_queue(cluster_ns, name, "flex"))
+    yield "flex"
+    cluster_kubectl("delete", "tft", "--all", "-n", cluster_ns, "--wait=false")
+    wait_until(lambda: not _get(cluster_kubectl, "workloads", "-n", cluster_ns).get("items"), timeout=180,
+               interval=2, what=f"the Workloads in {cluster_ns} to go")
+    cluster_kubectl("delete", "clusterqueue", name, "--ignore-not-found")
+    _standin_settings(cluster_kubectl, str(qp.DEFAULT_PROVISION_AFTER))
+
+
+def test_flex_start_waits_for_capacity_in_the_provisioning_requests_words_provisions_and_a_revoked_booking_requeues(
+        cluster_kubectl, cluster_ns, flex_queue):
+    ns, kubectl = cluster_ns, cluster_kubectl
+    assert not _flex_nodes(kubectl), "flex-start nodes left from an earlier run"
+    _standin_settings(kubectl, "never")
+    _apply(kubectl, _slice("flex", flex_queue, scheduling={"provisioning": "flexStart", "maxRunDurationSeconds": 3600}),
+           ns=ns)
+    # 1. quota reserved, the ProvisioningRequest waits: the run says so in its words, as its own reason
+    # (first without a message: Kueue copies the request's once the stand-in has accepted it)
+    st = wait_until(lambda: "Waiting for capacity" in (s := _status(kubectl, ns, "flex")).get("message", "") and s,
+                    timeout=120, interval=1, what="the ProvisioningRequest's words in flex's status")
+    assert (st["phase"], st["reason"]) == ("Queued", "WaitingForCapacity") and "stand-in" in st["message"], st
+    (pr,) = _requests(kubectl, ns)
+    assert pr["spec"]["provisioningClassName"] == kueue.QUEUED_PROVISIONING_CLASS
+    assert pr["spec"]["parameters"][c.GKE_MAX_RUN_DURATION_PARAMETER] == "3600"   # from the RayCluster's annotation
+    assert _cond(pr["status"], "Accepted")["status"] == "True" and _cond(pr["status"], "Provisioned")["status"] == "False"
+    assert not _flex_nodes(kubectl) and not _get(kubectl, "pods", "-n", ns, "-l", "ray.io/cluster=flex-ray").get("items")
+    # 2./3. the stand-in provisions: a flex-start node pool appears, the run provisions and verifies on it
+    _standin_settings(kubectl, "0")
+    st = _phase(kubectl, ns, "flex", "VerifyingCollectives", "Failed", timeout=300, what="flex verifying its slice")
+    assert st["phase"] == "VerifyingCollectives", st
+    nodes = {n["metadata"]["name"]: n for n in _flex_nodes(kubectl)}
+    assert len(nodes) == V6E.slice.hosts, sorted(nodes)
+    workers = _get(kubectl, "pods", "-n", ns, "-l", "ray.io/cluster=flex-ray,ray.io/node-type=worker")["items"]
+    assert sorted(p["spec"].get("nodeName") for p in workers) == sorted(nodes)   # the slice is the provisioned one
+    attempts = st.get("trainingAttempts")
+    # 5. GKE takes the capacity back mid-run: a preemption, then queued again as a new Workload
+    (pr,) = _requests(kubectl, ns)
+    kubectl("annotate", "provisioningrequests.autoscaling.x-k8s.io", pr["metadata"]["name"], "-n", ns,
+            f"{qp.REVOKE_ANNOTATION}=revoked by tests/cluster/test_kueue.py", check=True)
+    st = wait_until(lambda: (s := _status(kubectl, ns, "flex")).get("recovery", {}).get("preemptions") and s,
+                    timeout=120, interval=1, what="flex preempted by the revoked capacity")
+    assert st["phase"] == "Queued" and "CapacityRevoked" in st["recovery"]["lastPreemption"]["cause"], st
+    assert not st["recovery"].get("sliceReplacements") and st.get("trainingAttempts") == attempts, st
+    st = _phase(kubectl, ns, "flex", "VerifyingCollectives", "Failed", timeout=300,
+                what="flex admitted again on a new booking and verifying")
+    assert st["phase"] == "VerifyingCollectives" and st["recovery"]["preemptions"] == 1, st
+    assert [p["metadata"]["uid"] for p in _requests(kubectl, ns)] != [pr["metadata"]["uid"]]   # a new request
+    # 4. deleting the run ends the booking: the provisioned nodes go
+    kubectl("delete", "tft", "flex", "-n", ns, check=True)
+    wait_until(lambda: not _flex_nodes(kubectl), timeout=180, interval=2, what="the flex-start nodes removed")
+
+
+def _workers(kubectl, ns: str, cluster: str) -> list[dict]:
+    return _get(kubectl, "pods", "-n", ns, "-l", f"ray.io/cluster={cluster},ray.io/node-type=worker").get("items") or []
+
+
+def test_topology_aware_slices_land_whole_on_node_pools(cluster_kubectl, cluster_ns):
+    """Kueue TAS (ClusterQueue `tas`, Topology by cloud.google.com/gke-nodepool): one slice's 4 hosts
+    bound on one node pool by the real scheduler; a `slices: 2` run's 8 hosts assigned 4 and 4 to the
+    v6e pool's two node pools (Kueue's assignment, the hostname node selector it puts on each pod).
+    Kueue v0.17.0 does not rank a RayCluster's pods, so a node pool's 4 pods may come from two KubeRay
+    replicas, and then the TPU webhook's replica affinity leaves some Pending (docs/kueue.md): the
+    8 are not asserted bound."""
+    ns, kubectl = cluster_ns, cluster_kubectl
+    _apply(kubectl, kueue.local_queue(ns, kueue.TAS, "tas"))
+    pool_of = {n["metadata"]["name"]: n["metadata"]["labels"][pools.POOL_LABEL]
+               for n in _get(kubectl, "nodes", "-l", pools.POOL_LABEL)["items"]}
+    _apply(kubectl, _slice("one", "tas", scheduling={"topologyAware": True}), ns=ns)
+    bound = wait_until(lambda: len(p := [x for x in _workers(kubectl, ns, "one-ray") if x["spec"].get("nodeName")]) == 4
+                       and p, timeout=240, interval=2, what="one's 4 hosts bound")
+    assert len({pool_of[p["spec"]["nodeName"]] for p in bound}) == 1, [p["spec"]["nodeName"] for p in bound]
+    kubectl("delete", "tft", "one", "-n", ns, check=True)
+    wait_until(lambda: not _workers(kubectl, ns, "one-ray"), timeout=180, interval=2, what="one's pods gone")
+    _apply(kubectl, _slice("two", "tas", slices=2, scheduling={"topologyAware": True}), ns=ns)
+    placed = wait_until(lambda: len(p := [x for x in _workers(kubectl, ns, "two-ray")
+                                          if "kubernetes.io/hostname" in (x["spec"].get("nodeSelector") or {})]) == 8
+                        and p, timeout=240, interval=2, what="Kueue's placement of two's 8 hosts")
+    per_pool: dict[str, list[str]] = {}
+    for p in placed:
+        per_pool.setdefault(pool_of[p["spec"]["nodeSelector"]["kubernetes.io/hostname"]], []).append(
+            p["metadata"]["labels"].get("ray.io/worker-group-replica-index", "?"))
+    print(f"TAS placement by node pool -> KubeRay replica index of each pod: {per_pool}")
+    assert sorted(len(v) for v in per_pool.values()) == [4, 4], per_pool
+    assert set(per_pool) == {f"{V6E.name}-0", f"{V6E.name}-1"}, per_pool
+    kubectl("delete", "tft", "two", "-n", ns, check=True)

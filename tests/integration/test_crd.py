@@ -4,8 +4,8 @@
   generation x every offered topology, every accelerator spelling, int quantities, env valueFrom, ...)
   are accepted by a server-side create, and tpuft.spec.parse accepts what the server stored and
   derives the same Spec as from the local document (the server applies tpuft.spec.DEFAULTS exactly).
-- INVALID: 247 invalid TPUFinetunes (test_table_counts checks these numbers and prints them).
-  245 are rejected at admission (HTTP 422) with an error naming the field, and tpuft.spec.parse
+- INVALID: 253 invalid TPUFinetunes (test_table_counts checks these numbers and prints them).
+  251 are rejected at admission (HTTP 422) with an error naming the field, and tpuft.spec.parse
   rejects each of them with the same field too (server and parser agree row by row).
   2 rows are PARSER-ONLY, marked PARSER_ONLY in the table: the CRD cannot express them because the
   API server refuses the request before schema validation (HTTP 400: a wrong apiVersion; metadata
@@ -239,6 +239,14 @@ INVALID = [
         "spec.scheduling.tolerations[0].operator"),
     row("toleration-effect", ("spec.scheduling", {"tolerations": [{"key": "a", "effect": "NoWay"}]}),
         "spec.scheduling.tolerations[0].effect"),
+    row("flex-start-and-spot", ("spec.scheduling", {"provisioning": "flexStart", "spot": True}), "spec.scheduling"),
+    row("flex-start-and-reservation", ("spec.scheduling", {"provisioning": "flexStart", "reservation": "r1"}),
+        "spec.scheduling"),
+    row("provisioning-unknown", ("spec.scheduling", {"provisioning": "dws"}), "spec.scheduling.provisioning"),
+    row("max-run-without-flex-start", ("spec.scheduling", {"maxRunDurationSeconds": 3600}), "spec.scheduling"),
+    row("max-run-too-long", ("spec.scheduling", {"provisioning": "flexStart", "maxRunDurationSeconds": 604801}),
+        "spec.scheduling.maxRunDurationSeconds"),
+    row("topology-aware-string", ("spec.scheduling", {"topologyAware": "yes"}), "spec.scheduling.topologyAware"),
     row("priority-class-int", ("spec.scheduling", {"priorityClassName": 5}), "spec.scheduling.priorityClassName"),
     row("priority-class-invalid", ("spec.scheduling", {"priorityClassName": "High_Prio"}),
         "spec.scheduling.priorityClassName"),
@@ -332,7 +340,7 @@ COUNTS = {
     "admission": sum(1 for p in INVALID if p.values[2] == ADMISSION),
     "parser_only": sum(1 for p in INVALID if p.values[2] == PARSER_ONLY),
 }
-DOCUMENTED_COUNTS = {"total": 247, "admission": 245, "parser_only": 2}  # as the module docstring says
+DOCUMENTED_COUNTS = {"total": 253, "admission": 251, "parser_only": 2}  # as the module docstring says
 
 
 # --- helpers ------------------------------------------------------------------------------------

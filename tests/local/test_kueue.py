@@ -124,3 +124,56 @@ def test_rbac_is_kueues_own_roles_bound_to_its_user(tmp_path):
     assert secrets["kind"] == "Role" and secrets["metadata"]["namespace"] == kueue.NAMESPACE   # only its own namespace
     for b, r in ((binding, role), (secrets_binding, secrets)):
         assert b["roleRef"]["name"] == r["metadata"]["name"] and b["subjects"][0]["name"] == kueue.USER
+
+
+def _kinds(objs: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for o in objs:
+        out.setdefault(o["kind"], []).append(o)
+    return out
+
+
+def test_flex_start_is_a_provisioning_request_check_on_a_flavor_with_gkes_flex_start_labels():
+    pool = pools.DEFAULT_POOLS[0]
+    objs = _kinds(kueue.flex_start_objects(pool, "tpuft-demo"))
+    flavor = objs["ResourceFlavor"][0]["spec"]
+    assert flavor["nodeLabels"] == {**dict(pool.slice.node_selector), "cloud.google.com/gke-flex-start": "true"}
+    assert {t["key"] for t in flavor["tolerations"]} == {"google.com/tpu", "cloud.google.com/gke-queued"}
+    config = objs["ProvisioningRequestConfig"][0]["spec"]
+    assert config == {"provisioningClassName": "queued-provisioning.gke.io", "managedResources": ["google.com/tpu"]}
+    check = objs["AdmissionCheck"][0]
+    assert check["spec"]["controllerName"] == "kueue.x-k8s.io/provisioning-request"
+    assert check["spec"]["parameters"]["name"] == objs["ProvisioningRequestConfig"][0]["metadata"]["name"]
+    cq = objs["ClusterQueue"][0]["spec"]
+    assert cq["admissionChecksStrategy"]["admissionChecks"] == [
+        {"name": check["metadata"]["name"], "onFlavors": [objs["ResourceFlavor"][0]["metadata"]["name"]]}]
+    lq = objs["LocalQueue"][0]
+    assert lq["spec"]["clusterQueue"] == objs["ClusterQueue"][0]["metadata"]["name"] == lq["metadata"]["name"]
+
+
+def test_the_charts_gke_flex_start_example_has_the_local_shape():
+    from tests.paths import REPO
+    chart = _kinds(list(yaml.safe_load_all(
+        (REPO / "charts" / "tpufinetune-operator" / "kueue" / "gke-flex-start.yaml").read_text())))
+    local = _kinds(kueue.flex_start_objects(pools.DEFAULT_POOLS[0], "ml-team"))
+    for kind in ("ResourceFlavor", "ProvisioningRequestConfig", "AdmissionCheck", "LocalQueue"):
+        assert [o["spec"] for o in chart[kind]] == [o["spec"] for o in local[kind]], kind
+    cq, local_cq = chart["ClusterQueue"][0]["spec"], local["ClusterQueue"][0]["spec"]
+    assert cq["admissionChecksStrategy"] == local_cq["admissionChecksStrategy"]
+    assert [f["name"] for f in cq["resourceGroups"][0]["flavors"]] == \
+        [f["name"] for f in local_cq["resourceGroups"][0]["flavors"]]
+    assert chart["Topology"][0]["spec"] == kueue.topology()["spec"]
+
+
+def test_the_tas_queue_places_all_of_a_pools_slices_by_node_pool():
+    pool = pools.DEFAULT_POOLS[0]   # v6e 4x4, two slices: two node pools
+    objs = _kinds(kueue.tas_objects(pool, "tpuft-demo"))
+    assert [lvl["nodeLabel"] for lvl in objs["Topology"][0]["spec"]["levels"]] == [
+        "cloud.google.com/gke-nodepool", "kubernetes.io/hostname"]
+    flavor = objs["ResourceFlavor"][0]["spec"]
+    assert flavor["topologyName"] == objs["Topology"][0]["metadata"]["name"]
+    assert flavor["nodeLabels"] == dict(pool.slice.node_selector)
+    tpu = next(r["nominalQuota"] for r in objs["ClusterQueue"][0]["spec"]["resourceGroups"][0]["flavors"][1]["resources"]
+               if r["name"] == c.TPU_RESOURCE)
+    assert tpu == pool.slice.chips_per_host * pool.slice.hosts * pool.slices
+    assert {n["metadata"]["labels"][pools.POOL_LABEL] for n in pools.tpu_nodes(pool)} == {"v6e-4x4-0", "v6e-4x4-1"}

@@ -1,6 +1,7 @@
 """Pure translation: golden files per example, GKE's tutorial manifests, KubeRay's own schemas,
 and one focused test per option."""
 
+import copy
 import functools
 import json
 import shlex
@@ -200,6 +201,62 @@ def test_spot_reservation_and_extra_selectors_never_override_topology():
     assert res["nodeSelector"]["cloud.google.com/reservation-name"] == "r1"
     assert res["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == "4x4"
     assert res["nodeSelector"]["pool"] == "a"
+
+
+FLEX = {"provisioning": "flexStart", "maxRunDurationSeconds": 86400}
+
+
+def test_flex_start_selects_and_tolerates_gkes_queued_provisioning_nodes_and_passes_the_run_duration():
+    ch = render(with_("spec.scheduling", {**FLEX, "tolerations": [{"key": "a", "operator": "Exists"}]}))
+    pod = worker_group(ch)["template"]["spec"]
+    assert pod["nodeSelector"]["cloud.google.com/gke-flex-start"] == "true"
+    assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == "4x4"   # the topology still wins
+    assert pod["tolerations"] == [{"key": "a", "operator": "Exists"},
+                                  {"key": "cloud.google.com/gke-queued", "operator": "Exists", "effect": "NoSchedule"}]
+    cluster = by_kind(ch, "RayCluster")[0]
+    assert cluster["metadata"]["annotations"]["provreq.kueue.x-k8s.io/maxRunDurationSeconds"] == "86400"
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]
+    assert "cloud.google.com/gke-flex-start" not in head.get("nodeSelector", {})   # the head is a CPU pod
+    plain = render(MINIMUM)
+    assert "cloud.google.com/gke-flex-start" not in worker_group(plain)["template"]["spec"]["nodeSelector"]
+    assert "tolerations" not in worker_group(plain)["template"]["spec"]
+    assert "annotations" not in by_kind(plain, "RayCluster")[0]["metadata"]
+
+
+def test_flex_start_without_a_run_duration_leaves_gkes_default():
+    cluster = by_kind(render(with_("spec.scheduling", {"provisioning": "flexStart"})), "RayCluster")[0]
+    assert "annotations" not in cluster["metadata"]
+
+
+def _queued(doc: dict) -> dict:
+    doc = copy.deepcopy(doc)
+    doc["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "flex"}
+    return doc
+
+
+@pytest.mark.parametrize("slices,expected", [
+    (1, {"kueue.x-k8s.io/podset-required-topology": "cloud.google.com/gke-nodepool"}),
+    (2, {"kueue.x-k8s.io/podset-slice-required-topology": "cloud.google.com/gke-nodepool",
+         "kueue.x-k8s.io/podset-slice-size": "4"})])
+def test_topology_aware_keeps_each_slices_hosts_in_one_node_pool(slices, expected):
+    doc = _queued(with_("spec.slices", slices, with_("spec.scheduling", {"topologyAware": True})))
+    group = worker_group(render(doc))
+    assert group["replicas"] * group["numOfHosts"] == 4 * slices   # Kueue's pod set: slices x hosts pods
+    annotations = group["template"]["metadata"].get("annotations", {})
+    assert {k: v for k, v in annotations.items() if k.startswith("kueue.x-k8s.io/podset")} == expected
+    # Kueue's TAS node controller judges the node's taints by the template (not the admitted pod)
+    assert {"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"} in group["template"]["spec"][
+        "tolerations"]
+
+
+@pytest.mark.parametrize("doc", [
+    with_("spec.scheduling", {"topologyAware": True}),                                  # no queue label: no Kueue
+    _queued(MINIMUM),                                                                  # not asked
+    _queued(with_("spec.topology", "2x2", with_("spec.scheduling", {"topologyAware": True}))),   # one host
+], ids=["unqueued", "not-asked", "single-host"])
+def test_no_topology_annotations_where_kueue_would_not_place_by_them(doc):
+    annotations = worker_group(render(doc))["template"]["metadata"].get("annotations", {})
+    assert not [k for k in annotations if k.startswith("kueue.x-k8s.io/podset")]
 
 
 def test_jobs_select_the_cluster_and_carry_deadlines():

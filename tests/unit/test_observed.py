@@ -13,7 +13,7 @@ from tpuft import constants as c
 from tpuft import crd
 from tpuft.diagnosis import OomKilled, PodObs
 from tpuft.kube import CUSTOM
-from tpuft.observed import (CHILD_KINDS, MAX_JOB_MESSAGE, ClusterObs, IndexedChild, JobObs, Killer, MemoryKill,
+from tpuft.observed import (CHILD_KINDS, MAX_JOB_MESSAGE, ClusterObs, IndexedChild, JobObs, Killer, MemoryKill, QueueObs,
                             Observed, RayMemoryKill, ServiceObs, job_failure_detail, job_message, live, memory_kill)
 
 
@@ -136,3 +136,56 @@ def test_the_kernels_kill_comes_before_rays_words():
     pods = (worker("w-a", "2026-01-01T12:05:00Z"), worker("w-b", ip="10.4.1.7"))
     found = memory_kill(pods, failed(memory_monitor_kill("10.4.1.7"), startTime=T_START))
     assert found is not None and (found.killer, found.pod) == (Killer.KERNEL, pods[0])
+
+
+# --- Kueue's Workload with an admission check (GKE's queued provisioning) ---------------------------------
+WAITING = "Waiting for capacity: no v6e 4x4 slice in us-east5-a now; the request stays queued"
+
+
+def _workload(state: str, message: str = "", active: bool = True, quota: bool = True) -> dict:
+    return {"metadata": {"name": "raycluster-ft-ray-1a2b3"}, "spec": {"active": active},
+            "status": {"conditions": [{"type": "QuotaReserved", "status": "True" if quota else "False",
+                                       "message": "" if quota else "insufficient quota"}],
+                       "admissionChecks": [{"name": "flex-start", "state": state, "message": message}]}}
+
+
+def _provreq(condition: str, name: str = "raycluster-ft-ray-1a2b3-flex-start-1", created: str = "2026-01-01T12:00:00Z",
+             owner: str = "raycluster-ft-ray-1a2b3") -> dict:
+    return {"metadata": {"name": name, "creationTimestamp": created,
+                         "ownerReferences": [{"kind": "Workload", "name": owner}]},
+            "status": {"conditions": [{"type": "Provisioned", "status": "True", "message": "done"},
+                                      {"type": condition, "status": "True", "message": f"the {condition} message"}]}}
+
+
+def test_queue_obs_reads_the_admission_checks_and_the_provisioning_requests_own_message():
+    q = QueueObs.of(_workload("Pending", WAITING))
+    assert q.quota_reserved and not q.admitted and q.waiting == ""
+    assert q.pending_check is not None and q.pending_check.message == WAITING and q.pending_check.state == "Pending"
+    assert q.rejected_check is None and q.active
+    ready = QueueObs.of(_workload("Ready", "Provisioned"))
+    assert ready.pending_check is None
+    unreserved = QueueObs.of(_workload("Pending", quota=False))
+    assert not unreserved.quota_reserved and unreserved.waiting == "insufficient quota"
+
+
+@pytest.mark.parametrize("condition,lost", [("CapacityRevoked", True), ("BookingExpired", True), ("Failed", False)])
+def test_a_rejected_checks_newest_provisioning_request_says_whether_the_booking_was_lost(condition, lost):
+    older = _provreq("Failed" if lost else "CapacityRevoked", name="raycluster-ft-ray-1a2b3-flex-start-0",
+                     created="2026-01-01T11:00:00Z")
+    other = _provreq("CapacityRevoked", owner="someone-else", created="2026-01-01T13:00:00Z")
+    q = QueueObs.of(_workload("Rejected", "x", active=False), (older, _provreq(condition), other))
+    assert q.rejected_check is not None and not q.active and q.booking_read
+    assert q.booking_lost == (f"{condition}: the {condition} message" if lost else "")
+    unread = QueueObs.of(_workload("Rejected", "x", active=False), None)
+    assert not unread.booking_read and unread.booking_lost == ""
+
+
+def test_a_check_rejected_is_seen_after_the_eviction_reset_it_to_pending():
+    wl = _workload("Pending", "Reset to Pending after eviction. Previously: Rejected", active=False)
+    wl["status"]["conditions"].append({"type": "Evicted", "status": "True", "reason": "DeactivatedDueToAdmissionCheck",
+                                       "message": "The workload is deactivated due to Admission check(s): flex-start"})
+    q = QueueObs.of(wl)
+    assert q.rejected_check is None and q.check_rejected
+    wl["status"]["conditions"][-1]["reason"] = "Deactivated"   # spec.active set false by someone: not a check
+    assert not QueueObs.of(wl).check_rejected
+    assert not QueueObs.of(_workload("Pending", WAITING)).check_rejected

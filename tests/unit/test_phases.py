@@ -1347,6 +1347,115 @@ def test_a_preempted_runs_job_still_there_at_readmission_is_deleted_first():
     assert kinds(late) == [("delete", "RayJob", train)]   # pods that never go: stopped anyway, bounded
 
 
+# --- Kueue's ProvisioningRequest admission check: GKE flex-start with queued provisioning -------------------
+CAPACITY = "Waiting for resources. Currently there are not enough resources available to fulfill the request."
+WORKLOAD = "raycluster-ft-ray-1a2b3"
+
+
+def capacity(state: str = "Pending", message: str = CAPACITY, **extra) -> observed.QueueObs:
+    """A Workload holding quota whose ProvisioningRequest check is in `state`."""
+    return observed.QueueObs(workload=WORKLOAD, quota_reserved=True,
+                             checks=(observed.CheckObs("flex-start", state, message),), **extra)
+
+
+def test_quota_reserved_then_waiting_for_capacity_in_the_provisioning_requests_words_off_the_provisioning_clock():
+    o = queued(provisioningTimeoutSeconds=60, scheduling={"provisioning": "flexStart"})
+    o = apply(o, phases.decide(o, Observed(), at(0), TUN))
+    o = apply(o, phases.decide(o, Observed(cluster(0, suspended=True), queue=waiting()), at(1), TUN))
+    assert o["status"]["reason"] == "Queued"
+    d = phases.decide(o, Observed(cluster(0, suspended=True), queue=capacity()), at(2), TUN)
+    assert d.phase == "Queued" and d.status["reason"] == "WaitingForCapacity"
+    assert CAPACITY in d.status["message"] and "admission check flex-start is Pending" in d.status["message"]
+    assert cond(d, c.Condition.ADMITTED)["reason"] == "WaitingForCapacity"
+    assert [(e.type, e.reason) for e in d.events] == [("Normal", "WaitingForCapacity")]
+    o = apply(o, d)
+    later = phases.decide(o, Observed(cluster(0, suspended=True), queue=capacity()), at(5000), TUN)
+    assert later.patch is None and later.actions == ()   # waiting long past 60 s: not failed, no new event
+    retry = phases.decide(o, Observed(cluster(0, suspended=True), queue=capacity(
+        message="Retrying after booking expired: the booking expired")), at(5001), TUN)
+    assert retry.status["reason"] == "WaitingForCapacity" and "booking expired" in retry.status["message"]
+    d = phases.decide(o, Observed(cluster(0), queue=capacity("Ready", "Provisioning Request was successfully "
+                                                                      "provisioned.", admitted=True)), at(6000), TUN)
+    assert d.phase == "Provisioning" and d.status["phaseTransitionTime"] == observed.fmt_time(at(6000))
+    o = apply(o, d)
+    assert phases.decide(o, Observed(cluster(0)), at(6059), TUN).phase == "Provisioning"
+    assert phases.decide(o, Observed(cluster(0)), at(6060), TUN).status["reason"] == "ProvisioningTimeout"
+
+
+REVOKED = "CapacityRevoked: the flex-start nodes were reclaimed"
+DEACTIVATED = ("DeactivatedDueToAdmissionCheck: The workload is deactivated due to Admission check(s): flex-start, "
+               "were rejected")
+
+
+def test_a_revoked_booking_mid_run_is_a_preemption_then_a_new_workload_and_the_same_attempt_resumes():
+    o, n = _labelled_training()
+    train = n.train_attempt(0)
+    o["status"]["training"] = {"step": 40}
+    # As Kueue v0.17.0 leaves it: deactivated, and the eviction has reset the rejected check to Pending
+    rejected = capacity("Pending", "Reset to Pending after eviction. Previously: Rejected", active=False,
+                        booking_lost=REVOKED, evicted=DEACTIVATED)
+    d = phases.decide(o, Observed(cluster(0, suspended=True), {train: job(train)}, queue=rejected), at(10), TUN)
+    assert d.phase == "Queued" and d.status["reason"] == "Preempted" and REVOKED in d.status["message"]
+    assert kinds(d) == []   # the ranks save at their next step first (the pods' preStop)
+    rec = d.status["recovery"]
+    assert rec["preemptions"] == 1 and not rec.get("sliceReplacements")
+    assert rec["lastPreemption"]["cause"] == REVOKED and rec["lastPreemption"]["step"] == 40
+    o = apply(o, d)
+    gone = ClusterObs(f"{NAME}-ray", {"conditions": [{"type": "RayClusterSuspended", "status": "True"}]}, True)
+    d = phases.decide(o, Observed(gone, {train: job(train, "FAILED", "Failed")}, queue=rejected), at(15), TUN)
+    assert kinds(d) == [("delete", "RayJob", train)]   # the stopped job first, as after a preemption
+    o = apply(o, d)
+    d = phases.decide(o, Observed(gone, queue=rejected), at(20), TUN)
+    assert kinds(d) == [("delete", "RayCluster", n.cluster)] and d.status["reason"] == "Requeuing"
+    assert REVOKED in d.status["message"] and ("Warning", "Preempted") in [(e.type, e.reason) for e in d.events]
+    o = apply(o, d)
+    still = phases.decide(o, Observed(gone, queue=rejected), at(21), TUN)   # terminating: once is enough
+    assert kinds(still) == [] and still.events == () and still.patch is None
+    d = phases.decide(o, Observed(), at(25), TUN)
+    assert kinds(d) == [("create", "RayCluster", n.cluster)] and d.status["reason"] == "Preempted"
+    assert not [e for e in d.events if e.reason == "ChildDeleted"]   # we deleted it: no warning about it
+    o = apply(o, d)
+    o = apply(o, phases.decide(o, Observed(cluster(0, suspended=True), queue=capacity()), at(30), TUN))
+    assert o["status"]["reason"] == "Preempted" and CAPACITY in o["status"]["message"]
+    o = apply(o, phases.decide(o, Observed(cluster(0)), at(40), TUN))
+    assert o["status"]["phase"] == "Provisioning" and "admitted again" in o["status"]["message"]
+    o = apply(o, phases.decide(o, Observed(cluster(4, provisioned=True)), at(50), TUN))
+    assert o["status"]["phase"] == "VerifyingCollectives"
+    d = phases.decide(o, Observed(cluster(4, provisioned=True),
+                                  {n.verify_job: job(n.verify_job, "SUCCEEDED", "Complete")}), at(60), TUN)
+    assert d.phase == "Training" and kinds(d) == [("create", "RayJob", train)] and d.status["trainingAttempts"] == 1
+    assert d.status["recovery"]["preemptions"] == 1
+
+
+def test_capacity_that_failed_for_good_fails_the_run_in_the_provisioning_requests_words():
+    o = queued(scheduling={"provisioning": "flexStart"})
+    o = apply(o, phases.decide(o, Observed(), at(0), TUN))
+    failed = capacity("Rejected", "TPU v6e 4x4 is not offered in this zone", active=False)
+    d = phases.decide(o, Observed(cluster(0, suspended=True), queue=failed), at(5), TUN)
+    assert d.phase == "Failed" and d.status["reason"] == "CapacityRejected"
+    assert "not offered in this zone" in d.status["message"] and "kubectl get provisioningrequests" in d.status["message"]
+    reset = capacity("Pending", "Reset to Pending after eviction. Previously: Rejected", active=False,
+                     evicted=DEACTIVATED)   # read after the eviction: the Workload's reason says it
+    d = phases.decide(o, Observed(cluster(0, suspended=True), queue=reset), at(5), TUN)
+    assert d.phase == "Failed" and d.status["reason"] == "CapacityRejected" and DEACTIVATED in d.status["message"]
+
+
+def test_a_workload_deactivated_by_someone_else_stays_queued():
+    o = queued(scheduling={"provisioning": "flexStart"})
+    o = apply(o, phases.decide(o, Observed(), at(0), TUN))
+    other = capacity("Pending", active=False, evicted="Deactivated: The workload is deactivated")
+    d = phases.decide(o, Observed(cluster(0, suspended=True), queue=other), at(5), TUN)
+    assert d.phase == "Queued" and kinds(d) == []
+
+
+def test_a_rejected_check_whose_provisioning_requests_cannot_be_read_waits_and_says_why():
+    o = queued(scheduling={"provisioning": "flexStart"})
+    o = apply(o, phases.decide(o, Observed(), at(0), TUN))
+    d = phases.decide(o, Observed(cluster(0, suspended=True), queue=capacity("Rejected", active=False,
+                                                                             booking_read=False)), at(5), TUN)
+    assert d.phase == "Queued" and kinds(d) == [] and "provisioningrequests.autoscaling.x-k8s.io" in d.status["message"]
+
+
 def test_kueue_not_installed_says_so_and_provisions():
     o = queued()
     o = apply(o, phases.decide(o, Observed(), at(0), TUN))

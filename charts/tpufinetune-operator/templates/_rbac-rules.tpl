@@ -60,6 +60,12 @@ exact set).
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads"]
   verbs: ["list"]
+# The ProvisioningRequests Kueue's ProvisioningRequest admission check makes (GKE flex-start), listed
+# only when Kueue has rejected a queued run's check: a revoked or expired booking (their
+# CapacityRevoked/BookingExpired condition) queues the run again, a failed one fails it. Read only.
+- apiGroups: ["autoscaling.x-k8s.io"]
+  resources: ["provisioningrequests"]
+  verbs: ["list"]
 {{- end -}}
 
 {{/*
