@@ -121,7 +121,9 @@ def one_loss(kc: Path, index: int) -> dict:
     out = {"victim": victim, "loss_seen_s": round(t_seen, 2), "training_resumed_s": round(t_resumed, 2),
            "resumed_at": st["training"]["updatedAt"],
            "stages_s": marks, "last_reported_step": step_lost_at, "resumed_from_step": from_step,
-           "steps_lost": step_lost_at - from_step}
+           # status lags the run (a report every 10 s): the stop checkpoint can be past the last step shown
+           "steps_lost": max(0, step_lost_at - from_step),
+           "resumed_past_reported_steps": max(0, from_step - step_lost_at)}
     say(f"loss {index + 1}: {out}")
     return out
 
