@@ -372,7 +372,10 @@ def _provisioning(draft: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
     recorded = hosts.whole(obs.hosts, 1 + shape.hosts * tft.spec.slices) if obs.hosts else None
     unseen = ready and bool(obs.hosts) and recorded is None
     replacing = draft.previous.reason in (Reason.REPLACING_SLICE.value, Reason.RESIZING.value)
-    stopping, stopped = _stop_old_jobs(draft, tft, obs, whole_again=ready and not unseen) if replacing else ([], [])
+    # A pod told to stop is saving while it terminates; once it is gone (or the slice is whole again: KubeRay
+    # replaces a pod only then) its preStop, and so the save, is over.
+    saving = any(p.deleting for p in obs.hosts) and not (ready and not unseen)
+    stopping, stopped = _stop_old_jobs(draft, tft, obs, saving) if replacing else ([], [])
     if ready and not unseen and not obs.jobs_deleting and not stopping and not stopped:
         draft.set_condition(Condition.SLICE_PROVISIONED, ConditionStatus.TRUE, Reason.SLICE_READY,
                             cluster_progress(tft, obs.cluster))
@@ -445,18 +448,18 @@ STOPPING_LOOK_SECONDS = 2.0   # how often a RayJob saving its stop checkpoint is
 
 
 def _stop_old_jobs(draft: _Draft, tft: TPUFinetune, obs: Observed,
-                   whole_again: bool = False) -> tuple[list[str], list[str]]:
+                   pod_saving: bool) -> tuple[list[str], list[str]]:
     """After a loss or a resize: the slice's RayJobs still on the cluster. One whose pod was told to stop
     saves its checkpoint and ends by itself (preStop, tpuft_workload.preemption); it is deleted once it
-    has ended, once the slice is whole again (KubeRay replaces a pod only once the old one is gone, i.e.
-    its preStop, and so the save, is over; a job told to stop before it trained never ends by itself),
-    or once the pod's own stop bound has passed. Returns (those still saving, those deleted now)."""
+    has ended, once no pod of the slice is stopping any more (`pod_saving` False: the preStop, and so
+    the save, is over; a job told to stop before it trained never ends by itself), or once the pod's
+    own stop bound has passed. Returns (those still saving, those deleted now)."""
     saving, deleted = [], []
     for name in sorted(x for x in {_verify_job(draft, tft), draft.children.train_job} if x is not None):
         job = obs.jobs.get(name)
         if job is None:
             continue
-        if (whole_again or job_settled(job) or job_failed(job) or job_succeeded(job)
+        if (not pod_saving or job_settled(job) or job_failed(job) or job_succeeded(job)
                 or draft.seconds_in_phase() >= c.PRESTOP_WAIT_SECONDS):
             draft.add_action(Op.DELETE, c.RAYJOB_KIND, name)
             deleted.append(name)

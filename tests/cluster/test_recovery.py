@@ -82,8 +82,8 @@ def test_a_host_lost_in_one_of_two_slices_replaces_only_that_slice_then_a_second
         back(spare)
         with local_cluster.up_lock():
             lose(victim["node"])
-            st = wait_until(lambda: (s := _status(cluster_kubectl, cluster_ns, "swap")).get("recovery") and s,
-                            timeout=240, interval=1, what="the lost host seen")
+            st = wait_until(lambda: (s := _status(cluster_kubectl, cluster_ns, "swap")).get("recovery", {}).get("history")
+                            and s, timeout=240, interval=1, what="the lost host seen")
         (loss,) = st["recovery"]["history"]
         assert loss["phase"] == "VerifyingCollectives" and loss["hosts"] == 8 and loss["hostsReady"] < 8, loss
         assert st["reason"] in ("ReplacingSlice", "Verifying"), st
