@@ -196,8 +196,11 @@ def operator_as_chart_sa(helm_cli, kubectl, kubeconfig, kube_api, namespace, ext
         log = run.log_path.read_text()
         # (A cluster-wide operator may also meet objects left by earlier tests in namespaces being
         # deleted; the API server answers those creates 403 "is being terminated": not RBAC.)
-        bad = [line for line in log.splitlines()
-               if PERMISSION_ERRORS.search(line) and "being terminated" not in line]
+        # A log record may span lines (an ApiException prints its reason, headers and body on
+        # several): each record is judged whole.
+        records = re.split(r"\n(?=\[\d{4}-\d\d-\d\d )", log)
+        bad = [record for record in records
+               if PERMISSION_ERRORS.search(record) and "being terminated" not in record]
         assert not bad, "permission errors in the operator log:\n" + "\n".join(bad)
 
     return start
