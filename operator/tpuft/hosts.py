@@ -60,6 +60,11 @@ def notice(labels: Mapping[str, str], taints: Iterable[Mapping[str, Any]]) -> st
     return "; ".join(found)
 
 
+def up(pod: PodObs) -> bool:
+    """Running and Ready, and not told to stop."""
+    return not pod.deleting and pod.phase == "Running" and pod.ready is True
+
+
 def of_cluster(pods: Iterable[PodObs], cluster_uid: str | None) -> tuple[PodObs, ...]:
     """The RayCluster's own pods (head and workers; not the RayJobs' submitter pods), by name."""
     return tuple(sorted((p for p in pods if cluster_uid and p.cluster_uid == cluster_uid), key=lambda p: p.name))
@@ -68,8 +73,7 @@ def of_cluster(pods: Iterable[PodObs], cluster_uid: str | None) -> tuple[PodObs,
 def whole(pods: tuple[PodObs, ...], expected: int) -> tuple[str, ...] | None:
     """The UIDs of the cluster's pods when exactly `expected` of them run, each Ready and none
     terminating (the record a later loss is judged against); None otherwise."""
-    if len(pods) != expected or any(p.deleting or p.phase != "Running" or p.ready is not True or not p.uid
-                                    for p in pods):
+    if len(pods) != expected or not all(up(p) and p.uid for p in pods):
         return None
     return tuple(sorted(p.uid for p in pods))
 
@@ -124,19 +128,19 @@ def whole_slices(pods: tuple[PodObs, ...], hosts_per_slice: int, replica_per_sli
     """How many slices have every host running and Ready. replica_per_slice (TPU): a slice is one
     worker group replica, named by KubeRay's replica index label; otherwise (a CPU rehearsal, one
     replica per host) any hosts_per_slice Ready workers make a slice, as Ray Train places ranks."""
-    up = [p for p in pods if not p.is_head and not p.deleting and p.phase == "Running" and p.ready is True]
-    if replica_per_slice and up and all(p.replica_index is not None for p in up):
+    workers = [p for p in pods if not p.is_head and up(p)]
+    if replica_per_slice and workers and all(p.replica_index is not None for p in workers):
         counts: dict[int | None, int] = {}
-        for p in up:
+        for p in workers:
             counts[p.replica_index] = counts.get(p.replica_index, 0) + 1
         return sum(1 for n in counts.values() if n >= hosts_per_slice)
-    return len(up) // max(hosts_per_slice, 1)
+    return len(workers) // max(hosts_per_slice, 1)
 
 
 def ready_workers(pods: tuple[PodObs, ...]) -> int:
     """Workers running and Ready, none told to stop (KubeRay counts a terminating pod ready until it exits)."""
-    return sum(1 for p in pods if not p.is_head and not p.deleting and p.phase == "Running" and p.ready is True)
+    return sum(1 for p in pods if not p.is_head and up(p))
 
 
 def head_ready(pods: tuple[PodObs, ...]) -> bool:
-    return any(p.is_head and not p.deleting and p.phase == "Running" and p.ready is True for p in pods)
+    return any(p.is_head and up(p) for p in pods)

@@ -485,9 +485,9 @@ def _train_on_fewer_slices(draft: _Draft, tft: TPUFinetune, obs: Observed, slice
     """Training resumes from its checkpoint on the whole slices; they were verified before and are
     unchanged, so they are not verified again (the lost slice is, when every slice is back)."""
     accumulation = elastic_accumulation(tft.spec.training.gradient_accumulation_steps, tft.spec.slices, slices)
-    up = tuple(sorted(p.uid for p in obs.hosts if not p.deleting and p.phase == "Running" and p.ready is True))
+    running = tuple(sorted(p.uid for p in obs.hosts if hosts.up(p)))
     elastic = Elastic(slices=slices, gradient_accumulation_steps=accumulation, since=fmt_time(draft.now))
-    draft.status = replace(draft.status, recovery=replace(draft.recovery.slice_whole(up), elastic=elastic))
+    draft.status = replace(draft.status, recovery=replace(draft.recovery.slice_whole(running), elastic=elastic))
     msg = (f"a lost slice is not back after {tft.spec.recovery.elastic_wait_seconds}s: training resumes from its "
            f"checkpoint on {slices} of {tft.spec.slices} slices (gradient accumulation {accumulation}, was "
            f"{tft.spec.training.gradient_accumulation_steps}); back to {tft.spec.slices} once every slice is whole")

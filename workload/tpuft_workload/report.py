@@ -148,6 +148,14 @@ class StatusReporter:
             self._api = client.CustomObjectsApi(client.ApiClient(cfg))
         return self._api
 
+    def _failed(self, e: Exception, doing: str) -> None:
+        """A failed request, counted and logged; only the exception type and reason (API errors can
+        echo request headers)."""
+        self.failures += 1
+        reason = getattr(e, "reason", None) or type(e).__name__
+        self.last_error = f"{type(e).__name__}: {getattr(e, 'status', '')} {reason}".strip()
+        log.warning("could not %s %s (%s); continuing", doing, status_path(self.namespace, self.name), self.last_error)
+
     def _patch(self, key: str, value: dict) -> bool:
         if not self.enabled:
             return False
@@ -157,48 +165,38 @@ class StatusReporter:
                 GROUP, VERSION, self.namespace, PLURAL, self.name, body,
                 _content_type="application/merge-patch+json", _request_timeout=self.timeout_s,
             )
-            self.requests = Requests.of(answer) or self.requests
-            return True
         except Exception as e:  # noqa: BLE001 - never let reporting kill training
-            self.failures += 1
-            # Only the exception type and reason: API errors can echo request headers.
-            reason = getattr(e, "reason", None) or type(e).__name__
-            self.last_error = f"{type(e).__name__}: {getattr(e, 'status', '')} {reason}".strip()
-            log.warning("could not patch %s status.%s (%s); continuing",
-                        status_path(self.namespace, self.name), key, self.last_error)
+            self._failed(e, f"patch status.{key} of")
             return False
+        self.requests = Requests.of(answer) or self.requests
+        return True
+
+    def _read(self, doing: str) -> dict | None:
+        """The object, read through its status subresource; None (counted and logged) on a failure."""
+        if not self.enabled:
+            return None
+        try:
+            return self._client().get_namespaced_custom_object_status(
+                GROUP, VERSION, self.namespace, PLURAL, self.name, _request_timeout=self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - never let reporting kill training
+            self._failed(e, doing)
+            return None
 
     def read_requests(self) -> bool:
         """A GET of the status, for the operator's requests only (when no patch answer is recent).
         A failure is logged like a patch's; False then."""
-        if not self.enabled:
+        answer = self._read("read, for a checkpoint request,")
+        if answer is None:
             return False
-        try:
-            answer = self._client().get_namespaced_custom_object_status(
-                GROUP, VERSION, self.namespace, PLURAL, self.name, _request_timeout=self.timeout_s)
-            self.requests = Requests.of(answer) or self.requests
-            return True
-        except Exception as e:  # noqa: BLE001 - never let reporting kill training
-            self.failures += 1
-            reason = getattr(e, "reason", None) or type(e).__name__
-            self.last_error = f"{type(e).__name__}: {getattr(e, 'status', '')} {reason}".strip()
-            log.warning("could not read %s for a checkpoint request (%s); continuing",
-                        status_path(self.namespace, self.name), self.last_error)
-            return False
+        self.requests = Requests.of(answer) or self.requests
+        return True
 
     def condition(self, ctype: str) -> tuple[str, str] | None:
         """(status, message) of the TPUFinetune's condition `ctype`, or None (absent, or not read:
         logged like a failed patch)."""
-        if not self.enabled:
-            return None
-        try:
-            answer = self._client().get_namespaced_custom_object_status(
-                GROUP, VERSION, self.namespace, PLURAL, self.name, _request_timeout=self.timeout_s)
-        except Exception as e:  # noqa: BLE001 - the caller waits on and retries
-            reason = getattr(e, "reason", None) or type(e).__name__
-            log.warning("could not read %s (%s: %s)", status_path(self.namespace, self.name), type(e).__name__, reason)
-            return None
-        found = next((x for x in (answer.get("status") or {}).get("conditions") or [] if x.get("type") == ctype), None)
+        answer = self._read(f"read {ctype} of")
+        found = next((x for x in ((answer or {}).get("status") or {}).get("conditions") or []
+                      if x.get("type") == ctype), None)
         return (found.get("status") or "", found.get("message") or "") if found else None
 
     def verification(self, status: dict) -> bool:
