@@ -503,11 +503,7 @@ def _start_verification(draft: _Draft, tft: TPUFinetune, reason: Reason = Reason
     draft.add_action(Op.CREATE, c.RAYJOB_KIND, name, builders.build_verify_job(tft, index))
     draft.status = replace(draft.status, children=replace(draft.children, verify_job=name))
     if with_training:
-        attempts = draft.status.training_attempts or 1
-        train = builders.names(tft).train_attempt(attempts - 1)   # the interrupted attempt, from its checkpoint
-        draft.add_action(Op.CREATE, c.RAYJOB_KIND, train,
-                         builders.build_train_job(tft, attempts - 1, after_verification=True))
-        draft.status = replace(draft.status, children=replace(draft.children, train_job=train))
+        train = _submit_training(draft, tft, after_verification=True)
         message = message or (f"verifying collectives on every device (RayJob {name}); RayJob {train} submitted "
                               "beside it, training once they pass")
     draft.set_condition(Condition.COLLECTIVES_VERIFIED, ConditionStatus.UNKNOWN, reason,
@@ -532,16 +528,24 @@ def _verify_job(draft: _Draft, tft: TPUFinetune) -> str:
     return builders.names(tft).verify_attempt(draft.recovery.lost_count(Phase.VERIFYING))
 
 
-def _start_training(draft: _Draft, tft: TPUFinetune, obs: Observed, slices: int | None = None) -> Decision:
+def _submit_training(draft: _Draft, tft: TPUFinetune, slices: int | None = None,
+                     after_verification: bool = False) -> str:
+    """The current training attempt's RayJob created (after a resume or a loss the interrupted attempt
+    continues from its checkpoint) and named in status; returns its name."""
     attempts = draft.status.training_attempts or 0
-    index = max(attempts - 1, 0)  # after a resume the interrupted attempt continues from its checkpoint
+    index = max(attempts - 1, 0)
     name = builders.names(tft).train_attempt(index)
-    draft.add_action(Op.CREATE, c.RAYJOB_KIND, name, builders.build_train_job(tft, index, slices))
+    draft.add_action(Op.CREATE, c.RAYJOB_KIND, name, builders.build_train_job(tft, index, slices, after_verification))
     draft.status = replace(draft.status, training_attempts=max(attempts, 1),
                            children=replace(draft.children, train_job=name))
+    return name
+
+
+def _start_training(draft: _Draft, tft: TPUFinetune, obs: Observed, slices: int | None = None) -> Decision:
+    name = _submit_training(draft, tft, slices)
     draft.set_condition(Condition.TRAINING_SUCCEEDED, ConditionStatus.UNKNOWN, Reason.TRAINING,
                         f"RayJob {name} submitted")
-    draft.move_to(Phase.TRAINING, *_training_says(draft, tft, name, index + 1))
+    draft.move_to(Phase.TRAINING, *_training_says(draft, tft, name, draft.status.training_attempts or 1))
     return draft.finish()
 
 
