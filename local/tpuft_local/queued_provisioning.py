@@ -122,9 +122,10 @@ def slices_of(templates: Iterable[tuple[Mapping, int]]) -> Slices | str:
         if count % shape.hosts:
             return f"{count} pods is not whole {shape.topology} slices of {shape.hosts} hosts"
         found.append(Slices(shape, count // shape.hosts))
-    if len(found) != 1:
-        return f"expected one TPU pod set, found {len(found)}"
-    return found[0]
+    # Several TPU pod sets of one shape: one worker group per slice (the operator's rendering under Kueue TAS).
+    if not found or len({f.shape for f in found}) != 1:
+        return f"expected TPU pod sets of one slice shape, found {[f.shape.topology for f in found] or 'none'}"
+    return Slices(found[0].shape, sum(f.slices for f in found))
 
 
 def step(pr: Mapping, now: datetime, settings: Settings, consumed: bool) -> Step:

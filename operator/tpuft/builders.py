@@ -196,17 +196,15 @@ def _node_selector(tft: TPUFinetune) -> dict[str, str]:
 
 
 def _slice_topology(tft: TPUFinetune) -> dict[str, str]:
-    """Kueue Topology Aware Scheduling's pod-set annotations for the worker group (one pod set of
-    slices x hosts pods): each slice's hosts in one node pool, GKE's unit of a multi-host slice.
-    Only when asked (scheduling.topologyAware) and queued: TAS is Kueue's, and a flavor without a
+    """Kueue Topology Aware Scheduling's pod-set annotation for each slice's worker group (one Kueue
+    pod set per group): all of its hosts in one node pool, GKE's unit of a multi-host slice. Only
+    when asked (scheduling.topologyAware) and queued: TAS is Kueue's, and a flavor without a
     Topology does not admit an annotated pod set."""
     s = tft.spec.slice
     if not (tft.spec.scheduling.topology_aware and tft.meta.labels.get(c.KUEUE_QUEUE_LABEL) and s.is_tpu
             and s.hosts > 1):
         return {}
-    if tft.spec.slices == 1:
-        return {c.KUEUE_TAS_REQUIRED: c.GKE_NODEPOOL_LABEL}
-    return {c.KUEUE_TAS_SLICE_REQUIRED: c.GKE_NODEPOOL_LABEL, c.KUEUE_TAS_SLICE_SIZE: str(s.hosts)}
+    return {c.KUEUE_TAS_REQUIRED: c.GKE_NODEPOOL_LABEL}
 
 
 def _provisioning_parameters(tft: TPUFinetune) -> dict[str, str]:
@@ -297,7 +295,8 @@ def _cluster_spec(tft: TPUFinetune, component: c.Component, max_slices: int | No
 
     most = max(max_slices or spec.slices, spec.slices)
     if s.is_tpu:
-        # One group, one replica per slice, numOfHosts VMs per slice: what the TPU webhook checks.
+        # One replica per slice, numOfHosts VMs per slice: what the TPU webhook checks (one group of
+        # `slices` replicas; under Kueue TAS a group per slice, _group_per_slice).
         per_slice, hosts = 1, s.hosts
         start_params: dict[str, str] = {}
     else:
@@ -317,6 +316,7 @@ def _cluster_spec(tft: TPUFinetune, component: c.Component, max_slices: int | No
     }
     if s.tpu_resource_per_chip > 1:
         group["resources"] = {c.RAY_TPU_CUSTOM_RESOURCE: str(s.devices_per_host)}
+    groups = _group_per_slice(tft, group) if topology and spec.slices > 1 else [group]
     # The training head keeps its ServiceAccount token: the Ray job's driver runs there and patches
     # status.verification (and status.training.message when a resume is refused); the workers' rank 0
     # patches status.training. Serving pods turn it off (build_rayservice).
@@ -330,8 +330,30 @@ def _cluster_spec(tft: TPUFinetune, component: c.Component, max_slices: int | No
             "rayStartParams": {"num-cpus": "0"},
             "template": _pod_template(tft, component, [head], head_extra or None),
         },
-        "workerGroupSpecs": [group],
+        "workerGroupSpecs": groups,
     }
+
+
+def _group_per_slice(tft: TPUFinetune, group: dict) -> list[dict]:
+    """`slices: N` under Kueue TAS: one worker group per slice (`{group}-s{i}`, one replica), so each
+    slice is a Kueue pod set placed on one node pool. A single group of N replicas is one pod set,
+    whose pods Kueue v0.17 spreads over the node pools by count, not by replica (a pool got hosts of
+    two slices, and the TPU webhook's per-replica affinity left them Pending). TPU_NAME is each
+    slice's name as the webhook writes it for replica i of the one group (`{group}-{i}`), so Ray's
+    slice names and the workload's slice index are the same either way."""
+    base, out = group["groupName"], []
+    for i in range(tft.spec.slices):
+        one = copy.deepcopy(group)
+        one.update({"groupName": slice_group(base, i), "replicas": 1, "minReplicas": 1, "maxReplicas": 1})
+        container = next(x for x in one["template"]["spec"]["containers"] if x["name"] == WORKER_CONTAINER)
+        container.setdefault("env", []).append({"name": c.TPU_NAME_ENV, "value": f"{base}-{i}"})
+        out.append(one)
+    return out
+
+
+def slice_group(base: str, index: int) -> str:
+    """Slice `index`'s worker group where each slice has its own (Kueue TAS, slices > 1)."""
+    return f"{base}-s{index}"
 
 
 def run_document(tft: TPUFinetune, slices: int | None = None) -> str:

@@ -138,8 +138,6 @@ GKE_MAX_RUN_DURATION_SECONDS = 7 * 24 * 3600
 GKE_NODEPOOL_LABEL = "cloud.google.com/gke-nodepool"   # one multi-host TPU slice is one node pool
 # Kueue Topology Aware Scheduling (v0.17): a pod template's pod-set annotations.
 KUEUE_TAS_REQUIRED = "kueue.x-k8s.io/podset-required-topology"
-KUEUE_TAS_SLICE_REQUIRED = "kueue.x-k8s.io/podset-slice-required-topology"
-KUEUE_TAS_SLICE_SIZE = "kueue.x-k8s.io/podset-slice-size"
 RAY_TPU_RESOURCE_PER_CHIP_ENV = "RAY_TPU_RESOURCE_PER_CHIP"
 RAY_TPU_CUSTOM_RESOURCE = "TPU"  # Ray's logical resource name
 HF_TOKEN_ENV = "HF_TOKEN"
@@ -147,6 +145,7 @@ HF_TOKEN_ENV = "HF_TOKEN"
 # them replicaIndex when KubeRay's own index labels are absent, and takes a worker group's topology
 # from this annotation before the topology node selector we set from spec.topology.
 TPU_WEBHOOK_REPLICA_LABEL = "replicaIndex"
+TPU_NAME_ENV = "TPU_NAME"   # the slice's name (the webhook's `{group}-{replica}`): Ray's slice identity
 TPU_SLICE_TOPOLOGY_ANNOTATION = "cloud.google.com/gke-tpu-slice-topology"
 
 # Ray head ports, named and numbered as KubeRay's defaults.
@@ -598,4 +597,5 @@ RESERVED_ENV = (
     (RAY_AUTH_MODE_ENV, "KubeRay sets it for token auth (authOptions); set here it could switch the auth off"),
     (RAY_AUTH_TOKEN_ENV, "KubeRay sets it from the RayCluster's token Secret"),
     (SERVE_API_KEY_ENV, "it comes from spec.serve.apiKeySecret; set that instead"),
+    (TPU_NAME_ENV, "the TPU webhook (or, one worker group per slice, the operator) names each slice by it"),
 )

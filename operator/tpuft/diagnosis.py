@@ -79,6 +79,8 @@ class PodObs:
     phase: str = ""                     # status.phase: Pending, Running, Succeeded, Failed
     ready: bool | None = None           # the Ready condition (None: not reported yet)
     not_ready: str = ""                 # Ready=False: its reason and message (the node lifecycle controller's when the node is lost)
+    slice_name: str = ""                # TPU_NAME in its env: its slice's name, the TPU webhook's `{group}-{replica}`
+                                        # or the operator's where each slice has a worker group (Kueue TAS)
 
     @property
     def is_head(self) -> bool:
@@ -106,7 +108,7 @@ class PodObs:
                    meta.get("uid") or "", (pod.get("spec") or {}).get("nodeName") or "", status.get("phase") or "",
                    {"True": True, "False": False}.get(ready.get("status") or ""),
                    " ".join(x for x in (ready.get("reason"), ready.get("message")) if x) if ready.get("status") == "False"
-                   else "")
+                   else "", _env_value(containers, c.TPU_NAME_ENV))
 
 
 def _waiting(cs: Mapping[str, Any], images: Mapping[str, str]) -> Waiting:
@@ -132,6 +134,10 @@ def _place(labels: Mapping[str, str], containers: list[Mapping[str, Any]]) -> tu
         host = next((_index(e.get("value")) for x in containers for e in x.get("env") or []
                      if e.get("name") == TPU_WORKER_ID_ENV), None)
     return replica, host
+
+
+def _env_value(containers: list[Mapping[str, Any]], name: str) -> str:
+    return next((str(e.get("value") or "") for x in containers for e in x.get("env") or [] if e.get("name") == name), "")
 
 
 def _memory_limit(container: Mapping[str, Any]) -> str:
@@ -213,9 +219,12 @@ def leftovers(pods: tuple[PodObs, ...], own_cluster_uids: frozenset[str]) -> tup
 
 
 def host_of(pod: PodObs, hosts_per_slice: int, hosts_per_replica: int) -> str:
-    """Where a worker pod sits: "host H of slice S", from its replica and host indices and the
-    shape (a TPU slice is one group replica of hosts_per_replica hosts; on CPU each host is a
-    replica of one); "" where its labels do not say."""
+    """Where a worker pod sits: "host H of slice S", from its slice's name (TPU_NAME ends in the
+    slice's index) or its replica index, its host index, and the shape (a TPU slice is one group
+    replica of hosts_per_replica hosts; on CPU each host is a replica of one); "" where they do not say."""
+    slice_index = _index(pod.slice_name.rpartition("-")[2]) if pod.slice_name else None
+    if slice_index is not None and pod.host_index is not None:
+        return f"host {pod.host_index} of slice {slice_index}"
     if pod.replica_index is None or (pod.host_index is None and hosts_per_replica > 1) or hosts_per_slice < 1:
         return ""
     n = pod.replica_index * hosts_per_replica + (pod.host_index or 0)

@@ -125,14 +125,17 @@ def maintenance(pods: tuple[PodObs, ...], nodes: Mapping[str, NodeObs]) -> tuple
 
 
 def whole_slices(pods: tuple[PodObs, ...], hosts_per_slice: int, replica_per_slice: bool) -> int:
-    """How many slices have every host running and Ready. replica_per_slice (TPU): a slice is one
-    worker group replica, named by KubeRay's replica index label; otherwise (a CPU rehearsal, one
-    replica per host) any hosts_per_slice Ready workers make a slice, as Ray Train places ranks."""
+    """How many slices have every host running and Ready. replica_per_slice (TPU): a slice is named by
+    its TPU_NAME (one per worker group replica, also where each slice has a worker group of its own),
+    else by KubeRay's replica index label; otherwise (a CPU rehearsal, one replica per host) any
+    hosts_per_slice Ready workers make a slice, as Ray Train places ranks."""
     workers = [p for p in pods if not p.is_head and up(p)]
-    if replica_per_slice and workers and all(p.replica_index is not None for p in workers):
-        counts: dict[int | None, int] = {}
-        for p in workers:
-            counts[p.replica_index] = counts.get(p.replica_index, 0) + 1
+    keys: list[object] = ([p.slice_name for p in workers] if all(p.slice_name for p in workers)
+                          else [p.replica_index for p in workers])
+    if replica_per_slice and workers and all(k is not None for k in keys):
+        counts: dict[object, int] = {}
+        for key in keys:
+            counts[key] = counts.get(key, 0) + 1
         return sum(1 for n in counts.values() if n >= hosts_per_slice)
     return len(workers) // max(hosts_per_slice, 1)
 

@@ -398,8 +398,8 @@ class Scheduling:
         "Multi-host TPU only, with a kueue.x-k8s.io/queue-name label: ask Kueue's Topology Aware Scheduling to keep "
         "each slice's hosts on one slice of nodes (GKE: one node pool, label cloud.google.com/gke-nodepool). The "
         "ClusterQueue's TPU ResourceFlavor needs a topologyName (a Kueue Topology whose levels include "
-        "cloud.google.com/gke-nodepool), or Kueue does not admit it. With slices above 1, Kueue v0.17 fills each "
-        "node pool by count, not by KubeRay replica, and the slices may not come up (docs/kueue.md).",
+        "cloud.google.com/gke-nodepool), or Kueue does not admit it. With slices above 1 each slice is a worker "
+        "group of its own (`<group>-s<i>`), which Kueue places as one pod set.",
         python_default=False)
 
     @property

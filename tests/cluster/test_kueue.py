@@ -233,11 +233,8 @@ def _workers(kubectl, ns: str, cluster: str) -> list[dict]:
 
 def test_topology_aware_slices_land_whole_on_node_pools(cluster_kubectl, cluster_ns):
     """Kueue TAS (ClusterQueue `tas`, Topology by cloud.google.com/gke-nodepool): one slice's 4 hosts
-    bound on one node pool by the real scheduler; a `slices: 2` run's 8 hosts assigned 4 and 4 to the
-    v6e pool's two node pools (Kueue's assignment, the hostname node selector it puts on each pod).
-    Kueue v0.17.0 does not rank a RayCluster's pods, so a node pool's 4 pods may come from two KubeRay
-    replicas, and then the TPU webhook's replica affinity leaves some Pending (docs/kueue.md): the
-    8 are not asserted bound."""
+    bound on one node pool by the real scheduler; a `slices: 2` run (a worker group per slice, one
+    Kueue pod set each) bound as two whole slices, one per node pool of the v6e pool, and verified."""
     ns, kubectl = cluster_ns, cluster_kubectl
     _apply(kubectl, kueue.local_queue(ns, kueue.TAS, "tas"))
     pool_of = {n["metadata"]["name"]: n["metadata"]["labels"][pools.POOL_LABEL]
@@ -249,14 +246,17 @@ def test_topology_aware_slices_land_whole_on_node_pools(cluster_kubectl, cluster
     kubectl("delete", "tft", "one", "-n", ns, check=True)
     wait_until(lambda: not _workers(kubectl, ns, "one-ray"), timeout=180, interval=2, what="one's pods gone")
     _apply(kubectl, _slice("two", "tas", slices=2, scheduling={"topologyAware": True}), ns=ns)
-    placed = wait_until(lambda: len(p := [x for x in _workers(kubectl, ns, "two-ray")
-                                          if "kubernetes.io/hostname" in (x["spec"].get("nodeSelector") or {})]) == 8
-                        and p, timeout=240, interval=2, what="Kueue's placement of two's 8 hosts")
-    per_pool: dict[str, list[str]] = {}
-    for p in placed:
-        per_pool.setdefault(pool_of[p["spec"]["nodeSelector"]["kubernetes.io/hostname"]], []).append(
-            p["metadata"]["labels"].get("ray.io/worker-group-replica-index", "?"))
-    print(f"TAS placement by node pool -> KubeRay replica index of each pod: {per_pool}")
-    assert sorted(len(v) for v in per_pool.values()) == [4, 4], per_pool
+    bound = wait_until(lambda: len(p := [x for x in _workers(kubectl, ns, "two-ray") if x["spec"].get("nodeName")]) == 8
+                       and p, timeout=240, interval=2, what="two's 8 hosts bound by the scheduler")
+    per_pool: dict[str, set[str]] = {}
+    for p in bound:
+        labels = p["metadata"]["labels"]
+        per_pool.setdefault(pool_of[p["spec"]["nodeName"]], set()).add(
+            f"{labels['ray.io/group']} replica {labels.get('ray.io/worker-group-replica-index', '?')}")
+    print(f"TAS placement: node pool -> the slices (worker group, replica) of its pods: {per_pool}")
     assert set(per_pool) == {f"{V6E.name}-0", f"{V6E.name}-1"}, per_pool
+    assert all(len(slices) == 1 for slices in per_pool.values()), per_pool
+    assert sorted(len([p for p in bound if pool_of[p["spec"]["nodeName"]] == pool]) for pool in per_pool) == [4, 4]
+    status = _phase(kubectl, ns, "two", "VerifyingCollectives", timeout=180, what="two verifying on both slices")
+    assert len(status["recovery"]["slicePods"]) == 1 + 8, status["recovery"]   # the head and both slices
     kubectl("delete", "tft", "two", "-n", ns, check=True)

@@ -106,6 +106,14 @@ def test_a_partial_slice_is_refused():
     assert "not whole" in qp.slices_of([(_template("tpu-v6e-slice", "4x4"), 6)])
 
 
+def test_a_worker_group_per_slice_is_one_request_for_all_of_them_of_one_shape():
+    """Kueue TAS with slices > 1: the operator renders one pod set per slice."""
+    got = qp.slices_of([(_template("tpu-v6e-slice", "4x4"), 4), (_template("tpu-v6e-slice", "4x4"), 4)])
+    assert isinstance(got, qp.Slices) and got.slices == 2
+    mixed = qp.slices_of([(_template("tpu-v6e-slice", "4x4"), 4), (_template("tpu-v6e-slice", "2x4"), 2)])
+    assert isinstance(mixed, str) and "one slice shape" in mixed
+
+
 def test_the_flex_start_pool_has_gkes_labels_and_taints_one_node_pool_per_slice():
     shape = resolve_slice("v6e", "4x4")
     nodes = pools.flex_start_nodes(shape, "v6e-4x4-flex-abcde", 2, {qp.OWNER_LABEL: "abcdef-123"})

@@ -234,19 +234,38 @@ def _queued(doc: dict) -> dict:
     return doc
 
 
-@pytest.mark.parametrize("slices,expected", [
-    (1, {"kueue.x-k8s.io/podset-required-topology": "cloud.google.com/gke-nodepool"}),
-    (2, {"kueue.x-k8s.io/podset-slice-required-topology": "cloud.google.com/gke-nodepool",
-         "kueue.x-k8s.io/podset-slice-size": "4"})])
-def test_topology_aware_keeps_each_slices_hosts_in_one_node_pool(slices, expected):
-    doc = _queued(with_("spec.slices", slices, with_("spec.scheduling", {"topologyAware": True})))
-    group = worker_group(render(doc))
-    assert group["replicas"] * group["numOfHosts"] == 4 * slices   # Kueue's pod set: slices x hosts pods
-    annotations = group["template"]["metadata"].get("annotations", {})
-    assert {k: v for k, v in annotations.items() if k.startswith("kueue.x-k8s.io/podset")} == expected
+def test_topology_aware_one_slice_is_one_pod_set_on_one_node_pool():
+    doc = _queued(with_("spec.scheduling", {"topologyAware": True}))
+    groups = by_kind(render(doc), "RayCluster")[0]["spec"]["workerGroupSpecs"]
+    assert [(g["groupName"], g["replicas"], g["numOfHosts"]) for g in groups] == [("v6e-16", 1, 4)]
+    annotations = groups[0]["template"]["metadata"].get("annotations", {})
+    assert {k: v for k, v in annotations.items() if k.startswith("kueue.x-k8s.io/podset")} == {
+        "kueue.x-k8s.io/podset-required-topology": "cloud.google.com/gke-nodepool"}
     # Kueue's TAS node controller judges the node's taints by the template (not the admitted pod)
-    assert {"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"} in group["template"]["spec"][
+    assert {"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"} in groups[0]["template"]["spec"][
         "tolerations"]
+
+
+def test_topology_aware_slices_are_a_worker_group_each_named_as_the_webhook_names_replicas():
+    """Kueue places pod sets, not KubeRay replicas: each slice its own group (one pod set on one node
+    pool), TPU_NAME as the TPU webhook would name replica i of one group, the rest of the group the same."""
+    plain = by_kind(render(_queued(with_("spec.slices", 3, MINIMUM))), "RayCluster")[0]["spec"]["workerGroupSpecs"]
+    doc = _queued(with_("spec.slices", 3, with_("spec.scheduling", {"topologyAware": True})))
+    groups = by_kind(render(doc), "RayCluster")[0]["spec"]["workerGroupSpecs"]
+    assert [(g["groupName"], g["replicas"], g["minReplicas"], g["maxReplicas"], g["numOfHosts"]) for g in groups] == [
+        (f"v6e-16-s{i}", 1, 1, 1, 4) for i in range(3)]
+    assert [(plain[0]["replicas"], plain[0]["numOfHosts"])] == [(3, 4)]
+    for i, group in enumerate(groups):
+        annotations = group["template"]["metadata"]["annotations"]
+        assert annotations["kueue.x-k8s.io/podset-required-topology"] == "cloud.google.com/gke-nodepool"
+        assert not [k for k in annotations if k.startswith("kueue.x-k8s.io/podset-slice")]
+        env = group["template"]["spec"]["containers"][0]["env"]
+        assert [e["value"] for e in env if e["name"] == "TPU_NAME"] == [f"v6e-16-{i}"]
+        same = copy.deepcopy(group["template"]["spec"])
+        same["containers"][0]["env"] = [e for e in env if e["name"] != "TPU_NAME"]
+        assert same == {**groups[0]["template"]["spec"], "containers": [
+            {**groups[0]["template"]["spec"]["containers"][0],
+             "env": [e for e in groups[0]["template"]["spec"]["containers"][0]["env"] if e["name"] != "TPU_NAME"]}]}
 
 
 @pytest.mark.parametrize("doc", [

@@ -166,3 +166,11 @@ def test_without_kuberays_index_labels_the_tpu_webhooks_place_the_pod():
 ])
 def test_host_of_names_the_slice_and_host(replica, host, hosts_per_replica, expected):
     assert host_of(PodObs("p", replica_index=replica, host_index=host), 4, hosts_per_replica) == expected
+
+
+def test_host_of_takes_the_slice_from_tpu_name_where_each_slice_has_a_worker_group():
+    raw = running_pod(labels={"ray.io/worker-group-replica-index": "0", "ray.io/replica-host-index": "2"},
+                      env=[{"name": "TPU_NAME", "value": "v6e-16-1"}])
+    obs = PodObs.of(raw)
+    assert (obs.slice_name, obs.replica_index, obs.host_index) == ("v6e-16-1", 0, 2)
+    assert host_of(obs, 4, 4) == "host 2 of slice 1"

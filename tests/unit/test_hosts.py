@@ -110,6 +110,15 @@ def test_whole_slices_counts_replicas_on_tpu_and_ready_workers_on_cpu():
     assert hosts.whole_slices(one_down, 4, replica_per_slice=False) == 1   # 7 ready workers: one whole slice of 4
 
 
+def test_whole_slices_tells_slices_apart_by_tpu_name_where_each_has_a_worker_group():
+    """Kueue TAS, slices > 1: one group per slice, each replica 0; TPU_NAME names the slice."""
+    import dataclasses
+    head, *workers = slice_pods(slices=2)
+    pods = (head, *(dataclasses.replace(w, replica_index=0, slice_name=f"v6e-16-{i // 4}") for i, w in enumerate(workers)))
+    assert hosts.whole_slices(pods, 4, replica_per_slice=True) == 2
+    assert hosts.whole_slices(replace_pod(pods, 6, ready=False), 4, replica_per_slice=True) == 1
+
+
 # --- phases.decide on the watched pods -------------------------------------------------------------------
 def test_a_pod_replaced_before_the_operator_looked_is_one_loss_not_a_failed_attempt():
     """KubeRay's ready count never dipped (a spare node, a fast reschedule): the pod's new UID tells."""

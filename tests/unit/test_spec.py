@@ -129,6 +129,7 @@ BAD = [
     ("spec.env", [{"name": "A", "value": "1"}, {"name": "RAY_AUTH_TOKEN", "value": "t"}], "spec.env[1].name",
      "reserved"),
     ("spec.env", [{"name": "TPUFT_SERVE_API_KEY", "value": "k"}], "spec.env[0].name", "spec.serve.apiKeySecret"),
+    ("spec.env", [{"name": "TPU_NAME", "value": "mine"}], "spec.env[0].name", "names each slice"),
     ("spec.serve", {"enabled": True}, "spec.serve.image", "required with engine vllm"),
     ("spec.serve", {"enabled": True, "engine": "vllm"}, "spec.serve.image", "training image has no vLLM"),
     ("spec.serve", {"enabled": True, "engine": "tgi"}, "spec.serve.engine", 'supported values: "vllm", "transformers"'),
