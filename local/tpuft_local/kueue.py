@@ -208,6 +208,31 @@ def flex_start_objects(pool, local_queue_namespace: str | None = None, slices: i
     return out
 
 
+FALLBACK = "tpu-fallback"   # the ClusterQueue (and LocalQueue) trying the static pool, then flex-start
+
+
+def fallback_objects(pool, local_queue_namespace: str | None = None, cluster_queue: str = FALLBACK) -> list[dict]:
+    """Kueue v0.17's fallback order across capacity types: one ClusterQueue whose TPU flavors are
+    listed in the order they are tried, the pool's own flavor (on-demand or a reservation: one slice
+    of quota) and then the flex-start flavor, the ProvisioningRequest check on that one only. A run
+    names no capacity type; Kueue takes the first flavor whose quota is free and puts its node labels
+    and tolerations on the pods. Over the flavors `queue_objects` and `flex_start_objects` make."""
+    api = f"{c.KUEUE_GROUP}/{c.KUEUE_VERSION}"
+    on_pool = next(o for o in queue_objects([pool]) if o["kind"] == "ClusterQueue")
+    flex = next(o for o in flex_start_objects(pool, slices=1) if o["kind"] == "ClusterQueue")
+    cpu, pool_quota = on_pool["spec"]["resourceGroups"][0]["flavors"]
+    flex_quota = flex["spec"]["resourceGroups"][0]["flavors"][1]
+    cq = {"apiVersion": api, "kind": "ClusterQueue", "metadata": {"name": cluster_queue, "labels": MANAGED},
+          "spec": {"namespaceSelector": {},
+                   "resourceGroups": [{"coveredResources": ["cpu", "memory", c.TPU_RESOURCE],
+                                       "flavors": [cpu, pool_quota, flex_quota]}],
+                   "admissionChecksStrategy": flex["spec"]["admissionChecksStrategy"]}}
+    out = [cq]
+    if local_queue_namespace:
+        out.append(local_queue(local_queue_namespace, cluster_queue, cluster_queue))
+    return out
+
+
 def topology() -> dict:
     """Kueue's Topology for TPU slices by GKE's labels: a node pool (one multi-host slice), its nodes."""
     return {"apiVersion": f"{c.KUEUE_GROUP}/{c.KUEUE_VERSION}", "kind": "Topology",

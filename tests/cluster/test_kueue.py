@@ -227,6 +227,47 @@ def test_flex_start_waits_for_capacity_in_the_provisioning_requests_words_provis
     wait_until(lambda: not _flex_nodes(kubectl), timeout=180, interval=2, what="the flex-start nodes removed")
 
 
+@pytest.fixture
+def fallback_queue(cluster_kubectl, cluster_ns):
+    """The fallback order (kueue.fallback_objects): the v6e pool's flavor, one slice, then flex-start."""
+    name = f"fallback-{cluster_ns}"
+    _apply(cluster_kubectl, *kueue.fallback_objects(V6E, cluster_ns, cluster_queue=name))
+    yield name
+    cluster_kubectl("delete", "tft", "--all", "-n", cluster_ns, "--wait=false")
+    wait_until(lambda: not _get(cluster_kubectl, "workloads", "-n", cluster_ns).get("items"), timeout=180,
+               interval=2, what=f"the Workloads in {cluster_ns} to go")
+    cluster_kubectl("delete", "clusterqueue", name, "--ignore-not-found")
+    _standin_settings(cluster_kubectl, str(qp.DEFAULT_PROVISION_AFTER))
+
+
+def test_a_fallback_order_takes_flex_start_once_the_pools_quota_is_taken(cluster_kubectl, cluster_ns, fallback_queue):
+    """Kueue v0.17's fallback across capacity types, with runs that name none: the first is admitted on
+    the v6e pool's own flavor; the second, that flavor's slice taken, on the next one, flex-start,
+    where it waits for capacity in the ProvisioningRequest's words and then verifies on the nodes the
+    stand-in provisioned (Kueue put the flavor's flex-start label and toleration on its pods)."""
+    ns, kubectl = cluster_ns, cluster_kubectl
+    assert not _flex_nodes(kubectl), "flex-start nodes left from an earlier run"
+    _standin_settings(kubectl, "never")
+    _apply(kubectl, _slice("first", fallback_queue), ns=ns)
+    _phase(kubectl, ns, "first", "VerifyingCollectives", timeout=180, what="first verifying on the pool's flavor")
+    _apply(kubectl, _slice("second", fallback_queue), ns=ns)
+    st = wait_until(lambda: (s := _status(kubectl, ns, "second")).get("reason") == "WaitingForCapacity" and s,
+                    timeout=120, interval=1, what="second falling back to flex-start, waiting for capacity")
+    (pr,) = _requests(kubectl, ns)   # first's flavor has no check: one ProvisioningRequest, second's
+    assert pr["spec"]["provisioningClassName"] == kueue.QUEUED_PROVISIONING_CLASS, pr["spec"]
+    flavors = {w["metadata"]["name"]: [f for a in w["status"]["admission"]["podSetAssignments"]
+                                       for f in (a.get("flavors") or {}).values()]
+               for w in _get(kubectl, "workloads", "-n", ns)["items"] if (w.get("status") or {}).get("admission")}
+    print(f"fallback order: the flavors Kueue assigned, per Workload: {flavors}")
+    assert sorted(sorted(set(f) - {kueue.CPU_FLAVOR}) for f in flavors.values()) == [
+        [V6E.name], [kueue.flex_start_flavor_name(V6E)]], flavors
+    _standin_settings(kubectl, "0")
+    _phase(kubectl, ns, "second", "VerifyingCollectives", timeout=300, what="second verifying on flex-start nodes")
+    nodes = sorted(n["metadata"]["name"] for n in _flex_nodes(kubectl))
+    assert sorted(p["spec"].get("nodeName") for p in _workers(kubectl, ns, "second-ray")) == nodes and nodes
+    assert not set(p["spec"].get("nodeName") for p in _workers(kubectl, ns, "first-ray")) & set(nodes)
+
+
 def _workers(kubectl, ns: str, cluster: str) -> list[dict]:
     return _get(kubectl, "pods", "-n", ns, "-l", f"ray.io/cluster={cluster},ray.io/node-type=worker").get("items") or []
 

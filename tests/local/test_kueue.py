@@ -155,13 +155,15 @@ def test_the_charts_gke_flex_start_example_has_the_local_shape():
     from tests.paths import REPO
     chart = _kinds(list(yaml.safe_load_all(
         (REPO / "charts" / "tpufinetune-operator" / "kueue" / "gke-flex-start.yaml").read_text())))
-    local = _kinds(kueue.flex_start_objects(pools.DEFAULT_POOLS[0], "ml-team"))
+    pool = pools.DEFAULT_POOLS[0]
+    local = _kinds(kueue.flex_start_objects(pool, "ml-team") + kueue.fallback_objects(pool, "ml-team"))
     for kind in ("ResourceFlavor", "ProvisioningRequestConfig", "AdmissionCheck", "LocalQueue"):
         assert [o["spec"] for o in chart[kind]] == [o["spec"] for o in local[kind]], kind
-    cq, local_cq = chart["ClusterQueue"][0]["spec"], local["ClusterQueue"][0]["spec"]
-    assert cq["admissionChecksStrategy"] == local_cq["admissionChecksStrategy"]
-    assert [f["name"] for f in cq["resourceGroups"][0]["flavors"]] == \
-        [f["name"] for f in local_cq["resourceGroups"][0]["flavors"]]
+    assert [o["metadata"]["name"] for o in chart["ClusterQueue"]] == [kueue.FLEX_START, kueue.FALLBACK]
+    for cq, local_cq in zip(chart["ClusterQueue"], local["ClusterQueue"], strict=True):   # flex-start, the fallback order
+        assert cq["spec"]["admissionChecksStrategy"] == local_cq["spec"]["admissionChecksStrategy"]
+        assert [f["name"] for f in cq["spec"]["resourceGroups"][0]["flavors"]] == \
+            [f["name"] for f in local_cq["spec"]["resourceGroups"][0]["flavors"]]
     assert chart["Topology"][0]["spec"] == kueue.topology()["spec"]
 
 
