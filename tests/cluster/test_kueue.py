@@ -251,8 +251,8 @@ def test_a_fallback_order_takes_flex_start_once_the_pools_quota_is_taken(cluster
     _apply(kubectl, _slice("first", fallback_queue), ns=ns)
     _phase(kubectl, ns, "first", "VerifyingCollectives", timeout=180, what="first verifying on the pool's flavor")
     _apply(kubectl, _slice("second", fallback_queue), ns=ns)
-    st = wait_until(lambda: (s := _status(kubectl, ns, "second")).get("reason") == "WaitingForCapacity" and s,
-                    timeout=120, interval=1, what="second falling back to flex-start, waiting for capacity")
+    wait_until(lambda: _status(kubectl, ns, "second").get("reason") == "WaitingForCapacity",
+               timeout=120, interval=1, what="second falling back to flex-start, waiting for capacity")
     (pr,) = _requests(kubectl, ns)   # first's flavor has no check: one ProvisioningRequest, second's
     assert pr["spec"]["provisioningClassName"] == kueue.QUEUED_PROVISIONING_CLASS, pr["spec"]
     flavors = {w["metadata"]["name"]: [f for a in w["status"]["admission"]["podSetAssignments"]
