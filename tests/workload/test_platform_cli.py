@@ -164,7 +164,7 @@ def test_status_reporter_writes_status_subresource(kubeconfig, namespace, kube_a
     assert status["training"]["exportedModel"] == "/ckpt/export" and status["training"]["updatedAt"].endswith("Z")
 
 
-def test_tpu_rank_layout():
+def test_tpu_rank_layout(monkeypatch):
     from tpuft_workload.verify import _slice_index, tpu_rank
 
     v6e = platform.resolve_target("v6e", "4x4").shape       # 4 hosts x 4 devices
@@ -173,6 +173,10 @@ def test_tpu_rank_layout():
     x7 = platform.resolve_target("tpu7x", "2x2x2").shape     # 2 hosts x 8 devices (2 per chip)
     assert tpu_rank(x7, 0, 1, 7) == 15
     assert _slice_index(20, 16) == 1                         # no TPU_NAME: bundle order
+    # TPU_NAME as the webhook names replica 1 of one group, and as the operator names slice 1's own group
+    # under Kueue TAS (builders._group_per_slice): the same slice either way
+    monkeypatch.setenv("TPU_NAME", "v6e-16-1")
+    assert _slice_index(0, 16) == 1
 
 
 @pytest.mark.parametrize("acc,topo,slices,workers,ray_type", [
