@@ -275,7 +275,8 @@ def _workers(kubectl, ns: str, cluster: str) -> list[dict]:
 def test_topology_aware_slices_land_whole_on_node_pools(cluster_kubectl, cluster_ns):
     """Kueue TAS (ClusterQueue `tas`, Topology by cloud.google.com/gke-nodepool): one slice's 4 hosts
     bound on one node pool by the real scheduler; a `slices: 2` run (a worker group per slice, one
-    Kueue pod set each) bound as two whole slices, one per node pool of the v6e pool, and verified."""
+    Kueue pod set each) bound as two whole slices, one per node pool of the v6e pool, and verified; a
+    lost host of one slice is one replacement, its slice placed whole on a node pool again."""
     ns, kubectl = cluster_ns, cluster_kubectl
     _apply(kubectl, kueue.local_queue(ns, kueue.TAS, "tas"))
     pool_of = {n["metadata"]["name"]: n["metadata"]["labels"][pools.POOL_LABEL]
@@ -300,4 +301,15 @@ def test_topology_aware_slices_land_whole_on_node_pools(cluster_kubectl, cluster
     assert sorted(len([p for p in bound if pool_of[p["spec"]["nodeName"]] == pool]) for pool in per_pool) == [4, 4]
     status = _phase(kubectl, ns, "two", "VerifyingCollectives", timeout=180, what="two verifying on both slices")
     assert len(status["recovery"]["slicePods"]) == 1 + 8, status["recovery"]   # the head and both slices
+    # a host of slice 1 lost: KubeRay makes the slice's pods again, Kueue places them on a node pool whole
+    recorded = set(status["recovery"]["slicePods"])
+    lost = next(p for p in bound if p["metadata"]["labels"]["ray.io/group"].endswith("-s1"))
+    kubectl("delete", "pod", lost["metadata"]["name"], "-n", ns, "--wait=false", check=True)
+    status = wait_until(lambda: (s := _status(kubectl, ns, "two")).get("phase") == "VerifyingCollectives"
+                        and set(s["recovery"].get("slicePods") or ()) - recorded and s,
+                        timeout=180, interval=1, what="two's slice 1 replaced and verifying again")
+    assert status["recovery"]["sliceReplacements"] == 1 and lost["metadata"]["name"] in status["recovery"]["history"][0]["cause"]
+    again = [p for p in _workers(kubectl, ns, "two-ray") if p["metadata"]["labels"]["ray.io/group"].endswith("-s1")]
+    assert len(again) == 4 and len({pool_of[p["spec"]["nodeName"]] for p in again}) == 1, [
+        p["spec"].get("nodeName") for p in again]
     kubectl("delete", "tft", "two", "-n", ns, check=True)
