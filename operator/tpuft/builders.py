@@ -65,6 +65,10 @@ class ChildNames:
         """Training RayJob name for a resubmission; attempt 0 is the first."""
         return self.train_job if attempt == 0 else f"{self.train_job}-r{attempt}"
 
+    def slice_group(self, index: int) -> str:
+        """Slice `index`'s worker group where each slice has its own (Kueue TAS, slices > 1)."""
+        return f"{self.worker_group}-s{index}"
+
     def verify_attempt(self, attempt: int) -> str:
         """Verification RayJob name; attempt 0 is the first, later ones follow a lost submission
         (a new name: KubeRay would take a same-named submitter Job still there for the new one's)."""
@@ -341,19 +345,14 @@ def _group_per_slice(tft: TPUFinetune, group: dict) -> list[dict]:
     two slices, and the TPU webhook's per-replica affinity left them Pending). TPU_NAME is each
     slice's name as the webhook writes it for replica i of the one group (`{group}-{i}`), so Ray's
     slice names and the workload's slice index are the same either way."""
-    base, out = group["groupName"], []
+    n, out = names(tft), []
     for i in range(tft.spec.slices):
         one = copy.deepcopy(group)
-        one.update({"groupName": slice_group(base, i), "replicas": 1, "minReplicas": 1, "maxReplicas": 1})
+        one.update({"groupName": n.slice_group(i), "replicas": 1, "minReplicas": 1, "maxReplicas": 1})
         container = next(x for x in one["template"]["spec"]["containers"] if x["name"] == WORKER_CONTAINER)
-        container.setdefault("env", []).append({"name": c.TPU_NAME_ENV, "value": f"{base}-{i}"})
+        container.setdefault("env", []).append({"name": c.TPU_NAME_ENV, "value": f"{n.worker_group}-{i}"})
         out.append(one)
     return out
-
-
-def slice_group(base: str, index: int) -> str:
-    """Slice `index`'s worker group where each slice has its own (Kueue TAS, slices > 1)."""
-    return f"{base}-s{index}"
 
 
 def run_document(tft: TPUFinetune, slices: int | None = None) -> str:
