@@ -113,6 +113,32 @@ def _flavor(name: str, node_labels: dict, tpu: bool) -> dict:
             "metadata": {"name": name, "labels": MANAGED}, "spec": spec}
 
 
+def _cpu_quota() -> dict:
+    """The CPU flavor's quota (the Ray heads): CPU and memory, no chips. Listed first in a
+    ClusterQueue, so a head takes it and a TPU worker the next flavor whose chips fit."""
+    return {"name": CPU_FLAVOR, "resources": [
+        {"name": "cpu", "nominalQuota": CPU_QUOTA[0]}, {"name": "memory", "nominalQuota": CPU_QUOTA[1]},
+        {"name": c.TPU_RESOURCE, "nominalQuota": 0}]}
+
+
+def _tpu_quota(flavor: str, pool, slices: int) -> dict:
+    """A TPU flavor's quota for `slices` slices of the pool's shape: its hosts' CPU and memory, its chips."""
+    s, hosts = pool.slice, pool.slice.hosts * slices
+    node = poolslib.tpu_nodes(pool)[0]["status"]["allocatable"]
+    return {"name": flavor, "resources": [
+        {"name": "cpu", "nominalQuota": _times(node["cpu"], hosts)},
+        {"name": "memory", "nominalQuota": _times(node["memory"], hosts)},
+        {"name": c.TPU_RESOURCE, "nominalQuota": s.chips_per_host * hosts}]}
+
+
+def _cluster_queue(name: str, flavors: list[dict], **spec) -> dict:
+    """A ClusterQueue for every namespace with one resource group (CPU, memory, chips) over `flavors`."""
+    return {"apiVersion": f"{c.KUEUE_GROUP}/{c.KUEUE_VERSION}", "kind": "ClusterQueue",
+            "metadata": {"name": name, "labels": MANAGED},
+            "spec": {"namespaceSelector": {}, **spec,
+                     "resourceGroups": [{"coveredResources": ["cpu", "memory", c.TPU_RESOURCE], "flavors": flavors}]}}
+
+
 def queue_objects(tpu_pools, local_queue_namespace: str | None = None,
                   cluster_queue: str = CLUSTER_QUEUE) -> list[dict]:
     """One ResourceFlavor per TPU pool (GKE's accelerator and topology labels, the google.com/tpu
@@ -120,25 +146,12 @@ def queue_objects(tpu_pools, local_queue_namespace: str | None = None,
     the ClusterQueue whose google.com/tpu quota is exactly one slice of each pool (preemption of
     lower priority within it); a LocalQueue pointing at it."""
     flavors = [_flavor(CPU_FLAVOR, {}, tpu=False)]
-    quotas = [{"name": CPU_FLAVOR, "resources": [
-        {"name": "cpu", "nominalQuota": CPU_QUOTA[0]}, {"name": "memory", "nominalQuota": CPU_QUOTA[1]},
-        {"name": c.TPU_RESOURCE, "nominalQuota": 0}]}]
+    quotas = [_cpu_quota()]
     for pool in tpu_pools:
-        s = pool.slice
-        node = poolslib.tpu_nodes(pool)[0]["status"]["allocatable"]
-        flavors.append(_flavor(pool.name, dict(s.node_selector), tpu=True))
-        quotas.append({"name": pool.name, "resources": [
-            {"name": "cpu", "nominalQuota": _times(node["cpu"], s.hosts)},
-            {"name": "memory", "nominalQuota": _times(node["memory"], s.hosts)},
-            {"name": c.TPU_RESOURCE, "nominalQuota": s.chips_per_host * s.hosts}]})   # one slice
-    cq = {"apiVersion": f"{c.KUEUE_GROUP}/{c.KUEUE_VERSION}", "kind": "ClusterQueue",
-          "metadata": {"name": cluster_queue, "labels": MANAGED},
-          "spec": {"namespaceSelector": {},
-                   "preemption": {"withinClusterQueue": "LowerPriority"},
-                   # CPU first: a head (no google.com/tpu) takes the CPU flavor, a TPU worker the
-                   # first flavor whose node labels match its node selector and whose chips fit.
-                   "resourceGroups": [{"coveredResources": ["cpu", "memory", c.TPU_RESOURCE],
-                                       "flavors": quotas}]}}
+        flavors.append(_flavor(pool.name, dict(pool.slice.node_selector), tpu=True))
+        quotas.append(_tpu_quota(pool.name, pool, 1))   # one slice
+    # A TPU worker takes the first flavor whose node labels match its node selector and whose chips fit.
+    cq = _cluster_queue(cluster_queue, quotas, preemption={"withinClusterQueue": "LowerPriority"})
     out = [*flavors, cq]
     if local_queue_namespace:
         out.append(local_queue(local_queue_namespace, cluster_queue))
@@ -178,7 +191,6 @@ def flex_start_objects(pool, local_queue_namespace: str | None = None, slices: i
     `slices` slices: the nodes do not exist until provisioned) and a LocalQueue. The chart's
     kueue/gke-flex-start.yaml is the same shape (tests/local/test_kueue.py)."""
     s, api = pool.slice, f"{c.KUEUE_GROUP}/{c.KUEUE_VERSION}"
-    node = poolslib.tpu_nodes(pool)[0]["status"]["allocatable"]
     flavor = {"apiVersion": api, "kind": "ResourceFlavor",
               "metadata": {"name": flex_start_flavor_name(pool), "labels": MANAGED},
               "spec": {"nodeLabels": {**dict(s.node_selector), c.GKE_FLEX_START_SELECTOR: "true"},
@@ -189,23 +201,17 @@ def flex_start_objects(pool, local_queue_namespace: str | None = None, slices: i
     check = {"apiVersion": api, "kind": "AdmissionCheck", "metadata": {"name": FLEX_START, "labels": MANAGED},
              "spec": {"controllerName": PROVISIONING_CONTROLLER,
                       "parameters": {"apiGroup": c.KUEUE_GROUP, "kind": "ProvisioningRequestConfig", "name": FLEX_START}}}
-    cq = {"apiVersion": api, "kind": "ClusterQueue", "metadata": {"name": FLEX_START, "labels": MANAGED},
-          "spec": {"namespaceSelector": {},
-                   "resourceGroups": [{"coveredResources": ["cpu", "memory", c.TPU_RESOURCE], "flavors": [
-                       {"name": CPU_FLAVOR, "resources": [
-                           {"name": "cpu", "nominalQuota": CPU_QUOTA[0]}, {"name": "memory", "nominalQuota": CPU_QUOTA[1]},
-                           {"name": c.TPU_RESOURCE, "nominalQuota": 0}]},
-                       {"name": flex_start_flavor_name(pool), "resources": [
-                           {"name": "cpu", "nominalQuota": _times(node["cpu"], s.hosts * slices)},
-                           {"name": "memory", "nominalQuota": _times(node["memory"], s.hosts * slices)},
-                           {"name": c.TPU_RESOURCE, "nominalQuota": s.chips_per_host * s.hosts * slices}]}]}],
-                   # the check on the TPU flavor only: a CPU head needs no provisioning
-                   "admissionChecksStrategy": {"admissionChecks": [
-                       {"name": FLEX_START, "onFlavors": [flex_start_flavor_name(pool)]}]}}}
+    cq = _cluster_queue(FLEX_START, [_cpu_quota(), _tpu_quota(flex_start_flavor_name(pool), pool, slices)],
+                        admissionChecksStrategy=_flex_start_check(pool))
     out = [flavor, config, check, cq]
     if local_queue_namespace:
         out.append(local_queue(local_queue_namespace, FLEX_START, FLEX_START))
     return out
+
+
+def _flex_start_check(pool) -> dict:
+    """The ProvisioningRequest check on the flex-start flavor only: a CPU head needs no provisioning."""
+    return {"admissionChecks": [{"name": FLEX_START, "onFlavors": [flex_start_flavor_name(pool)]}]}
 
 
 FALLBACK = "tpu-fallback"   # the ClusterQueue (and LocalQueue) trying the static pool, then flex-start
@@ -217,16 +223,9 @@ def fallback_objects(pool, local_queue_namespace: str | None = None, cluster_que
     of quota) and then the flex-start flavor, the ProvisioningRequest check on that one only. A run
     names no capacity type; Kueue takes the first flavor whose quota is free and puts its node labels
     and tolerations on the pods. Over the flavors `queue_objects` and `flex_start_objects` make."""
-    api = f"{c.KUEUE_GROUP}/{c.KUEUE_VERSION}"
-    on_pool = next(o for o in queue_objects([pool]) if o["kind"] == "ClusterQueue")
-    flex = next(o for o in flex_start_objects(pool, slices=1) if o["kind"] == "ClusterQueue")
-    cpu, pool_quota = on_pool["spec"]["resourceGroups"][0]["flavors"]
-    flex_quota = flex["spec"]["resourceGroups"][0]["flavors"][1]
-    cq = {"apiVersion": api, "kind": "ClusterQueue", "metadata": {"name": cluster_queue, "labels": MANAGED},
-          "spec": {"namespaceSelector": {},
-                   "resourceGroups": [{"coveredResources": ["cpu", "memory", c.TPU_RESOURCE],
-                                       "flavors": [cpu, pool_quota, flex_quota]}],
-                   "admissionChecksStrategy": flex["spec"]["admissionChecksStrategy"]}}
+    cq = _cluster_queue(cluster_queue, [_cpu_quota(), _tpu_quota(pool.name, pool, 1),
+                                        _tpu_quota(flex_start_flavor_name(pool), pool, 1)],
+                        admissionChecksStrategy=_flex_start_check(pool))
     out = [cq]
     if local_queue_namespace:
         out.append(local_queue(local_queue_namespace, cluster_queue, cluster_queue))
@@ -248,22 +247,10 @@ def tas_objects(pool, local_queue_namespace: str | None = None) -> list[dict]:
     labels and topologyName, and a ClusterQueue `tas` with quota for all of the pool's slices (a
     `slices: N` run's N x hosts pods placed slice by slice on node pools; tpuft.builders' pod-set
     annotations ask for it with scheduling.topologyAware)."""
-    s, api = pool.slice, f"{c.KUEUE_GROUP}/{c.KUEUE_VERSION}"
-    node = poolslib.tpu_nodes(pool)[0]["status"]["allocatable"]
     name = f"{pool.name}-{TAS}"
-    flavor = _flavor(name, dict(s.node_selector), tpu=True)
+    flavor = _flavor(name, dict(pool.slice.node_selector), tpu=True)
     flavor["spec"]["topologyName"] = TOPOLOGY
-    hosts = s.hosts * pool.slices
-    cq = {"apiVersion": api, "kind": "ClusterQueue", "metadata": {"name": TAS, "labels": MANAGED},
-          "spec": {"namespaceSelector": {}, "resourceGroups": [{"coveredResources": ["cpu", "memory", c.TPU_RESOURCE],
-                                                                 "flavors": [
-              {"name": CPU_FLAVOR, "resources": [
-                  {"name": "cpu", "nominalQuota": CPU_QUOTA[0]}, {"name": "memory", "nominalQuota": CPU_QUOTA[1]},
-                  {"name": c.TPU_RESOURCE, "nominalQuota": 0}]},
-              {"name": name, "resources": [
-                  {"name": "cpu", "nominalQuota": _times(node["cpu"], hosts)},
-                  {"name": "memory", "nominalQuota": _times(node["memory"], hosts)},
-                  {"name": c.TPU_RESOURCE, "nominalQuota": s.chips_per_host * hosts}]}]}]}}
+    cq = _cluster_queue(TAS, [_cpu_quota(), _tpu_quota(name, pool, pool.slices)])
     out = [topology(), flavor, cq]
     if local_queue_namespace:
         out.append(local_queue(local_queue_namespace, TAS, TAS))
