@@ -71,11 +71,10 @@ KUEUE_QUOTA_RESERVED = "QuotaReserved"
 KUEUE_ADMITTED = "Admitted"
 KUEUE_EVICTED = "Evicted"
 KUEUE_PREEMPTED = "Preempted"
-# A Workload's status.admissionChecks[].state (Kueue's CheckState): Ready admits (with quota reserved),
-# Retry evicts and requeues, Rejected deactivates the Workload (spec.active false).
-CHECK_PENDING = "Pending"
+# A Workload's status.admissionChecks[].state (Kueue's CheckState: Pending, Ready, Retry, Rejected):
+# Ready admits (with quota reserved), Retry evicts and requeues, Rejected deactivates the Workload
+# (spec.active false).
 CHECK_READY = "Ready"
-CHECK_RETRY = "Retry"
 CHECK_REJECTED = "Rejected"
 # The Evicted condition's reason when Kueue deactivated the Workload (spec.active false) for a
 # Rejected check; the eviction then resets every check to Pending ("Previously: Rejected").
@@ -86,9 +85,6 @@ KUEUE_DEACTIVATED_BY_CHECK = "DeactivatedDueToAdmissionCheck"
 PROVREQ_GROUP = "autoscaling.x-k8s.io"
 PROVREQ_VERSION = "v1"
 PROVREQ_PLURAL = "provisioningrequests"
-PROVREQ_ACCEPTED = "Accepted"
-PROVREQ_PROVISIONED = "Provisioned"
-PROVREQ_FAILED = "Failed"
 PROVREQ_BOOKING_EXPIRED = "BookingExpired"
 PROVREQ_CAPACITY_REVOKED = "CapacityRevoked"
 # Kueue passes a job's annotations with this prefix to its ProvisioningRequests as spec.parameters.

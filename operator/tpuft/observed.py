@@ -133,6 +133,12 @@ class QueueObs:
         return next((x for x in self.checks if x.state != c.CHECK_READY), None)
 
     @property
+    def capacity_check(self) -> CheckObs | None:
+        """Quota reserved and not evicted: the admission check still waited for (for Kueue's
+        ProvisioningRequest check, the capacity itself), or None."""
+        return self.pending_check if self.quota_reserved and not self.evicted else None
+
+    @property
     def rejected_check(self) -> CheckObs | None:
         return next((x for x in self.checks if x.state == c.CHECK_REJECTED), None)
 

@@ -376,7 +376,8 @@ def _provisioning(draft: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
     # replaces a pod only then) its preStop, and so the save, is over.
     saving = any(p.deleting for p in obs.hosts) and not (ready and not unseen)
     stopping, stopped = _stop_old_jobs(draft, tft, obs, saving) if replacing else ([], [])
-    if ready and not unseen and not obs.jobs_deleting and not stopping and not stopped:
+    old_jobs = bool(obs.jobs_deleting or stopping or stopped)   # nothing is submitted beside them
+    if ready and not unseen and not old_jobs:
         draft.set_condition(Condition.SLICE_PROVISIONED, ConditionStatus.TRUE, Reason.SLICE_READY,
                             cluster_progress(tft, obs.cluster))
         if recorded or draft.recovery.slice_pods or draft.recovery.elastic:
@@ -386,7 +387,7 @@ def _provisioning(draft: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
         # After a loss or a resize the training job goes in beside the verification: its submission, data
         # and driver start overlap it, and its trainer waits for CollectivesVerified (--after-verification).
         return _start_verification(draft, tft, with_training=replacing and bool(draft.status.training_attempts))
-    if replacing and not stopping and not stopped and not obs.jobs_deleting and (fewer := _elastic_slices(draft, tft, obs)):
+    if replacing and not old_jobs and (fewer := _elastic_slices(draft, tft, obs)):
         return _train_on_fewer_slices(draft, tft, obs, fewer)
     progress = cluster_progress(tft, obs.cluster)
     if stopping:
@@ -1035,8 +1036,7 @@ def _evicted(tft: TPUFinetune, obs: Observed) -> bool:
 def _kueue_words(kueue: QueueObs | None) -> str:
     if kueue is None or not kueue.workload:
         return "Kueue has not made a Workload for it yet"
-    check = kueue.pending_check
-    if kueue.quota_reserved and check is not None and not kueue.evicted:
+    if check := kueue.capacity_check:
         return _capacity_words(check)
     return (kueue.waiting or (kueue.evicted and f"evicted ({kueue.evicted})")
             or f"Workload {kueue.workload} is waiting for quota")
@@ -1047,10 +1047,6 @@ def _capacity_words(check: CheckObs) -> str:
     message is the ProvisioningRequest's own (GKE's queued provisioning: why there is no capacity yet)."""
     return (f"quota reserved; waiting for capacity: admission check {check.name} is {check.state}"
             + (f": {check.message}" if check.message else ""))
-
-
-def _waiting_for_capacity(kueue: QueueObs | None) -> bool:
-    return bool(kueue and kueue.quota_reserved and kueue.pending_check is not None and not kueue.evicted)
 
 
 def _requeue(draft: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
@@ -1138,7 +1134,7 @@ def _queued(draft: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
         draft.fail(Reason.QUEUE_TIMEOUT, msg)
         return draft.finish()
     reason = Reason.PREEMPTED if draft.previous.reason in PREEMPTED_REASONS else Reason.QUEUED
-    if reason == Reason.QUEUED and _waiting_for_capacity(kueue):
+    if reason == Reason.QUEUED and kueue is not None and kueue.capacity_check is not None:
         reason = Reason.WAITING_FOR_CAPACITY   # Kueue reserved quota; the slice itself is not there yet
     if words not in (draft.previous.message or ""):   # one event per new reason Kueue gives
         draft.add_event(EventType.NORMAL, reason if reason == Reason.WAITING_FOR_CAPACITY else Reason.QUEUED,
