@@ -27,7 +27,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.workload.rendezvous import file_rendezvous
 from tests.factories import TINY_CKPT_EVERY, TINY_STEPS_PER_EPOCH, tiny_train_argv
 from tests.http_stub import QuietHandler, serving
 
@@ -165,16 +165,14 @@ def ray_cluster(status_recorder):
 
 
 @pytest.fixture(scope="module")
-def world_of_one():
+def world_of_one(tmp_path_factory):
     """This process as a torch.distributed world of 1 over gloo (no Ray) and its 1-device CPU mesh:
     FSDP2, DCP and the export as a training worker runs them (tests/workload/test_model.py, test_lora.py)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    rendezvous = file_rendezvous(tmp_path_factory.mktemp("world-of-one"))
+    dist.init_process_group("gloo", init_method=rendezvous, rank=0, world_size=1)
     yield init_device_mesh("cpu", (1,))
     dist.destroy_process_group()
 

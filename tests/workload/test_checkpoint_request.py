@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.workload.rendezvous import file_rendezvous
 from tests.factories import merge_patch
 from tests.workload.test_elastic import no_ray_torch, without_ray
 from tpuft.constants import TrainingStatus
@@ -92,9 +93,9 @@ def _config(run_dir: Path, rows: int) -> loop.TrainConfig:
         cr_name="run", status_every_s=0.0, peak_flops=None)
 
 
-def _rank(rank: int, port: int, rows: dict, out: str) -> None:
+def _rank(rank: int, rendezvous: str, rows: dict, out: str) -> None:
     without_ray()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=WORLD)
     cfg = _config(Path(out) / "run", len(rows["n_real"]))
     status = report.StatusReporter("ns", "run") if rank == 0 else report.StatusReporter("", "")
     api = status._api = FakeApi([(REQUEST_STEP, FIRST), (SECOND_REQUEST_STEP, SECOND)])
@@ -128,10 +129,8 @@ def requested(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("request")
     rows = pipeline.rows_of(build_blocks(tiny.build_tokenizer(), load_records(tiny.BUILTIN_DATASET, RECORDS),
                                          MAX_LEN, packing=True), np)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_rank, args=(port, rows, str(out)), nprocs=WORLD, start_method="spawn")
+    rendezvous = file_rendezvous(out)
+    mp.start_processes(_rank, args=(rendezvous, rows, str(out)), nprocs=WORLD, start_method="spawn")
     return {**torch.load(out / "result.pt"), "dir": out / "run"}
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import time
 from functools import partial
 from pathlib import Path
@@ -44,6 +43,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.workload.rendezvous import file_rendezvous
 from tpuft_workload import checkpoint as ckptlib
 from tpuft_workload import data as datalib
 from tpuft_workload import loop, pipeline, tiny
@@ -142,11 +142,11 @@ def _refused(rank: int, world: int, cfg: loop.TrainConfig, rows: dict) -> str:
     return str(refused.value)
 
 
-def _group(rank: int, world: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def _group(rank: int, world: int, rendezvous: str) -> None:
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
 
 
-def _rank(rank: int, ports: list[int], rows: dict, out: str) -> None:
+def _rank(rank: int, rendezvous: list[str], rows: dict, out: str) -> None:
     """One of four processes: the phases of the module docstring."""
     without_ray()
     started = time.perf_counter()
@@ -157,18 +157,18 @@ def _rank(rank: int, ports: list[int], rows: dict, out: str) -> None:
     two = partial(_config, world=WORLD_TWO_SLICES, slices=SLICES, accumulation=ACCUMULATION, rows=n)
     ckpt = loop.ckpt_name(CKPT_EVERY)
     if rank < WORLD_ONE_SLICE:   # 1: one slice, from scratch
-        _group(rank, WORLD_ONE_SLICE, ports[0])
+        _group(rank, WORLD_ONE_SLICE, rendezvous[0])
         result["one"] = _train(rank, WORLD_ONE_SLICE, one(root / "one"), rows)
         if rank == 0:   # a run directory holding the checkpoint at CKPT_EVERY as its newest
             shutil.copytree(root / "one" / ckpt, root / "one-to-two" / ckpt)
             shutil.copy(root / "one" / ckptlib.RUN_MANIFEST, root / "one-to-two" / ckptlib.RUN_MANIFEST)
         dist.destroy_process_group()
-    _group(rank, WORLD_TWO_SLICES, ports[1])   # 2: two slices
+    _group(rank, WORLD_TWO_SLICES, rendezvous[1])   # 2: two slices
     result["two"] = _train(rank, WORLD_TWO_SLICES, two(root / "two"), rows)
     result["one-to-two"] = _train(rank, WORLD_TWO_SLICES, two(root / "one-to-two"), rows)
     dist.destroy_process_group()
     if rank < WORLD_ONE_SLICE:   # 3: the slice left, from the two slices' checkpoint
-        _group(rank, WORLD_ONE_SLICE, ports[2])
+        _group(rank, WORLD_ONE_SLICE, rendezvous[2])
         resume = str(root / "two" / ckpt)
         result["two-to-one"] = _train(rank, WORLD_ONE_SLICE, one(root / "two-to-one", resume=resume), rows)
         half = _config(root / "half", WORLD_ONE_SLICE, 1, ACCUMULATION, n, resume=resume)
@@ -196,17 +196,6 @@ def without_ray() -> None:
     loop.report_to_ray = lambda metrics: None
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _rows() -> dict:
     from tests.workload.inprocess_data import build_blocks, load_records   # the parent's only (datasets)
 
@@ -222,7 +211,8 @@ def elastic(tmp_path_factory) -> dict:
 
     out = tmp_path_factory.mktemp("elastic")
     rows = _rows()
-    mp.start_processes(_rank, args=(_free_ports(3), rows, str(out)), nprocs=WORLD_TWO_SLICES, start_method="spawn")
+    rendezvous = [file_rendezvous(out) for _ in range(3)]   # one per process group the phases form
+    mp.start_processes(_rank, args=(rendezvous, rows, str(out)), nprocs=WORLD_TWO_SLICES, start_method="spawn")
     result = torch.load(out / "result.pt")
     print(f"elastic: {len(rows['n_real'])} rows, the phases took {result['seconds']:.1f} s")
     return {**result, "n_rows": len(rows["n_real"]), "dir": out}

@@ -3,12 +3,12 @@ process (a world of 1 over gloo, no Ray, conftest's `world_of_one`): what every 
 does around its loop."""
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests.workload.rendezvous import file_rendezvous
 from tests.factories import tiny_batch
 from tests.workload.inprocess_data import build_blocks, collate, load_records
 from tpuft_workload import checkpoint, model as modellib, tiny
@@ -86,12 +86,12 @@ def test_the_meta_model_has_the_architecture_load_model_builds(hub_like_dir, ref
 HSDP_WORLD, HSDP_STEPS, ROWS_PER_RANK = 4, 3, 2
 
 
-def _hsdp_worker(rank: int, port: int, model_dir: str, out: str) -> None:
+def _hsdp_worker(rank: int, rendezvous: str, model_dir: str, out: str) -> None:
     """One of four gloo ranks: the same three steps (each rank its own rows) as FSDP over one slice
     of 4 and as HSDP over 2 slices of 2, then the HSDP checkpoint restored into the FSDP layout."""
     import json
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=HSDP_WORLD)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=HSDP_WORLD)
     tok = modellib.load_tokenizer(model_dir)
     blocks = build_blocks(tok, load_records("builtin:dolly-mini", "train[:96]"), 64, packing=True)
     # rows with something to learn (a row of prompt only has no label: its mean loss is NaN)
@@ -147,10 +147,8 @@ def test_hsdp_over_two_slices_trains_like_fsdp_over_one_and_its_checkpoint_resum
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_hsdp_worker, args=(port, hub_like_dir, str(tmp_path)), nprocs=HSDP_WORLD,
+    rendezvous = file_rendezvous(tmp_path)
+    mp.start_processes(_hsdp_worker, args=(rendezvous, hub_like_dir, str(tmp_path)), nprocs=HSDP_WORLD,
                        start_method="spawn")
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["meshes"] == {"1": [[4]], "2": [[2, 2]]}

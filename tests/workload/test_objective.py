@@ -21,7 +21,6 @@ a gradient of norm 1.82 clipped to 1): parameters within 7.5e-9, gradient norms 
 from __future__ import annotations
 
 import os
-import socket
 from functools import partial
 
 import numpy as np
@@ -31,6 +30,7 @@ import torch.distributed as dist
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from tests.workload.rendezvous import file_rendezvous
 from tests.workload.inprocess_data import build_blocks, collate, load_records  # noqa: E402
 from tpuft_workload import loop, tiny  # noqa: E402
 from tpuft_workload import model as modellib  # noqa: E402
@@ -76,10 +76,10 @@ def _sum_over_ranks(values: list) -> list[float]:
     return t.tolist()
 
 
-def _rank(rank: int, port: int, vocab: int, batches: dict, out: str) -> None:
+def _rank(rank: int, rendezvous: str, vocab: int, batches: dict, out: str) -> None:
     """One of two gloo ranks: for each global batch and each layout, the torch step's backward from
     fresh weights on row `rank`; rank 0 saves the full gradients and the reported loss."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=WORLD)
     result = {}
     for case in CASES:
         rows = batches[case]
@@ -165,10 +165,8 @@ def two_ranks(vocab, batches, tmp_path_factory) -> dict:
     import torch.multiprocessing as mp
 
     out = str(tmp_path_factory.mktemp("objective") / "result.pt")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_rank, args=(port, vocab, batches, out), nprocs=WORLD, start_method="spawn")
+    rendezvous = file_rendezvous(tmp_path_factory.mktemp("rendezvous"))
+    mp.start_processes(_rank, args=(rendezvous, vocab, batches, out), nprocs=WORLD, start_method="spawn")
     return torch.load(out)
 
 

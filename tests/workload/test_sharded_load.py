@@ -10,11 +10,11 @@ adapters in fp32."""
 from __future__ import annotations
 
 import dataclasses
-import socket
 
 import pytest
 import torch
 
+from tests.workload.rendezvous import file_rendezvous
 from tpuft_workload import model as modellib
 from tpuft_workload import sharded_load
 from tpuft_workload.platform import PLATFORMS
@@ -46,11 +46,11 @@ def _gathered(model) -> dict:
     return out
 
 
-def _rank(rank: int, port: int, folders: dict, out: str) -> None:
+def _rank(rank: int, rendezvous: str, folders: dict, out: str) -> None:
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=WORLD)
     mesh = modellib.device_mesh(CPU, WORLD)
     result = {}
     for case, folder in folders.items():
@@ -99,10 +99,8 @@ def loaded(tmp_path_factory) -> dict:
         folders["tied" if tied else "untied"] = str(folder)
     folders["untied-lora"] = folders["untied"]
     out = str(root / "result.pt")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_rank, args=(port, folders, out), nprocs=WORLD, start_method="spawn")
+    rendezvous = file_rendezvous(root)
+    mp.start_processes(_rank, args=(rendezvous, folders, out), nprocs=WORLD, start_method="spawn")
     result = torch.load(out)
     result["files"] = {case: len(set(sharded_load.weight_files(folder).values())) for case, folder in folders.items()}
     result["bytes"] = {case: sum((p.stat().st_size for p in __import__("pathlib").Path(folder).glob("*.safetensors")))
