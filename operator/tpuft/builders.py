@@ -338,6 +338,11 @@ def _cluster_spec(tft: TPUFinetune, component: c.Component, max_slices: int | No
     }
 
 
+def worker_container(group: dict) -> dict:
+    """A rendered worker group's Ray worker container."""
+    return next(x for x in group["template"]["spec"]["containers"] if x["name"] == WORKER_CONTAINER)
+
+
 def _group_per_slice(tft: TPUFinetune, group: dict) -> list[dict]:
     """`slices: N` under Kueue TAS: one worker group per slice (`{group}-s{i}`, one replica), so each
     slice is a Kueue pod set placed on one node pool. A single group of N replicas is one pod set,
@@ -349,8 +354,7 @@ def _group_per_slice(tft: TPUFinetune, group: dict) -> list[dict]:
     for i in range(tft.spec.slices):
         one = copy.deepcopy(group)
         one.update({"groupName": n.slice_group(i), "replicas": 1, "minReplicas": 1, "maxReplicas": 1})
-        container = next(x for x in one["template"]["spec"]["containers"] if x["name"] == WORKER_CONTAINER)
-        container.setdefault("env", []).append({"name": c.TPU_NAME_ENV, "value": f"{n.worker_group}-{i}"})
+        worker_container(one).setdefault("env", []).append({"name": c.TPU_NAME_ENV, "value": f"{n.worker_group}-{i}"})
         out.append(one)
     return out
 

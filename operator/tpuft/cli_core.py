@@ -117,8 +117,7 @@ def _worker_memory(tft: TPUFinetune) -> str:
     """The worker container's memory limit, as the RayCluster builder sets it (spec.resources.worker
     over the catalog's default)."""
     group = builders.build_raycluster(tft)["spec"]["workerGroupSpecs"][0]
-    worker = next(c for c in group["template"]["spec"]["containers"] if c["name"] == builders.WORKER_CONTAINER)
-    return worker["resources"]["limits"]["memory"]
+    return builders.worker_container(group)["resources"]["limits"]["memory"]
 
 
 def _validate_data(args: argparse.Namespace, datasets: list) -> bool:

@@ -125,18 +125,23 @@ def _index(text: Any) -> int | None:
     return int(text) if isinstance(text, str) and text.isdigit() else None
 
 
+def _trailing_index(name: Any) -> int | None:
+    """The index a name ends in (`{group}-{i}`: the TPU webhook's replicaIndex label, a slice's TPU_NAME)."""
+    return _index(str(name or "").rpartition("-")[2])
+
+
 def _place(labels: Mapping[str, str], containers: list[Mapping[str, Any]]) -> tuple[int | None, int | None]:
     """(worker group replica, host within it) from KubeRay's index labels, else the TPU webhook's."""
     replica, host = _index(labels.get(KUBERAY_REPLICA_INDEX_LABEL)), _index(labels.get(KUBERAY_HOST_INDEX_LABEL))
     if replica is None:
-        replica = _index(str(labels.get(c.TPU_WEBHOOK_REPLICA_LABEL) or "").rpartition("-")[2])
+        replica = _trailing_index(labels.get(c.TPU_WEBHOOK_REPLICA_LABEL))
     if host is None:
-        host = next((_index(e.get("value")) for x in containers for e in x.get("env") or []
-                     if e.get("name") == TPU_WORKER_ID_ENV), None)
+        host = _index(_env_value(containers, TPU_WORKER_ID_ENV))
     return replica, host
 
 
 def _env_value(containers: list[Mapping[str, Any]], name: str) -> str:
+    """The first value set for environment variable `name` in the containers ("" where none is)."""
     return next((str(e.get("value") or "") for x in containers for e in x.get("env") or [] if e.get("name") == name), "")
 
 
@@ -222,7 +227,7 @@ def host_of(pod: PodObs, hosts_per_slice: int, hosts_per_replica: int) -> str:
     """Where a worker pod sits: "host H of slice S", from its slice's name (TPU_NAME ends in the
     slice's index) or its replica index, its host index, and the shape (a TPU slice is one group
     replica of hosts_per_replica hosts; on CPU each host is a replica of one); "" where they do not say."""
-    slice_index = _index(pod.slice_name.rpartition("-")[2]) if pod.slice_name else None
+    slice_index = _trailing_index(pod.slice_name)
     if slice_index is not None and pod.host_index is not None:
         return f"host {pod.host_index} of slice {slice_index}"
     if pod.replica_index is None or (pod.host_index is None and hosts_per_replica > 1) or hosts_per_slice < 1:

@@ -11,6 +11,7 @@ container exits.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
@@ -133,10 +134,7 @@ def whole_slices(pods: tuple[PodObs, ...], hosts_per_slice: int, replica_per_sli
     keys: list[object] = ([p.slice_name for p in workers] if all(p.slice_name for p in workers)
                           else [p.replica_index for p in workers])
     if replica_per_slice and workers and all(k is not None for k in keys):
-        counts: dict[object, int] = {}
-        for key in keys:
-            counts[key] = counts.get(key, 0) + 1
-        return sum(1 for n in counts.values() if n >= hosts_per_slice)
+        return sum(1 for n in Counter(keys).values() if n >= hosts_per_slice)
     return len(workers) // max(hosts_per_slice, 1)
 
 
