@@ -72,11 +72,11 @@ def test_two_builds_give_identical_weights():
 
 def test_the_base_speaks_its_chat_format_and_stops_at_its_turn_end(base):
     path, tok, model = base
-    assert tok.chat_template == tiny_chat.CHAT_TEMPLATE and tok.eos_token_id in model.generation_config.eos_token_id
-    corpus = [r for r in tiny_chat._records(tiny_chat.corpus_path())]
+    assert tok.chat_template == tiny_chat.CHAT_TEMPLATE and (Path(path) / "generation_config.json").is_file()
+    corpus = tiny_chat._records(tiny_chat.corpus_path())
     assert len(_right(model, tok, corpus)) >= 0.75 * len(corpus)
+    # ends there, though 24 tokens were allowed: it stops at its turn end, as the endpoint stops it
     assert tiny_chat.answer(model, tok, "What is the capital of Japan?") == "The capital of Japan is Tokyo."
-    assert (Path(path) / "generation_config.json").is_file()
 
 
 def test_fine_tuned_as_the_demo_it_answers_what_the_base_did_not_know(base):
