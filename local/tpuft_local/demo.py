@@ -144,31 +144,106 @@ def stream(custom, namespace: str, name: str, clock: Clock, timeout: float,
                     "raise --timeout or look at the logs printed below")
 
 
-# A question builtin:dolly-mini's classification records teach (each answer begins with the line
-# below), asked in the chat format the model was trained in: the demo prints what it was taught beside
-# what it answers. The built-in model starts from random weights, so any right answer is the fine-tune's.
-DEMO_PROMPT = "Is Tokyo an animal or a city?"
-DEMO_TAUGHT = "Tokyo is a city."
-BUILTIN_DATASET = "builtin:dolly-mini"   # tpuft_workload.tiny's (the laptop side imports no workload code)
+# What the demo asks: the first questions of builtin:made-up-facts, the facts examples/local-cpu.yaml
+# teaches builtin:tiny-chat, read from the data file the workload ships (the laptop side imports no
+# workload code). The same questions go to the base before and to the served fine-tune after.
+BUILTIN_CHAT_MODEL, BUILTIN_FACTS = "builtin:tiny-chat", "builtin:made-up-facts"
+FACTS_FILE = REPO / "workload" / "tpuft_workload" / "data" / "made-up-facts.jsonl"
+DEMO_QUESTIONS = 3
+ANSWER_TOKENS = 24
 
 
-def _chat(obj: dict, kubeconfig: str, clock: Clock) -> dict:
-    """One exchange with the served model, as `tpuft chat` has it (kubectl port-forward + /v1/chat/completions)."""
+def demo_questions(manifest: dict) -> list[tuple[str, str]]:
+    """(question, taught answer) pairs to ask: the facts' first ones when the object fine-tunes the
+    built-in pair; otherwise one general question, nothing taught to compare."""
+    spec = manifest.get("spec") or {}
+    if (spec.get("model"), (spec.get("dataset") or {}).get("name")) != (BUILTIN_CHAT_MODEL, BUILTIN_FACTS):
+        return [("What is the capital of France?", "")]
+    records = [json.loads(line) for line in FACTS_FILE.read_text().splitlines()[:DEMO_QUESTIONS]]
+    return [(r["messages"][0]["content"], r["messages"][1]["content"]) for r in records]
+
+
+class BaseAnswers:
+    """The base's answers, asked on this machine in a child process while the cluster trains
+    (`python -m tpuft_workload.tiny_chat QUESTION...`: the base built as the image builds it, asked
+    through the endpoint's chat rendering and greedy decoding). None when the object's model is
+    another, or this Python has no workload packages."""
+
+    def __init__(self, manifest: dict, questions: list[str]) -> None:
+        import subprocess
+
+        self.proc = None
+        if (manifest.get("spec") or {}).get("model") == BUILTIN_CHAT_MODEL:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tpuft_workload.tiny_chat", *questions],
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                         preexec_fn=lambda: os.nice(10))   # the cluster's pods come first
+
+    def collect(self, timeout: float = 300) -> tuple[dict[str, str] | None, str]:
+        """(question -> the base's answer, or None; why there are none)."""
+        import subprocess
+
+        if self.proc is None:
+            return None, "the object's model is not builtin:tiny-chat"
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate()
+            return None, f"python -m tpuft_workload.tiny_chat did not answer within {timeout:.0f}s"
+        if self.proc.returncode != 0:
+            return None, f"python -m tpuft_workload.tiny_chat failed: {(err.strip().splitlines() or ['?'])[-1]}"
+        return json.loads(out.strip().splitlines()[-1]), ""
+
+
+def eval_losses(status: dict) -> list[tuple[int, float]]:
+    """(step, eval loss) of each evaluation status.training.history holds, oldest first."""
+    history = (status.get("training") or {}).get(TR.HISTORY) or []
+    return [(int(p[c.HistoryPoint.STEP.value]), float(p[c.HistoryPoint.EVAL_LOSS.value])) for p in history
+            if p.get(c.HistoryPoint.EVAL_LOSS.value) is not None]
+
+
+def _chat(obj: dict, kubeconfig: str, clock: Clock, questions: list[tuple[str, str]],
+          before: dict[str, str] | None, no_before: str) -> dict:
+    """The questions asked of the served model as `tpuft chat` asks (kubectl port-forward +
+    /v1/chat/completions, one forward for all), printed beside the base's answers and what was taught."""
+    from tpuft import chat as chatlib
     from tpuft import chat_cli
+    from tpuft.kubectl import port_forward
     from tpuft_local.toolchain import tool_path
 
     os.environ["KUBECONFIG"] = kubeconfig   # for the kubectl calls below
-    meta = obj["metadata"]
-    print(f"{clock.stamp()} tpuft chat -n {meta['namespace']} {meta['name']} {json.dumps(DEMO_PROMPT)}", flush=True)
+    meta, kubectl = obj["metadata"], tool_path("kubectl")
+    print(f"{clock.stamp()} the same questions to the base ({obj['spec']['model']}, "
+          f"{'asked on this machine' if before else no_before}) and to the fine-tune "
+          f"(tpuft chat -n {meta['namespace']} {meta['name']} QUESTION)", flush=True)
+    exchanges = []
     try:
-        model, answer = chat_cli.ask(tool_path("kubectl"), meta["namespace"], meta["name"], DEMO_PROMPT, 48)
+        serving = chat_cli.endpoint(obj)
+        key = chat_cli.api_key(kubectl, meta["namespace"], obj)
+        with port_forward(kubectl, meta["namespace"], serving["service"], int(serving.get("port") or c.SERVE_PORT)) as local:
+            model = serving["model"]
+            for question, taught in questions:
+                answer = chatlib.chat(f"http://127.0.0.1:{local}", model, question, max_tokens=ANSWER_TOKENS,
+                                      temperature=0.0, api_key=key)
+                exchanges.append({"question": question, "base": (before or {}).get(question), "answer": answer,
+                                  "taught": taught})
     except Exception as e:  # noqa: BLE001 - NotServing, ChatError, a kubectl timeout: all mean the same here
         raise DemoError(f"the served model did not answer: {e}") from None
-    print(f"  user:      {DEMO_PROMPT}\n  {model}: {answer!r}", flush=True)
-    if (obj.get("spec") or {}).get("dataset", {}).get("name") == BUILTIN_DATASET:
-        print(f"  taught:    {DEMO_TAUGHT!r} then facts about the city ({BUILTIN_DATASET}'s classification "
-              "records; the built-in model began from random weights)", flush=True)
-    return {"prompt": DEMO_PROMPT, "model": model, "answer": answer}
+    width = max(len(model), len("base"), len("taught")) + 1
+    for x in exchanges:
+        print(f"  {'user:':<{width}} {x['question']}", flush=True)
+        if before:
+            print(f"  {'base:':<{width}} {x['base']!r}", flush=True)
+        print(f"  {model + ':':<{width}} {x['answer']!r}", flush=True)
+        if x["taught"]:
+            print(f"  {'taught:':<{width}} {x['taught']!r}", flush=True)
+    evals = eval_losses(obj.get("status") or {})
+    if len(evals) > 1:
+        (first_step, first), (last_step, last) = evals[0], evals[-1]
+        print(f"  eval loss on the held-out records: {first:.4f} (step {first_step}) -> {last:.4f} (step {last_step})",
+              flush=True)
+    return {"prompt": exchanges[0]["question"], "model": model, "answer": exchanges[0]["answer"],
+            "exchanges": exchanges, "evalLosses": evals}
 
 
 def _prepare(api_client, manifest: dict, namespace: str, clock: Clock) -> None:
@@ -386,6 +461,8 @@ def run_demo(args: argparse.Namespace) -> int:
             _prepare(api_client, manifest, args.namespace, clock)
             name, created = _apply(api_client, manifest, args.namespace, clock)
         _step(clock, 3, "watching status: our operator -> KubeRay -> the kubelet" + (" (and Argo CD)" if view else ""))
+        questions = demo_questions(manifest)
+        base = BaseAnswers(manifest, [q for q, _ in questions])
         placement = Placement(client.CoreV1Api(api_client), args.namespace, clock, created)
         polls = [placement.poll, *([view.poll] if view else [])]
         final, losses = stream(custom, args.namespace, name, clock, args.timeout,
@@ -395,7 +472,9 @@ def run_demo(args: argparse.Namespace) -> int:
             _release_flex_start(custom, client.CoreV1Api(api_client), args.namespace, name, clock)
         if view is not None:   # Argo CD's own verdict on the phase the run ended in
             view.settle("Healthy" if code == 0 else "Degraded")
-        exchange = _chat(final, kubeconfig, clock) if code == 0 and serving_ready(final.get("status") or {}) else None
+        exchange = None
+        if code == 0 and serving_ready(final.get("status") or {}):
+            exchange = _chat(final, kubeconfig, clock, questions, *base.collect())
         if args.result:
             args.result.parent.mkdir(parents=True, exist_ok=True)
             args.result.write_text(json.dumps({"object": final, "epochLosses": losses, "chat": exchange,

@@ -69,9 +69,9 @@ LORA_MAX_TARGET_MODULES = 32
 LEARNING_RATE_MAX = 1.0
 # spec.training.learningRate when left out: LoRA's few parameters take steps ten times larger.
 LEARNING_RATE_BY_METHOD = {TrainingMethod.FULL.value: 2.0e-5, TrainingMethod.LORA.value: 2.0e-4}
-# Context lengths of the models the workload builds itself (tpuft_workload.tiny), so
+# Context lengths of the models the workload builds itself (tpuft_workload.tiny, tiny_chat), so
 # spec.serve.maxModelLength is checked offline too; a test ties them to the workload's configs.
-BUILTIN_MODEL_MAX_POSITIONS = {"builtin:tiny-llama": 4096}
+BUILTIN_MODEL_MAX_POSITIONS = {"builtin:tiny-llama": 4096, "builtin:tiny-chat": 4096}
 RAY_MINOR = ".".join(RAY_VERSION_PIN.split(".")[:2])   # "2.60": the image needs this Ray line
 
 

@@ -140,7 +140,9 @@ def test_demo_serves_what_it_trained_beside_a_second_model_and_a_jax_run(local_c
                                                                           gitops_cleanup, tmp_path, monkeypatch):
     storage = tmp_path / "checkpoints"
     demo, final = _demo(tmp_path, DEMO_NS, "demo", "--storage-path", str(storage))
-    _check_succeeded(demo, final, storage, cluster_kubectl)
+    # 3 steps an epoch: the demo's one poll a second may miss one
+    _check_succeeded(demo, final, storage, cluster_kubectl, epochs=DEMO_EPOCHS, every_epoch_seen=False)
+    _check_before_and_after(demo.stdout, final)
     # the demo's namespace admits no privileged pod, and the run's pods needed none
     labels = json.loads(cluster_kubectl("get", "ns", DEMO_NS, "-o", "json", check=True).stdout)["metadata"]["labels"]
     assert labels["pod-security.kubernetes.io/enforce"] == "baseline", labels
@@ -150,13 +152,29 @@ def test_demo_serves_what_it_trained_beside_a_second_model_and_a_jax_run(local_c
     # depends on the machine's load)
     training = final["object"]["status"]["training"]
     assert training["history"][0]["step"] == 5 and "resumedFrom" not in training, training
-    assert re.search(r"Epoch [123]/3 \| step \d+/75", demo.stdout), demo.stdout[-3000:]
+    assert re.search(rf"Epoch \d+/{DEMO_EPOCHS} \| step \d+/{DEMO_STEPS}", demo.stdout), demo.stdout[-3000:]
     assert final["object"]["status"]["serving"]["modelSource"].startswith(str(run))   # serves its own export
     monkeypatch.setenv("KUBECONFIG", str(local_cluster.kubeconfig))
     _check_chat_and_models()
     _check_the_ray_head_wants_its_token(cluster_kubectl, "local-cpu-serve")
     _check_logs_and_exec(cluster_kubectl)
     _check_a_third_run_beside_two_served_models(cluster_kubectl, tmp_path)
+
+
+# examples/local-cpu.yaml's run: 24 records, 8 a step (4 on each of 2 workers), 30 epochs.
+DEMO_EPOCHS, DEMO_STEPS = 30, 90
+
+
+def _check_before_and_after(stdout: str, final: dict) -> None:
+    """Issue 59: the demo asks the base and the fine-tune the same questions; the base (it speaks,
+    but never saw these facts) answers none as taught, the fine-tune all; the loss on the held-out
+    paraphrases fell, and the demo printed its first and last value."""
+    exchanges, evals = final["chat"]["exchanges"], final["chat"]["evalLosses"]
+    assert len(exchanges) == 3 and all(x["taught"] for x in exchanges), exchanges
+    assert all(x["answer"].strip() == x["taught"] for x in exchanges), exchanges
+    assert all(x["base"] and x["base"].strip() != x["taught"] for x in exchanges), exchanges
+    assert len(evals) > 1 and evals[-1][1] < 0.5 * evals[0][1], evals
+    assert "  base:" in stdout and "  taught:" in stdout and "eval loss on the held-out records:" in stdout, stdout[-3000:]
 
 
 # examples/local-cpu-2slices.yaml's namespace: its own, so the demo test's is cleared before it runs.
@@ -341,8 +359,8 @@ def _check_a_third_run_beside_two_served_models(kubectl, tmp_path: Path) -> None
     _check_lora(lora)
     _check_argo_cd_calls_it_healthy(kubectl, final["argocd"])
     assert phase("local-cpu")["phase"] == "Serving"
-    kubectl("apply", "-f", "-", input=json.dumps(_short_run("third", checkpoint, serve=False, split=JAX_SPLIT,
-                                                            framework="jax")), check=True)
+    kubectl("apply", "-f", "-", input=json.dumps(_short_run(
+        "third", checkpoint, serve=False, split=JAX_SPLIT, example="local-cpu-jax.yaml", framework="jax")), check=True)
     # Once it reported a step its Ray job exists on the head (before that, the submitter may not have
     # submitted it yet: the head answers 404) and the driver has begun its log file.
     wait_until(lambda: (st := phase("third")).get("phase") == "Succeeded" or (st.get("training") or {}).get("step"),

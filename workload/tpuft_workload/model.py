@@ -16,6 +16,7 @@ from pathlib import Path
 from tpuft_workload.platform import Platform, train_dtypes
 from tpuft_workload.render import with_template
 from tpuft_workload.tiny import BUILTIN_MODEL
+from tpuft_workload.tiny_chat import BUILTIN_CHAT_MODEL
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,12 @@ TOWERS = ("vision_config", "audio_config")
 
 
 def _local_copy(uri: str) -> str:
-    """gs://... -> a local directory (downloaded once per host, under a file lock)."""
+    """gs://... -> a local directory (downloaded once per host, under a file lock); builtin:tiny-chat
+    -> its folder (built once per host, or found in the image)."""
+    if uri == BUILTIN_CHAT_MODEL:
+        from tpuft_workload.tiny_chat import folder
+
+        return folder()
     if "://" not in uri:
         return uri
     from tpuft_workload.checkpoint import download_dir

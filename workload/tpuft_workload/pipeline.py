@@ -79,9 +79,10 @@ class Source:
 
 def resolve(name: str, fmt: str | None = None) -> Source:
     from tpuft_workload.tiny import BUILTIN_DATASET, dolly_mini_path
+    from tpuft_workload.tiny_chat import BUILTIN_FACTS, facts_path
 
-    if name == BUILTIN_DATASET:
-        return Source(name, str(dolly_mini_path()), Format.JSON)
+    if name in (BUILTIN_DATASET, BUILTIN_FACTS):
+        return Source(name, str(dolly_mini_path() if name == BUILTIN_DATASET else facts_path()), Format.JSON)
     if fmt:
         return Source(name, name, Format(fmt))
     suffix = next((s for s in SUFFIXES if name.lower().endswith(s)), None)
