@@ -234,3 +234,28 @@ def test_a_template_asking_for_todays_date_trains_with_the_fixed_training_date()
     assert "Today Date: 26 Jul 2024<|eot_id|>" in tok.decode(example.input_ids)
     today = datetime.date.today().strftime("%d %b %Y")
     assert f"Today Date: {today}<|eot_id|>" in tok.decode(_served(tok, (Turn("user", "cats ?", False),)))
+
+
+def test_tpuft_validate_data_with_a_model_renders_every_record_through_its_template(tmp_path, capsys):
+    """Without --model, records.py's rules only (a system message is a valid record); with it, the
+    record Gemma's template refuses is named as the training driver names it, before any run."""
+    import json
+
+    from tpuft import cli
+
+    _tokenizer(GEMMA).save_pretrained(tmp_path / "gemma")
+    chats = [[("user", "cats ?"), ("assistant", "cats sleep")],
+             [("system", "answer briefly"), ("user", "bees ?"), ("assistant", "they make honey")]]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": r, "content": c} for r, c in chat]}) + "\n"
+                            for chat in chats))
+    assert cli.main(["validate", "--data", str(data)]) == 0
+    assert capsys.readouterr().out == f"{data}: 2 records of type messages (messages): valid\n"
+    assert cli.main(["validate", "--data", str(data), "--model", str(tmp_path / "gemma")]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"{data}: record 2: the model's chat template refuses this conversation (system, user, assistant): "
+        "System role not supported; change the record")
+    data.write_text(data.read_text().splitlines()[0] + "\n")
+    assert cli.main(["validate", "--data", str(data), "--model", str(tmp_path / "gemma")]) == 0
+    assert capsys.readouterr().out == (f"{data}: 1 records of type messages (messages), rendered through "
+                                       f"{tmp_path / 'gemma'}'s chat template: valid\n")
