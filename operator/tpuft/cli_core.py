@@ -14,7 +14,7 @@ import yaml
 
 from tpuft import builders, catalog, model_sizes, records
 from tpuft.constants import DATASET_COLUMN_KEYS, KIND, DatasetType
-from tpuft.spec import Problem, SpecError, TPUFinetune
+from tpuft.spec import Problem, SpecError, TPUFinetune, spec_warnings
 from tpuft.strictfields import parse_strict
 
 EXIT_INVALID = 2
@@ -100,7 +100,7 @@ def run_validate(args: argparse.Namespace) -> int:
             datasets.append(tft.spec.dataset)
             print(f"{label}: {tft.meta.ref}: valid ({tft.spec.accelerator} {tft.spec.slice.topology}, "
                   f"{tft.spec.slices} slice(s), {tft.spec.slice.hosts} host(s)/slice, {tft.spec.num_workers} workers)")
-            for warning in fit_warnings(tft):   # an estimate: told, never refused
+            for warning in spec_warnings(tft.spec) + fit_warnings(tft):   # told, never refused
                 print(f"{label}: {tft.meta.ref}: {warning}", file=sys.stderr)
     if args.data is not None:
         failed += not _validate_data(args, datasets)
