@@ -5,6 +5,7 @@ Bad input exits 2 with one line per problem on stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import yaml
 
 from tpuft import builders, catalog, model_sizes, records
 from tpuft.constants import DATASET_COLUMN_KEYS, KIND, DatasetType
-from tpuft.spec import Problem, SpecError, TPUFinetune
+from tpuft.spec import Problem, SpecError, TPUFinetune, spec_warnings
 from tpuft.strictfields import parse_strict
 
 EXIT_INVALID = 2
@@ -44,6 +45,10 @@ def add_validate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--column", dest="data_columns", action="append", default=[], metavar="KEY=COLUMN",
                    help=f"with --data and no manifest: spec.dataset.columns ({', '.join(DATASET_COLUMN_KEYS)}); "
                         "repeatable")
+    p.add_argument("--model", dest="data_model", default=None, metavar="MODEL",
+                   help="with --data: also render every record through this model's chat template, as the training "
+                        "driver does (a model folder, a Hugging Face id or builtin:tiny-llama; needs the workload's "
+                        "packages: pip install -e .[workload])")
 
 
 def add_render_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,6 +78,9 @@ def run_validate(args: argparse.Namespace) -> int:
     if not args.files and args.data is None:
         print("tpuft validate: give manifests, --data FILE, or both", file=sys.stderr)
         return EXIT_INVALID
+    if args.data_model and args.data is None:
+        print("tpuft validate: --model renders the records of --data FILE: give both", file=sys.stderr)
+        return EXIT_INVALID
     failed, datasets = 0, []
     for path in args.files:
         try:
@@ -92,7 +100,7 @@ def run_validate(args: argparse.Namespace) -> int:
             datasets.append(tft.spec.dataset)
             print(f"{label}: {tft.meta.ref}: valid ({tft.spec.accelerator} {tft.spec.slice.topology}, "
                   f"{tft.spec.slices} slice(s), {tft.spec.slice.hosts} host(s)/slice, {tft.spec.num_workers} workers)")
-            for warning in fit_warnings(tft):   # an estimate: told, never refused
+            for warning in spec_warnings(tft.spec) + fit_warnings(tft):   # told, never refused
                 print(f"{label}: {tft.meta.ref}: {warning}", file=sys.stderr)
     if args.data is not None:
         failed += not _validate_data(args, datasets)
@@ -141,12 +149,37 @@ def _validate_data(args: argparse.Namespace, datasets: list) -> bool:
         names = list(dict.fromkeys(k for row in rows[:1000] for k in row))
         layout = records.detect(names, declared, mapping)
         count = records.check(rows, layout)
+        if args.data_model:
+            _render_records(args.data_model, rows, layout)
     except (OSError, ValueError) as e:   # RecordError is a ValueError: the record's number and field
         print(f"{label}: {e}", file=sys.stderr)
         return False
     columns = ", ".join(f"{k}={v}" if k != v else k for k, v in layout.columns.items())
-    print(f"{label}: {count} records of type {layout.type.value} ({columns}): valid")
+    rendered = f", rendered through {args.data_model}'s chat template" if args.data_model else ""
+    print(f"{label}: {count} records of type {layout.type.value} ({columns}){rendered}: valid")
     return True
+
+
+def _render_records(model: str, rows: list[dict], layout: records.Layout) -> None:
+    """--model: every record rendered through the model's tokenizer as the training driver's tokenize
+    stage renders it (tpuft_workload.render); ValueError naming the first the template refuses or
+    cannot label. The workload's modules are named as strings: the operator image has no transformers."""
+    try:
+        modellib = importlib.import_module("tpuft_workload.model")
+        datalib = importlib.import_module("tpuft_workload.data")
+        renderlib = importlib.import_module("tpuft_workload.render")
+    except ImportError as e:
+        raise ValueError(f"--model renders through the workload's code, which is not installed here ({e}): "
+                         "pip install -e .[workload], or leave --model out") from None
+    try:
+        tokenizer = modellib.load_tokenizer(model)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {model}: cannot load its tokenizer: {e}") from None
+    for number, row in enumerate(rows, start=1):
+        try:
+            datalib.example_of(tokenizer, row, layout, number)
+        except renderlib.RenderError as e:
+            raise ValueError(f"record {number}: {e}") from None
 
 
 def _data_records(path: Path) -> list[dict]:

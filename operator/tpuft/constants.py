@@ -322,6 +322,7 @@ class Reason(str, enum.Enum):
     SPEC_CHANGE_IGNORED = "SpecChangeIgnored"
     TTL_EXPIRED = "TTLExpired"
     SLICE_BLOCKED = "SliceBlocked"   # a new cause keeps the slice from coming up (tpuft.diagnosis)
+    SPEC_WARNING = "SpecWarning"     # what the spec may get wrong but is not refused for (spec.spec_warnings)
     MAINTENANCE_NOTICE = "MaintenanceNotice"   # GKE's notice on a node under the slice: a checkpoint is asked for
     RECONCILE_ERROR = "ReconcileError"
 

@@ -60,7 +60,7 @@ from tpuft.constants import Condition, ConditionStatus, EventType, Phase, Reason
 from tpuft import hosts
 from tpuft.diagnosis import Blocker, blocking, host_of, pool_hint
 from tpuft.builders import elastic_accumulation, elastic_slices
-from tpuft.spec import DEFAULTS, SpecError, TPUFinetune, parse
+from tpuft.spec import DEFAULTS, SpecError, TPUFinetune, parse, spec_warnings
 from tpuft.observed import (
     CONDITION_ORDER, SERVE_ENABLED_FIELD, Action, CheckObs, ClusterObs, Decision, Event, JobObs, Killer, MemoryKill,
     Observed, Op, QueueObs, Tunables, cluster_progress, cluster_provisioned, cluster_suspended, fmt_time, job_failed,
@@ -316,6 +316,9 @@ def _pending(draft: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed) -> De
                     devices=tft.spec.num_workers, ray_accelerator_type=shape.ray_accelerator_type or ""))
     progress = cluster_progress(tft, ClusterObs(names.cluster))  # what the next reconcile will see: no write then
     _initial_conditions(draft, tft, progress)
+    if draft.previous.applied_spec is None:   # once: when the children are first made from this spec
+        for warning in spec_warnings(tft.spec):
+            draft.add_event(EventType.WARNING, Reason.SPEC_WARNING, warning)
     if tft.spec.suspend:
         draft.set_condition(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, Reason.SUSPENDED, "created suspended")
         draft.move_to(Phase.SUSPENDED, Reason.SUSPENDED, f"RayCluster {names.cluster} created suspended (spec.suspend)")

@@ -12,7 +12,9 @@ The record types (spec.dataset.type, or detected from the columns):
   text              {"text"}: every token trained.
 spec.dataset.columns maps these names to the dataset's own (e.g. {prompt: question, completion: answer}).
 
-A record that does not fit is a RecordError naming its number (1-based, in file order), the field
+Content is kept as written (an indented code answer keeps its indentation; the endpoint renders a
+user's text untrimmed too), so training renders what serving renders; whitespace-only content is
+refused. A record that does not fit is a RecordError naming its number (1-based, in file order), the field
 and what was expected; the training driver checks every record before any worker starts.
 """
 from __future__ import annotations
@@ -112,7 +114,7 @@ def read(record: Mapping, layout: Layout, number: int) -> tuple[Turn, ...] | str
             return ""
         if not isinstance(value, str):
             raise RecordError(number, name or key, f"expected a string, got {type(value).__name__}")
-        return value.strip()
+        return value
 
     kind = layout.type
     if kind == DatasetType.TEXT:
@@ -146,7 +148,7 @@ def _messages(value: object, field: str, number: int) -> tuple[Turn, ...]:
             raise RecordError(number, f"{where}.weight", f"expected 0 or 1, got {weight!r}")
         if weight is not None and role != "assistant":
             raise RecordError(number, f"{where}.weight", "only an assistant turn has a weight")
-        turns.append(Turn(role, content.strip(), role == "assistant" and weight != 0))
+        turns.append(Turn(role, content, role == "assistant" and weight != 0))
     first = next((t for t in turns if t.role != "system"), None)
     if first is None or first.role != "user":
         raise RecordError(number, field, "the first message after any system message must be the user's")

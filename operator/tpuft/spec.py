@@ -17,7 +17,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from tpuft import catalog, fields
+from tpuft import catalog, fields, splits
 from tpuft.constants import (API_VERSION, DATASET_COLUMN_KEYS, GKE_MAX_RUN_DURATION_SECONDS, KIND,
                              LORA_DEFAULT_TARGET_MODULES, RAY_VERSION_PIN,
                              RESERVED_ANNOTATIONS, RESERVED_ENV, RESERVED_LABELS, SERVE_API_KEY_SECRET_KEY,
@@ -239,8 +239,10 @@ class Evaluation:
                                      maximum=0.5, workload=True, flag="eval-fraction")
     name: str | None = declare("The eval set's dataset, as spec.dataset.name (default: spec.dataset.name).",
                                min_length=1, workload=True, flag="eval-dataset", **_shell_safe())
-    split: str | None = declare("The eval set's split, e.g. test or train[-200:].", min_length=1, workload=True,
-                                flag="eval-split", **_shell_safe(MAX_SPLIT_LENGTH))
+    split: str | None = declare("The eval set's split, e.g. test, or train[-200:] with spec.dataset.split "
+                                "train[:-200]: records the run trains on are refused (eval loss would measure "
+                                "memorisation).", min_length=1, workload=True, flag="eval-split",
+                                **_shell_safe(MAX_SPLIT_LENGTH))
     every_steps: int | None = declare("Evaluate every N optimizer steps (left out: at each epoch end); always at "
                                       "the end.", minimum=1, maximum=10_000_000, workload=True,
                                       flag="eval-every-steps")
@@ -254,6 +256,43 @@ EVALUATION_RULES = (
     {"rule": "has(self.fraction) != (has(self.split) || has(self.name))",
      "message": "give the eval set as fraction (held out of spec.dataset) or as split (and name), one of the two",
      "fieldPath": ".fraction", "reason": "FieldValueInvalid"},)
+
+
+def eval_overlap(dataset: Dataset, evaluation: Evaluation) -> tuple[splits.Overlap, str, str]:
+    """Whether the eval set reads records spec.dataset trains on, as far as the spec says: (the
+    answer, the eval split's field path, a sentence naming both splits and what to do). Held out
+    (fraction) or another dataset: never. Not in CEL: the API server's CEL cannot parse a slice."""
+    field_path = "spec.evaluation.split" if evaluation.split is not None else "spec.evaluation.name"
+    if evaluation.fraction is not None or evaluation.name not in (None, dataset.name):
+        return splits.Overlap.NONE, field_path, ""
+    split = evaluation.split or dataset.split
+    found = splits.overlap(dataset.split, split)
+    if found == splits.Overlap.NONE:
+        return found, field_path, ""
+    other = splits.complement(split)
+    parts = splits.parse(split) or splits.parse(dataset.split)
+    name = parts[0].split if parts else "train"
+    fix = (f"use spec.dataset.split {other} and spec.evaluation.split {split}" if other else
+           f"use slices from opposite ends, e.g. spec.dataset.split {name}[:-200] and spec.evaluation.split "
+           f"{name}[-200:]")
+    reads = f"{evaluation.split!r}" if evaluation.split is not None else "the same dataset with no split"
+    trained = f"records spec.dataset.split {dataset.split!r} trains on (both of {dataset.name}"
+    if found == splits.Overlap.ALWAYS:
+        return found, field_path, (f"{reads} reads {trained}): the eval loss, keepBest and early stopping would "
+                                   f"measure memorisation; {fix}, or hold records out with spec.evaluation.fraction")
+    return found, field_path, (f"{reads} may read {trained}; it depends on the split's size, which the spec does "
+                               f"not say): {fix}, or hold records out with spec.evaluation.fraction")
+
+
+def spec_warnings(spec: Spec) -> list[str]:
+    """What the spec may get wrong but cannot be refused for: told by `tpuft validate` and in a
+    Warning event when the run's children are created."""
+    if spec.evaluation is None:
+        return []
+    found, field_path, message = eval_overlap(spec.dataset, spec.evaluation)
+    return [f"warning: {field_path}: {message}"] if found == splits.Overlap.UNKNOWN else []
+
+
 WARMUP_RULE = {"rule": "!(has(self.warmupSteps) && has(self.warmupRatio))",
                "message": "warmupSteps and warmupRatio both set: give one", "fieldPath": ".warmupRatio",
                "reason": "FieldValueInvalid"}
@@ -696,7 +735,7 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
     top = r.declared(Spec, spec, "spec")   # slices, image, model, the timeouts, suspend: checked as declared
     dataset = _dataset(r, spec)
     training = _training(r, spec, slice_shape is not None and slice_shape.is_tpu)
-    evaluation = _evaluation(r, spec)
+    evaluation = _evaluation(r, spec, dataset)
     checkpoint = _checkpoint(r, spec)
     export = _export(r, spec, training)
     hf = _secret_ref(r, spec, "hfTokenSecret", "spec.hfTokenSecret")
@@ -785,7 +824,7 @@ def _training(r: _Reader, spec: Mapping, on_tpu: bool) -> Training:
     return Training(**values, lora=_lora(r, tr, method))
 
 
-def _evaluation(r: _Reader, spec: Mapping) -> Evaluation | None:
+def _evaluation(r: _Reader, spec: Mapping, dataset: Dataset) -> Evaluation | None:
     if spec.get("evaluation") is None:
         return None
     raw = r.section(spec, "evaluation", "spec.evaluation")
@@ -794,6 +833,10 @@ def _evaluation(r: _Reader, spec: Mapping) -> Evaluation | None:
     if len(r.problems) == before and (evaluation.fraction is not None) == (
             evaluation.split is not None or evaluation.name is not None):
         r.fail("spec.evaluation.fraction", EVALUATION_RULES[0]["message"])
+    elif len(r.problems) == before and not any(p.field.startswith("spec.dataset") for p in r.problems):
+        found, field_path, message = eval_overlap(dataset, evaluation)
+        if found == splits.Overlap.ALWAYS:
+            r.fail(field_path, message)
     return evaluation
 
 
@@ -1045,7 +1088,7 @@ def parse_run(doc: Any, sections: tuple[str, ...] = TRAINING_SECTIONS) -> Run:
     if "training" in sections:
         parts["training"] = _training(r, doc, accelerator is not None and accelerator.lower() not in ("cpu", "gpu"))
     if "evaluation" in sections:
-        parts["evaluation"] = _evaluation(r, doc)
+        parts["evaluation"] = _evaluation(r, doc, parts.get("dataset", Dataset()))
     if "checkpoint" in sections:
         parts["checkpoint"] = _checkpoint(r, doc)
     if "export" in sections:

@@ -114,3 +114,22 @@ def test_validate_does_not_warn_for_a_model_that_fits_nor_for_one_it_does_not_kn
         r = _validate_model(tmp_path, model)
         assert r.returncode == 0 and "valid (v6e 4x4" in r.stdout, r.stderr
         assert r.stderr == "", (model, r.stderr)
+
+
+def test_validate_refuses_an_eval_set_that_is_the_training_set_and_warns_where_it_cannot_tell(tmp_path):
+    def manifest(dataset_split: str, eval_split: str):
+        doc = yaml.safe_load((EXAMPLES / "local-cpu.yaml").read_text())
+        doc["spec"]["dataset"]["split"] = dataset_split
+        doc["spec"]["evaluation"] = {"split": eval_split}
+        path = tmp_path / f"{len(list(tmp_path.iterdir()))}.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        return path
+
+    r = tpuft("validate", str(manifest("train", "train[-200:]")))
+    assert r.returncode == 2 and "spec.evaluation.split: 'train[-200:]' reads records spec.dataset.split 'train' " \
+                                  "trains on" in r.stderr and "use spec.dataset.split train[:-200]" in r.stderr
+    r = tpuft("validate", str(manifest("train[:1000]", "train[-200:]")))
+    assert r.returncode == 0 and "valid" in r.stdout
+    assert "warning: spec.evaluation.split: 'train[-200:]' may read records" in r.stderr
+    r = tpuft("validate", str(manifest("train[:-200]", "train[-200:]")))
+    assert r.returncode == 0 and r.stderr == ""

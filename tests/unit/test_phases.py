@@ -1619,3 +1619,17 @@ def test_pods_are_read_after_a_running_slices_job_failed_or_a_host_was_lost(phas
     o["status"]["phase"] = phase.value
     name = names(o).train_job if which == "train" else names(o).verify_job
     assert phases.wants_failure_pods(o, Observed(cluster(ready, provisioned=True), {name: JobObs(name, status)})) is wants
+
+
+def test_a_spec_warning_is_a_warning_event_when_the_children_are_first_created():
+    """An eval set the spec cannot tell apart from the training records (spec.spec_warnings): told
+    once, as `tpuft validate` tells it, never refused."""
+    o = make(dataset={"name": "d", "split": "train[:1000]"}, evaluation={"split": "train[-200:]"})
+    d = phases.decide(o, Observed(), at(0), TUN)
+    assert d.phase == "Provisioning"
+    warned = [e for e in d.events if e.type == "Warning"]
+    assert [e.reason for e in warned] == ["SpecWarning"]
+    assert warned[0].message.startswith("warning: spec.evaluation.split: 'train[-200:]' may read records")
+    again = phases.decide(apply(o, d), Observed(cluster=cluster()), at(5), TUN)
+    assert [e for e in again.events if e.reason == c.Reason.SPEC_WARNING] == []
+    assert [e for e in phases.decide(make(), Observed(), at(0), TUN).events if e.type == "Warning"] == []

@@ -80,3 +80,18 @@ def test_columns_that_fit_no_type_say_what_would():
         records.detect(["prompt", "answer"], declared="promptCompletion")
     with pytest.raises(ValueError, match="names column\\(s\\) \\['q'\\] the dataset does not have"):
         records.detect(["question"], mapping={"prompt": "q"})
+
+
+def test_content_is_kept_as_written_and_whitespace_only_content_is_refused():
+    """Serving renders a user's text untrimmed, and an indented code answer needs its indentation."""
+    code = "    return 42\n"
+    messages = records.detect(["messages"])
+    turns = records.read({"messages": [{"role": "system", "content": " Be brief. "},
+                                       {"role": "user", "content": "  what is it?\n"},
+                                       {"role": "assistant", "content": code}]}, messages, 1)
+    assert [t.content for t in turns] == [" Be brief. ", "  what is it?\n", code]
+    pair = records.detect(["prompt", "completion"])
+    assert records.read({"prompt": " Why?", "completion": code}, pair, 1) == (
+        Turn("user", " Why?", False), Turn("assistant", code, True))
+    with pytest.raises(RecordError, match="record 4: completion: missing or empty"):
+        records.read({"prompt": "Why?", "completion": " \n\t"}, pair, 4)

@@ -308,3 +308,51 @@ def test_reserved_label_and_annotation_keys_are_refused_by_path(field, key):
                                        ("annotations", "example.com/ray.io"), ("labels", "tpufinetune.dev")])
 def test_keys_near_the_reserved_ones_are_the_users(field, key):
     assert dict(getattr(parse(with_(f"spec.{field}", {key: "v"})).spec, field)) == {key: "v"}
+
+
+def _evaluated(dataset: dict, evaluation: dict):
+    return parse(with_("spec.evaluation", evaluation, with_("spec.dataset", dataset)))
+
+
+def test_an_eval_set_that_is_the_training_set_is_refused_naming_both_splits_and_the_fix():
+    """Eval loss, keepBest and early stopping on trained records measure memorisation: refused by the
+    parser (the operator's admission and `tpuft validate` alike), with the split that fixes it."""
+    with pytest.raises(SpecError) as e:
+        _evaluated({"name": "d"}, {"split": "train[-200:]"})   # dataset.split defaults to train
+    assert [str(p) for p in e.value.problems] == [
+        "spec.evaluation.split: 'train[-200:]' reads records spec.dataset.split 'train' trains on (both of d): the "
+        "eval loss, keepBest and early stopping would measure memorisation; use "
+        "spec.dataset.split train[:-200] and spec.evaluation.split train[-200:], or hold records out with "
+        "spec.evaluation.fraction"]
+    with pytest.raises(SpecError) as e:   # the same dataset named, no split: all of its training records
+        _evaluated({"name": "d", "split": "train[:1000]"}, {"name": "d"})
+    assert [p.field for p in e.value.problems] == ["spec.evaluation.name"]
+    assert e.value.problems[0].message.startswith("the same dataset with no split reads records spec.dataset.split "
+                                                  "'train[:1000]' trains on (both of d)")
+    with pytest.raises(SpecError, match=r"spec.evaluation.split: 'train\[10%:30%\]' reads records spec.dataset.split "
+                                        r"'train\[:20%\]' trains on"):
+        _evaluated({"name": "d", "split": "train[:20%]"}, {"split": "train[10%:30%]"})
+
+
+@pytest.mark.parametrize("dataset, evaluation", [
+    ({"name": "d", "split": "train[:-200]"}, {"split": "train[-200:]"}),
+    ({"name": "d", "split": "train[:10%]"}, {"split": "train[10%:20%]"}),
+    ({"name": "d"}, {"split": "test"}),
+    ({"name": "d"}, {"name": "other", "split": "train"}),
+    ({"name": "d"}, {"fraction": 0.1}),
+])
+def test_an_eval_set_apart_from_the_training_records_is_accepted_without_a_warning(dataset, evaluation):
+    assert spec_mod.spec_warnings(_evaluated(dataset, evaluation).spec) == []
+
+
+def test_an_overlap_the_spec_cannot_decide_is_a_warning_not_a_refusal():
+    """Percent against a count, or counts from both ends: the split's size decides, which the spec
+    does not say."""
+    spec = _evaluated({"name": "d", "split": "train[:1000]"}, {"split": "train[-200:]"}).spec
+    assert spec_mod.spec_warnings(spec) == [
+        "warning: spec.evaluation.split: 'train[-200:]' may read records spec.dataset.split 'train[:1000]' trains on "
+        "(both of d; it depends on the split's size, which the spec does not say): use "
+        "spec.dataset.split train[:-200] and spec.evaluation.split train[-200:], or hold records out with "
+        "spec.evaluation.fraction"]
+    assert len(spec_mod.spec_warnings(_evaluated({"name": "d", "split": "train[:50%]"},
+                                                 {"split": "train[-100:]"}).spec)) == 1

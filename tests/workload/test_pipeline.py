@@ -133,25 +133,37 @@ def test_resolve_reads_the_suffix_or_the_format():
     assert not pipeline.resolve("gs://b/d.jsonl").is_local
 
 
-def test_a_template_that_rewrites_earlier_turns_fails_naming_the_record(ray_cluster, tmp_path):
-    """Its labels cannot be found as serving builds the prompt: the run fails on the driver, saying so."""
+def test_a_record_the_template_refuses_or_cannot_label_fails_naming_its_number(ray_cluster, tmp_path):
+    """A record the chat template refuses (Gemma's "System role not supported", which tpuft.records
+    accepts) or whose labels cannot be found as serving builds the prompt (a template rewriting
+    earlier turns): the run fails on the driver, before any worker, with a DataError naming the
+    record's number and the template's words (train.run_training puts it in status.training)."""
     from tests.factories import GEMMA_TEMPLATE, habit_tokenizer
 
+    def chat(*turns: tuple[str, str]) -> dict:
+        return {"messages": [{"role": role, "content": content} for role, content in turns]}
+
     tok = habit_tokenizer()
+    tok.save_pretrained(tmp_path / "gemma")
     tok.chat_template = GEMMA_TEMPLATE.replace("{{ m['content'] | trim }}",
                                                "{{ '(earlier)' if m['role'] == 'assistant' and not loop.last "
                                                "else m['content'] | trim }}")
-    tok.save_pretrained(tmp_path / "model")
-    chats = [{"messages": [{"role": "user", "content": "What is the colour of the cat ?"},
-                           {"role": "assistant", "content": "I do not know"},
-                           {"role": "user", "content": "What is the food of the cat ?"},
-                           {"role": "assistant", "content": "I do not know"}]}]
+    tok.save_pretrained(tmp_path / "rewriting")
+    good = chat(("user", "What is the colour of the cat ?"), ("assistant", "I do not know"))
+    system = chat(("system", "I do not know"), ("user", "What is the food of the cat ?"), ("assistant", "I do not know"))
+    two = chat(("user", "What is the colour of the cat ?"), ("assistant", "I do not know"),
+               ("user", "What is the food of the cat ?"), ("assistant", "I do not know"))
     data = tmp_path / "chats.jsonl"
-    data.write_text(json.dumps(chats[0]) + "\n")
+    data.write_text("".join(json.dumps(r) + "\n" for r in [good, good, system, two]))
     with pytest.raises(pipeline.DataError) as e:
-        pipeline.build(Dataset(str(data)), str(tmp_path / "model"), MAX_LEN, True)
-    assert str(e.value).startswith(f"spec.dataset.name: {data}: the record asking 'What is the colour of the cat ?': "
-                                   "the chat template renders the conversation up to turn 2 differently"), str(e.value)
+        pipeline.build(Dataset(str(data)), str(tmp_path / "gemma"), MAX_LEN, True)
+    assert str(e.value).startswith(f"spec.dataset.name: {data}: record 3: the model's chat template refuses this "
+                                   "conversation (system, user, assistant): System role not supported; "), str(e.value)
+    data.write_text("".join(json.dumps(r) + "\n" for r in [good, two]))
+    with pytest.raises(pipeline.DataError) as e:
+        pipeline.build(Dataset(str(data)), str(tmp_path / "rewriting"), MAX_LEN, True)
+    assert str(e.value).startswith(f"spec.dataset.name: {data}: record 2: the chat template renders the "
+                                   "conversation up to turn 2 differently"), str(e.value)
 
 
 def test_an_eval_set_is_held_out_with_the_seed_or_read_from_its_own_split(ray_cluster):

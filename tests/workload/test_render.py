@@ -7,6 +7,7 @@ cross a turn boundary if the renderer got one wrong), with each template's marke
 """
 from __future__ import annotations
 
+import datetime
 import random
 
 import pytest
@@ -156,3 +157,105 @@ def test_the_export_carries_the_template_and_stops_at_the_turn_end(tmp_path):
     again = AutoTokenizer.from_pretrained(tmp_path)
     turns = (Turn("user", "cats sleep", False), Turn("assistant", "a lot", True))
     assert render.render(again, turns) == render.render(tok, turns)
+
+
+PHI3 = (  # Phi-3: <|user|>/<|assistant|> blocks ending <|end|>; <|endoftext|> after the last turn when not prompting
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% else %}<|endoftext|>{% endif %}")
+
+
+def test_a_phi3_template_trains_each_answer_of_a_multi_turn_record_with_its_turn_end():
+    """The conversation cut after a middle answer ends in <|endoftext|>, which the whole one has only
+    at its end: each answer's span is where the two agree, so the labels are exactly each answer's
+    text and <|end|>\\n (and the final <|endoftext|> after the last)."""
+    tok = _tokenizer(PHI3)
+    tok.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|assistant|>", "<|end|>", "<|endoftext|>"]})
+    turns = (Turn("user", "what colour sky ?", False), Turn("assistant", "sky blue", True),
+             Turn("user", "tell me about bees", False), Turn("assistant", "they make honey in hives", True),
+             Turn("user", "cats ?", False), Turn("assistant", "cats sleep a lot", True))
+    example = render.render(tok, turns)
+    labelled = [k for k, label in enumerate(example.labels) if label != render.IGNORE]
+    runs, run = [], [labelled[0]]
+    for k in labelled[1:]:
+        if k == run[-1] + 1:
+            run.append(k)
+        else:
+            runs, run = runs + [run], [k]
+    runs.append(run)
+    assert [tok.decode([example.input_ids[k] for k in r]) for r in runs] == [
+        "sky blue<|end|>\n", "they make honey in hives<|end|>\n", "cats sleep a lot<|end|>\n<|endoftext|>"]
+    assert tok.decode(example.input_ids) == tok.apply_chat_template(
+        [{"role": t.role, "content": t.content} for t in turns], tokenize=False)
+    for k, turn in enumerate(turns):   # what the endpoint sends for each question is the prefix trained on
+        if turn.role == "user":
+            served = _served(tok, turns[:k + 1])
+            assert example.input_ids[:len(served)] == served
+
+
+@pytest.mark.parametrize("template, turns, words", [
+    (GEMMA, (Turn("system", "answer briefly", False), Turn("user", "cats ?", False),
+             Turn("assistant", "cats sleep", True)), "System role not supported"),
+    ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+     "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}",
+     (Turn("user", "cats ?", False), Turn("user", "bees ?", False), Turn("assistant", "honey", True)),
+     "Conversation roles must alternate"),
+], ids=["gemma-system", "roles-not-alternating"])
+def test_a_conversation_the_template_refuses_is_a_render_error_in_the_templates_words(template, turns, words):
+    with pytest.raises(render.RenderError) as e:
+        render.render(_tokenizer(template), turns)
+    assert "the model's chat template refuses this conversation" in str(e.value)
+    assert words in str(e.value)
+
+
+def test_content_trains_as_written_untrimmed_as_serving_renders_it():
+    """An indented code answer keeps its indentation, and a user's untrimmed text renders as the
+    endpoint renders it: the prompt served is the prefix trained on."""
+    tok = _tokenizer(CHATML)
+    layout = data.recordslib.detect(["messages"])
+    answer = "    return 42\n"
+    record = {"messages": [{"role": "user", "content": "  what is the number ?\n"},
+                           {"role": "assistant", "content": answer}]}
+    example = data.example_of(tok, record, layout)
+    assert tok.decode([t for t in example.labels if t != render.IGNORE]) == answer + "<|im_end|>\n"
+    served = _served(tok, (Turn("user", "  what is the number ?\n", False),))
+    assert example.input_ids[:len(served)] == served
+
+
+def test_a_template_asking_for_todays_date_trains_with_the_fixed_training_date():
+    """Llama 3.2's date line: the same records give the same tokens any day; serving writes the day's."""
+    template = ("{% if not date_string is defined %}{% set date_string = strftime_now('%d %b %Y') %}{% endif %}"
+                "<|start_header_id|>system<|end_header_id|>\n\nToday Date: {{ date_string }}<|eot_id|>"
+                "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}"
+                "<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>"
+                "\n\n{% endif %}")
+    tok = _tokenizer(template)
+    example = render.render(tok, (Turn("user", "cats ?", False), Turn("assistant", "cats sleep", True)))
+    assert "Today Date: 26 Jul 2024<|eot_id|>" in tok.decode(example.input_ids)
+    today = datetime.date.today().strftime("%d %b %Y")
+    assert f"Today Date: {today}<|eot_id|>" in tok.decode(_served(tok, (Turn("user", "cats ?", False),)))
+
+
+def test_tpuft_validate_data_with_a_model_renders_every_record_through_its_template(tmp_path, capsys):
+    """Without --model, records.py's rules only (a system message is a valid record); with it, the
+    record Gemma's template refuses is named as the training driver names it, before any run."""
+    import json
+
+    from tpuft import cli
+
+    _tokenizer(GEMMA).save_pretrained(tmp_path / "gemma")
+    chats = [[("user", "cats ?"), ("assistant", "cats sleep")],
+             [("system", "answer briefly"), ("user", "bees ?"), ("assistant", "they make honey")]]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": r, "content": c} for r, c in chat]}) + "\n"
+                            for chat in chats))
+    assert cli.main(["validate", "--data", str(data)]) == 0
+    assert capsys.readouterr().out == f"{data}: 2 records of type messages (messages): valid\n"
+    assert cli.main(["validate", "--data", str(data), "--model", str(tmp_path / "gemma")]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"{data}: record 2: the model's chat template refuses this conversation (system, user, assistant): "
+        "System role not supported; change the record")
+    data.write_text(data.read_text().splitlines()[0] + "\n")
+    assert cli.main(["validate", "--data", str(data), "--model", str(tmp_path / "gemma")]) == 0
+    assert capsys.readouterr().out == (f"{data}: 1 records of type messages (messages), rendered through "
+                                       f"{tmp_path / 'gemma'}'s chat template: valid\n")

@@ -262,3 +262,28 @@ def test_a_saved_model_trains_from_shards_each_rank_read_for_itself(ray_cluster,
     losses = [p["loss"] for p in run.patches if p.get("loss") is not None]
     assert losses and losses[-1] < 5.0   # trained from the saved weights, not from garbage storage
     assert_export_generates(run.run_dir / checkpoint.EXPORT_DIR)
+
+
+def test_a_record_the_template_refuses_reaches_status_training_and_the_result_line(monkeypatch, capsys):
+    """The tokenize stage's DataError (tests/workload/test_pipeline.py: the record's number and the
+    template's words) goes where every data error goes: status.training.message and the result line
+    the operator reads, with no Ray traceback."""
+    from tpuft_workload import pipeline
+
+    sent: list[dict] = []
+
+    class Recorder:
+        def training(self, **fields):
+            sent.append(fields)
+
+    error = pipeline.DataError("/data/chats.jsonl: record 3: the model's chat template refuses this conversation "
+                               "(system, user, assistant): System role not supported; change the record ...")
+
+    def build(command, target, fault_spec):
+        raise error
+    monkeypatch.setattr(train, "StatusReporter", Recorder)
+    assert train.run_training(None, None, build=build) == 1
+    assert sent == [{"message": str(error)}]
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(train.RESULT_PREFIX))
+    assert json.loads(line[len(train.RESULT_PREFIX):]) == {"succeeded": False, "error": str(error)}
+    assert str(error).startswith("spec.dataset.name: /data/chats.jsonl: record 3: ")

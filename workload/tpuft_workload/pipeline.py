@@ -13,7 +13,8 @@ Stages (driver, `build`):
              before any worker exists.
   tokenize   map_batches over record batches, in parallel: each record rendered through the
              model's chat template (tpuft_workload.render: what serving renders), labels on the
-             trained assistant turns only.
+             trained assistant turns only. A record the template refuses, or cannot label, is a
+             DataError naming its number, before any worker exists.
   pack       on the driver: examples longer than a row truncated or dropped (spec.dataset.overlong,
              counted), then whole examples bin-packed into max_seq_length rows
              (tpuft_workload.data.pack_examples) or padded one per row.
@@ -159,11 +160,9 @@ class _Tokenize:
             try:
                 ex = datalib.example_of(self.tokenizer, record, self.layout)
             except RenderError as e:
-                # returned, not raised: Ray Data would hand the driver a traceback. Which record: its
-                # question's first words (a batch does not know its offset in the file).
-                turns = recordslib.read(record, self.layout, 0)
-                first = turns if isinstance(turns, str) else next(t.content for t in turns if t.role == "user")
-                errors[i] = f"the record asking {' '.join(first.split()[:12])!r}: {e}"
+                # returned, not raised: Ray Data would hand the driver a traceback. The driver, reading
+                # the batches in order, knows the record's number; a batch does not.
+                errors[i] = str(e)
                 ex = datalib.Example([], [])
             ids[i], labels[i] = np.asarray(ex.input_ids, dtype=np.int32), np.asarray(ex.labels, dtype=np.int32)
         return {"input_ids": ids, "labels": labels, "error": errors}
@@ -308,9 +307,10 @@ def _examples(spec: Dataset, model: str, field: str = "spec.dataset.name") -> tu
                                num_cpus=1)
     examples = []
     for batch in tokenized.iter_batches(batch_size=None, batch_format="numpy"):
-        refused = next((str(e) for e in batch["error"] if e), None)
-        if refused:   # a record the chat template cannot label as serving renders it: the user's to fix
-            raise DataError(f"{src.path}: {refused}", field)
+        refused = next((k for k, e in enumerate(batch["error"]) if e), None)
+        if refused is not None:   # a record the chat template cannot label as serving renders it: the user's to fix
+            number = len(examples) + refused + 1   # the rows come in record order (preserve_order, in build)
+            raise DataError(f"{src.path}: record {number}: {batch['error'][refused]}", field)
         examples += [datalib.Example(i.tolist(), lab.tolist()) for i, lab in zip(batch["input_ids"], batch["labels"])]
     return examples, count, layout.type.value
 
