@@ -133,7 +133,7 @@ class _Torch:
         if empty is not None:
             from tpuft_workload import sharded_load
 
-            read = sharded_load.fill(self.model, weights)
+            read = sharded_load.fill(self.model, weights, seed=cfg.seed)
             self.worker.say(f"[tpuft] loaded {cfg.model} shard by shard: {read['tensors']} tensors, "
                             f"{read['bytes'] / 2**20:.1f} MiB read by this rank")
         # HSDP with accumulation: the all-reduce across slices once per optimizer step, not per micro-batch
@@ -260,9 +260,12 @@ class _Torch:
     def export(self) -> str | None:
         import torch
 
+        from tpuft_workload import model as modellib
+
         # bf16 export on accelerators (the dtype the model trains in); fp32 on CPU
         dtype = torch.bfloat16 if self.plat.mixed_precision else None
         cfg = self.cfg
+        modellib.as_served(self.model, cfg.model)
         if cfg.lora:
             return loralib.export(self.model, self.tokenizer, cfg.lora, cfg.model, cfg.run_dir, self.rank,
                                   merge=cfg.merge_export, dtype=dtype)
