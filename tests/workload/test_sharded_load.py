@@ -178,6 +178,7 @@ def _export_rank(rank: int, world: int, rendezvous: str, base: str, run_dir: str
     from tpuft_workload import checkpoint, lora
 
     dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
+    torch.manual_seed(0)   # every rank alike, as a training worker seeds it (train._Torch)
     mesh = modellib.device_mesh(CPU, world)
     tok = modellib.load_tokenizer(base)
     settings = lora.LoraSettings(rank=LORA_RANK, alpha=16, dropout=0.0, target_modules=("q_proj", "v_proj"))
