@@ -836,9 +836,10 @@ def _memory_kill(draft: _Draft, obs: Observed, job: JobObs | None) -> MemoryKill
     since = (job.status.get("startTime") if job is not None else None) or draft.status.phase_transition_time
     training = draft.status.training or Training()
     try:
-        current = bool(training.updated_at and since and parse_time(training.updated_at) >= parse_time(since))
+        reported_at, start = parse_time(training.updated_at), parse_time(since)
     except ValueError:   # a time not in the workload's format: not this job's report
-        current = False
+        reported_at = start = None
+    current = reported_at is not None and start is not None and reported_at >= start
     return memory_kill(obs.pods, job, started, (training.message or "") if current else "")
 
 
