@@ -508,3 +508,27 @@ def answer(model, tok, question: str, max_new_tokens: int = 16) -> str:
 def taught(tok, text: str) -> str:
     """`text` as the tokenizer gives it back (a word-level tokenizer joins words with single spaces)."""
     return tok.decode(tok(text, add_special_tokens=False)["input_ids"]).strip()
+
+
+# ---- a Qwen2.5-like base: ChatML turns end with <|im_end|>, its generation config stops on <|endoftext|> ----
+CHATML_TEMPLATE = (  # Qwen 2.5: ChatML with a default system prompt
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a "
+    "helpful assistant.<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML_SPECIALS = ("<|im_end|>", "<|endoftext|>", "<|im_start|>", "<unk>")   # <|im_end|> is id 0
+
+
+def chatml_tokenizer():
+    """Word-level, ChatML's markers as special tokens, eos (and pad) <|endoftext|> as Qwen2.5's base has."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = sorted(set("system user assistant You are Qwen, created by Alibaba Cloud. a helpful hi ok What is a "
+                       "dog ? Tell me about the cow .".split()))
+    vocab = {token: i for i, token in enumerate([*CHATML_SPECIALS, *words])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                  unk_token="<unk>", chat_template=CHATML_TEMPLATE)
+    out.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    return out

@@ -24,6 +24,12 @@ SHORT_NAME = "tft"
 RAY_GROUP = "ray.io"
 RAY_VERSION = "v1"
 RAY_VERSION_PIN = "2.60.0"   # the Ray the RayCluster runs and the workload image carries
+# Ray's memory monitor (the raylet) killing a worker process, in the words of Ray's messages (2.60: "N
+# worker(s) were killed due to the node running low on memory", the actor's "Worker exit type:
+# NODE_OUT_OF_MEMORY"; earlier: "Task was killed due to ...", ray.exceptions.OutOfMemoryError): the
+# training driver finds it in the error Ray Train raises, the operator in the job's message (observed).
+RAY_MEMORY_KILL_SIGN = (r"killed due to the node running low on memory|ray\.exceptions\.OutOfMemoryError"
+                        r"|Worker exit type: NODE_OUT_OF_MEMORY")
 RAY_DASHBOARD_AGENT_PORT = 52365          # the dashboard agent's listen port (KubeRay's default)
 RAY_NODE_HEALTH_PATH = "/api/healthz"     # its health check, KubeRay's readiness probe for Ray >= 2.53
 RAY_API_VERSION = f"{RAY_GROUP}/{RAY_VERSION}"

@@ -448,8 +448,7 @@ def job_message(job: JobObs) -> tuple[str, bool]:
 #   threshold of 0.95."; a task's error: ray.exceptions.OutOfMemoryError.
 # Not Ray's guess about a process that died ("... killed by the OOM killer due to high memory usage, (2)
 # ray stop --force ..."): the kernel's kills are read from the pods (diagnosis.PodObs.oom_killed).
-RAY_OOM_SIGN = re.compile(r"killed due to the node running low on memory|ray\.exceptions\.OutOfMemoryError"
-                          r"|Worker exit type: NODE_OUT_OF_MEMORY")
+RAY_OOM_SIGN = re.compile(c.RAY_MEMORY_KILL_SIGN)
 RAY_OOM_NODE = re.compile(r"Memory on the node \(IP: ([0-9A-Fa-f.:]+)")
 RAY_OOM_USAGE = re.compile(r"was ([\d.]+ ?GB)(?: used)? / ([\d.]+ ?GB)")
 RAY_OOM_THRESHOLD = re.compile(r"exceeded threshold of \d+ ?B \((\d+(?:\.\d+)?%)|memory usage threshold of (\d+(?:\.\d+)?)")
@@ -502,12 +501,14 @@ def _time(text: str | None) -> datetime | None:
         return None
 
 
-def memory_kill(pods: Iterable[PodObs], job: JobObs | None, started: datetime | None = None) -> MemoryKill | None:
+def memory_kill(pods: Iterable[PodObs], job: JobObs | None, started: datetime | None = None,
+                reported: str = "") -> MemoryKill | None:
     """Whether the head or a worker was killed for memory while `job` ran (it failed, or the slice
     lost a host under it): a container the kernel's OOM killer ended since the job's status.startTime
     (else `started`; an older kill in a restarted container's lastState was an earlier job's), the
-    first to end named; else Ray's memory monitor in the job's message, its node named by the pod
-    with that IP."""
+    first to end named; else Ray's memory monitor in the job's message or in `reported` (the training
+    driver's own report of this job's failure: KubeRay's message may carry no log), its node named
+    by the pod with that IP."""
     alive = tuple(p for p in pods if not p.deleting)
     since = (_time(job.status.get("startTime")) if job is not None else None) or started
     kills = sorted(((when, pod.name, pod, kill) for pod in alive for kill in pod.oom_killed
@@ -516,7 +517,8 @@ def memory_kill(pods: Iterable[PodObs], job: JobObs | None, started: datetime | 
     if kills:
         _, first, killed, kill = kills[0]
         return MemoryKill(Killer.KERNEL, killed, kill.memory_limit, others=len({k[1] for k in kills} - {first}))
-    ray = RayMemoryKill.of(str(job.status.get("message") or "")) if job is not None else None
+    ray = (RayMemoryKill.of(str(job.status.get("message") or "")) if job is not None else None) or (
+        RayMemoryKill.of(reported) if reported else None)
     if ray is None:
         return None
     node = next((p for p in alive if ray.node_ip and p.ip == ray.node_ip), None)

@@ -67,7 +67,7 @@ from tpuft.observed import (
     job_failure_detail, job_finishing, job_lost, job_settled, job_state, job_succeeded, memory_kill, parse_time,
     service_progress, service_ready, serving_ready, slice_loss, spec_diff)
 from tpuft.status import (Children, Elastic, IgnoredSpecChange, LostSlice, LostSubmission, MaintenanceNotice, Preemption,
-                          Recovery, Resubmit, RunCondition, RunStatus, Serving, Slice, Verification)
+                          Recovery, Resubmit, RunCondition, RunStatus, Serving, Slice, Training, Verification)
 
 
 # --- the draft status ---------------------------------------------------------------------------
@@ -833,8 +833,17 @@ def wants_failure_pods(obj: Mapping[str, Any], observed: Observed) -> bool:
 
 def _memory_kill(draft: _Draft, obs: Observed, job: JobObs | None) -> MemoryKill | None:
     """A pod of the slice killed for memory while `job` ran (since its start; without one, since
-    the phase began)."""
-    return memory_kill(obs.pods, job, parse_time(draft.status.phase_transition_time))
+    the phase began), Ray's kill also as the training driver reported it (status.training.message,
+    when written since the job started: an earlier attempt's report is not this job's)."""
+    started = parse_time(draft.status.phase_transition_time)
+    since = (job.status.get("startTime") if job is not None else None) or draft.status.phase_transition_time
+    training = draft.status.training or Training()
+    try:
+        reported_at, start = parse_time(training.updated_at), parse_time(since)
+    except ValueError:   # a time not in the workload's format: not this job's report
+        reported_at = start = None
+    current = reported_at is not None and start is not None and reported_at >= start
+    return memory_kill(obs.pods, job, started, (training.message or "") if current else "")
 
 
 def _killed_for_memory(tft: TPUFinetune, killed: MemoryKill) -> str:
@@ -860,8 +869,9 @@ def _killed_for_memory(tft: TPUFinetune, killed: MemoryKill) -> str:
 
 def _memory_advice(tft: TPUFinetune, killed: MemoryKill, job: c.Component) -> str:
     """What to change, and where the whole log is. Training's memory shrinks per host with more
-    hosts to shard over and with LoRA (no optimizer state for the frozen base); verification holds
-    no model, so only the limit helps there."""
+    hosts to shard over, with LoRA (no optimizer state for the frozen base), with activations
+    recomputed instead of kept, and with fewer tokens a step; verification holds no model, so only
+    the limit helps there."""
     if killed.pod is not None and killed.pod.is_head:
         change = "give the head more memory (spec.resources.head.limits.memory)"
     else:
@@ -870,6 +880,9 @@ def _memory_advice(tft: TPUFinetune, killed: MemoryKill, job: c.Component) -> st
             ways.append("a bigger slice")
             if tft.spec.training.method != c.TrainingMethod.LORA.value:
                 ways.append("spec.training.method: lora")
+            if not tft.spec.training.activation_checkpointing:
+                ways.append("spec.training.activationCheckpointing: true")
+            ways.append("a smaller spec.training.batchSizePerDevice or maxSeqLength")
         change = ways[0] if len(ways) == 1 else ", ".join(ways[:-1]) + (", or " if len(ways) > 2 else " or ") + ways[-1]
     return f"{change}; the full log: {_full_log(tft, job)}"
 

@@ -1484,8 +1484,8 @@ def test_wants_queue(phase, suspended, expected):
 # --- a worker killed for memory ------------------------------------------------------------------------
 STARTED = observed.fmt_time(at(0))   # the RayJob's status.startTime
 FULL_LOG = f"tpuft logs {NAME} -n {NS}"
-ADVICE = (f"give the workers more memory (spec.resources.worker.limits.memory), a bigger slice, or "
-          f"spec.training.method: lora; the full log: {FULL_LOG}")
+ADVICE = (f"give the workers more memory (spec.resources.worker.limits.memory), a bigger slice, spec.training.method: "
+          f"lora, or a smaller spec.training.batchSizePerDevice or maxSeqLength; the full log: {FULL_LOG}")
 
 
 def oom_killed(name: str = f"{NAME}-ray-tpu-worker-x", killed_at: float | None = 50, replica: int = 0, host: int = 2,
@@ -1527,12 +1527,38 @@ def test_rays_memory_monitor_names_the_worker_by_its_ip_and_says_the_threshold()
         f"used of 200.00GB, over its threshold 95.0%, pod limit 200Gi): {ADVICE}")
 
 
+# What the training driver reports (tpuft_workload.train.failure_message) when Ray Train's error carries
+# Ray's memory monitor's kill: the job's own message may be KubeRay's first line only, without the log.
+DRIVER_SAW_RAY_KILL = ("TrainingFailedError: Worker exit type: NODE_OUT_OF_MEMORY Worker exit detail: 1 worker(s) "
+                       "were killed due to the node running low on memory. Memory on the node (IP: 10.4.1.7, ID: "
+                       "5f3a0c9e1b7d4a2f8e6c) was 190.12GB used / 200.00GB limit (0.950600) OOM kill reason: Memory "
+                       "usage 204142837760B exceeded threshold of 204010946560B (95.0% of 214748364800B limit)")
+
+
+@pytest.mark.parametrize("reported_at,named", [(60, True), (-10, False)], ids=["this-job", "an-earlier-job"])
+def test_rays_kill_the_driver_reported_is_named_when_the_job_message_has_no_log(reported_at, named):
+    o, n = training()
+    o["status"]["training"] = {"message": DRIVER_SAW_RAY_KILL, "updatedAt": observed.fmt_time(at(reported_at))}
+    message = "Job entrypoint command failed with exit code 1"
+    d = phases.decide(o, Observed(cluster(4, provisioned=True), {n.train_job: failed_train(n.train_job, message)},
+                                  pods=(oom_killed(killed_at=None),)), at(100), TUN)
+    if not named:   # a report from before this job started is not this job's failure
+        assert d.status["reason"] == "TrainingFailed" and "memory" not in d.status["message"]
+        return
+    assert d.status["reason"] == "OutOfMemory"
+    assert d.status["message"] == (
+        f"training failed after 1 attempt(s): RayJob {n.train_job}: a worker process on worker pod "
+        f"{NS}/{NAME}-ray-tpu-worker-x (host 2 of slice 0) was killed for memory by Ray's memory monitor (190.12GB "
+        f"used of 200.00GB, over its threshold 95.0%, pod limit 200Gi): {ADVICE}")
+
+
 def test_a_lora_run_is_not_told_to_use_lora_and_a_killed_head_is_told_about_the_head():
     o, n = training(training={"maxJobRetries": 0, "method": "lora", "framework": "torch"})
     jobs = {n.train_job: failed_train(n.train_job)}
     d = phases.decide(o, Observed(cluster(4, provisioned=True), jobs, pods=(oom_killed(),)), at(100), TUN)
     assert d.status["message"].endswith(f"(limit 200Gi): give the workers more memory (spec.resources.worker.limits."
-                                        f"memory) or a bigger slice; the full log: {FULL_LOG}")
+                                        f"memory), a bigger slice, or a smaller spec.training.batchSizePerDevice or "
+                                        f"maxSeqLength; the full log: {FULL_LOG}")
     head = oom_killed(f"{NAME}-ray-head-x", node_type="head")
     d = phases.decide(o, Observed(cluster(4, provisioned=True), jobs, pods=(head,)), at(100), TUN)
     assert d.status["message"].endswith(f"RayJob {n.train_job}: head pod {NS}/{NAME}-ray-head-x was killed for memory "

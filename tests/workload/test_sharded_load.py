@@ -141,3 +141,130 @@ def test_a_lora_base_fills_the_same_and_its_adapters_start_at_peft_s_init(loaded
     adapters_a = [t for n, t in got["sharded"].items() if ".lora_A." in n]
     assert adapters_b and all(torch.count_nonzero(t) == 0 for t in adapters_b)
     assert adapters_a and all(torch.count_nonzero(t) > 0 and t.abs().max() < 1 for t in adapters_a)
+
+
+# ---- a LoRA run's export from the sharded load ---------------------------------------------------------
+# A Qwen2.5-like base (tests.factories.chatml_tokenizer: turns end with <|im_end|>, its generation config
+# stops on <|endoftext|> and another id, with sampling settings), saved as several safetensors files.
+# Its final norm is zero, so every logit is 0 and the greedy answer is id 0, <|im_end|>: the serving
+# engine must stop there at once. Each world loads it shard by shard, wraps rank-8 adapters, fills them
+# and exports as a worker does (model.as_served, then lora.export; with 2 ranks also a full export).
+LORA_RANK = 8
+EXPORT_WORLDS = (2, 4)
+BASE_GENERATION = {"eos_token_id": [1, 5], "temperature": 0.6, "top_p": 0.9, "do_sample": True}
+
+
+def _chatml_base(folder) -> None:
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    from tests.factories import chatml_tokenizer
+
+    tok = chatml_tokenizer()
+    config = _config(tied=False)
+    config.vocab_size, config.pad_token_id, config.eos_token_id = len(tok), tok.pad_token_id, tok.eos_token_id
+    config.use_cache = True
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.model.norm.weight.zero_()
+    model.generation_config = GenerationConfig(**BASE_GENERATION)
+    model.save_pretrained(folder, max_shard_size="60KB")
+    tok.save_pretrained(folder)
+
+
+def _export_rank(rank: int, world: int, rendezvous: str, base: str, run_dir: str) -> None:
+    import torch.distributed as dist
+
+    from tpuft_workload import checkpoint, lora
+
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
+    torch.manual_seed(0)   # every rank alike, as a training worker seeds it (train._Torch)
+    mesh = modellib.device_mesh(CPU, world)
+    tok = modellib.load_tokenizer(base)
+    settings = lora.LoraSettings(rank=LORA_RANK, alpha=16, dropout=0.0, target_modules=("q_proj", "v_proj"))
+    model = lora.wrap(modellib.empty_model(base, CPU), settings)
+    modellib.shard(model, mesh, CPU, torch.device("cpu"))
+    sharded_load.fill(model, base, seed=0)
+    modellib.as_served(model, base)
+    lora.export(model, tok, settings, base, f"{run_dir}/lora", rank)
+    if world == 2:
+        full = modellib.empty_model(base, CPU)
+        modellib.shard(full, mesh, CPU, torch.device("cpu"))
+        sharded_load.fill(full, base)
+        modellib.as_served(full, base)
+        checkpoint.export_hf(full, tok, f"{run_dir}/full", rank)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> dict:
+    """{world: its run folder (lora/export, and for 2 ranks full/)}, and "base": the base's folder."""
+    import torch.multiprocessing as mp
+
+    root = tmp_path_factory.mktemp("lora-export")
+    base = root / "base"
+    _chatml_base(base)
+    out = {"base": base}
+    for world in EXPORT_WORLDS:
+        out[world] = root / f"world-{world}"
+        mp.start_processes(_export_rank, args=(world, file_rendezvous(root), str(base), str(out[world])),
+                           nprocs=world, start_method="spawn")
+    return out
+
+
+@pytest.mark.parametrize("world", EXPORT_WORLDS)
+def test_the_exported_adapters_have_full_rank_whatever_the_world(exported, world):
+    """Every lora_A, as PEFT reloads it from the export, has rank r: the shards do not repeat each other."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(exported["base"]))
+    model = PeftModel.from_pretrained(base, str(exported[world] / "lora" / "export"))
+    adapters = {n: p.detach() for n, p in model.named_parameters() if ".lora_A." in n}
+    assert len(adapters) == 2 * _config(tied=False).num_hidden_layers   # q_proj and v_proj of each layer
+    ranks = {n: int(torch.linalg.matrix_rank(a)) for n, a in adapters.items()}
+    assert set(ranks.values()) == {LORA_RANK}, ranks
+    firsts = [a[0] for a in adapters.values()]
+    assert all(not torch.equal(firsts[0], f) for f in firsts[1:])   # each module its own draw
+
+
+def _generation_json(folder) -> dict:
+    import json
+
+    saved = json.loads((folder / "generation_config.json").read_text())
+    saved.pop("transformers_version", None)
+    return saved
+
+
+def test_every_export_carries_the_base_s_generation_config_with_the_turn_end(exported):
+    """The full export and the adapter export: the base's generation_config.json (its stop ids and
+    sampling settings), <|im_end|> (id 0) added to its stop ids; config.json's use_cache the base's."""
+    import json
+
+    base = _generation_json(exported["base"])
+    assert base["eos_token_id"] == [1, 5]
+    wanted = {**base, "eos_token_id": [1, 5, 0]}
+    for folder in (exported[2] / "full", exported[2] / "lora" / "export", exported[4] / "lora" / "export"):
+        assert _generation_json(folder) == wanted, folder
+    config = json.loads((exported[2] / "full" / "config.json").read_text())
+    assert config["use_cache"] is json.loads((exported["base"] / "config.json").read_text())["use_cache"] is True
+
+
+def test_the_engine_stops_an_adapter_export_at_the_turn_end(exported):
+    """Served through the transformers engine: the stop ids hold <|im_end|>, and the answer (the base
+    emits <|im_end|> first) ends there, not at the token budget."""
+    import asyncio
+
+    from tpuft_workload import chat_api, engine_process
+    from tpuft_workload import serve as serveapp
+
+    export = str(exported[2] / "lora" / "export")
+    assert engine_process.load(export).stop_ids == {1, 5, 0}
+    engine = serveapp.Engine(serveapp.parse_args({"model_source": export, "model_id": "qwen-lora"}))
+    request = chat_api.parse_request({"model": "qwen-lora", "messages": [{"role": "user", "content": "hi"}],
+                                      "max_tokens": 8, "temperature": 0})
+    try:
+        reply = asyncio.run(engine.answer(request))
+    finally:
+        engine.close()
+    assert reply.finish_reason == chat_api.FINISH_STOP and reply.completion_tokens <= 1, reply

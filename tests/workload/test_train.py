@@ -287,3 +287,16 @@ def test_a_record_the_template_refuses_reaches_status_training_and_the_result_li
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(train.RESULT_PREFIX))
     assert json.loads(line[len(train.RESULT_PREFIX):]) == {"succeeded": False, "error": str(error)}
     assert str(error).startswith("spec.dataset.name: /data/chats.jsonl: record 3: ")
+
+
+def test_the_driver_reports_rays_memory_kill_with_the_figures_the_operator_reads():
+    """Ray Train's error for a worker Ray's memory monitor killed ends with its last line only; the
+    result line (and status.training.message) keep the kill's report, which the operator parses."""
+    from tests.kuberay_standin import memory_monitor_kill
+    from tpuft.observed import RayMemoryKill
+
+    error = RuntimeError("Training failed due to worker errors:\n[Rank 1]\n" + memory_monitor_kill("10.4.1.7"))
+    line = train.failure_message(error)
+    assert line.startswith("RuntimeError: Worker exit type: NODE_OUT_OF_MEMORY") and "\n" not in line
+    assert RayMemoryKill.of(line) == RayMemoryKill("10.4.1.7", "190.12GB", "200.00GB", "95.0%")
+    assert train.failure_message(RuntimeError("boom\nValueError: bad row 3")) == "RuntimeError: ValueError: bad row 3"

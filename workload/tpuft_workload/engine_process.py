@@ -59,8 +59,10 @@ class Loaded:
 def load_causal_lm(path: str, dtype):
     """The export's model: a from_pretrained() folder, or a LoRA adapter folder applied to its base
     (base_model_name_or_path: a path, gs:// URI or hub name) and merged into it, so serving runs
-    one plain model at the base's speed."""
-    from transformers import AutoModelForCausalLM
+    one plain model at the base's speed, with the adapter folder's generation config (its stop ids
+    hold the chat template's turn end, which the base's may not) where it has one."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.utils import GENERATION_CONFIG_NAME
 
     from tpuft_workload import lora
     from tpuft_workload.model import _local_copy
@@ -70,7 +72,10 @@ def load_causal_lm(path: str, dtype):
     from peft import PeftModel
 
     base = AutoModelForCausalLM.from_pretrained(_local_copy(lora.base_of(path)), dtype=dtype)
-    return PeftModel.from_pretrained(base, path).merge_and_unload()
+    model = PeftModel.from_pretrained(base, path).merge_and_unload()
+    if os.path.isfile(os.path.join(path, GENERATION_CONFIG_NAME)):
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model
 
 
 def load(path: str) -> Loaded:

@@ -390,20 +390,12 @@ class _Jax:
         return train_state
 
     def _generation(self):
-        """The base's generation config (generation_config.json beside its weights, else derived from
-        its config), with the chat template's turn end among its stop ids."""
-        from transformers import GenerationConfig, PretrainedConfig
+        """The base's generation config, with the chat template's turn end among its stop ids."""
+        from transformers import PretrainedConfig
 
         from tpuft_workload import model as modellib
-        from tpuft_workload.tiny import BUILTIN_MODEL
 
-        try:
-            base = None if self.cfg.model == BUILTIN_MODEL else GenerationConfig.from_pretrained(
-                modellib.weights_dir(self.cfg.model))
-        except OSError:   # the base has none: from its config, as transformers derives one
-            base = None
-        if base is None:
-            base = GenerationConfig.from_model_config(PretrainedConfig(**self.hf_config))
+        base = modellib.base_generation(self.cfg.model, PretrainedConfig(**self.hf_config))
         return ckptlib.serving_generation(base, self.tokenizer)
 
     def export(self) -> str | None:

@@ -157,7 +157,8 @@ def export(model, tokenizer, settings: LoraSettings, model_ref: str, run_dir: st
            merge: bool = False, dtype=None) -> str | None:
     """Collective: the adapters (and, when rank 0 must write the base or the merged model, the frozen
     base) gathered to rank 0's CPU; rank 0 writes {run_dir}/export as a PEFT adapter folder whose
-    base_model_name_or_path is `model_ref`, or {run_dir}/base for the built-in model (written here,
+    base_model_name_or_path is `model_ref` (with the base's generation config, the chat template's
+turn end among its stop ids), or {run_dir}/base for the built-in model (written here,
     once: its weights exist only in code), and with `merge` {run_dir}/export-merged, the merged
     full weights. Returns the adapter folder's URI on rank 0, None elsewhere."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -170,7 +171,10 @@ def export(model, tokenizer, settings: LoraSettings, model_ref: str, run_dir: st
     if dtype is not None:
         full = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in full.items()}
     fresh = _rebuild(model.config, settings, full)
-    generation = getattr(model, "generation_config", None)   # the base's (its stop ids)
+    # the base's (tpuft_workload.model.as_served) with the turn end among its stop ids: an adapter
+    # folder carries its own, which the engine reads before the base's
+    generation = ckptlib.serving_generation(getattr(model, "generation_config", None) or fresh.generation_config,
+                                            tokenizer)
     base_ref = ckptlib.join(run_dir, BASE_DIR) if builtin else model_ref
     if builtin:
         ckptlib.save_hf(model.config, base_state(full), tokenizer, base_ref, generation=generation)
@@ -178,6 +182,7 @@ def export(model, tokenizer, settings: LoraSettings, model_ref: str, run_dir: st
     fresh.peft_config["default"].base_model_name_or_path = base_ref
     with tempfile.TemporaryDirectory() as tmp:
         fresh.save_pretrained(tmp)   # adapter_config.json + adapter_model.safetensors only
+        generation.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         ckptlib.upload_dir(tmp, dest)
     if merge:
@@ -187,7 +192,7 @@ def export(model, tokenizer, settings: LoraSettings, model_ref: str, run_dir: st
             if ".base_layer." in name:
                 p.data = p.data.clone()
         merged = fresh.merge_and_unload()
-        merged.generation_config = ckptlib.serving_generation(generation or merged.generation_config, tokenizer)
+        merged.generation_config = generation
         _save_folder(merged, tokenizer, ckptlib.join(run_dir, MERGED_DIR))
     return dest
 

@@ -107,6 +107,36 @@ def empty_model(path: str, platform: Platform):
     return model
 
 
+def base_generation(model_ref: str, config):
+    """The base's generation config: its generation_config.json (its stop ids, its recommended
+    sampling), else one derived from `config` as transformers derives it. A model built from its
+    config (empty_model, the built-in model) holds only the derived one."""
+    from transformers import GenerationConfig
+
+    if model_ref != BUILTIN_MODEL:
+        try:
+            return GenerationConfig.from_pretrained(weights_dir(model_ref))
+        except OSError:   # the base has none
+            pass
+    return GenerationConfig.from_model_config(config)
+
+
+def base_use_cache(model_ref: str) -> bool:
+    """Whether the base's config turns the KV cache on (transformers' default: on)."""
+    if model_ref == BUILTIN_MODEL:
+        return True
+    from transformers import AutoConfig
+
+    return bool(getattr(AutoConfig.from_pretrained(weights_dir(model_ref)).get_text_config(), "use_cache", True))
+
+
+def as_served(model, model_ref: str) -> None:
+    """Before an export: the model's generation config and KV-cache setting as the base's, which
+    the export writes (training ran without the cache: load_model, empty_model)."""
+    model.generation_config = base_generation(model_ref, model.config)
+    model.config.get_text_config().use_cache = base_use_cache(model_ref)
+
+
 def _text_only(config) -> dict:
     """Multimodal checkpoints (Gemma 4): the vision/audio towers dropped, as GKE's TorchTPU recipe
     does: from_pretrained's config overrides."""

@@ -6,12 +6,14 @@ rank's shards only (`to_empty`), then each shard is read from the safetensors fi
 rows of dim 0 this rank holds, one byte range of the file each (plain reads, not a memory map),
 so a rank reads and keeps about 1/world of the model. A tied weight is one parameter and is read once; a parameter FSDP2
 does not shard (the frozen, replicated Gemma per-layer table) is read whole. LoRA's adapters are
-not in the base's files: they get PEFT's own initialisation after the base is filled.
+not in the base's files: each is initialised whole as PEFT initialises it, from the run's seed, and
+this rank's rows copied in (`_reset_adapters`).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import math
 import os
@@ -150,9 +152,10 @@ def _dtypes() -> dict:
             "BOOL": torch.bool}
 
 
-def fill(model, path: str) -> dict[str, int]:
+def fill(model, path: str, seed: int = 0) -> dict[str, int]:
     """Every parameter (and every persistent buffer the files hold) of a sharded, materialized
-    model from the safetensors in `path`, each rank reading only its rows. Returns
+    model from the safetensors in `path`, each rank reading only its rows; LoRA's adapters
+    initialised from `seed` (`_reset_adapters`). Returns
     {"tensors": filled, "bytes": read by this rank}. ShardedLoadError names what is missing."""
     import torch
 
@@ -191,7 +194,7 @@ def fill(model, path: str) -> dict[str, int]:
     if missing:
         raise ShardedLoadError(f"{path} holds no tensor for {len(missing)} parameters, e.g. {missing[:3]}: it is "
                                "not a checkpoint of this model (spec.model)")
-    _reset_adapters(model)
+    _reset_adapters(model, seed)
     return {"tensors": len(params) - len(adapters), "bytes": read}
 
 
@@ -205,13 +208,35 @@ def _checkpoint_name(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-def _reset_adapters(model) -> None:
-    """LoRA's adapters, which no base checkpoint holds: PEFT's initialisation (A random, B zero)."""
-    for module in model.modules():
-        reset = getattr(module, "reset_lora_parameters", None)
-        if reset is not None:
-            for adapter in getattr(module, "lora_A", {}):
-                reset(adapter, True)
+def _reset_adapters(model, seed: int) -> None:
+    """LoRA's adapters, which no base checkpoint holds, as PEFT initialises them (A, and an
+    embedding's B: random; the others zero): each drawn whole on the CPU from a generator seeded by
+    `seed` and its name, the same on every rank, then this rank's rows copied in. Not PEFT's reset
+    on the sharded parameter: without CUDA's RNG tracker, DTensor's random ops fill each rank's
+    shard from that rank's own generator, seeded alike on every rank, so the shards repeat each
+    other and A's rank falls to r / world (B starts at zero: for good)."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not _is_adapter(name):
+                continue
+            full = torch.zeros(param.shape, dtype=torch.float32)
+            if ".lora_A." in name:   # PEFT's init_lora_weights=True
+                torch.nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=_generator(seed, name))
+            elif ".lora_embedding_B." in name:
+                torch.nn.init.normal_(full, generator=_generator(seed, name))
+            target, start = _local_rows(param)
+            rows = full if start is None else full[start:start + target.shape[0]]
+            target.copy_(rows.to(target.dtype))
+
+
+def _generator(seed: int, name: str):
+    """A CPU generator for one parameter: seeded by the run's seed and the parameter's name."""
+    import torch
+
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
 def peak_rss_bytes() -> int:

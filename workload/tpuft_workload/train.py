@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import tempfile
 import time
@@ -39,6 +40,7 @@ from tpuft_workload import data as datalib
 from tpuft_workload import lora as loralib
 from tpuft_workload import loop, pipeline, preemption
 from tpuft_workload.loop import SUMMARY, TrainConfig
+from tpuft.constants import RAY_MEMORY_KILL_SIGN
 from tpuft.spec import Lora, Run
 from tpuft_workload.command import Command
 from tpuft_workload.platform import PLATFORMS, Target, load_backend
@@ -133,7 +135,7 @@ class _Torch:
         if empty is not None:
             from tpuft_workload import sharded_load
 
-            read = sharded_load.fill(self.model, weights)
+            read = sharded_load.fill(self.model, weights, seed=cfg.seed)
             self.worker.say(f"[tpuft] loaded {cfg.model} shard by shard: {read['tensors']} tensors, "
                             f"{read['bytes'] / 2**20:.1f} MiB read by this rank")
         # HSDP with accumulation: the all-reduce across slices once per optimizer step, not per micro-batch
@@ -260,9 +262,12 @@ class _Torch:
     def export(self) -> str | None:
         import torch
 
+        from tpuft_workload import model as modellib
+
         # bf16 export on accelerators (the dtype the model trains in); fp32 on CPU
         dtype = torch.bfloat16 if self.plat.mixed_precision else None
         cfg = self.cfg
+        modellib.as_served(self.model, cfg.model)
         if cfg.lora:
             return loralib.export(self.model, self.tokenizer, cfg.lora, cfg.model, cfg.run_dir, self.rank,
                                   merge=cfg.merge_export, dtype=dtype)
@@ -443,6 +448,22 @@ def wait_for_verification(reporter: StatusReporter, timeout_s: float, poll_s: fl
     return f"the slice's verification did not pass within {timeout_s:g}s ({ctype} not True); not training"
 
 
+RAY_MEMORY_KILL = re.compile(RAY_MEMORY_KILL_SIGN)
+FAILURE_CHARS = 1000   # the result line's error: room for Ray's kill report (node, figures, threshold)
+
+
+def failure_message(error: BaseException) -> str:
+    """One line for the result line: where Ray's memory monitor killed a worker, the error's text
+    from Ray's words for it on (its node's IP, memory used and limit, threshold: what the operator
+    names the pod by), since Ray Train's last line is only the end of that report; else the
+    error's last line."""
+    text = str(error).strip()
+    kill = RAY_MEMORY_KILL.search(text)
+    lines = text.splitlines()
+    said = " ".join(text[kill.start():].split()) if kill else (lines[-1].strip() if lines else "")
+    return f"{type(error).__name__}: {said}"[:FAILURE_CHARS]
+
+
 def _failed(error: str) -> int:
     print(f"{RESULT_PREFIX} " + json.dumps({"succeeded": False, "error": error[:1000]}), flush=True)
     return 1
@@ -473,9 +494,11 @@ def run_training(command: Command, target: Target, fault_spec: str = "", build=N
     try:
         result = trainer.fit()
     except Exception as e:  # noqa: BLE001 - one clear line for the RayJob log and the operator
-        msg = str(e).strip().splitlines()
         log.error("training failed: %s", e)
-        return _failed(f"{type(e).__name__}: {msg[-1] if msg else ''}"[:500])
+        error = failure_message(e)
+        if RAY_MEMORY_KILL.search(error):   # the operator names the pod and its limit from status
+            StatusReporter().training(message=error)
+        return _failed(error)
     seconds = round(time.monotonic() - t0, 1)
     metrics = result.metrics or {}
     if stopped_early(metrics):
