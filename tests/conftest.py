@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-pytest_plugins = ["tests.cluster_fixtures"]  # local_cluster, cluster_api, cluster_kubectl, cluster_ns
+pytest_plugins = ["tests.cluster_fixtures",  # local_cluster, cluster_api, cluster_kubectl, cluster_ns
+                  "tests.gcs_fixtures"]     # fake_gcs, gcs_metadata, gcs: gs:// against a real GCS API
 
 
 def pytest_collection_modifyitems(config, items):

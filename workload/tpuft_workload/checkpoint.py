@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from tpuft.constants import EXPORT_DIR  # noqa: F401  (one source: the operator's RayService serves it)
+from tpuft_workload import storage
 
 TRAIN_STATE = "train_state.json"
 
@@ -70,12 +71,8 @@ def join(uri: str, *parts: str) -> str:
     return "/".join([uri.rstrip("/"), *parts])
 
 
-def _fs(uri: str):
-    import pyarrow.fs as pafs
-
-    if "://" not in uri:
-        return pafs.LocalFileSystem(), os.path.abspath(uri)
-    return pafs.FileSystem.from_uri(uri)
+def _fs(uri: str, retry_limit_s: float = storage.RETRY_LIMIT_S):
+    return storage.filesystem(uri, retry_limit_s)
 
 
 def filesystem(uri: str):
@@ -88,8 +85,9 @@ class StorageError(RuntimeError):
 
 def check_writable(uri: str) -> None:
     """Create `uri` and write, read back and delete a probe file, so a wrong, read-only or full
-    storage path fails in seconds with its name instead of after a slice spent an epoch."""
-    fs, path = _fs(uri)
+    storage path, a missing bucket or missing credentials fail in seconds (the probe's retries are
+    bounded: storage.PROBE_RETRY_LIMIT_S) with its name, the pod's identity and what to grant."""
+    fs, path = _fs(uri, storage.PROBE_RETRY_LIMIT_S)
     probe = f"{path.rstrip('/')}/.tpuft-write-probe"
     try:
         fs.create_dir(path, recursive=True)
@@ -97,7 +95,8 @@ def check_writable(uri: str) -> None:
             f.write(b"ok")
         fs.delete_file(probe)
     except Exception as e:  # noqa: BLE001 - pyarrow raises OSError, ArrowException, PermissionError...
-        raise StorageError(f"checkpoint storage path {uri} is not writable ({type(e).__name__}: {e}); "
+        raise StorageError(f"checkpoint storage path {uri} is not writable: "
+                           f"{storage.failure(uri, 'writing a probe file under', e)}; "
                            "fix spec.checkpoint.storagePath or the workload's access to it") from None
 
 
@@ -116,15 +115,17 @@ def write_bytes(uri: str, data: bytes) -> None:
 
 
 def read_bytes(uri: str) -> bytes:
+    """The file `uri`; storage.NotFound (naming it) when there is none."""
     fs, path = _fs(uri)
-    with fs.open_input_stream(path) as f:
-        return f.read()
+    try:
+        with fs.open_input_stream(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        raise storage.NotFound(f"{uri} not found") from None
 
 
 def read_json(uri: str):
-    fs, path = _fs(uri)
-    with fs.open_input_stream(path) as f:
-        return json.loads(f.read().decode())
+    return json.loads(read_bytes(uri).decode())
 
 
 def upload_dir(local_dir: str, uri: str) -> None:
@@ -136,9 +137,12 @@ def upload_dir(local_dir: str, uri: str) -> None:
 
 
 def download_dir(uri: str, local_dir: str) -> None:
+    """Every file under `uri` into `local_dir`; storage.NotFound (naming it) when `uri` does not exist."""
     import pyarrow.fs as pafs
 
     fs, path = _fs(uri)
+    if fs.get_file_info(path.rstrip("/")).type == pafs.FileType.NotFound:
+        raise storage.NotFound(f"{uri} not found")
     Path(local_dir).mkdir(parents=True, exist_ok=True)
     pafs.copy_files(path, local_dir, source_filesystem=fs)
 
