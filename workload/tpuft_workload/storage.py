@@ -66,6 +66,57 @@ def require(uri: str, what: str) -> None:
         raise NotFound(f"{what} {uri} not found")
 
 
+def make_dirs(fs, path: str) -> None:
+    """`path` and its parents on a local filesystem; nothing on object storage, where a folder is a
+    name prefix. pyarrow's GCS create_dir asks for the bucket's metadata (storage.buckets.get, which
+    roles/storage.objectUser lacks) and creates a missing bucket."""
+    import pyarrow.fs as pafs
+
+    if isinstance(fs, pafs.LocalFileSystem):
+        fs.create_dir(path, recursive=True)
+
+
+UPLOAD_THREADS = 8
+
+
+def upload_files(fs, local_dir: str, path: str) -> None:
+    """Every file under `local_dir` to `path`/<its relative path> on object storage, object by object
+    (pyarrow's copy_files would create_dir: `make_dirs`), UPLOAD_THREADS at a time."""
+    import shutil
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    def put(file: Path) -> None:
+        with open(file, "rb") as src, fs.open_output_stream(f"{path.rstrip('/')}/{file.relative_to(local_dir).as_posix()}") as dst:
+            shutil.copyfileobj(src, dst, 8 << 20)
+
+    files = sorted(f for f in Path(local_dir).rglob("*") if f.is_file())
+    with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
+        list(pool.map(put, files))   # list(): the first failure raises here
+
+
+def download_files(fs, path: str, local_dir: str) -> None:
+    """Every object under `path` to `local_dir`/<its relative path>, folders made here (object storage
+    lists no folders, so pyarrow's copy_files would not make them), UPLOAD_THREADS at a time."""
+    import shutil
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    import pyarrow.fs as pafs
+
+    base = path.rstrip("/") + "/"
+    files = [i.path for i in fs.get_file_info(pafs.FileSelector(path, recursive=True)) if i.type == pafs.FileType.File]
+
+    def get(remote: str) -> None:
+        dest = Path(local_dir, remote[len(base):])
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with fs.open_input_stream(remote) as src, open(dest, "wb") as dst:
+            shutil.copyfileobj(src, dst, 8 << 20)
+
+    with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
+        list(pool.map(get, files))
+
+
 # ---- who the pod is, and what to grant it --------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -96,8 +147,9 @@ def identity_from_token(token: str) -> tuple[str | None, str | None]:
     return namespace, name
 
 
-def who_am_i(sa_dir: str = SA_DIR, env: dict | None = None) -> PodIdentity:
+def who_am_i(sa_dir: str | None = None, env: dict | None = None) -> PodIdentity:
     """The pod's namespace and service account: its mounted token first, else the env the operator sets."""
+    sa_dir = sa_dir or SA_DIR
     env = os.environ if env is None else env
     try:
         with open(os.path.join(sa_dir, "token")) as f:
@@ -143,8 +195,10 @@ PROBLEMS = (
 )
 
 
-def problem(error: str) -> str:
-    return next((name for name, pattern in PROBLEMS if pattern.search(error)), "error")
+def problem(error: str, not_found: str = "not found") -> str:
+    """What `error` says is wrong; `not_found`: what a plain "not found" means for the call that failed."""
+    found = next((name for name, pattern in PROBLEMS if pattern.search(error)), "error")
+    return not_found if found == "not found" else found
 
 
 def storage_words(error: str, limit: int = 400) -> str:
@@ -153,10 +207,10 @@ def storage_words(error: str, limit: int = 400) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def explain(uri: str, doing: str, error: str, pod: PodIdentity, proj: Project) -> str:
+def explain(uri: str, doing: str, error: str, pod: PodIdentity, proj: Project, not_found: str = "not found") -> str:
     """`doing` `uri` failed with `error`: what is wrong, who the pod is, what to do."""
     bucket = bucket_of(uri)
-    what = problem(error)
+    what = problem(error, not_found)
     head = f"{doing} {uri} failed: {what} (the storage said: {storage_words(error)})"
     if not uri.startswith(GCS_SCHEME):
         return head
@@ -177,9 +231,9 @@ def explain(uri: str, doing: str, error: str, pod: PodIdentity, proj: Project) -
     return f"{head}; {who}; {todo}"
 
 
-def failure(uri: str, doing: str, exc: BaseException) -> str:
+def failure(uri: str, doing: str, exc: BaseException, not_found: str = "not found") -> str:
     """`explain` with the pod's identity and project read now (for a gs:// URI only)."""
     error = f"{type(exc).__name__}: {exc}"
     if not uri.startswith(GCS_SCHEME):
-        return explain(uri, doing, error, PodIdentity(None, None, ""), Project(None, None))
-    return explain(uri, doing, error, who_am_i(), project())
+        return explain(uri, doing, error, PodIdentity(None, None, ""), Project(None, None), not_found)
+    return explain(uri, doing, error, who_am_i(), project(), not_found)
