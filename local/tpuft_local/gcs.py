@@ -143,7 +143,7 @@ def _handler(identity: Identity) -> type[BaseHTTPRequestHandler]:
                 return
             if path == TOKEN_PATH:
                 if not identity.grant:
-                    self._answer(int(os.environ.get("REFUSE_CODE","403")), b"Unable to generate access token; IAM returned 403 Forbidden: "
+                    self._answer(403, b"Unable to generate access token; IAM returned 403 Forbidden: "
                                       b"Permission 'iam.serviceAccounts.getAccessToken' denied\n")
                     return
                 token = "ya29.local-" + secrets.token_urlsafe(24)

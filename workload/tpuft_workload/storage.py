@@ -201,7 +201,7 @@ def problem(error: str, not_found: str = "not found") -> str:
     return not_found if found == "not found" else found
 
 
-def storage_words(error: str, limit: int = 400) -> str:
+def storage_words(error: str, limit: int = 600) -> str:
     """The storage's own message, without the client's retry metadata."""
     text = error.split(" error_info=", 1)[0].strip()
     return text if len(text) <= limit else text[:limit] + "..."
