@@ -75,10 +75,6 @@ def _fs(uri: str, retry_limit_s: float = storage.RETRY_LIMIT_S):
     return storage.filesystem(uri, retry_limit_s)
 
 
-def filesystem(uri: str):
-    return _fs(uri)[0]
-
-
 def ray_checkpoint(uri: str):
     """A ray.train.Checkpoint of the directory `uri` on the workload's filesystem: Ray wants the path
     without its scheme beside the filesystem (a gs:// URI as the path is refused by pyarrow's GCS one)."""

@@ -68,8 +68,8 @@ def require(uri: str, what: str) -> None:
 
 def make_dirs(fs, path: str) -> None:
     """`path` and its parents on a local filesystem; nothing on object storage, where a folder is a
-    name prefix. pyarrow's GCS create_dir asks for the bucket's metadata (storage.buckets.get, which
-    roles/storage.objectUser lacks) and creates a missing bucket."""
+    name prefix. pyarrow's GCS create_dir reads the bucket's metadata (a bucket-level permission,
+    beyond the objects a run writes), writes marker objects and creates a missing bucket."""
     import pyarrow.fs as pafs
 
     if isinstance(fs, pafs.LocalFileSystem):
