@@ -179,8 +179,12 @@ class MetadataServer:
         return f"{self.host}:{self.port}"
 
     def start(self) -> MetadataServer:
+        """Serve from a thread of this process (tests); `serve_forever` serves from this one."""
         self._thread.start()
         return self
+
+    def serve_forever(self) -> None:
+        self._httpd.serve_forever(poll_interval=0.5)
 
     def stop(self) -> None:
         self._httpd.shutdown()
@@ -207,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     server = MetadataServer(args.host, args.port, Identity(args.project_id, args.project_number,
                                                            grant=not args.refuse))
     print(f"metadata stand-in on {server.root} (pid {os.getpid()})", flush=True)
-    server._httpd.serve_forever(poll_interval=0.5)
+    server.serve_forever()
     return 0
 
 
