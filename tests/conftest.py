@@ -11,6 +11,9 @@ Fixtures:
   kubectl        session  kubectl(*args, check=False, input=None, timeout=120) -> CompletedProcess (text)
   namespace      function str: a fresh namespace (its `default` ServiceAccount exists); deleted after
 
+and, from tests/gcs_fixtures.py, a real GCS API and the GKE metadata server's token path on loopback
+(fake_gcs, gcs_metadata, gcs).
+
 A missing toolchain or a failed build fails the session loudly; nothing is skipped.
 Tests under tests/integration/, and any test using a control plane, get the `integration`
 marker (`pytest -m "not integration"` runs the rest).
@@ -27,7 +30,8 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-pytest_plugins = ["tests.cluster_fixtures"]  # local_cluster, cluster_api, cluster_kubectl, cluster_ns
+pytest_plugins = ["tests.cluster_fixtures",  # local_cluster, cluster_api, cluster_kubectl, cluster_ns
+                  "tests.gcs_fixtures"]     # fake_gcs, gcs_metadata, gcs: gs:// against a real GCS API
 
 
 def pytest_collection_modifyitems(config, items):

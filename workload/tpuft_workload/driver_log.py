@@ -5,7 +5,9 @@ show it once the head is gone.
 
 A local path is appended to line by line (a retried job's attempts follow each other in one
 file); on object storage (gs://) the lines go to a local copy of the file that replaces it, whole,
-when the driver exits. A log that cannot be written is said once on stderr and never fails the job.
+every UPLOAD_EVERY_S seconds while the driver runs (when it grew) and when it exits: a driver
+killed outright (SIGKILL, a lost head pod) loses at most its last UPLOAD_EVERY_S seconds of lines.
+A log that cannot be written is said once on stderr and never fails the job.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from typing import Iterator, TextIO
 
 from tpuft_workload import checkpoint as ckptlib
 from tpuft_workload.report import now_rfc3339
+
+UPLOAD_EVERY_S = 30.0
 
 
 class _Tee:
@@ -44,8 +48,47 @@ class _Tee:
         return getattr(self._stream, name)
 
 
+class _Uploader:
+    """The local copy of a remote log, uploaded whole every `every_s` seconds while it grows (a
+    thread), and once more by `close`."""
+
+    def __init__(self, local: str, uri: str, lock: threading.Lock, every_s: float):
+        self.local, self.uri, self._lock, self._every_s = local, uri, lock, every_s
+        self._sent = -1
+        self._failed = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tpuft-driver-log-upload", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every_s):
+            self.upload()
+
+    def upload(self, err: TextIO | None = None) -> None:
+        with self._lock:   # a whole line at a time: writers hold the lock while they write
+            with open(self.local, "rb") as f:
+                data = f.read()
+        if len(data) == self._sent:
+            return
+        try:
+            ckptlib.write_bytes(self.uri, data)
+            self._sent = len(data)
+        except Exception as e:  # noqa: BLE001 - pyarrow raises OSError, ArrowException, ...
+            if not self._failed or err is not None:   # said once while running, and at the end
+                self._failed = True
+                (err or sys.__stderr__).write(
+                    f"[tpuft] could not upload the driver log to {self.uri} ({type(e).__name__}: {e})\n")
+
+    def close(self, err: TextIO) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self._every_s + 60)
+        self.upload(err)
+
+
 @contextlib.contextmanager
-def tee(path: str | None, what: str) -> Iterator[str | None]:
+def tee(path: str | None, what: str, upload_every_s: float = UPLOAD_EVERY_S) -> Iterator[str | None]:
     """stdout and stderr also written to `path` (None: no log file) for the block; `what` heads
     the attempt's first line. Yields the path written, or None."""
     if not path:
@@ -69,6 +112,9 @@ def tee(path: str | None, what: str) -> Iterator[str | None]:
     lock = threading.Lock()
     out, err = sys.stdout, sys.stderr
     log.write(f"[tpuft] {what} driver started {now_rfc3339()} (pid {os.getpid()})\n")
+    uploader = _Uploader(local, path, lock, upload_every_s) if remote else None
+    if uploader is not None:
+        uploader.start()
     sys.stdout, sys.stderr = _Tee(out, log, lock), _Tee(err, log, lock)
     try:
         yield path
@@ -79,11 +125,8 @@ def tee(path: str | None, what: str) -> Iterator[str | None]:
         sys.stdout, sys.stderr = out, err
         with lock:
             log.close()
-        if remote:
+        if uploader is not None:
             try:
-                with open(local, "rb") as f:
-                    ckptlib.write_bytes(path, f.read())
-            except Exception as e:  # noqa: BLE001 - pyarrow raises OSError, ArrowException, ...
-                err.write(f"[tpuft] could not upload the driver log to {path} ({type(e).__name__}: {e})\n")
+                uploader.close(err)
             finally:
                 os.unlink(local)

@@ -1,41 +1,43 @@
 """Orbax checkpoints for the JAX path, in the torch path's run layout.
 
 A checkpoint is `run_dir/checkpoint_step_NNNNNNN/` (tpuft_workload.checkpoint's names): Orbax
-writes the sharded parameters and optimizer state under `state/` (every process writes its own
-shards straight to the shared storage path, Orbax finalizes once all are written), rank 0 adds
-`train_state.json` and, once every process has returned from the save, `COMMITTED`. Ray Train
-registers the directory where it lies (`CheckpointUploadMode.NO_UPLOAD`), so restarts,
-`--resume-from` and `find_latest_committed` treat it as they treat a torch checkpoint. A JAX
-checkpoint is never loaded by the torch path nor the reverse: the run manifest's architecture
-names the framework, and `checkpoint.check_architecture` refuses the other one.
+writes the sharded parameters and optimizer state under `state/`, rank 0 adds `train_state.json`
+and, once every process has returned from the save, `COMMITTED`. On a path every host sees (a
+local or mounted volume) every process writes its own shards straight there and Orbax finalizes
+once all are written. On object storage (gs://) Orbax writes to a staging folder on the host
+(STAGING_ROOT) and rank 0 uploads it through tpuft_workload.storage (the one gs:// client), so the
+processes of the run must share one host (a single-host slice; several hosts need a mounted
+volume: `save` says so); a resume downloads `state/` first. Ray Train registers the directory
+where it lies (`CheckpointUploadMode.NO_UPLOAD`), so restarts, `--resume-from` and
+`find_latest_committed` treat it as they treat a torch checkpoint. A JAX checkpoint is never
+loaded by the torch path nor the reverse: the run manifest's architecture names the framework,
+and `checkpoint.check_architecture` refuses the other one.
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
-from tpuft_workload.checkpoint import TRAIN_STATE
+from tpuft_workload import storage
+from tpuft_workload.checkpoint import TRAIN_STATE, StorageError, download_dir, read_json, upload_dir, write_json
 
 STATE_DIR = "state"
 FRAMEWORK = "jax"
-# Orbax reaches object stores through fsspec (etils.epath): these are not in the workload image.
-FSSPEC_BACKENDS = {"gs": "gcsfs", "s3": "s3fs"}
+STAGING_ROOT = Path(os.environ.get("TPUFT_ORBAX_STAGING", "/tmp/tpuft-orbax-staging"))
+SUPPORTED_SCHEMES = ("gs",)
 
 
 def check_storage(uri: str) -> None:
-    """Refuse, before Ray starts, a storage URI that Orbax cannot write from this image."""
-    import importlib.util
-
-    from tpuft_workload.checkpoint import StorageError
-
+    """Refuse, before Ray starts, a storage URI the JAX path cannot write (only gs:// is staged)."""
     scheme = uri.split("://", 1)[0] if "://" in uri else ""
-    module = FSSPEC_BACKENDS.get(scheme)
-    if scheme and (module is None or importlib.util.find_spec(module) is None):
+    if scheme and scheme not in SUPPORTED_SCHEMES:
         raise StorageError(
-            f"checkpoint storage path {uri}: training.framework jax writes Orbax checkpoints through fsspec, and "
-            f"{module or 'no fsspec backend for ' + scheme + '://'} is not installed in this image; use a path on a "
-            "mounted volume for spec.checkpoint.storagePath (a Filestore PVC, the GCS FUSE CSI driver) or add "
-            f"{module or 'the backend'} to the workload image")
+            f"checkpoint storage path {uri}: training.framework jax writes Orbax checkpoints to a local or "
+            f"mounted path or to gs://, not {scheme}://; use gs:// or a path on a mounted volume for "
+            "spec.checkpoint.storagePath")
 
 
 def architecture(cfg_class: str, params: dict) -> dict:
@@ -46,21 +48,34 @@ def architecture(cfg_class: str, params: dict) -> dict:
             "shapes": digest}
 
 
-def _path(directory: str) -> str:
-    return directory if "://" in directory else os.path.abspath(directory)
+def _staging(directory: str) -> Path:
+    """The host's staging folder for the checkpoint `directory`: one name for every process on the host."""
+    return STAGING_ROOT / hashlib.sha256(directory.encode()).hexdigest()[:16]
 
 
 def save(state, train_state: dict, directory: str, rank: int) -> None:
-    """Collective: every process calls it with the same `directory` (on storage every host sees)."""
+    """Collective: every process calls it with the same `directory`."""
     import orbax.checkpoint as ocp
 
+    remote = storage.is_remote(directory)
+    local = _staging(directory) if remote else Path(os.path.abspath(directory))
+    if remote and rank == 0 and STAGING_ROOT.is_dir():   # earlier checkpoints' folders: all uploaded by now
+        for old in STAGING_ROOT.iterdir():
+            if old != local:
+                shutil.rmtree(old, ignore_errors=True)
     with ocp.StandardCheckpointer() as ckptr:
         # force: a step saved by an attempt that died before committing it is written again
-        ckptr.save(_path(f"{directory}/{STATE_DIR}"), state, force=True)
+        ckptr.save(local / STATE_DIR, state, force=True)
         ckptr.wait_until_finished()
+    if remote:
+        if not (local / STATE_DIR).is_dir():
+            raise StorageError(
+                f"checkpoint {directory}: Orbax finalized the checkpoint on another host, and the JAX path "
+                "stages gs:// checkpoints on one host; with several hosts, use a mounted volume every host "
+                "sees for spec.checkpoint.storagePath (the GCS FUSE CSI driver, a Filestore PVC)")
+        if rank == 0:
+            upload_dir(str(local / STATE_DIR), f"{directory}/{STATE_DIR}")
     if rank == 0:
-        from tpuft_workload.checkpoint import write_json
-
         write_json(f"{directory}/{TRAIN_STATE}", train_state)
 
 
@@ -68,13 +83,22 @@ def load(abstract_state, directory: str):
     """Collective: (state restored onto `abstract_state`'s shardings, train_state dict)."""
     import orbax.checkpoint as ocp
 
-    from tpuft_workload.checkpoint import read_json
-
-    if "://" not in directory and not os.path.exists(os.path.join(directory, STATE_DIR)):
-        raise FileNotFoundError(f"{directory} has no {STATE_DIR}/: not a checkpoint written by the JAX path "
-                                "(a torch checkpoint cannot be resumed with training.framework jax)")
-    with ocp.StandardCheckpointer() as ckptr:
-        state = ckptr.restore(_path(f"{directory}/{STATE_DIR}"), abstract_state)
+    if not storage.is_remote(directory):
+        if not os.path.exists(os.path.join(directory, STATE_DIR)):
+            raise FileNotFoundError(f"{directory} has no {STATE_DIR}/: not a checkpoint written by the JAX path "
+                                    "(a torch checkpoint cannot be resumed with training.framework jax)")
+        with ocp.StandardCheckpointer() as ckptr:
+            state = ckptr.restore(os.path.abspath(os.path.join(directory, STATE_DIR)), abstract_state)
+        return state, read_json(f"{directory}/{TRAIN_STATE}")
+    STAGING_ROOT.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="restore-", dir=STAGING_ROOT) as tmp:
+        try:
+            download_dir(f"{directory}/{STATE_DIR}", tmp)
+        except storage.NotFound:
+            raise FileNotFoundError(f"{directory} has no {STATE_DIR}/: not a checkpoint written by the JAX path "
+                                    "(a torch checkpoint cannot be resumed with training.framework jax)") from None
+        with ocp.StandardCheckpointer() as ckptr:
+            state = ckptr.restore(tmp, abstract_state)
     return state, read_json(f"{directory}/{TRAIN_STATE}")
 
 

@@ -362,12 +362,11 @@ class _Jax:
     def save(self, path: str, name: str, train_state: dict, metrics: dict) -> None:
         """An Orbax checkpoint written in place under the run directory, committed, then registered
         with Ray as it lies (NO_UPLOAD)."""
-        from ray.train import Checkpoint
         from ray.train.v2.api.report_config import CheckpointUploadMode
 
         jax_checkpoint.save(self._state(), train_state, path, self.rank)
         loop.commit(self, self.rank, path)   # every process's shards and rank 0's train_state are written
-        ckpt = Checkpoint(path, filesystem=ckptlib.filesystem(path)) if self.rank == 0 else None
+        ckpt = ckptlib.ray_checkpoint(path) if self.rank == 0 else None
         ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=name,
                          checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
 

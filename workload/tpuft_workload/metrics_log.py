@@ -5,19 +5,23 @@ and as Prometheus gauges (`Prometheus`, below) while the run lives.
 Written with tensorboardX (Ray Train's own dependency; torch.utils.tensorboard would need the
 `tensorboard` package). Each attempt writes its own event file; one that starts at step S (0, or
 the checkpoint it resumed from) purges what earlier attempts logged past S (TensorBoard hides those
-points: they are trained again), so the curve has no doubled steps. On object storage (gs://) the files are written to a local folder and
-copied up at every checkpoint and at the end. Anything that goes wrong here is logged once and
-turns the writer off: metrics never kill a run.
+points: they are trained again), so the curve has no doubled steps. On object storage (gs://) the
+files are written to a local folder and copied up at every checkpoint, at the first report at least
+SYNC_EVERY_S seconds after the last copy, and at the end: a worker killed outright loses at most
+that window's points. Anything that goes wrong here is logged once and turns the writer off:
+metrics never kill a run.
 """
 from __future__ import annotations
 
 import logging
 import os
 import tempfile
+import time
 
 from tpuft.constants import TENSORBOARD_DIR, TRAIN_METRIC_TAG, TrainMetric
 
 log = logging.getLogger(__name__)
+SYNC_EVERY_S = 60.0
 
 # TensorBoard tag -> the report's key (a loop.Window.reduce() result plus mfu when known; an epoch's
 # end adds its mean loss, an evaluation its loss and perplexity)
@@ -42,10 +46,13 @@ class TensorBoard:
     """The event file of one attempt, created at its first report (an attempt with nothing left to
     train writes none); a no-op unless `enabled` (rank 0)."""
 
-    def __init__(self, run_dir: str, enabled: bool, resumed_at: int = 0):
+    def __init__(self, run_dir: str, enabled: bool, resumed_at: int = 0, sync_every_s: float = SYNC_EVERY_S,
+                 clock=time.monotonic):
         self.dest = logdir(run_dir)
         self.remote = "://" in self.dest
         self.enabled, self.resumed_at = enabled, resumed_at
+        self._sync_every_s, self._clock = sync_every_s, clock
+        self._synced_at = clock()
         self._tmp = None
         self._writer = None
 
@@ -75,9 +82,12 @@ class TensorBoard:
             self._writer.flush()
         except Exception as e:  # noqa: BLE001
             self._off(e)
+            return
+        if self.remote and self._clock() - self._synced_at >= self._sync_every_s:
+            self.sync()
 
     def sync(self) -> None:
-        """On object storage: copy the event files up (at checkpoints and at the end)."""
+        """On object storage: copy the event files up (at checkpoints, every SYNC_EVERY_S and at the end)."""
         if self._writer is None or not self.remote:
             return
         from tpuft_workload import checkpoint as ckptlib
@@ -85,6 +95,7 @@ class TensorBoard:
         try:
             self._writer.flush()
             ckptlib.upload_dir(self._tmp.name, self.dest)
+            self._synced_at = self._clock()
         except Exception as e:  # noqa: BLE001
             self._off(e)
 

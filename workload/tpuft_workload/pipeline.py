@@ -6,7 +6,8 @@ Stages (driver, `build`):
   read       a builtin, a local or gs:// JSONL / Parquet file (`spec.dataset.format` when the suffix
              does not say), or a Hugging Face dataset by name. Plain files with split "train"
              are read by Ray Data itself (streamed, never whole on the driver); split slicing
-             ("train[:1024]") and hub datasets go through `datasets` first.
+             ("train[:1024]") and hub datasets go through `datasets` first, except on gs://,
+             where the file is read through tpuft_workload.storage and the slice cut here.
   check      the layout (tpuft.records: spec.dataset.type, or detected from the columns,
              through spec.dataset.columns) and then every record, streamed through the driver:
              DataError naming spec.dataset.name, the path and the first record that does not fit,
@@ -95,6 +96,8 @@ def _read(src: Source, split: str):
 
     if src.is_local and not os.path.exists(src.path):
         raise DataError(f"{src.path} does not exist (a local file must be on a volume every Ray pod mounts)")
+    if src.format is not None and "://" in src.path:
+        return _read_remote(src, split)
     if src.format is not None and PLAIN_SPLIT.fullmatch(split):
         reader = ray.data.read_json if src.format == Format.JSON else ray.data.read_parquet
         try:   # the name is the file: its suffix (or spec.dataset.format) already said how to read it
@@ -116,6 +119,53 @@ def _read(src: Source, split: str):
     # filesystem in a pod (270 CPU-seconds of a training driver on the local cluster), every run.
     # Its fallback is this: the rows, as one Arrow table (the split's slice applied).
     return ray.data.from_arrow(ds.with_format("arrow")[:])
+
+
+def _read_remote(src: Source, split: str):
+    """A JSONL or Parquet file on object storage, through the workload's one storage client
+    (tpuft_workload.storage: the credentials and retry bound every gs:// read has): a whole split
+    streamed by Ray Data, a sliced one ("train[:1000]") read whole and cut here (`remote_table`)."""
+    import ray.data
+
+    from tpuft_workload import storage
+
+    try:
+        storage.require(src.path, "dataset file")
+        if PLAIN_SPLIT.fullmatch(split):
+            fs, path = storage.filesystem(src.path)
+            reader = ray.data.read_json if src.format == Format.JSON else ray.data.read_parquet
+            return reader(path, filesystem=fs, file_extensions=None)
+        return ray.data.from_arrow(remote_table(src, split))
+    except storage.NotFound as e:
+        raise DataError(f"{e}: check the bucket and object name") from None
+    except (OSError, ValueError) as e:
+        raise DataError(f"cannot read {src.path} as {src.format.value}: "
+                        f"{storage.failure(src.path, 'reading', e)}") from None
+
+
+def remote_table(src: Source, split: str):
+    """The rows of `split` of a remote JSONL or Parquet file (one split, "train", as `datasets`
+    names a file's), as one Arrow table: the file read through tpuft_workload.storage, the split's
+    slice ("train[:1000]", "train[10%:20%]") applied as `datasets` applies it."""
+    import pyarrow as pa
+    import pyarrow.json as pajson
+    import pyarrow.parquet as pq
+    from datasets import ReadInstruction
+
+    from tpuft_workload import storage
+
+    fs, path = storage.filesystem(src.path)
+    if src.format == Format.PARQUET:
+        table = pq.read_table(path, filesystem=fs)
+    else:
+        with fs.open_input_stream(path) as f:
+            raw = f.read()
+        try:
+            table = pajson.read_json(pa.BufferReader(raw))
+        except pa.ArrowInvalid:   # one JSON array of records, not JSON Lines
+            table = pa.Table.from_pylist(json.loads(raw))
+    parts = ReadInstruction.from_spec(split).to_absolute({"train": table.num_rows})
+    return pa.concat_tables([table.slice(p.from_, p.to - p.from_) for p in parts])
 
 
 def _layout(ds, src: Source, spec: Dataset) -> recordslib.Layout:

@@ -237,14 +237,12 @@ class _Torch:
         """This run's own newest committed checkpoint first: Ray's registered one (get_checkpoint)
         can be older when a worker died before the controller polled the last report. An earlier
         run's (--resume-from) only when this run has none yet."""
-        from ray.train import Checkpoint
-
         cfg = self.cfg
         latest = ckptlib.find_latest_committed(cfg.run_dir)
-        ckpt = Checkpoint(latest, filesystem=ckptlib.filesystem(latest)) if latest else ray.train.get_checkpoint()
+        ckpt = ckptlib.ray_checkpoint(latest) if latest else ray.train.get_checkpoint()
         if ckpt is None and cfg.resume_from:
             latest = cfg.resume_from
-            ckpt = Checkpoint(latest, filesystem=ckptlib.filesystem(latest))
+            ckpt = ckptlib.ray_checkpoint(latest)
         if ckpt is None:
             return None
         return latest or ckpt.path, self._load(ckpt)
@@ -255,9 +253,7 @@ class _Torch:
             return ckptlib.load(self.model, self.opt, d, trainable_only=bool(self.cfg.lora))
 
     def load_from(self, path: str) -> None:
-        from ray.train import Checkpoint
-
-        self._load(Checkpoint(path, filesystem=ckptlib.filesystem(path)))
+        self._load(ckptlib.ray_checkpoint(path))
 
     def export(self) -> str | None:
         import torch
