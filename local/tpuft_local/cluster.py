@@ -71,6 +71,7 @@ class Component:
 NODE_COMPONENTS = (
     Component("containerd", "containerd"), Component("kubelet", "kubelet"), Component("kube-proxy", "kube-proxy"),
     Component("coredns", "coredns"), Component("kwok", "kwok"), Component("kuberay-operator", "kuberay-operator"),
+    Component("gcs", "fake-gcs-server"), Component("gke-metadata", "tpuft_local.gcs"),
     Component("tpu-webhook", "tpuft_local.tpu_webhook"), Component("kueue", "kueue"),
     Component("queued-provisioning", "tpuft_local.queued_provisioning"),   # with Kueue: GKE's stand-in
     Component("tpufinetune-operator", "kopf"),
@@ -200,6 +201,7 @@ class LocalCluster:
         self._coredns()
         self._kwok()
         self._kuberay()
+        self._gcs()
         self._webhook()
         self._kueue()
         self.cp.install_crds(sorted((REPO / "crds").glob("*.yaml")))
@@ -374,18 +376,47 @@ class LocalCluster:
             f"--health-probe-bind-address=127.0.0.1:{probe}"],
             lambda: procs.http_ok(f"http://127.0.0.1:{probe}/readyz"), timeout=120)
 
+    @property
+    def gcs_endpoint(self) -> str:
+        """GCS's stand-in (fake-gcs-server), where pods and this host reach it: the bridge."""
+        return f"http://{self.net.gateway}:{self._port('gcs.port')}"
+
+    @property
+    def metadata_root(self) -> str:
+        """The GKE metadata server's stand-in, as GCE_METADATA_ROOT spells it (host:port)."""
+        return f"{self.net.gateway}:{self._port('gke-metadata.port')}"
+
+    def _gcs(self) -> None:
+        """The stand-ins for GCS (fake-gcs-server, its buckets under the state dir) and for the GKE
+        metadata server's token endpoint, on the bridge address so pods reach them
+        (tpuft_local.gcs; tpuft_local.gke_environment tells the pods where they are)."""
+        from tpuft_local import gcs
+        data = self.state / "gcs" / "data"
+        data.mkdir(parents=True, exist_ok=True)
+        host, port = self.net.gateway, self._port("gcs.port")
+        self._start("gcs", gcs.fake_gcs_argv(tool_path(gcs.TOOL), host, port, data),
+                    lambda: procs.http_ok(f"{self.gcs_endpoint}/storage/v1/b"), timeout=60)
+        meta_host, meta_port = self.metadata_root.rsplit(":", 1)
+        self._start("gke-metadata", [sys.executable, "-m", "tpuft_local.gcs", "metadata", f"--host={meta_host}",
+                                     f"--port={meta_port}", f"--state-dir={self.state}"],
+                    lambda: gcs.metadata_ready(self.metadata_root), timeout=30)
+
     def _webhook(self) -> None:
         """The LOCAL STAND-IN for the KubeRay TPU webhook, on the bridge address over TLS,
-        registered with real Mutating/ValidatingWebhookConfigurations."""
-        from tpuft_local import tpu_webhook
+        registered with real Mutating/ValidatingWebhookConfigurations; the same process serves
+        the GKE environment stand-in's mutation (tpuft_local.gke_environment)."""
+        from tpuft_local import gcs, gke_environment, tpu_webhook
         kubeconfig = self._client_kubeconfig("tpu-webhook", addons.WEBHOOK_USER)
         crt, key = tpu_webhook.mint_serving_cert(self.cp.pki, self.net.gateway)
         port = self._port("tpu-webhook.port")
         url = f"https://{self.net.gateway}:{port}"
+        env = gcs.workload_env(self.gcs_endpoint, self.metadata_root)
         self._start("tpu-webhook", [sys.executable, "-m", "tpuft_local.tpu_webhook", f"--listen={self.net.gateway}:{port}",
-                                    f"--cert={crt}", f"--key={key}", f"--kubeconfig={kubeconfig}"],
+                                    f"--cert={crt}", f"--key={key}", f"--kubeconfig={kubeconfig}",
+                                    *(f"--gke-env={name}={value}" for name, value in env.items())],
                     lambda: _https_ok(url + "/", self.cp.pki / "ca.crt"), timeout=60)
-        self.apply(list(tpu_webhook.webhook_configurations(url, (self.cp.pki / "ca.crt").read_bytes())))
+        ca = (self.cp.pki / "ca.crt").read_bytes()
+        self.apply([*tpu_webhook.webhook_configurations(url, ca), gke_environment.webhook_configuration(url, ca)])
 
     def _kueue(self) -> None:
         """Kueue (a host process, like KubeRay's operator) with its CRDs, RBAC and webhooks (on the
@@ -547,7 +578,8 @@ class LocalCluster:
     def down(self, keep_packages: bool = False, purge: bool = False) -> list[str]:
         """Stop everything this state dir started, by PID, and undo the host changes."""
         self._stop_argocd()
-        for name in ("tpufinetune-operator", "queued-provisioning", "kueue", "kuberay-operator", "tpu-webhook"):
+        for name in ("tpufinetune-operator", "queued-provisioning", "kueue", "kuberay-operator", "tpu-webhook",
+                     "gke-metadata", "gcs"):
             self._stop(name)
         self.cp.stop_component("kube-controller-manager")  # nothing may recreate the pods we delete
         self.cp.stop_component("kube-scheduler")

@@ -92,6 +92,14 @@ class FakeGcs:
         procs.terminate(self.proc.pid, TOOL, timeout=5, quiet=True)
 
 
+def fake_gcs_argv(binary: str, host: str, port: int, data_dir: Path, backend: str = "filesystem") -> list[str]:
+    """fake-gcs-server's command line: plain HTTP on host:port, buckets under data_dir."""
+    return [binary, "-scheme", "http", "-host", host, "-port", str(port), "-backend", backend,
+            "-data", str(data_dir), "-filesystem-root", str(data_dir),
+            # resumable uploads answer with this URL: the one clients reach it at
+            "-external-url", f"http://{host}:{port}", "-log-level", "warn"]
+
+
 def start_fake_gcs(data_dir: Path, host: str = "127.0.0.1", port: int | None = None,
                    backend: str = "filesystem", log: Path | None = None, timeout: float = 30.0) -> FakeGcs:
     """fake-gcs-server on host:port (a free port when None), its buckets under `data_dir`, ready
@@ -102,11 +110,7 @@ def start_fake_gcs(data_dir: Path, host: str = "127.0.0.1", port: int | None = N
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     log = log or data_dir.parent / f"{TOOL}-{port}.log"
-    argv = [binary, "-scheme", "http", "-host", host, "-port", str(port), "-backend", backend,
-            "-data", str(data_dir), "-filesystem-root", str(data_dir),
-            # resumable uploads answer with this URL: the one clients reach it at
-            "-external-url", f"http://{host}:{port}", "-log-level", "warn"]
-    proc = procs.spawn(argv, log, cwd=data_dir, die_with_parent=True)
+    proc = procs.spawn(fake_gcs_argv(binary, host, port, data_dir, backend), log, cwd=data_dir, die_with_parent=True)
     server = FakeGcs(host, port, data_dir, proc, log)
     try:
         procs.wait_for(lambda: procs.http_ok(f"{server.endpoint}/storage/v1/b"), TOOL, timeout, log, proc)
@@ -192,6 +196,17 @@ class MetadataServer:
         self._thread.join(timeout=10)
 
 
+def metadata_ready(root: str) -> bool:
+    """The metadata stand-in at `root` (host:port) answers, as a client asks it (with the header)."""
+    import urllib.request
+    request = urllib.request.Request(f"http://{root}{PROJECT_ID_PATH}", headers=dict([FLAVOR]))
+    try:
+        with urllib.request.urlopen(request, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
 def workload_env(gcs_endpoint: str, metadata_root: str) -> dict[str, str]:
     """What a pod or process sets so the workload's GCS client uses the stand-ins."""
     return {"CLOUD_STORAGE_EMULATOR_ENDPOINT": gcs_endpoint, "GCE_METADATA_ROOT": metadata_root,
@@ -207,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     meta.add_argument("--project-id", default=DEFAULT_PROJECT_ID)
     meta.add_argument("--project-number", default=DEFAULT_PROJECT_NUMBER)
     meta.add_argument("--refuse", action="store_true", help="answer no token (a KSA without a binding)")
+    meta.add_argument("--state-dir", help="the local cluster's state dir: marks this process as the cluster's own "
+                                          "(`tpuft cluster down` stops it by PID)")
     args = parser.parse_args(argv)
     server = MetadataServer(args.host, args.port, Identity(args.project_id, args.project_number,
                                                            grant=not args.refuse))

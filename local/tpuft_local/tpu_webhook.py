@@ -57,6 +57,8 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
+from tpuft_local import gke_environment
+
 log = logging.getLogger("tpuft_local.tpu_webhook")
 
 # --- Names the real webhook reads and writes ------------------------------------------------
@@ -624,8 +626,9 @@ def review_response(uid: str, decision: Decision) -> dict:
 
 
 def answer(path: str, review: object, list_siblings: SiblingLister = _no_siblings,
-           pending: PendingSlots | None = None) -> tuple[dict, Decision]:
-    """AdmissionReview request -> (AdmissionReview response, decision). Never raises."""
+           pending: PendingSlots | None = None, gke_env: dict[str, str] | None = None) -> tuple[dict, Decision]:
+    """AdmissionReview request -> (AdmissionReview response, decision). Never raises. The same
+    process serves tpuft_local.gke_environment's path (a separate stand-in) when given `gke_env`."""
     uid = ""
     try:
         request = _request(review)
@@ -634,6 +637,9 @@ def answer(path: str, review: object, list_siblings: SiblingLister = _no_sibling
             decision = decide_mutation(request, list_siblings, pending)
         elif path == VALIDATE_PATH:
             decision = decide_validation(request)
+        elif path == gke_environment.MUTATE_PATH and gke_env:
+            patch = gke_environment.mutate_pod(request.get("object") or {}, gke_env)
+            decision = Decision(True, patch=tuple(patch), detail=f"GKE environment: {len(patch)} env op(s)")
         else:
             raise Refusal(f"unknown webhook path {path!r}: use {MUTATE_PATH} or {VALIDATE_PATH}")
     except Refusal as e:
@@ -743,7 +749,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return self._reply(400, b"Error decoding request body", "text/plain")
         hook = self.server.hook
         with hook.lock:  # one admission at a time, so two pods never get the same slot
-            body, decision = answer(path, review, hook.list_siblings, hook.pending)
+            body, decision = answer(path, review, hook.list_siblings, hook.pending, hook.gke_env)
         verdict = "allowed" if decision.allowed else "DENIED"
         log.info("%s %s: %s", _subject(path, review), verdict, decision.detail or decision.message)
         self._reply(200, json.dumps(body).encode(), "application/json")
@@ -770,6 +776,7 @@ class WebhookServer:
     list_siblings: SiblingLister = _no_siblings
     pending: PendingSlots = field(default_factory=PendingSlots)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    gke_env: dict[str, str] = field(default_factory=dict)   # tpuft_local.gke_environment's variables
 
     class HTTPServer(http.server.ThreadingHTTPServer):
         daemon_threads = True
@@ -822,9 +829,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cert", type=Path, required=True, help="serving certificate (PEM)")
     p.add_argument("--key", type=Path, required=True, help="its private key (PEM)")
     p.add_argument("--kubeconfig", required=True, help="kubeconfig for listing a TPU group's pods")
+    p.add_argument("--gke-env", action="append", default=[], metavar="NAME=VALUE",
+                   help=f"also serve {gke_environment.MUTATE_PATH}, adding this variable to Ray pods (repeatable)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s tpu-webhook %(levelname)s %(message)s")
-    server = WebhookServer(*args.listen, args.cert, args.key, kube_sibling_lister(args.kubeconfig))
+    server = WebhookServer(*args.listen, args.cert, args.key, kube_sibling_lister(args.kubeconfig),
+                           gke_env=gke_environment.parse_env(args.gke_env))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
