@@ -19,7 +19,13 @@ Kueue, so that the node trains it once instead of once per disruption:
 Verification is off: it would run after each of the three starts and prove nothing asserted here
 (re-verification after a resume or replacement is tests/unit/test_phases.py's and
 tests/integration/test_handlers.py's; the demo verifies on the real cluster). A user's spec.suspend
-is tests/integration/test_handlers.py's."""
+is tests/integration/test_handlers.py's.
+
+Everything the run keeps is in a bucket, as on GKE (issue 58): its model, its dataset (a sliced
+split) and its storagePath are gs:// URIs on the local cluster's GCS stand-in (fake-gcs-server, a
+real GCS JSON API), the pods' tokens from the GKE metadata server's stand-in; the checkpoints that
+each resume reads, the export and the logs land there, and the bucket's listing afterwards is the
+run layout docs/checkpoints.md describes."""
 from __future__ import annotations
 
 import json
@@ -94,13 +100,51 @@ def cpu_queue(cluster_kubectl, cluster_ns):
     cluster_kubectl("delete", "workloadpriorityclass", f"low-{cluster_ns}", f"high-{cluster_ns}", "--ignore-not-found")
 
 
-def _run(name: str, storage: str, queue: str, priority: str, epochs: int, serve: bool) -> dict:
+@pytest.fixture
+def bucket(local_cluster, tmp_path, monkeypatch) -> str:
+    """gs://BUCKET on the local cluster's GCS stand-in, holding builtin:tiny-llama saved as a model
+    folder (models/tiny-llama) and builtin:dolly-mini's JSONL (data/dolly-mini.jsonl), uploaded
+    through the workload's own storage code from this host (the bridge address)."""
+    import urllib.request
+
+    from tpuft_local import gcs
+    from tpuft_workload import checkpoint, tiny
+
+    for key, value in gcs.workload_env(local_cluster.gcs_endpoint, local_cluster.metadata_root).items():
+        monkeypatch.setenv(key, value)
+    name = f"life-{int(time.time())}"
+    urllib.request.urlopen(urllib.request.Request(
+        f"{local_cluster.gcs_endpoint}/storage/v1/b", method="POST", data=json.dumps({"name": name}).encode(),
+        headers={"Content-Type": "application/json"}), timeout=30).close()
+    tokenizer = tiny.build_tokenizer()
+    model = tmp_path / "tiny-llama"
+    tiny.build_model(len(tokenizer)).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    checkpoint.upload_dir(str(model), f"gs://{name}/models/tiny-llama")
+    checkpoint.write_bytes(f"gs://{name}/data/dolly-mini.jsonl", tiny.dolly_mini_path().read_bytes())
+    return f"gs://{name}"
+
+
+def _bucket_listing(uri: str) -> list[str]:
+    """Every object under `uri`, as paths relative to it (GCS lists no folders)."""
+    import pyarrow.fs as pafs
+
+    from tpuft_workload import storage
+
+    fs, path = storage.filesystem(uri)
+    return sorted(f.path[len(path.rstrip("/")) + 1:] for f in fs.get_file_info(pafs.FileSelector(path, recursive=True))
+                  if f.type == pafs.FileType.File)
+
+
+def _run(name: str, bucket: str, queue: str, priority: str, epochs: int, serve: bool) -> dict:
     doc = yaml.safe_load((EXAMPLES / "local-cpu.yaml").read_text())
     doc["metadata"] = {"name": name, "labels": {c.KUEUE_QUEUE_LABEL: queue, c.KUEUE_PRIORITY_LABEL: priority}}
-    doc["spec"]["checkpoint"].update(storagePath=storage, everySteps=EVERY)
-    doc["spec"]["checkpoint"]["volume"]["hostPath"]["path"] = storage
-    doc["spec"]["training"]["epochs"] = epochs
-    doc["spec"]["dataset"]["split"] = SPLIT
+    doc["spec"]["model"] = f"{bucket}/models/tiny-llama"
+    doc["spec"]["dataset"] = {"name": f"{bucket}/data/dolly-mini.jsonl", "split": SPLIT}
+    doc["spec"].pop("evaluation", None)
+    doc["spec"]["checkpoint"] = {"storagePath": f"{bucket}/runs", "everySteps": EVERY, "keep": 2}
+    doc["spec"]["training"] = {"epochs": epochs, "batchSizePerDevice": 4, "maxSeqLength": 128,
+                               "learningRate": 3.0e-3, "reportEverySteps": 5}
     doc["spec"]["verification"] = {"enabled": False}
     doc["spec"]["recovery"] = {"maxSliceReplacements": 1}
     if serve:
@@ -114,10 +158,10 @@ def _run(name: str, storage: str, queue: str, priority: str, epochs: int, serve:
 @pytest.mark.real_node
 @pytest.mark.timeout(2700)
 def test_preemption_host_loss_operator_restart_then_a_missing_serving_image(cluster_kubectl, cluster_ns, cpu_queue,
-                                                                            tmp_path):
+                                                                            bucket):
     queue, (low, high) = cpu_queue
     kubectl, ns = cluster_kubectl, cluster_ns
-    doc = _run("life", str(tmp_path / "checkpoints"), queue, low, epochs=2, serve=True)   # 44 steps
+    doc = _run("life", bucket, queue, low, epochs=2, serve=True)   # 44 steps
     kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(doc), check=True)
 
     def training(at_least: int, resumed_past: int = -1):
@@ -135,7 +179,7 @@ def test_preemption_host_loss_operator_restart_then_a_missing_serving_image(clus
                                   check=True).stdout)["items"]
     assert ray_pods and {p["spec"]["nodeName"] for p in ray_pods} == {node.NODE_NAME}, \
         [(p["metadata"]["name"], p["spec"]["nodeName"]) for p in ray_pods]
-    kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(_run("bump", str(tmp_path / "bump"), queue, high, 1, False)),
+    kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(_run("bump", bucket, queue, high, 1, False)),
             check=True)
     st = wait_until(lambda: (s := _status(kubectl, ns, "life")).get("phase") in ("Queued", "Succeeded", "Failed")
                     and s, timeout=300, interval=1, what="life preempted")
@@ -209,6 +253,7 @@ def test_preemption_host_loss_operator_restart_then_a_missing_serving_image(clus
     assert len(events) == 1 and "a host was lost during Training" in events[0]["message"], events
     # the training slice was released before serving started
     assert kubectl("get", "raycluster", "life-ray", "-n", ns).returncode != 0
+    _check_the_bucket(bucket, ns, st)
     # the suspended and the stopped attempts' RayJobs went before their pods; the last is Complete (issue 24)
     assert_nothing_left_failed(kubectl, ns)
 
@@ -224,3 +269,20 @@ def test_preemption_host_loss_operator_restart_then_a_missing_serving_image(clus
     assert "serving:does-not-exist cannot be pulled" in failed["message"], failed["message"]
     conditions = {x["type"]: x["status"] for x in failed["conditions"]}
     assert conditions["TrainingSucceeded"] == "True" and conditions["Serving"] == "False", conditions
+
+
+def _check_the_bucket(bucket: str, ns: str, status: dict) -> None:
+    """The run's directory in the bucket is docs/checkpoints.md's layout: every checkpoint a resume
+    could read committed, no more of them than spec.checkpoint.keep, the export the server would
+    load, both drivers' logs and the TensorBoard events."""
+    training = status["training"]
+    run_dir = training["lastCheckpoint"].rsplit("/", 1)[0]
+    assert run_dir.startswith(f"{bucket}/runs/{ns}-life-"), training
+    assert training["exportedModel"] == f"{run_dir}/export", training
+    files = _bucket_listing(run_dir)
+    checkpoints = {f.split("/")[0] for f in files if f.startswith("checkpoint_step_")}
+    assert checkpoints and all(f"{ck}/COMMITTED" in files for ck in checkpoints), files
+    assert len(checkpoints) <= 2, checkpoints   # keep: 2
+    assert training["lastCheckpoint"].rsplit("/", 1)[1] in checkpoints
+    assert {"tpuft-run.json", "export/config.json", "export/model.safetensors", "logs/train.log"} <= set(files), files
+    assert any(f.startswith("tensorboard/") for f in files), files
