@@ -398,7 +398,7 @@ class LocalCluster:
                     lambda: procs.http_ok(f"{self.gcs_endpoint}/storage/v1/b"), timeout=60)
         meta_host, meta_port = self.metadata_root.rsplit(":", 1)
         self._start("gke-metadata", [sys.executable, "-m", "tpuft_local.gcs", "metadata", f"--host={meta_host}",
-                                     f"--port={meta_port}", f"--state-dir={self.state}"],
+                                     f"--port={meta_port}", f"--state-dir={self.state}/"],
                     lambda: gcs.metadata_ready(self.metadata_root), timeout=30)
 
     def _webhook(self) -> None:
