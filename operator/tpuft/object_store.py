@@ -9,7 +9,7 @@ application-default login` on a laptop); the client honours CLOUD_STORAGE_EMULAT
 GCE_METADATA_ROOT, which point it at the local cluster's stand-ins (`tpuft cluster env`).
 
 The client's retries are bounded (RETRY_LIMIT_S): unbounded, a laptop without credentials waits
-some 15 minutes for a token; bounded, it is told in about 15 s. Every failure is a StoreError whose message names the URI, what is
+some 15 minutes for a token; bounded, it is told in seconds. Every failure is a StoreError whose message names the URI, what is
 wrong and what to do.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import datetime
 import re
 
 GCS_SCHEME = "gs://"
-RETRY_LIMIT_S = 10.0
+RETRY_LIMIT_S = 5.0   # a read without a token gave up after 11 s with it, a listing after 10 s
 LOGIN = "gcloud auth application-default login"
 READER_ROLE = "roles/storage.objectViewer"
 
