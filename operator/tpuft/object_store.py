@@ -44,7 +44,7 @@ def _filesystem(uri: str, retry_limit_s: float):
     if not uri.startswith(GCS_SCHEME):
         raise StoreError(f"{uri}: only {GCS_SCHEME} paths are read from object storage here")
     try:
-        import pyarrow.fs as pafs
+        import pyarrow.fs as pafs  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
         raise StoreError(f"cannot read {uri} here: install pyarrow (pip install pyarrow) to read {GCS_SCHEME} here, "
                          f"or `gcloud storage cat {uri}`") from None
@@ -87,7 +87,7 @@ def explain(uri: str, doing: str, error: str) -> StoreError:
 def read_bytes(uri: str, retry_limit_s: float = RETRY_LIMIT_S) -> bytes:
     """The object at `uri` (gs://bucket/path), whole."""
     fs, path = _filesystem(uri, retry_limit_s)   # first: it says how to install pyarrow when it is missing
-    import pyarrow.fs as pafs
+    import pyarrow.fs as pafs  # type: ignore[import-not-found,unused-ignore]
 
     try:
         with fs.open_input_stream(path) as f:
@@ -107,7 +107,7 @@ def read_bytes(uri: str, retry_limit_s: float = RETRY_LIMIT_S) -> bytes:
 def list_files(uri: str, retry_limit_s: float = RETRY_LIMIT_S) -> list[str]:
     """The URIs of every object under the prefix `uri`, recursively, in name order; [] when none."""
     fs, path = _filesystem(uri, retry_limit_s)
-    import pyarrow.fs as pafs
+    import pyarrow.fs as pafs  # type: ignore[import-not-found,unused-ignore]
 
     path = path.rstrip("/")
     try:

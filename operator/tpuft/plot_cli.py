@@ -242,7 +242,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="kubectl binary (default: kubectl on PATH; KUBECONFIG as set)")
 
 
-def series_for(obj: dict, source: Source, warn: Callable[[str], None] = lambda message: None) -> Series:
+def series_for(obj: dict, source: Source, warn: Callable[[str], object] = lambda message: None) -> Series:
     """The Series to plot from `obj` and its event files; NoPlot saying why there is none. With
     auto, `warn` is told why a bucket's event files could not be read before the history is used."""
     name = f"{c.KIND} {(obj.get('metadata') or {}).get('namespace')}/{(obj.get('metadata') or {}).get('name')}"
