@@ -85,6 +85,9 @@ ARGOCD_COMPONENTS = (
 KUEUE_COMPONENTS = ("kueue", "queued-provisioning")   # left out with --no-kueue
 KUEUE_OFF = "kueue.off"   # in the state dir: the last `up` was --no-kueue (status does not expect it)
 ARGOCD_ON = "argocd.on"   # in the state dir: the last `up` had --argocd (a plain `up` keeps it)
+GCS_PORT_FILE, METADATA_PORT_FILE = "gcs.port", "gke-metadata.port"   # in the state dir, once `up` started them
+# what points a laptop's GCS client (pyarrow's: `tpuft logs`, `tpuft plot`) at the stand-ins
+LAPTOP_GCS_ENV = ("CLOUD_STORAGE_EMULATOR_ENDPOINT", "GCE_METADATA_ROOT")
 
 
 class LocalCluster:
@@ -379,12 +382,20 @@ class LocalCluster:
     @property
     def gcs_endpoint(self) -> str:
         """GCS's stand-in (fake-gcs-server), where pods and this host reach it: the bridge."""
-        return f"http://{self.net.gateway}:{self._port('gcs.port')}"
+        return f"http://{self.net.gateway}:{self._port(GCS_PORT_FILE)}"
 
     @property
     def metadata_root(self) -> str:
         """The GKE metadata server's stand-in, as GCE_METADATA_ROOT spells it (host:port)."""
-        return f"{self.net.gateway}:{self._port('gke-metadata.port')}"
+        return f"{self.net.gateway}:{self._port(METADATA_PORT_FILE)}"
+
+    def laptop_gcs_env(self) -> dict[str, str]:
+        """LAPTOP_GCS_ENV for the stand-ins; {} before an `up` started them (no port kept yet)."""
+        from tpuft_local import gcs
+        if not all((self.state / name).exists() for name in (GCS_PORT_FILE, METADATA_PORT_FILE)):
+            return {}
+        env = gcs.workload_env(self.gcs_endpoint, self.metadata_root)
+        return {name: env[name] for name in LAPTOP_GCS_ENV}
 
     def _gcs(self) -> None:
         """The stand-ins for GCS (fake-gcs-server, its buckets under the state dir) and for the GKE
@@ -393,7 +404,7 @@ class LocalCluster:
         from tpuft_local import gcs
         data = self.state / "gcs" / "data"
         data.mkdir(parents=True, exist_ok=True)
-        host, port = self.net.gateway, self._port("gcs.port")
+        host, port = self.net.gateway, self._port(GCS_PORT_FILE)
         self._start("gcs", gcs.fake_gcs_argv(tool_path(gcs.TOOL), host, port, data),
                     lambda: procs.http_ok(f"{self.gcs_endpoint}/storage/v1/b"), timeout=60)
         meta_host, meta_port = self.metadata_root.rsplit(":", 1)
@@ -692,7 +703,8 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     down.add_argument("--purge", action="store_true", help="also delete the cluster's state (etcd data, certs)")
     sub.add_parser("status", help="each component and node pool (exit 0 if ready)")
     sub.add_parser("kubeconfig", help="print the kubeconfig path")
-    sub.add_parser("env", help="print `export KUBECONFIG=...; export PATH=...` for eval")
+    sub.add_parser("env", help="print `export KUBECONFIG=...; export PATH=...` for eval (and, once `up` ran "
+                               "the GCS stand-ins, CLOUD_STORAGE_EMULATOR_ENDPOINT and GCE_METADATA_ROOT)")
     path = sub.add_parser("path", help="print the path of a tool's binary (building it if needed)")
     path.add_argument("tool", choices=TOOLS)
     kubectl = sub.add_parser("kubectl", help="run kubectl against it: tpuft cluster kubectl -- get tft -A")
@@ -717,7 +729,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         elif args.action == "up":
             cl.up()
             print(f"kubeconfig: {cl.kubeconfig}\n"
-                  f'  eval "$(tpuft cluster env)"   # KUBECONFIG and kubectl/helm on PATH\n'
+                  f'  eval "$(tpuft cluster env)"   # KUBECONFIG, kubectl/helm on PATH, gs:// to the GCS stand-in\n'
                   f"  tpuft cluster status          # components and node pools\n"
                   f"  tpuft cluster down            # stop it and undo the host changes")
         elif args.action == "down":
@@ -738,6 +750,8 @@ def run_cluster(args: argparse.Namespace) -> int:
             if os.access(cached_path("helm"), os.X_OK):
                 dirs.append(str(cached_path("helm").parent))
             print(f"export KUBECONFIG={cl.kubeconfig}\nexport PATH={os.pathsep.join(dirs)}:$PATH")
+            for name, value in cl.laptop_gcs_env().items():
+                print(f"export {name}={value}")
         elif args.action == "path":
             print(tool_path(args.tool))
         elif args.action == "kubectl":

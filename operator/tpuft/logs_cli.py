@@ -8,9 +8,10 @@ made for the RayCluster (its name, key auth_token) with the user's own kubectl r
 until the job ends.
 
 Once the head is gone (the run ended and its RayCluster was released, suspended or deleted), the
-log is the copy the driver tees to {storagePath}/{run}/logs/<job>.log (tpuft.builders.log_path):
-printed when that path is readable here (the local cluster's hostPath), else where it is. Exit 1,
-saying why and what to do, when the log cannot be shown.
+log is the copy the driver tees to {storagePath}/{run}/logs/<job>.log (tpuft.builders.log_path),
+read from the bucket for a gs:// storagePath (tpuft.object_store: pyarrow and the user's Google
+credentials) or from the disk when that path is readable here (the local cluster's hostPath).
+Exit 1, saying why and what to do, when the log cannot be shown.
 """
 from __future__ import annotations
 
@@ -24,13 +25,14 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
-from tpuft import builders, kubectl, ray_jobs
+from tpuft import builders, kubectl, object_store, ray_jobs
 from tpuft import constants as c
 from tpuft.observed import DONE_JOB_STATES, JobObs, job_state
 from tpuft.spec import SpecError, TPUFinetune, parse
 
 JOB_CHILD = {c.Component.VERIFY: "verifyJob", c.Component.TRAIN: "trainJob"}   # status.children keys
 POLL_SECONDS = 2.0
+DRIVER_LOG_UPLOAD_EVERY_S = 30.0   # tpuft_workload.driver_log.UPLOAD_EVERY_S (the workload's module; one test ties them)
 
 
 class NoLog(RuntimeError):
@@ -201,19 +203,34 @@ def from_file(src: Source, why: str, out: TextIO, err: TextIO) -> int:
     path = src.log_file
     if path is None:
         raise NoLog(f"{why}, and the run's spec does not parse, so where its log file is is not known")
-    if "://" in path:
-        raise NoLog(f"{why}; the {src.job.value} driver's log is at {path} (read it with e.g. `gcloud storage cat "
-                    f"{path}`)")
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            text = f.read()
-    except OSError as e:
-        raise NoLog(f"{why}; the {src.job.value} driver's log is at {path} on spec.checkpoint.storagePath's storage, "
-                    f"which is not readable here ({e.strerror or e}): read it where that storage is mounted") from None
+    if object_store.is_remote(path):
+        text = _from_bucket(src, why, path)
+    else:
+        text = _from_disk(src, why, path)
     err.write(f"tpuft logs: {why}; the {src.job.value} driver's log from {path}:\n")
     out.write(text)
     out.flush()
     return 0
+
+
+def _from_bucket(src: Source, why: str, path: str) -> str:
+    try:
+        return object_store.read_bytes(path).decode("utf-8", errors="replace")
+    except object_store.NotFound:
+        raise NoLog(f"{why}; the {src.job.value} driver's log {path} is not there: a driver uploads it every "
+                    f"{DRIVER_LOG_UPLOAD_EVERY_S:.0f} s while it runs and when it ends, so a driver that never got "
+                    "that far (or was killed before its first upload) left none") from None
+    except object_store.StoreError as e:
+        raise NoLog(f"{why}; the {src.job.value} driver's log: {e}") from None
+
+
+def _from_disk(src: Source, why: str, path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError as e:
+        raise NoLog(f"{why}; the {src.job.value} driver's log is at {path} on spec.checkpoint.storagePath's storage, "
+                    f"which is not readable here ({e.strerror or e}): read it where that storage is mounted") from None
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:

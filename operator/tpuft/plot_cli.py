@@ -8,8 +8,11 @@ Two sources, both written by the workload's rank 0:
     when evaluated there) points, downsampled (tpuft_workload.report.add_point); read with the
     user's own kubectl;
   * the TensorBoard event files under {storagePath}/{run}/tensorboard (tpuft_workload.metrics_log):
-    every report and evaluation, when that folder is readable here (the local cluster's hostPath).
-auto (the default) takes the event files when they are readable here, else the history.
+    every report and evaluation, read from the bucket for a gs:// storagePath (tpuft.object_store:
+    pyarrow and the user's Google credentials) or from the disk when that folder is readable here
+    (the local cluster's hostPath).
+auto (the default) takes the event files when they can be read, else the history (saying why on
+stderr when the bucket could not be read).
 
 The event files are read by `read_events`, standard library only: TFRecord framing and the few
 protobuf fields of tensorboard's Event and Summary a scalar uses, so neither tensorboard nor
@@ -23,11 +26,12 @@ import os
 import struct
 import subprocess
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from tpuft import builders, kubectl
+from tpuft import builders, kubectl, object_store
 from tpuft import constants as c
 from tpuft.logs_cli import built_from
 
@@ -38,6 +42,7 @@ EVAL_LOSS_TAG = "eval/loss"
 LOSS_LABEL = "loss (cross-entropy, nats per token)"
 TOKENS_LABEL = "throughput (real tokens/s, whole slice)"
 STEP_LABEL = "optimizer step"
+EVENT_FILE_PREFIX = "events.out.tfevents."   # tensorboardX's file names
 
 
 class Source(str, enum.Enum):
@@ -146,15 +151,33 @@ def _event(record: bytes) -> tuple[int, list[tuple[str, float]], bool]:
 
 
 def read_events(logdir: str | os.PathLike) -> tuple[int, dict[str, list[tuple[int, float]]]]:
-    """(event files, tag -> [(step, value)]) under `logdir` as TensorBoard shows them: files in
-    name order (their names start with the creation time), a SessionLog START at step S (an
-    attempt resumed at S-1: tensorboardX's purge_step) hiding what earlier files logged at S or
-    later. A truncated last record (a writer killed mid-write) ends that file; a record that is not
-an Event is skipped."""
-    files = sorted(Path(logdir).glob("events.out.tfevents.*"))
+    """(event files, tag -> [(step, value)]) in the folder `logdir` (`scalars_of`)."""
+    files = sorted(Path(logdir).glob(EVENT_FILE_PREFIX + "*"))
+    return len(files), scalars_of(path.read_bytes() for path in files)
+
+
+def read_bucket_events(uri: str) -> tuple[int, dict[str, list[tuple[int, float]]]]:
+    """(event files, tag -> [(step, value)]) directly under the gs:// prefix `uri` (`scalars_of`);
+    object_store.StoreError when the bucket cannot be read here."""
+    prefix = uri.rstrip("/") + "/"
+    files = [u for u in object_store.list_files(uri)
+             if u.startswith(prefix + EVENT_FILE_PREFIX) and "/" not in u[len(prefix):]]
+    return len(files), scalars_of(object_store.read_bytes(u) for u in files)
+
+
+def events_at(where: str) -> tuple[int, dict[str, list[tuple[int, float]]]]:
+    """`read_bucket_events` for a gs:// prefix, else `read_events`."""
+    return read_bucket_events(where) if object_store.is_remote(where) else read_events(where)
+
+
+def scalars_of(files: Iterable[bytes]) -> dict[str, list[tuple[int, float]]]:
+    """Pure: tag -> [(step, value)] of event files as TensorBoard shows them: `files` in name order
+    (their names start with the creation time), a SessionLog START at step S (an attempt resumed at
+    S-1: tensorboardX's purge_step) hiding what earlier files logged at S or later. A truncated last
+    record (a writer killed mid-write) ends that file; a record that is not an Event is skipped."""
     scalars: dict[str, list[tuple[int, float]]] = {}
-    for path in files:
-        data, i = path.read_bytes(), 0
+    for data in files:
+        i = 0
         while i + 12 <= len(data):
             (n,) = struct.unpack("<Q", data[i:i + 8])
             if i + 12 + n + 4 > len(data):
@@ -168,7 +191,7 @@ an Event is skipped."""
                 scalars = {tag: [(s, v) for s, v in points if s < step] for tag, points in scalars.items()}
             for tag, value in values:
                 scalars.setdefault(tag, []).append((step, value))
-    return len(files), scalars
+    return scalars
 
 
 # --- the figure ----------------------------------------------------------------------------------------
@@ -209,29 +232,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", "-n", default="default")
     p.add_argument("--output", "-o", required=True, help="the image to write, e.g. loss.png or loss.svg")
     p.add_argument("--logdir", default=None, metavar="DIR",
-                   help="plot this TensorBoard folder ({storagePath}/{run}/tensorboard) instead of a TPUFinetune: "
-                        "no cluster needed")
+                   help="plot this TensorBoard folder or gs:// prefix ({storagePath}/{run}/tensorboard) instead "
+                        "of a TPUFinetune: no cluster needed")
     p.add_argument("--source", choices=[s.value for s in Source], default=Source.AUTO.value,
                    help="status: status.training.history (downsampled); tensorboard: the event files under "
-                        "storagePath (every report; readable here only); auto: those when readable, else status")
+                        "storagePath (every report; a gs:// bucket, or a folder readable here); auto: those "
+                        "when they can be read, else status")
     p.add_argument("--kubectl", default=os.environ.get("TPUFT_KUBECTL") or "kubectl",
                    help="kubectl binary (default: kubectl on PATH; KUBECONFIG as set)")
 
 
-def series_for(obj: dict, source: Source) -> Series:
-    """The Series to plot from `obj` and its event files; NoPlot saying why there is none."""
+def series_for(obj: dict, source: Source, warn: Callable[[str], object] = lambda message: None) -> Series:
+    """The Series to plot from `obj` and its event files; NoPlot saying why there is none. With
+    auto, `warn` is told why a bucket's event files could not be read before the history is used."""
     name = f"{c.KIND} {(obj.get('metadata') or {}).get('namespace')}/{(obj.get('metadata') or {}).get('name')}"
     if source is not Source.STATUS:
         tft = built_from(obj)
         where = None if tft is None else "/".join([builders.run_dir(tft), c.TENSORBOARD_DIR])
-        if where is not None and "://" not in where and Path(where).is_dir():
-            files, scalars = read_events(where)
-            if scalars.get(LOSS_TAG):
-                return from_events(scalars, where)
+        unread = "the spec does not parse, so where the event files are is not known"
+        if where is not None:
+            try:
+                files, scalars = events_at(where)
+            except object_store.StoreError as e:
+                unread = str(e)
+                if source is Source.AUTO:
+                    warn(f"{e}; plotting status.training.history instead")
+            else:
+                if scalars.get(LOSS_TAG):
+                    return from_events(scalars, where)
+                unread = f"no training loss in {files} event files there"
         if source is Source.TENSORBOARD:
-            raise NoPlot(f"no TensorBoard loss events readable here at {where or 'an unknown path (the spec does not parse)'}"
-                         " (object storage or another machine's disk): use --source status, or `tensorboard "
-                         "--logdir` where that storage is mounted")
+            raise NoPlot(f"no TensorBoard loss events read at {where or 'an unknown path'} ({unread}): use --source "
+                         "status, or `tensorboard --logdir` where that storage is mounted")
     history = ((obj.get("status") or {}).get("training") or {}).get(c.TrainingStatus.HISTORY.value) or []
     series = from_history(history)
     if not series.steps:
@@ -242,18 +274,28 @@ def series_for(obj: dict, source: Source) -> Series:
 
 
 def series_of_logdir(logdir: str) -> Series:
-    """The Series of a TensorBoard folder read here; NoPlot when it holds no loss."""
-    files, scalars = read_events(logdir)
+    """The Series of a TensorBoard folder read here, or of a gs:// prefix; NoPlot when it holds no loss."""
+    try:
+        files, scalars = events_at(logdir)
+    except object_store.StoreError as e:
+        raise NoPlot(str(e)) from None
     if not scalars.get(LOSS_TAG):
         raise NoPlot(f"no training loss in {logdir} ({files} event files): give a run's {c.TENSORBOARD_DIR} folder")
     return from_events(scalars, logdir)
+
+
+def _run_name(logdir: str) -> str:
+    """The run folder's name: the TensorBoard folder's parent."""
+    if object_store.is_remote(logdir):
+        return logdir.rstrip("/").rsplit("/", 2)[-2]
+    return Path(logdir).resolve().parent.name
 
 
 def run(args: argparse.Namespace, err: TextIO | None = None) -> int:
     err = err or sys.stderr
     try:
         if getattr(args, "logdir", None):
-            series, heading = series_of_logdir(args.logdir), Path(args.logdir).resolve().parent.name
+            series, heading = series_of_logdir(args.logdir), _run_name(args.logdir)
         elif not args.name:
             raise NoPlot("give a TPUFinetune's name, or --logdir DIR")
         else:
@@ -261,7 +303,8 @@ def run(args: argparse.Namespace, err: TextIO | None = None) -> int:
                               what=f"{c.KIND} {args.namespace}/{args.name}")
             if obj is None:
                 raise NoPlot(f"{c.KIND} {args.namespace}/{args.name} not found")
-            series, heading = series_for(obj, Source(args.source)), title(obj)
+            series = series_for(obj, Source(args.source), warn=lambda message: err.write(f"tpuft plot: {message}\n"))
+            heading = title(obj)
         try:
             fig = figure(series, heading)
         except ImportError:

@@ -56,3 +56,27 @@ def test_apply_gives_up_on_a_refusal_at_once_and_on_slowness_after_its_attempts(
     with pytest.raises(cluster.ClusterError, match=f"attempt {calls} of 3"):
         cluster.LocalCluster.apply(fake, [{"kind": "Namespace"}])
     assert fake.kubectl.calls == calls
+
+
+def test_env_points_gcs_clients_at_the_stand_ins_once_up_started_them(tmp_path, monkeypatch, capsys):
+    """`eval "$(tpuft cluster env)"` lets `tpuft logs`/`tpuft plot` read the local cluster's gs:// bucket."""
+    kubectl = tmp_path / "bin" / "kubectl"   # no build: the env command only names its folder
+    kubectl.parent.mkdir()
+    kubectl.write_text("#!/bin/sh\n")
+    kubectl.chmod(0o755)
+    monkeypatch.setenv("TPUFT_BIN_KUBECTL", str(kubectl))
+    state = tmp_path / "state"
+    args = SimpleNamespace(action="env", state_dir=state)
+
+    assert cluster.run_cluster(args) == 0
+    before = capsys.readouterr().out
+    assert "CLOUD_STORAGE_EMULATOR_ENDPOINT" not in before and "GCE_METADATA_ROOT" not in before
+    assert f"export PATH={kubectl.parent}" in before
+
+    state.mkdir(exist_ok=True)
+    (state / cluster.GCS_PORT_FILE).write_text("4443")
+    (state / cluster.METADATA_PORT_FILE).write_text("8089")
+    assert cluster.run_cluster(args) == 0
+    gateway = cluster.LocalCluster(state).net.gateway
+    assert capsys.readouterr().out.splitlines()[2:] == [
+        f"export CLOUD_STORAGE_EMULATOR_ENDPOINT=http://{gateway}:4443", f"export GCE_METADATA_ROOT={gateway}:8089"]

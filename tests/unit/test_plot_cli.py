@@ -2,13 +2,16 @@
 status.training.history or from TensorBoard event files (read without tensorboard: TFRecord framing
 and the scalar's protobuf fields, an attempt's purge_step hiding what earlier ones logged past it),
 a figure with labelled axes, the run's name and phase, and every refusal saying what to do. The
-workload tier checks read_events against tensorboardX's own files (tests/workload/test_train.py)."""
+workload tier checks read_events against tensorboardX's own files (tests/workload/test_train.py),
+and a bucket's event files against a real GCS API (tests/workload/test_object_store.py): here
+pyarrow is hidden, as on a laptop without it."""
 from __future__ import annotations
 
 import argparse
 import copy
 import io
 import struct
+import sys
 
 import pytest
 
@@ -105,6 +108,12 @@ def _obj(storage: str, history: list[dict] | None = None, phase: str = "Training
     return obj
 
 
+@pytest.fixture(autouse=True)
+def _no_pyarrow(monkeypatch):
+    for module in ("pyarrow", "pyarrow.fs"):
+        monkeypatch.setitem(sys.modules, module, None)
+
+
 HISTORY = [{"step": s, "loss": 3.0 / s, "tokensPerSecond": 100.0 + s} for s in (5, 10, 15)]
 
 
@@ -126,13 +135,22 @@ def test_auto_prefers_the_event_files_when_readable_here(tmp_path):
     assert plot_cli.series_for(obj, Source.STATUS).steps == (5, 10, 15)   # asked for: the history
 
 
-@pytest.mark.parametrize("storage", ["gs://bucket/ck", "/nonexistent/ck"])
-def test_auto_falls_back_to_the_history(storage):
-    assert plot_cli.series_for(_obj(storage, HISTORY), Source.AUTO).steps == (5, 10, 15)
+@pytest.mark.parametrize("storage,warned", [
+    ("gs://bucket/ck", ["cannot read gs://bucket/ck/ns-ft-u-1/tensorboard", "install pyarrow",
+                        "plotting status.training.history instead"]),
+    ("/nonexistent/ck", None),
+])
+def test_auto_falls_back_to_the_history(storage, warned):
+    warnings: list[str] = []
+    assert plot_cli.series_for(_obj(storage, HISTORY), Source.AUTO, warn=warnings.append).steps == (5, 10, 15)
+    assert (warnings == []) if warned is None else (len(warnings) == 1 and all(w in warnings[0] for w in warned)), warnings
 
 
 @pytest.mark.parametrize("obj,source,words", [
-    (_obj("gs://bucket/ck", HISTORY), Source.TENSORBOARD, ["gs://bucket/ck/", "/tensorboard", "--source status"]),
+    (_obj("gs://bucket/ck", HISTORY), Source.TENSORBOARD, ["gs://bucket/ck/", "/tensorboard", "install pyarrow",
+                                                           "--source status"]),
+    (_obj("/nonexistent/ck", HISTORY), Source.TENSORBOARD, ["/nonexistent/ck/ns-ft-u-1/tensorboard",
+                                                            "no training loss in 0 event files", "--source status"]),
     (_obj("gs://bucket/ck", None, phase="Provisioning"), Source.AUTO,
      ["no status.training.history yet", "phase Provisioning", "reportEverySteps"]),
 ])
