@@ -29,6 +29,7 @@ run layout docs/checkpoints.md describes."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -111,7 +112,8 @@ def bucket(local_cluster, tmp_path, monkeypatch) -> str:
     from tpuft_workload import checkpoint, tiny
 
     for key, value in gcs.workload_env(local_cluster.gcs_endpoint, local_cluster.metadata_root).items():
-        monkeypatch.setenv(key, value)
+        monkeypatch.setenv(key, value)   # this process and its children (`tpuft logs`, `tpuft plot`) reach the bucket
+    monkeypatch.setenv("KUBECONFIG", str(local_cluster.kubeconfig))
     name = f"life-{int(time.time())}"
     urllib.request.urlopen(urllib.request.Request(
         f"{local_cluster.gcs_endpoint}/storage/v1/b", method="POST", data=json.dumps({"name": name}).encode(),
@@ -286,3 +288,23 @@ def _check_the_bucket(bucket: str, ns: str, status: dict) -> None:
     assert training["lastCheckpoint"].rsplit("/", 1)[1] in checkpoints
     assert {"tpuft-run.json", "export/config.json", "export/model.safetensors", "logs/train.log"} <= set(files), files
     assert any(f.startswith("tensorboard/") for f in files), files
+    _check_logs_and_plot_from_the_bucket(ns, run_dir)
+
+
+def _check_logs_and_plot_from_the_bucket(ns: str, run_dir: str) -> None:
+    """`tpuft logs` and `tpuft plot` on a laptop, once the training head is gone: both read the bucket."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from tpuft_local.toolchain import tool_path
+
+    kubectl = tool_path("kubectl")
+    logs = subprocess.run([sys.executable, "-m", "tpuft.cli", "logs", "life", "-n", ns, "--job", "train",
+                           "--kubectl", kubectl], capture_output=True, text=True, timeout=180)
+    assert logs.returncode == 0, logs.stderr
+    assert f"{run_dir}/logs/train.log" in logs.stderr and "TPUFT_TRAIN_RESULT" in logs.stdout, (logs.stderr, logs.stdout[-2000:])
+    with tempfile.TemporaryDirectory() as out:
+        plot = subprocess.run([sys.executable, "-m", "tpuft.cli", "plot", "life", "-n", ns, "--source", "tensorboard",
+                               "-o", f"{out}/loss.png", "--kubectl", kubectl], capture_output=True, text=True, timeout=180)
+        assert plot.returncode == 0 and os.path.getsize(f"{out}/loss.png") > 0, plot.stderr
