@@ -8,6 +8,8 @@ Fixtures:
   cluster_api    session  kubernetes.client.ApiClient for it (admin)
   cluster_kubectl session kubectl(*args, check=False, input=None) -> CompletedProcess
   cluster_ns     function a fresh namespace, deleted after the test (and its pods gone)
+  cluster_bucket function gs://BUCKET on the cluster's GCS stand-in with a model and a dataset in it;
+                 this process's env (and its children's) reaches it and the cluster
   clear_namespace(kubectl, ns)  delete what a test left in a namespace and wait for its pods to go,
                  so the next test finds the node's CPUs and the simulated TPU hosts free
   drop_namespace(kubectl, ns)  clear_namespace, then the namespace deleted (not waited for)
@@ -86,6 +88,32 @@ RAY_POD_LABEL = "ray.io/node-type"   # on every pod KubeRay makes
 # past the training pods' terminationGracePeriodSeconds (300 s: their preStop hook may wait for a
 # stop checkpoint) plus the kubelet's own pace under load
 PODS_GONE_S = 420
+
+
+@pytest.fixture
+def cluster_bucket(local_cluster, tmp_path, monkeypatch) -> str:
+    """gs://BUCKET on the local cluster's GCS stand-in, holding builtin:tiny-llama saved as a model
+    folder (models/tiny-llama) and builtin:dolly-mini's JSONL (data/dolly-mini.jsonl), uploaded
+    through the workload's own storage code from this host (the bridge address)."""
+    import urllib.request
+
+    from tpuft_local import gcs
+    from tpuft_workload import checkpoint, tiny
+
+    for key, value in gcs.workload_env(local_cluster.gcs_endpoint, local_cluster.metadata_root).items():
+        monkeypatch.setenv(key, value)   # this process and its children (`tpuft logs`, `tpuft plot`) reach the bucket
+    monkeypatch.setenv("KUBECONFIG", str(local_cluster.kubeconfig))
+    name = f"e2e-{uuid.uuid4().hex[:12]}"
+    urllib.request.urlopen(urllib.request.Request(
+        f"{local_cluster.gcs_endpoint}/storage/v1/b", method="POST", data=json.dumps({"name": name}).encode(),
+        headers={"Content-Type": "application/json"}), timeout=30).close()
+    tokenizer = tiny.build_tokenizer()
+    model = tmp_path / "tiny-llama"
+    tiny.build_model(len(tokenizer)).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    checkpoint.upload_dir(str(model), f"gs://{name}/models/tiny-llama")
+    checkpoint.write_bytes(f"gs://{name}/data/dolly-mini.jsonl", tiny.dolly_mini_path().read_bytes())
+    return f"gs://{name}"
 
 
 def clear_namespace(kubectl, ns: str, timeout: float = PODS_GONE_S) -> None:

@@ -137,7 +137,8 @@ def _check_jax(obj: dict) -> None:
 @pytest.mark.timeout(2400)   # the demo to a served model, then two more runs
 @pytest.mark.parametrize("demo_namespace", [DEMO_NS], indirect=True, ids=[DEMO_NS])
 def test_demo_serves_what_it_trained_beside_a_second_model_and_a_jax_run(local_cluster, cluster_kubectl, demo_namespace,
-                                                                          gitops_cleanup, tmp_path, monkeypatch):
+                                                                          gitops_cleanup, tmp_path, monkeypatch,
+                                                                          cluster_bucket):
     storage = tmp_path / "checkpoints"
     demo, final = _demo(tmp_path, DEMO_NS, "demo", "--storage-path", str(storage))
     # 3 steps an epoch: the demo's one poll a second may miss one
@@ -158,7 +159,7 @@ def test_demo_serves_what_it_trained_beside_a_second_model_and_a_jax_run(local_c
     _check_chat_and_models()
     _check_the_ray_head_wants_its_token(cluster_kubectl, "local-cpu-serve")
     _check_logs_and_exec(cluster_kubectl)
-    _check_a_third_run_beside_two_served_models(cluster_kubectl, tmp_path)
+    _check_a_third_run_beside_two_served_models(cluster_kubectl, tmp_path, cluster_bucket)
 
 
 # examples/local-cpu.yaml's run: 24 records, 8 a step (4 on each of 2 workers), 30 epochs.
@@ -337,11 +338,14 @@ def _short_run(name: str, checkpoint: dict, serve: bool, split: str, framework: 
     return doc
 
 
-def _check_a_third_run_beside_two_served_models(kubectl, tmp_path: Path) -> None:
+def _check_a_third_run_beside_two_served_models(kubectl, tmp_path: Path, bucket: str) -> None:
     """Issue 34: with two models served on the node (the demo's and a second), a third run trains
     to Succeeded on the real node (it fits: docs/troubleshooting.md#how-many-runs-the-local-node-holds), never
     failing inside Ray because the node was overcommitted. The second is examples/local-cpu-lora.yaml
-    (issue 30): its adapters trained over the frozen base, served on it, answering as its own model."""
+    (issue 30): its adapters trained over the frozen base, served on it, answering as its own model.
+    Issue 58: the second keeps everything in a bucket (the cluster's GCS stand-in): its base model
+    read from gs:// by byte ranges, its dataset and storagePath gs://, and the server loads its
+    export from there."""
     def phase(name: str) -> dict:
         st = json.loads(kubectl("get", "tft", name, "-n", DEMO_NS, "-o", "json", check=True).stdout).get("status") or {}
         assert st.get("phase") != "Failed", (name, st)
@@ -350,8 +354,11 @@ def _check_a_third_run_beside_two_served_models(kubectl, tmp_path: Path) -> None
     checkpoint = json.loads(kubectl("get", "tft", "local-cpu", "-n", DEMO_NS, "-o", "json",
                                     check=True).stdout)["spec"]["checkpoint"]
     example = tmp_path / "second.yaml"
-    example.write_text(yaml.safe_dump(_short_run("second", checkpoint, serve=True, split="train[:48]",
-                                                 example="local-cpu-lora.yaml")))
+    second = _short_run("second", {"storagePath": f"{bucket}/runs"}, serve=True, split="train[:48]",
+                        example="local-cpu-lora.yaml")
+    second["spec"]["model"] = f"{bucket}/models/tiny-llama"
+    second["spec"]["dataset"] = {"name": f"{bucket}/data/dolly-mini.jsonl", "split": "train[:48]"}
+    example.write_text(yaml.safe_dump(second))
     demo, final = _demo(tmp_path, DEMO_NS, "second", "--gitops", "--example", str(example))
     assert demo.returncode == 0 and "Argo CD: Synced, Progressing" in demo.stdout, demo.stdout[-3000:]
     lora = final["object"]["status"]
@@ -407,11 +414,15 @@ def _check_lora(status: dict) -> None:
     from tpuft import chat_cli
     from tpuft_local.toolchain import tool_path
 
+    from tpuft import object_store
+
     training = status["training"]
     assert 0 < training["trainableParameters"] < training["totalParameters"] / 5, training
-    export = Path(training["exportedModel"])
-    assert (export / "adapter_config.json").is_file() and (export / "adapter_model.safetensors").is_file()
-    assert status["serving"]["modelSource"] == str(export)
+    export = training["exportedModel"]
+    assert export.startswith("gs://"), export
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {
+        f.rsplit("/", 1)[-1] for f in object_store.list_files(export)}, export
+    assert status["serving"]["modelSource"] == export
     model, answer = chat_cli.ask(tool_path("kubectl"), DEMO_NS, "second", "What is Ray Serve?", max_tokens=8)
     assert model == "second" and answer.strip(), answer
 

@@ -101,32 +101,6 @@ def cpu_queue(cluster_kubectl, cluster_ns):
     cluster_kubectl("delete", "workloadpriorityclass", f"low-{cluster_ns}", f"high-{cluster_ns}", "--ignore-not-found")
 
 
-@pytest.fixture
-def bucket(local_cluster, tmp_path, monkeypatch) -> str:
-    """gs://BUCKET on the local cluster's GCS stand-in, holding builtin:tiny-llama saved as a model
-    folder (models/tiny-llama) and builtin:dolly-mini's JSONL (data/dolly-mini.jsonl), uploaded
-    through the workload's own storage code from this host (the bridge address)."""
-    import urllib.request
-
-    from tpuft_local import gcs
-    from tpuft_workload import checkpoint, tiny
-
-    for key, value in gcs.workload_env(local_cluster.gcs_endpoint, local_cluster.metadata_root).items():
-        monkeypatch.setenv(key, value)   # this process and its children (`tpuft logs`, `tpuft plot`) reach the bucket
-    monkeypatch.setenv("KUBECONFIG", str(local_cluster.kubeconfig))
-    name = f"life-{int(time.time())}"
-    urllib.request.urlopen(urllib.request.Request(
-        f"{local_cluster.gcs_endpoint}/storage/v1/b", method="POST", data=json.dumps({"name": name}).encode(),
-        headers={"Content-Type": "application/json"}), timeout=30).close()
-    tokenizer = tiny.build_tokenizer()
-    model = tmp_path / "tiny-llama"
-    tiny.build_model(len(tokenizer)).save_pretrained(model)
-    tokenizer.save_pretrained(model)
-    checkpoint.upload_dir(str(model), f"gs://{name}/models/tiny-llama")
-    checkpoint.write_bytes(f"gs://{name}/data/dolly-mini.jsonl", tiny.dolly_mini_path().read_bytes())
-    return f"gs://{name}"
-
-
 def _bucket_listing(uri: str) -> list[str]:
     """Every object under `uri`, as paths relative to it (GCS lists no folders)."""
     import pyarrow.fs as pafs
@@ -160,7 +134,8 @@ def _run(name: str, bucket: str, queue: str, priority: str, epochs: int, serve: 
 @pytest.mark.real_node
 @pytest.mark.timeout(2700)
 def test_preemption_host_loss_operator_restart_then_a_missing_serving_image(cluster_kubectl, cluster_ns, cpu_queue,
-                                                                            bucket):
+                                                                            cluster_bucket):
+    bucket = cluster_bucket
     queue, (low, high) = cpu_queue
     kubectl, ns = cluster_kubectl, cluster_ns
     doc = _run("life", bucket, queue, low, epochs=2, serve=True)   # 44 steps
