@@ -295,7 +295,8 @@ def test_jobs_select_the_cluster_and_carry_deadlines():
     run_dir = "gs://my-bucket/ray_train_torchtpu/default-gemma4-dolly"   # no UID: a rendered file has none
     verify_argv = shlex.split(verify["spec"]["entrypoint"])
     assert verify_argv[:4] == ["python", "-m", "tpuft_workload", "verify"]
-    assert verify_argv[4:] == ["--spec", _flag(verify_argv, "--spec"), "--log-file", f"{run_dir}/logs/verify.log"]
+    assert verify_argv[4:] == ["--spec", _flag(verify_argv, "--spec"), "--run-name", "default-gemma4-dolly",
+                               "--log-file", f"{run_dir}/logs/verify.log"]   # the storage it checks first
     document = _document(MINIMUM)
     assert json.loads(_flag(verify_argv, "--spec")) == document   # one document for both jobs
     assert (document["accelerator"], document["topology"], document["slices"]) == ("v6e", "4x4", 1)

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -198,3 +202,47 @@ def test_tpu_scaling_config_passes_ray_validation(acc, topo, slices, workers, ra
     sc = train.scaling_config(target)
     assert (sc.use_tpu, sc.topology, sc.accelerator_type, sc.num_workers, sc.resources_per_worker) == \
         (True, topo, ray_type, workers, {"TPU": 1})
+
+
+# --- the run's storage, checked before any TPU work; its own status key (reason StorageNotWritable) ---
+
+def _storage_cli(command: str, storage: str, env: dict) -> tuple[subprocess.CompletedProcess, dict]:
+    """`python -m tpuft_workload <command>` as the operator's RayJob runs it, with an unwritable storage path."""
+    from tests.factories import MINIMUM
+    from tpuft import builders, spec as speclib
+
+    doc = {**MINIMUM, "metadata": {"name": "st", "namespace": "storage", "uid": "u"},
+           "spec": {**MINIMUM["spec"], "accelerator": "cpu", "topology": "2", "model": "builtin:tiny-llama",
+                    "dataset": {"name": "builtin:dolly-mini"}, "checkpoint": {"storagePath": storage}}}
+    entrypoint = (builders.verify_entrypoint if command == "verify" else builders.train_entrypoint)(speclib.parse(doc))
+    argv = shlex.split(entrypoint)[3:]   # after python -m tpuft_workload
+    argv[argv.index("--log-file") + 1] = os.devnull
+    proc = subprocess.run([sys.executable, "-m", "tpuft_workload", *argv], capture_output=True, text=True, timeout=120,
+                          # os.environ: the status recorder's KUBECONFIG; env: the session's Ray token
+                          env={**os.environ, **env, "TPUFT_NAMESPACE": "storage", "TPUFT_NAME": "st"})
+    prefix = "TPUFT_VERIFY_RESULT " if command == "verify" else "TPUFT_TRAIN_RESULT "
+    line = next(x for x in proc.stdout.splitlines() if x.startswith(prefix))
+    return proc, json.loads(line[len(prefix):])
+
+
+def test_verify_refuses_an_unwritable_storage_before_ray_and_reports_it_as_storage(tmp_path, ray_auth_env,
+                                                                                     status_recorder):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    status_recorder.take()
+    proc, result = _storage_cli("verify", str(blocker), ray_auth_env)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert result["passed"] is False and str(blocker) in result["storageError"]
+    assert "Started a local Ray instance" not in proc.stderr + proc.stdout   # no slice time spent
+    [patch] = status_recorder.take("verification")
+    assert patch["storageError"] == result["storageError"] and patch["passed"] is False
+
+
+def test_train_refuses_an_unwritable_storage_and_reports_it_as_storage(tmp_path, ray_auth_env, status_recorder):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    status_recorder.take()
+    proc, result = _storage_cli("train", str(blocker), ray_auth_env)
+    assert proc.returncode == 1 and "not writable" in result["error"], proc.stderr[-2000:]
+    [patch] = status_recorder.take("training")
+    assert patch["storageError"] == patch["message"] == result["error"]
