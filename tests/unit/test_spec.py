@@ -227,6 +227,26 @@ def test_a_plain_gs_uri_and_a_question_mark_outside_one_are_accepted(path):
         parse(with_(path, "org/data?v", base=doc))
 
 
+def test_service_account_name_and_its_annotations_are_one_or_the_other():
+    both = with_("spec.serviceAccountName", "team-ksa", with_("spec.serviceAccountAnnotations", {"a": "b"}))
+    with pytest.raises(SpecError) as err:
+        parse(both)
+    assert [p.field for p in err.value.problems] == ["spec.serviceAccountAnnotations"]
+    assert "annotate it yourself" in str(err.value)
+    assert parse(with_("spec.serviceAccountName", "team-ksa")).spec.service_account_name == "team-ksa"
+
+
+@pytest.mark.parametrize("path,value,message", [
+    ("spec.serviceAccountName", "Team_KSA", "should match"),
+    ("spec.serviceAccountAnnotations", {"bad key!": "x"}, "qualified names"),
+    ("spec.serviceAccountAnnotations", ["x"], "map of strings"),
+])
+def test_service_account_fields_are_refused_naming_the_field(path, value, message):
+    with pytest.raises(SpecError) as err:
+        parse(with_(path, value))
+    assert [p.field for p in err.value.problems] == [path] and message in str(err.value)
+
+
 def test_parsed_types_are_frozen():
     t = parse(MINIMUM)
     with pytest.raises(AttributeError):
