@@ -124,16 +124,16 @@ def test_a_torch_checkpoint_is_refused_by_the_jax_path():
 def test_an_object_store_path_orbax_cannot_reach_fails_before_ray(monkeypatch, capsys):
     import importlib.util
 
-    if importlib.util.find_spec("s3fs") is not None:
-        pytest.skip("s3fs is installed here")
+    if importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed here")
 
     def no_ray():
         raise AssertionError("the storage check must come before Ray starts")
 
     monkeypatch.setattr(cli, "_ray_init", no_ray)
-    assert cli.main(tiny_train_argv(FRAMEWORK, "s3://bucket/ckpt", "run")) == 1
+    assert cli.main(tiny_train_argv(FRAMEWORK, "gs://bucket/ckpt", "run")) == 1
     out = capsys.readouterr().out
-    assert "s3fs is not installed" in out and "spec.checkpoint.storagePath" in out
+    assert "gcsfs is not installed" in out and "spec.checkpoint.storagePath" in out
 
 
 # ---- the recipe's step and optimizer (no Ray cluster needed) -----------------------------------------

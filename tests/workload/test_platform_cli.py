@@ -151,6 +151,9 @@ def test_status_reporter_writes_status_subresource(kubeconfig, namespace, kube_a
     monkeypatch.setenv("TPUFT_NAMESPACE", namespace)
     monkeypatch.setenv("TPUFT_NAME", "status-test")
     r = StatusReporter()
+    assert r.verification({"passed": False, "ranks": 2, "message": "storage check failed: x", "storageError": "x"})
+    stored = api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "status-test")["status"]
+    assert stored["verification"]["storageError"] == "x"   # the CRD keeps it (an undeclared key is pruned)
     assert r.verification({"passed": True, "ranks": 2, "hosts": 1, "allReduceSum": 3.0, "expectedSum": 3.0,
                            "maxAbsDiff": 2e-7, "seconds": 4.2, "message": "ok", "extra": "dropped"})
     assert r.training(epoch=1, epochs=3, step=10, totalSteps=30, loss=2.5, tokensPerSecond=100.0,
@@ -161,7 +164,8 @@ def test_status_reporter_writes_status_subresource(kubeconfig, namespace, kube_a
         r.training(phase="Succeeded")
     status = api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "status-test")["status"]
     assert status["phase"] == "Training"
-    assert set(status["verification"]) == set(VERIFICATION_KEYS)
+    # every key, but a passing verification's storageError: sent as null, it clears the earlier one
+    assert set(status["verification"]) == set(VERIFICATION_KEYS) - {"storageError"}
     assert status["verification"]["allReduceSum"] == 3.0
     assert set(status["training"]) <= set(TRAINING_KEYS)
     assert status["training"]["epoch"] == 1 and status["training"]["step"] == 20
