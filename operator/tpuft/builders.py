@@ -497,10 +497,11 @@ def build_workload_identity(tft: TPUFinetune) -> list[dict]:
     def meta() -> dict:  # a fresh dict each: shared objects would serialise as YAML aliases
         return _metadata(tft, n, c.Component.IDENTITY)
 
-    own = [] if tft.spec.service_account_name else [{"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta()}]
-    if own and tft.spec.service_account_annotations:
-        own[0]["metadata"]["annotations"] = {**own[0]["metadata"].get("annotations", {}),
-                                             **tft.spec.service_account_annotations}
+    account_meta = meta()
+    if tft.spec.service_account_annotations:   # on this account only, beside spec.annotations
+        account_meta["annotations"] = {**account_meta.get("annotations", {}), **tft.spec.service_account_annotations}
+    own = [] if tft.spec.service_account_name else [{"apiVersion": "v1", "kind": "ServiceAccount",
+                                                     "metadata": account_meta}]
     role = {
         "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta(),
         "rules": [{"apiGroups": [c.GROUP], "resources": [f"{c.PLURAL}/status"],
