@@ -136,14 +136,14 @@ SERVICE_ACCOUNT_RULE = {
 
 
 STORAGE_PATH_MATCHES = (STORAGE_PATH.pattern, "must be gs://BUCKET/PATH or an absolute path on a mounted volume "
-                        "(spec.checkpoint.volume); s3:// and other schemes are not supported (TPUs run on Google "
-                        "Cloud): copy the data to a gs:// bucket, or mount the store with a CSI driver at an absolute "
-                        "path")
+                        "(spec.checkpoint.volume)")
+S3_REFUSED = (r"^s3://", "s3:// is not supported (TPUs run on Google Cloud, and no other object store was run end to "
+              "end): copy the data to a gs:// bucket, or mount the store with a CSI driver at an absolute path")
 GS_URI_EXTRAS_REFUSED = (GS_URI_EXTRAS.pattern, "a gs:// URI takes no query (?...) or fragment (#...): give "
                          "gs://BUCKET/PATH only (a query would be read as storage client options, and the run's "
                          "directory appended after it)")
 # What every field that takes a gs:// URI declares besides its own checks.
-URI_FIELD: dict[str, Any] = {"refuses": (GS_URI_EXTRAS_REFUSED,)}
+URI_FIELD: dict[str, Any] = {"refuses": (GS_URI_EXTRAS_REFUSED, S3_REFUSED)}
 
 
 # --- the API: one declaration per field ----------------------------------------------------------

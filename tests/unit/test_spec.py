@@ -89,7 +89,7 @@ BAD = [
     ("spec.checkpoint.storagePath", "gs://", "spec.checkpoint.storagePath", "gs://BUCKET/PATH"),
     ("spec.checkpoint.storagePath", "relative/dir", "spec.checkpoint.storagePath", "absolute path"),
     ("spec.checkpoint.keep", 0, "spec.checkpoint.keep", "should be greater than or equal to 1"),
-    ("spec.checkpoint.storagePath", "s3://bucket/run", "spec.checkpoint.storagePath", "s3:// and other schemes are not"),
+    ("spec.checkpoint.storagePath", "s3://bucket/run", "spec.checkpoint.storagePath", "s3:// is not supported"),
     ("spec.checkpoint.resumeFrom", "s3://bucket/run", "spec.checkpoint.resumeFrom", "copy the data to a gs:// bucket"),
     ("spec.checkpoint.resumeFrom", "relative/run", "spec.checkpoint.resumeFrom", "absolute path"),
     ("spec.checkpoint.resumeFrom", "https://example.com/ckpt", "spec.checkpoint.resumeFrom", "gs://BUCKET/PATH"),
@@ -217,6 +217,14 @@ def test_a_gs_uri_with_a_query_or_fragment_is_refused_naming_the_field(path, uri
         parse(with_(path, uri, base=doc))
     assert [(p.field, "takes no query (?...) or fragment (#...)" in p.message) for p in err.value.problems] == [
         (path, True)]
+
+
+@pytest.mark.parametrize("path", URI_FIELDS)
+def test_an_s3_uri_is_refused_saying_what_to_use_instead(path):
+    doc = with_("spec.evaluation", {"split": "test"}) if path.startswith("spec.evaluation") else MINIMUM
+    with pytest.raises(SpecError) as err:
+        parse(with_(path, "s3://bucket/run", base=doc))
+    assert [p.field for p in err.value.problems] == [path] and "copy the data to a gs:// bucket" in str(err.value)
 
 
 @pytest.mark.parametrize("path", URI_FIELDS)
