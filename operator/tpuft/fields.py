@@ -167,7 +167,8 @@ def matches_rule(pattern: str, message: str) -> dict[str, str]:
 
 def refuses_rule(pattern: str, message: str) -> dict[str, str]:
     """A CEL rule that the string does not match `pattern`, failing with `message`."""
-    return {**matches_rule(pattern, message), "rule": "!" + matches_rule(pattern, message)["rule"]}
+    rule = matches_rule(pattern, message)
+    return {**rule, "rule": "!" + rule["rule"]}
 
 
 def schema_of(cls: type, description: str | None = None, **extra: Any) -> dict:
