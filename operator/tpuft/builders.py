@@ -88,6 +88,12 @@ def names(tft: TPUFinetune) -> ChildNames:
                       network_policy=f"{n}-ray-ingress")
 
 
+def service_account(tft: TPUFinetune) -> str:
+    """The ServiceAccount the Ray pods run as: spec.serviceAccountName (the user's, never touched), else
+    the one the operator creates ({name}-workload)."""
+    return tft.spec.service_account_name or names(tft).identity
+
+
 def child_labels(tft: TPUFinetune, component: c.Component) -> dict[str, str]:
     labels = dict(tft.spec.labels)
     labels.update({c.LABEL_NAME: tft.meta.name, c.LABEL_COMPONENT: component.value,
@@ -119,6 +125,9 @@ def _env(tft: TPUFinetune) -> list[dict]:
     if tft.spec.slice.tpu_resource_per_chip > 1:
         # Head too: the driver reads it when Ray Train validates the ScalingConfig.
         env.append({"name": c.RAY_TPU_RESOURCE_PER_CHIP_ENV, "value": str(tft.spec.slice.tpu_resource_per_chip)})
+    # Who the pod is to Google Cloud under Workload Identity Federation: storage errors name it.
+    env += [{"name": c.SERVICE_ACCOUNT_ENV, "valueFrom": {"fieldRef": {"fieldPath": "spec.serviceAccountName"}}},
+            {"name": c.SERVICE_ACCOUNT_NAMESPACE_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
     env.extend(dict(e) for e in tft.spec.env)
     return env
 
@@ -143,9 +152,10 @@ def _resources(cpu: str, memory: str, override: Mapping[str, Mapping[str, str]],
 def _pod_template(tft: TPUFinetune, component: c.Component, containers: list[dict],
                   extra: dict | None = None) -> dict:
     meta: dict = {"labels": child_labels(tft, component)}
-    if tft.spec.annotations:
-        meta["annotations"] = dict(tft.spec.annotations)
-    spec = {"serviceAccountName": names(tft).identity, "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
+    annotations = {**tft.spec.annotations, **_gcsfuse_annotation(tft)}
+    if annotations:
+        meta["annotations"] = annotations
+    spec = {"serviceAccountName": service_account(tft), "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
             "containers": containers}
     spec.update(extra or {})
     if tft.spec.scheduling.priority_class_name:
@@ -218,6 +228,15 @@ def _provisioning_parameters(tft: TPUFinetune) -> dict[str, str]:
     if not (sched.flex_start and sched.max_run_duration_seconds):
         return {}
     return {c.PROVREQ_PARAMETER_PREFIX + c.GKE_MAX_RUN_DURATION_PARAMETER: str(sched.max_run_duration_seconds)}
+
+
+def _gcsfuse_annotation(tft: TPUFinetune) -> dict[str, str]:
+    """GKE injects the Cloud Storage FUSE sidecar only into a Pod annotated for it: the Ray pods get the
+    annotation when spec.checkpoint.volume is that driver's, so spec.annotations (on every child) need not."""
+    volume = tft.spec.checkpoint.volume or {}
+    if (volume.get("csi") or {}).get("driver") == c.GCSFUSE_CSI_DRIVER:
+        return {c.GCSFUSE_VOLUMES_ANNOTATION: "true"}
+    return {}
 
 
 def _checkpoint_volume(tft: TPUFinetune) -> tuple[list[dict], list[dict]]:
@@ -389,8 +408,9 @@ def elastic_slices(accumulation: int, slices: int, whole: int) -> int:
 
 
 def verify_entrypoint(tft: TPUFinetune) -> str:
+    """--run-name: the verification checks first that the run's directory can be written."""
     return shlex.join(["python", "-m", WORKLOAD_MODULE, "verify", "--spec", run_document(tft),
-                       "--log-file", log_path(tft, c.Component.VERIFY)])
+                       "--run-name", run_name(tft), "--log-file", log_path(tft, c.Component.VERIFY)])
 
 
 def run_name(tft: TPUFinetune) -> str:
@@ -469,13 +489,19 @@ def build_train_job(tft: TPUFinetune, attempt: int = 0, slices: int | None = Non
 
 
 def build_workload_identity(tft: TPUFinetune) -> list[dict]:
-    """ServiceAccount for the Ray pods, allowed exactly one thing: patch this TPUFinetune's status."""
+    """The Ray pods' ServiceAccount, allowed exactly one thing: get and patch this TPUFinetune's status.
+    With spec.serviceAccountName the account is the user's: only the Role and a RoleBinding to it are
+    the run's (the operator never creates, changes or deletes an account it does not own)."""
     n = names(tft).identity
 
     def meta() -> dict:  # a fresh dict each: shared objects would serialise as YAML aliases
         return _metadata(tft, n, c.Component.IDENTITY)
 
-    sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta()}
+    account_meta = meta()
+    if tft.spec.service_account_annotations:   # on this account only, beside spec.annotations
+        account_meta["annotations"] = {**account_meta.get("annotations", {}), **tft.spec.service_account_annotations}
+    own = [] if tft.spec.service_account_name else [{"apiVersion": "v1", "kind": "ServiceAccount",
+                                                     "metadata": account_meta}]
     role = {
         "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta(),
         "rules": [{"apiGroups": [c.GROUP], "resources": [f"{c.PLURAL}/status"],
@@ -484,9 +510,9 @@ def build_workload_identity(tft: TPUFinetune) -> list[dict]:
     binding = {
         "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta(),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": n},
-        "subjects": [{"kind": "ServiceAccount", "name": n, "namespace": tft.meta.namespace}],
+        "subjects": [{"kind": "ServiceAccount", "name": service_account(tft), "namespace": tft.meta.namespace}],
     }
-    return [sa, role, binding]
+    return [*own, role, binding]
 
 
 def run_dir(tft: TPUFinetune) -> str:

@@ -149,6 +149,10 @@ HF_TOKEN_ENV = "HF_TOKEN"
 TPU_WEBHOOK_REPLICA_LABEL = "replicaIndex"
 TPU_NAME_ENV = "TPU_NAME"   # the slice's name (the webhook's `{group}-{replica}`): Ray's slice identity
 TPU_SLICE_TOPOLOGY_ANNOTATION = "cloud.google.com/gke-tpu-slice-topology"
+# GKE's Cloud Storage FUSE CSI driver: a Pod with a volume of this driver needs the annotation, or GKE
+# injects no gcsfuse sidecar and the mount fails (GKE docs, "Cloud Storage FUSE CSI driver").
+GCSFUSE_CSI_DRIVER = "gcsfuse.csi.storage.gke.io"
+GCSFUSE_VOLUMES_ANNOTATION = "gke-gcsfuse/volumes"
 
 # Ray head ports, named and numbered as KubeRay's defaults.
 RAY_DASHBOARD_PORT = 8265   # job submission and status: KubeRay's operator and RayJob submitters call it
@@ -216,6 +220,11 @@ HISTORY_MAX_POINTS = 64
 
 ENV_CR_NAMESPACE = "TPUFT_NAMESPACE"
 ENV_CR_NAME = "TPUFT_NAME"
+# The Kubernetes ServiceAccount a Ray pod runs as and its namespace, through the downward API: with
+# Workload Identity Federation for GKE, the principal a storage error names
+# (.../subject/ns/NAMESPACE/sa/KSA). Kept apart from ENV_CR_NAMESPACE, whose presence turns status reporting on.
+SERVICE_ACCOUNT_ENV = "TPUFT_SERVICE_ACCOUNT"
+SERVICE_ACCOUNT_NAMESPACE_ENV = "TPUFT_SERVICE_ACCOUNT_NAMESPACE"
 
 # --- Stopping a training pod (tpuft_workload.preemption) ------------------------------------------
 # The container runtime signals only PID 1 (`ray start --block`), whose SIGTERM ends raylet and with it
@@ -318,6 +327,8 @@ class Reason(str, enum.Enum):
     CAPACITY_REJECTED = "CapacityRejected"   # Kueue rejected an admission check (the ProvisioningRequest Failed for good)
     ADMISSION_REJECTED = "AdmissionRejected"
     COLLECTIVE_TIMEOUT = "CollectiveTimeout"
+    # the run's storage (spec.checkpoint.storagePath) could not be written, found by the verify or train job
+    STORAGE_NOT_WRITABLE = "StorageNotWritable"
     VERIFICATION_FAILED = "VerificationFailed"
     TRAINING_FAILED = "TrainingFailed"
     OUT_OF_MEMORY = "OutOfMemory"   # a worker (or the head) killed for memory: by the kernel's OOM killer or Ray's monitor
@@ -424,6 +435,7 @@ class VerificationStatus(str, enum.Enum):
     MAX_ABS_DIFF = "maxAbsDiff"
     SECONDS = "seconds"
     MESSAGE = "message"
+    STORAGE_ERROR = "storageError"   # the run's storage could not be written: checked before any collective
 
 
 class TrainingStatus(str, enum.Enum):
@@ -456,6 +468,7 @@ class TrainingStatus(str, enum.Enum):
     BEST_STEP = "bestStep"                  # the step of bestEvalLoss
     # status.recovery.checkpointRequestedAt answered: a committed checkpoint saved after it was seen
     CHECKPOINT_REQUEST_SAVED = "checkpointRequestSaved"
+    STORAGE_ERROR = "storageError"   # the run's storage could not be written: the job refused to start
 
 
 class HistoryPoint(str, enum.Enum):
@@ -601,4 +614,6 @@ RESERVED_ENV = (
     (RAY_AUTH_TOKEN_ENV, "KubeRay sets it from the RayCluster's token Secret"),
     (SERVE_API_KEY_ENV, "it comes from spec.serve.apiKeySecret; set that instead"),
     (TPU_NAME_ENV, "the TPU webhook (or, one worker group per slice, the operator) names each slice by it"),
+    (SERVICE_ACCOUNT_ENV, "the operator sets it from the pod's own spec.serviceAccountName (downward API)"),
+    (SERVICE_ACCOUNT_NAMESPACE_ENV, "the operator sets it from the pod's namespace (downward API)"),
 )

@@ -37,6 +37,9 @@ class Api:
     # (RE2 pattern, message): a CEL rule `self.matches(...)`, for a pattern whose failure is better
     # said in words; the server and the parser give the same message.
     matches: tuple[str, str] | None = None
+    # (RE2 pattern, message) pairs the value must NOT match: each a CEL rule `!self.matches(...)`,
+    # with the same message from the server and the parser.
+    refuses: tuple[tuple[str, str], ...] = ()
     min_length: int | None = None
     max_length: int | None = None
     format: str | None = None           # e.g. date-time
@@ -149,6 +152,7 @@ def property_schema(d: Declared) -> dict:
     if a.enum:
         out["enum"] = list(a.enum)
     rules = [*([matches_rule(*a.matches)] if a.matches else []),
+             *(refuses_rule(*refused) for refused in a.refuses),
              *(dict(r) for r in a.rules)]
     if rules:
         out["x-kubernetes-validations"] = rules
@@ -159,6 +163,12 @@ def matches_rule(pattern: str, message: str) -> dict[str, str]:
     """A CEL rule that the string matches `pattern`, failing with `message`."""
     quote = "'" * (3 if "'" in pattern else 1)   # a raw string the pattern cannot end
     return {"rule": f"self.matches(r{quote}{pattern}{quote})", "message": message}
+
+
+def refuses_rule(pattern: str, message: str) -> dict[str, str]:
+    """A CEL rule that the string does not match `pattern`, failing with `message`."""
+    rule = matches_rule(pattern, message)
+    return {**rule, "rule": "!" + rule["rule"]}
 
 
 def schema_of(cls: type, description: str | None = None, **extra: Any) -> dict:
@@ -246,6 +256,9 @@ def check(d: Declared, value: Any, path: str) -> str | None:
             return f"Invalid value: {shown}: {path} in body should be at least {a.min_length} chars long"
         if a.pattern is not None and not re2_search(a.pattern, value):
             return f"Invalid value: {shown}: {path} in body should match '{a.pattern}'"
+        for pattern, message in a.refuses:   # first: what a refusal names is the more precise
+            if re2_search(pattern, value):
+                return f"Invalid value: {shown}: {message}"
         if a.matches is not None and not re2_search(a.matches[0], value):
             return f"Invalid value: {shown}: {a.matches[1]}"
     return None

@@ -67,7 +67,8 @@ from tpuft.observed import (
     job_failure_detail, job_finishing, job_lost, job_settled, job_state, job_succeeded, memory_kill, parse_time,
     service_progress, service_ready, serving_ready, slice_loss, spec_diff)
 from tpuft.status import (Children, Elastic, IgnoredSpecChange, LostSlice, LostSubmission, MaintenanceNotice, Preemption,
-                          Recovery, Resubmit, RunCondition, RunStatus, Serving, Slice, Training, Verification)
+                          Recovery, Resubmit, RunCondition, RunStatus, Serving, Slice, Verification)
+from tpuft.status import Training as TrainingProgress
 
 
 # --- the draft status ---------------------------------------------------------------------------
@@ -310,7 +311,7 @@ def _pending(draft: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed) -> De
     draft.status = replace(
         draft.status, applied_generation=draft.status.applied_generation or draft.generation,
         applied_spec=copy.deepcopy(draft.status.applied_spec or dict(obj.get("spec") or {})),
-        children=Children(ray_cluster=names.cluster, service_account=names.identity), training_attempts=0,
+        children=Children(ray_cluster=names.cluster, service_account=builders.service_account(tft)), training_attempts=0,
         slice=Slice(accelerator=shape.generation, topology=shape.topology, slices=tft.spec.slices, hosts=shape.hosts,
                     chips_per_host=shape.chips_per_host, devices_per_host=shape.devices_per_host,
                     devices=tft.spec.num_workers, ray_accelerator_type=shape.ray_accelerator_type or ""))
@@ -653,6 +654,16 @@ def _verifying(draft: _Draft, tft: TPUFinetune, obs: Observed, tunables: Tunable
         draft.add_event(EventType.WARNING, Reason.SUBMISSION_LOST, msg)
         draft.restart_clock()   # the fresh job's own verification deadline
         return _start_verification(draft, tft, Reason.SUBMISSION_LOST, msg)
+    storage = (draft.status.verification or Verification()).storage_error
+    if job_failed(job) and storage:
+        msg = _storage_not_writable(tft, f"RayJob {name}", storage)
+        draft.set_condition(Condition.COLLECTIVES_VERIFIED, ConditionStatus.FALSE, Reason.STORAGE_NOT_WRITABLE, msg)
+        _stop_waiting_train_job(draft, obs)
+        if _finishing(draft, job, Condition.COLLECTIVES_VERIFIED, f"failing with {Reason.STORAGE_NOT_WRITABLE.value}",
+                      tunables):
+            return draft.finish()
+        draft.fail(Reason.STORAGE_NOT_WRITABLE, msg)
+        return draft.finish()
     if job_failed(job):
         timed_out = job.status.get("reason") == c.RAYJOB_REASON_DEADLINE_EXCEEDED
         killed = None if timed_out else _memory_kill(draft, obs, job)
@@ -721,6 +732,15 @@ def _training(draft: _Draft, tft: TPUFinetune, obs: Observed, tunables: Tunables
         if msg is None:
             return draft.finish()
         return _resubmit_training(draft, tft, attempts, Reason.SUBMISSION_LOST, f"{msg}, resuming from checkpoint")
+    storage = (draft.status.training or TrainingProgress()).storage_error
+    if job_failed(job) and storage:   # not retried: another attempt would meet the same storage
+        msg = _storage_not_writable(tft, f"RayJob {name}", storage)
+        draft.set_condition(Condition.TRAINING_SUCCEEDED, ConditionStatus.FALSE, Reason.STORAGE_NOT_WRITABLE, msg)
+        if _finishing(draft, job, Condition.TRAINING_SUCCEEDED, f"failing with {Reason.STORAGE_NOT_WRITABLE.value}",
+                      tunables):
+            return draft.finish()
+        draft.fail(Reason.STORAGE_NOT_WRITABLE, msg)
+        return draft.finish()
     if job_failed(job):
         killed = _memory_kill(draft, obs, job)
         detail = (f"RayJob {name}: {_killed_for_memory(tft, killed)}" if killed
@@ -837,7 +857,7 @@ def _memory_kill(draft: _Draft, obs: Observed, job: JobObs | None) -> MemoryKill
     when written since the job started: an earlier attempt's report is not this job's)."""
     started = parse_time(draft.status.phase_transition_time)
     since = (job.status.get("startTime") if job is not None else None) or draft.status.phase_transition_time
-    training = draft.status.training or Training()
+    training = draft.status.training or TrainingProgress()
     try:
         reported_at, start = parse_time(training.updated_at), parse_time(since)
     except ValueError:   # a time not in the workload's format: not this job's report
@@ -889,6 +909,13 @@ def _memory_advice(tft: TPUFinetune, killed: MemoryKill, job: c.Component) -> st
 
 def _component(phase: Phase) -> c.Component:
     return c.Component.VERIFY if phase == Phase.VERIFYING else c.Component.TRAIN
+
+
+def _storage_not_writable(tft: TPUFinetune, job: str, error: str) -> str:
+    """The run's storage failed its check in the workload (before any collective or training step): the
+    workload's message names the bucket and the identity; the ServiceAccount is named here too."""
+    return (f"{job}: the run's storage {builders.run_dir(tft)} is not writable: {error}; the Ray pods run as "
+            f"ServiceAccount {tft.meta.namespace}/{builders.service_account(tft)} (docs/gke.md, Storage and identity)")
 
 
 def _full_log(tft: TPUFinetune, job: c.Component) -> str:

@@ -31,7 +31,13 @@ from tpuft.fields import declare
 MAX_NAME_LENGTH = 40
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 CHECKPOINT_VOLUME_SOURCES = ("persistentVolumeClaim", "csi", "nfs", "hostPath")
-STORAGE_PATH = re.compile(r"^(gs://[a-z0-9][-a-z0-9_.]{1,221}[a-z0-9](/.*)?|s3://[^/\s]+(/.*)?|/[^\s]*)$")
+# gs:// or a mounted path only: TPUs run on Google Cloud, and no other object store was ever run end
+# to end here (docs/checkpoints.md).
+STORAGE_PATH = re.compile(r"^(gs://[a-z0-9][-a-z0-9_.]{1,221}[a-z0-9](/.*)?|/[^\s]*)$")
+# A gs:// URI with a query or a fragment: pyarrow reads a query as client options (endpoint_override,
+# scheme), and a run's directory appended to such a URI lands inside the query, so two runs share
+# one prefix. Refused in every field that takes a gs:// URI (URI_FIELD).
+GS_URI_EXTRAS = re.compile(r"^gs://[^?#]*[?#]")
 MAX_QUANTITY_LENGTH = 32
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|Mi|Gi|Ti|Pi|M|G|T|P|E|Ei)?$")
 ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
@@ -108,7 +114,36 @@ def _checkpoint_volume_schema() -> dict:
                            for src in CHECKPOINT_VOLUME_SOURCES}}
 
 
-STORAGE_PATH_MATCHES = (STORAGE_PATH.pattern, "must be gs://BUCKET/PATH, s3://BUCKET/PATH or an absolute path")
+def qualified_keys_rule() -> dict[str, str]:
+    """CEL rule: every map key is a Kubernetes qualified name (label, annotation or resource name)."""
+    return {"rule": f"self.all(k, k.size() <= {MAX_QUALIFIED_NAME_LENGTH} && k.matches(r'{QUALIFIED_NAME.pattern}') "
+                    f"&& (!k.contains('/') || k.indexOf('/') <= {MAX_DNS_SUBDOMAIN_LENGTH}))",
+            "message": "keys must be Kubernetes qualified names: an optional DNS subdomain prefix and '/', then at "
+                       f"most {MAX_LABEL_LENGTH} of [-A-Za-z0-9_.], starting and ending alphanumeric"}
+
+
+def _service_account_annotations_schema() -> dict:
+    return {"type": "object", "additionalProperties": {"type": "string"}, "maxProperties": MAX_MAP_ENTRIES,
+            "x-kubernetes-validations": [qualified_keys_rule()]}
+
+
+# spec.serviceAccountName and spec.serviceAccountAnnotations: the CRD's CEL on spec and the parser's message.
+SERVICE_ACCOUNT_RULE = {
+    "rule": "!(has(self.serviceAccountName) && has(self.serviceAccountAnnotations))",
+    "message": "serviceAccountAnnotations annotate the ServiceAccount the operator creates; with serviceAccountName "
+               "the run uses yours, which the operator never changes: annotate it yourself, or remove one of the two",
+    "fieldPath": ".serviceAccountAnnotations", "reason": "FieldValueInvalid"}
+
+
+STORAGE_PATH_MATCHES = (STORAGE_PATH.pattern, "must be gs://BUCKET/PATH or an absolute path on a mounted volume "
+                        "(spec.checkpoint.volume)")
+S3_REFUSED = (r"^s3://", "s3:// is not supported (TPUs run on Google Cloud, and no other object store was run end to "
+              "end): copy the data to a gs:// bucket, or mount the store with a CSI driver at an absolute path")
+GS_URI_EXTRAS_REFUSED = (GS_URI_EXTRAS.pattern, "a gs:// URI takes no query (?...) or fragment (#...): give "
+                         "gs://BUCKET/PATH only (a query would be read as storage client options, and the run's "
+                         "directory appended after it)")
+# What every field that takes a gs:// URI declares besides its own checks.
+URI_FIELD: dict[str, Any] = {"refuses": (GS_URI_EXTRAS_REFUSED, S3_REFUSED)}
 
 
 # --- the API: one declaration per field ----------------------------------------------------------
@@ -120,7 +155,7 @@ class Dataset:
     """spec.dataset."""
     name: str = declare("Hugging Face dataset id, local path or gs:// URI (builtin:dolly-mini ships with the "
                         "workload).", python_default="", required=True, min_length=1, workload=True,
-                        flag="dataset", **_shell_safe())
+                        flag="dataset", **_shell_safe(), **URI_FIELD)
     split: str = declare("Split in datasets' slicing syntax, e.g. train[:1024].", default="train", workload=True,
                          flag="dataset-split", **_shell_safe(MAX_SPLIT_LENGTH))
     format: str | None = declare("How to read a file whose name does not end in .jsonl, .json or .parquet "
@@ -238,7 +273,7 @@ class Evaluation:
                                      "the eval set; or give split (and name).", minimum=0, exclusive_minimum=True,
                                      maximum=0.5, workload=True, flag="eval-fraction")
     name: str | None = declare("The eval set's dataset, as spec.dataset.name (default: spec.dataset.name).",
-                               min_length=1, workload=True, flag="eval-dataset", **_shell_safe())
+                               min_length=1, workload=True, flag="eval-dataset", **_shell_safe(), **URI_FIELD)
     split: str | None = declare("The eval set's split, e.g. test, or train[-200:] with spec.dataset.split "
                                 "train[:-200]: records the run trains on are refused (eval loss would measure "
                                 "memorisation).", min_length=1, workload=True, flag="eval-split",
@@ -309,9 +344,9 @@ class Export:
 @dataclass(frozen=True)
 class Checkpoint:
     """spec.checkpoint."""
-    storage_path: str = declare("gs://BUCKET/PATH, s3://BUCKET/PATH or an absolute path on a mounted volume.",
-                                python_default="", required=True, min_length=1, max_length=MAX_PATH_LENGTH,
-                                matches=STORAGE_PATH_MATCHES, workload=True)
+    storage_path: str = declare("gs://BUCKET/PATH (no query or fragment) or an absolute path on a mounted volume "
+                                "(spec.checkpoint.volume).", python_default="", required=True, min_length=1,
+                                max_length=MAX_PATH_LENGTH, matches=STORAGE_PATH_MATCHES, workload=True, **URI_FIELD)
     every_steps: int = declare("Checkpoint every N steps; 0 checkpoints at the end of each epoch only.", default=0,
                                minimum=0, maximum=10_000_000, workload=True, flag="checkpoint-every-steps")
     keep: int = declare("Checkpoints to keep.", default=1, minimum=1, maximum=100, workload=True,
@@ -320,13 +355,13 @@ class Checkpoint:
     # directory is keyed by the object's UID, so nothing else is ever resumed implicitly.
     resume_from: str | None = declare(
         "Continue from an earlier run on purpose: a checkpoint_step_* directory or a run directory (its newest "
-        "committed checkpoint) written by an earlier TPUFinetune, as gs://BUCKET/PATH, s3://BUCKET/PATH or an "
-        "absolute path. Model, optimizer and step are restored; the model architecture must match. Without it a "
-        "TPUFinetune never reads checkpoints of another object, even one of the same name.",
-        min_length=1, max_length=MAX_PATH_LENGTH, matches=STORAGE_PATH_MATCHES, workload=True)
+        "committed checkpoint) written by an earlier TPUFinetune, as gs://BUCKET/PATH or an absolute path. Model, "
+        "optimizer and step are restored; the model architecture must match. Without it a TPUFinetune never reads "
+        "checkpoints of another object, even one of the same name.",
+        min_length=1, max_length=MAX_PATH_LENGTH, matches=STORAGE_PATH_MATCHES, workload=True, **URI_FIELD)
     # A Kubernetes volume source ({kind: fields}) mounted at storage_path in every Ray pod:
     # the shared filesystem (Filestore PVC, GCS FUSE CSI, NFS, a node's hostPath) that Ray
-    # Train needs when storage_path is a path rather than gs:// or s3://.
+    # Train needs when storage_path is a path rather than gs://.
     volume: dict | None = declare(
         "A volume mounted at storagePath in every Ray pod, for a storagePath that is a path: exactly one Kubernetes "
         "volume source (a Filestore persistentVolumeClaim, the GCS FUSE csi driver, nfs, or a hostPath).",
@@ -497,7 +532,8 @@ class ServeSection:
 @dataclass(frozen=True)
 class Spec:
     """spec: the sections without a declaration here (the slice, resources, scheduling, serve, labels,
-    annotations, env, hfTokenSecret) have their schema in tpuft.crd and their parser below."""
+    annotations, env, hfTokenSecret) have their schema in tpuft.crd and their parser below; the maps
+    declared here (serviceAccountAnnotations) have their parser below too."""
     slice: catalog.SliceShape           # spec.accelerator and spec.topology, resolved by the catalog
     resources: Resources
     scheduling: Scheduling
@@ -513,7 +549,8 @@ class Spec:
                          **_shell_safe())
     image_pull_policy: str | None = declare("Image pull policy for the Ray pods.", enum=_values(ImagePullPolicy))
     model: str = declare("Hugging Face model id, local path or gs:// URI (builtin:tiny-llama builds a tiny model "
-                         "locally).", python_default="", required=True, min_length=1, workload=True, **_shell_safe())
+                         "locally).", python_default="", required=True, min_length=1, workload=True, **_shell_safe(),
+                         **URI_FIELD)
     dataset: Dataset = declare("Training data: records of chat messages, prompt/completion pairs, instructions "
                                "(dolly, alpaca) or plain text, rendered through the model's chat template as serving "
                                "renders them.", required=True, factory=Dataset)
@@ -543,6 +580,18 @@ class Spec:
     ttl_seconds_after_finished: int = declare("Seconds after Succeeded/Failed before the RayCluster is deleted "
                                               "(status and checkpoints stay).", default=300, minimum=0,
                                               maximum=2_592_000)
+    # None: the operator creates {name}-workload (builders.build_workload_identity)
+    service_account_name: str | None = declare(
+        "An existing Kubernetes ServiceAccount in the TPUFinetune's namespace for the Ray pods, e.g. one a platform "
+        "team bound to Google Cloud (Workload Identity Federation for GKE). The operator never creates, changes or "
+        "deletes it: it binds it (a RoleBinding of the run's own) to the run's Role, which may get and patch this "
+        "object's status only. Left out: the operator creates the ServiceAccount {name}-workload.",
+        min_length=1, max_length=MAX_DNS_SUBDOMAIN_LENGTH, pattern=DNS_SUBDOMAIN.pattern)
+    service_account_annotations: Mapping[str, str] = declare(
+        "Annotations on the ServiceAccount the operator creates ({name}-workload) only, not on the other children, "
+        "e.g. iam.gke.io/gcp-service-account: NAME@PROJECT_ID.iam.gserviceaccount.com (Workload Identity through a "
+        "Google service account). Not with serviceAccountName.", factory=dict,
+        schema=_service_account_annotations_schema)
 
     @property
     def accelerator(self) -> str:
@@ -748,12 +797,17 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
     serve = _serve(r, spec, slice_shape, top.get("image"), top.get("image_pull_policy"), top.get("model"))
     labels = r.str_map(spec, "labels", "spec.labels", QUALIFIED_NAME, LABEL_VALUE, RESERVED_LABELS)
     annotations = r.str_map(spec, "annotations", "spec.annotations", QUALIFIED_NAME, reserved=RESERVED_ANNOTATIONS)
+    account_annotations = r.str_map(spec, "serviceAccountAnnotations", "spec.serviceAccountAnnotations",
+                                    QUALIFIED_NAME)
+    if spec.get("serviceAccountName") is not None and spec.get("serviceAccountAnnotations") is not None:
+        r.fail("spec.serviceAccountAnnotations", SERVICE_ACCOUNT_RULE["message"])   # as the CRD's rule
     if r.problems or slice_shape is None:
         raise SpecError(r.problems or [Problem("spec", "is invalid")], where)
     return TPUFinetune(meta=meta, spec=Spec(
         slice=slice_shape, dataset=dataset, training=training, checkpoint=checkpoint, hf_token_secret=hf,
         verification=verification, recovery=recovery, resources=resources, scheduling=scheduling, labels=labels,
-        annotations=annotations, env=env, serve=serve, export=export, evaluation=evaluation, **top))
+        annotations=annotations, env=env, serve=serve, export=export, evaluation=evaluation,
+        service_account_annotations=account_annotations, **top))
 
 
 def _metadata(r: _Reader, obj: Mapping) -> tuple[ObjectMeta, str]:

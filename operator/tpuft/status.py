@@ -180,7 +180,9 @@ class Children:
     ray_cluster: str | None = declare("RayCluster name.")
     verify_job: str | None = declare("Verification RayJob name.")
     train_job: str | None = declare("Current training RayJob name.")
-    service_account: str | None = declare("Workload ServiceAccount (may patch only this object's status).")
+    service_account: str | None = declare("The ServiceAccount the Ray pods run as ({name}-workload, or "
+                                          "spec.serviceAccountName), bound to a Role that may get and patch only "
+                                          "this object's status.")
     ray_service: str | None = declare("RayService serving the model (spec.serve).")
 
 
@@ -279,6 +281,9 @@ class Verification:
                                          name=VerificationStatus.MAX_ABS_DIFF.value)
     seconds: float | None = declare("Wall time.", name=VerificationStatus.SECONDS.value)
     message: str | None = declare("Detail or failure reason.", name=VerificationStatus.MESSAGE.value)
+    storage_error: str | None = declare("Why the run's storage (spec.checkpoint.storagePath) could not be written, "
+                                        "found before the collectives ran (reason StorageNotWritable).",
+                                        name=VerificationStatus.STORAGE_ERROR.value)
 
 
 @dataclass(frozen=True)
@@ -345,6 +350,9 @@ class Training:
         "The status.recovery.checkpointRequestedAt value the workload answered: every rank saved a committed "
         "checkpoint (lastCheckpoint) at the step boundary after rank 0 saw it, and training went on.",
         name=TrainingStatus.CHECKPOINT_REQUEST_SAVED.value)
+    storage_error: str | None = declare("Why the run's storage (spec.checkpoint.storagePath) could not be written: "
+                                        "the job refused to start (reason StorageNotWritable).",
+                                        name=TrainingStatus.STORAGE_ERROR.value)
 
 
 _names_follow(Verification, (k.value for k in VerificationStatus))

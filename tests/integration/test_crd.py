@@ -4,8 +4,8 @@
   generation x every offered topology, every accelerator spelling, int quantities, env valueFrom, ...)
   are accepted by a server-side create, and tpuft.spec.parse accepts what the server stored and
   derives the same Spec as from the local document (the server applies tpuft.spec.DEFAULTS exactly).
-- INVALID: 253 invalid TPUFinetunes (test_table_counts checks these numbers and prints them).
-  251 are rejected at admission (HTTP 422) with an error naming the field, and tpuft.spec.parse
+- INVALID: 264 invalid TPUFinetunes (test_table_counts checks these numbers and prints them).
+  262 are rejected at admission (HTTP 422) with an error naming the field, and tpuft.spec.parse
   rejects each of them with the same field too (server and parser agree row by row).
   2 rows are PARSER-ONLY, marked PARSER_ONLY in the table: the CRD cannot express them because the
   API server refuses the request before schema validation (HTTP 400: a wrong apiVersion; metadata
@@ -171,6 +171,24 @@ INVALID = [
     row("storage-gs-uppercase", ("spec.checkpoint.storagePath", "gs://My_Bucket/x"), "spec.checkpoint.storagePath"),
     row("storage-gs-short-bucket", ("spec.checkpoint.storagePath", "gs://b/x"), "spec.checkpoint.storagePath"),
     row("storage-s3-no-bucket", ("spec.checkpoint.storagePath", "s3:///x"), "spec.checkpoint.storagePath"),
+    row("storage-s3", ("spec.checkpoint.storagePath", "s3://bucket/run"), "spec.checkpoint.storagePath"),
+    row("resume-from-s3", ("spec.checkpoint.resumeFrom", "s3://bucket/run"), "spec.checkpoint.resumeFrom"),
+    row("storage-gs-query", ("spec.checkpoint.storagePath", "gs://bucket/p?endpoint_override=http://127.0.0.1:4443"),
+        "spec.checkpoint.storagePath"),
+    row("storage-gs-fragment", ("spec.checkpoint.storagePath", "gs://bucket/p#2"), "spec.checkpoint.storagePath"),
+    row("resume-from-gs-query", ("spec.checkpoint.resumeFrom", "gs://bucket/p?x=1"), "spec.checkpoint.resumeFrom"),
+    row("model-gs-query", ("spec.model", "gs://bucket/m?x=1"), "spec.model"),
+    row("dataset-gs-query", ("spec.dataset.name", "gs://bucket/d.jsonl?x=1"), "spec.dataset.name"),
+    row("eval-gs-fragment", ("spec.evaluation", {"name": "gs://bucket/e.jsonl#a", "split": "train"}),
+        "spec.evaluation.name"),
+    # --- identity ---
+    row("service-account-invalid", ("spec.serviceAccountName", "Team_KSA"), "spec.serviceAccountName"),
+    row("service-account-annotation-key", ("spec.serviceAccountAnnotations", {"bad key!": "x"}),
+        "spec.serviceAccountAnnotations"),
+    row("service-account-and-annotations", [
+        ("spec.serviceAccountName", "team-ksa"),
+        ("spec.serviceAccountAnnotations", {"iam.gke.io/gcp-service-account": "a@p.iam.gserviceaccount.com"})],
+        "spec.serviceAccountAnnotations"),
     row("storage-http", ("spec.checkpoint.storagePath", "https://example.com/ckpt"), "spec.checkpoint.storagePath"),
     row("storage-relative", ("spec.checkpoint.storagePath", "relative/dir"), "spec.checkpoint.storagePath"),
     row("resume-from-relative", ("spec.checkpoint.resumeFrom", "relative/run"), "spec.checkpoint.resumeFrom"),
@@ -340,7 +358,7 @@ COUNTS = {
     "admission": sum(1 for p in INVALID if p.values[2] == ADMISSION),
     "parser_only": sum(1 for p in INVALID if p.values[2] == PARSER_ONLY),
 }
-DOCUMENTED_COUNTS = {"total": 253, "admission": 251, "parser_only": 2}  # as the module docstring says
+DOCUMENTED_COUNTS = {"total": 264, "admission": 262, "parser_only": 2}  # as the module docstring says
 
 
 # --- helpers ------------------------------------------------------------------------------------
@@ -471,7 +489,10 @@ EDGE_VALID = [
                                                 "keepBest": True})]),
         ("eval-own-split", [("spec.evaluation", {"name": "gs://bucket/eval.jsonl", "split": "train[:200]"})]),
         ("seq-131072", [("spec.training.maxSeqLength", 131072)]),
-        ("storage-s3", [("spec.checkpoint.storagePath", "s3://bucket/run")]),
+        ("service-account", [("spec.serviceAccountName", "team-ksa")]),
+        ("service-account-annotations", [("spec.serviceAccountAnnotations",
+                                          {"iam.gke.io/gcp-service-account": "a@p.iam.gserviceaccount.com"})]),
+        ("dataset-gs-no-query", [("spec.dataset.name", "gs://bucket/d.jsonl")]),
         ("storage-local", [("spec.checkpoint.storagePath", "/mnt/ckpt/run-1")]),
         ("storage-gs-bucket-only", [("spec.checkpoint.storagePath", "gs://my.bucket_1")]),
         ("int-and-string-quantities", [("spec.resources", {
@@ -621,7 +642,9 @@ def test_rendered_children_pass_a_server_side_dry_run(kubectl, ns, path):
                               capture_output=True, text=True, timeout=60)
     assert rendered.returncode == 0, rendered.stderr
     docs = [d for d in yaml.safe_load_all(rendered.stdout) if d]
-    assert {d["kind"] for d in docs} >= {"RayCluster", "RayJob", "ServiceAccount", "Role", "RoleBinding", "NetworkPolicy"}
+    # spec.serviceAccountName: the user's account, bound but never created
+    own = set() if "serviceAccountName" in yaml.safe_load(path.read_text())["spec"] else {"ServiceAccount"}
+    assert {d["kind"] for d in docs} >= {"RayCluster", "RayJob", "Role", "RoleBinding", "NetworkPolicy", *own}
     assert all(d["metadata"]["namespace"] == ns for d in docs)
     res = kubectl("apply", "--dry-run=server", "--validate=strict", "-o", "json", "-f", "-", input=rendered.stdout)
     assert res.returncode == 0, res.stderr
@@ -662,7 +685,7 @@ def test_children_of_every_edge_valid_spec_pass_server_dry_runs_down_to_the_pods
         tft = parse(doc)
         kids = builders.build_children(tft)
         children += kids
-        accounts.add(builders.names(tft).identity)
+        accounts.add(builders.service_account(tft))   # the operator's, or spec.serviceAccountName (the user's)
         rc = kids[0]
         for group in [rc["spec"]["headGroupSpec"], *rc["spec"]["workerGroupSpecs"]]:
             template = copy.deepcopy(group["template"])

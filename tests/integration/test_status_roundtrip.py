@@ -29,6 +29,7 @@ TRAINING = {
     TrainingStatus.LEARNING_RATE: 1.5e-5, TrainingStatus.GLOBAL_BATCH_SIZE: 64, TrainingStatus.EPOCH_LOSS: 1.625,
     TrainingStatus.EVAL_LOSS: 1.75, TrainingStatus.EVAL_PERPLEXITY: 5.75, TrainingStatus.BEST_EVAL_LOSS: 1.5,
     TrainingStatus.BEST_STEP: 10, TrainingStatus.CHECKPOINT_REQUEST_SAVED: "2026-01-01T12:00:00Z",
+    TrainingStatus.STORAGE_ERROR: "gs://bkt/run is not writable",
 }
 # status.recovery's pod watch, maintenance and elastic keys (a run that has lost a slice and trains on one).
 RECOVERY = {"sliceReplacements": 1, "slicePods": ["uid-head", "uid-w0"], "checkpointRequestedAt": "2026-01-01T12:00:00Z",
@@ -39,6 +40,7 @@ VERIFICATION = {
     VerificationStatus.PASSED: True, VerificationStatus.RANKS: 16, VerificationStatus.HOSTS: 4,
     VerificationStatus.ALL_REDUCE_SUM: 136.0, VerificationStatus.EXPECTED_SUM: 136.0,
     VerificationStatus.MAX_ABS_DIFF: 2.5e-7, VerificationStatus.SECONDS: 4.25, VerificationStatus.MESSAGE: "ok",
+    VerificationStatus.STORAGE_ERROR: "gs://bkt/run is not writable",
 }
 
 

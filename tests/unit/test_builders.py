@@ -295,7 +295,8 @@ def test_jobs_select_the_cluster_and_carry_deadlines():
     run_dir = "gs://my-bucket/ray_train_torchtpu/default-gemma4-dolly"   # no UID: a rendered file has none
     verify_argv = shlex.split(verify["spec"]["entrypoint"])
     assert verify_argv[:4] == ["python", "-m", "tpuft_workload", "verify"]
-    assert verify_argv[4:] == ["--spec", _flag(verify_argv, "--spec"), "--log-file", f"{run_dir}/logs/verify.log"]
+    assert verify_argv[4:] == ["--spec", _flag(verify_argv, "--spec"), "--run-name", "default-gemma4-dolly",
+                               "--log-file", f"{run_dir}/logs/verify.log"]   # the storage it checks first
     document = _document(MINIMUM)
     assert json.loads(_flag(verify_argv, "--spec")) == document   # one document for both jobs
     assert (document["accelerator"], document["topology"], document["slices"]) == ("v6e", "4x4", 1)
@@ -385,6 +386,62 @@ def test_workload_identity_may_only_patch_its_own_status():
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "default"}]
     pods = by_kind(render(MINIMUM), "RayCluster")[0]["spec"]
     assert pods["headGroupSpec"]["template"]["spec"]["serviceAccountName"] == sa["metadata"]["name"]
+
+
+def _ray_pod_templates(children: list[dict]) -> list[dict]:
+    cluster = by_kind(children, "RayCluster")[0]["spec"]
+    return [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]
+
+
+def test_an_existing_service_account_is_bound_and_used_but_never_created():
+    children = render(with_("spec.serviceAccountName", "team-ksa"))
+    assert by_kind(children, "ServiceAccount") == []    # not the operator's to create, change or delete
+    [binding] = by_kind(children, "RoleBinding")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "team-ksa", "namespace": "default"}]
+    assert binding["roleRef"]["name"] == by_kind(children, "Role")[0]["metadata"]["name"] == "gemma4-dolly-workload"
+    assert {t["spec"]["serviceAccountName"] for t in _ray_pod_templates(children)} == {"team-ksa"}
+
+
+def test_service_account_annotations_go_on_the_runs_own_account_only():
+    wi = {"iam.gke.io/gcp-service-account": "trainer@my-project.iam.gserviceaccount.com"}
+    children = render(with_("spec.serviceAccountAnnotations", wi, with_("spec.annotations", {"note": "x"})))
+    [sa] = by_kind(children, "ServiceAccount")
+    assert sa["metadata"]["annotations"] == {"note": "x", **wi}
+    others = [c for c in children if c["kind"] != "ServiceAccount"] + _ray_pod_templates(children)
+    assert all("iam.gke.io/gcp-service-account" not in c["metadata"].get("annotations", {}) for c in others)
+
+
+def test_ray_containers_know_their_service_account_and_namespace_from_the_pod():
+    for template in _ray_pod_templates(render(MINIMUM)):
+        env = {e["name"]: e.get("valueFrom") for e in template["spec"]["containers"][0]["env"]}
+        assert env["TPUFT_SERVICE_ACCOUNT"] == {"fieldRef": {"fieldPath": "spec.serviceAccountName"}}
+        assert env["TPUFT_SERVICE_ACCOUNT_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+
+
+# The Cloud Storage FUSE CSI driver's volume attributes, as GKE documents them:
+# https://cloud.google.com/kubernetes-engine/docs/reference/cloud-storage-fuse-csi-driver/volume-attr
+GCSFUSE_VOLUME_ATTRIBUTES = {
+    "bucketName", "mountOptions", "skipCSIBucketAccessCheck", "gcsfuseMetadataPrefetchOnMount", "fileCacheCapacity",
+    "fileCacheForRangeRead", "metadataStatCacheCapacity", "metadataTypeCacheCapacity", "metadataCacheTTLSeconds",
+    "gcsfuseLoggingSeverity", "disableMetrics", "enableCloudProfilerForSidecar"}
+
+
+def test_the_gcsfuse_example_mounts_a_documented_volume_on_every_ray_pod_and_asks_for_the_sidecar():
+    children = render(yaml.safe_load((EXAMPLES / "gke-gcsfuse.yaml").read_text()))
+    for template in _ray_pod_templates(children):
+        [volume] = [v for v in template["spec"]["volumes"] if v["name"] == builders.CHECKPOINT_VOLUME]
+        csi = volume["csi"]
+        assert csi["driver"] == "gcsfuse.csi.storage.gke.io" and set(csi["volumeAttributes"]) <= GCSFUSE_VOLUME_ATTRIBUTES
+        # GKE's form: comma-separated, no spaces; a config field as section:key:value
+        options = csi["volumeAttributes"]["mountOptions"].split(",")
+        assert all(o and " " not in o for o in options) and "implicit-dirs" in options
+        assert template["metadata"]["annotations"] == {"gke-gcsfuse/volumes": "true"}   # else no sidecar, no mount
+    assert all("gke-gcsfuse/volumes" not in c["metadata"].get("annotations", {}) for c in children)   # pods only
+
+
+def test_no_gcsfuse_annotation_without_a_gcsfuse_volume():
+    pvc = with_("spec.checkpoint", {"storagePath": "/ckpt", "volume": {"persistentVolumeClaim": {"claimName": "f"}}})
+    assert all("annotations" not in t["metadata"] for t in _ray_pod_templates(render(pvc)))
 
 
 def test_labels_annotations_and_kueue_queue_pass_through():

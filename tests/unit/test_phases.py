@@ -309,6 +309,50 @@ def test_verification_failures_never_start_training(status, reason):
     assert cond(d, c.Condition.TRAINING_SUCCEEDED)["status"] == "Unknown"
 
 
+STORAGE_ERROR = ("checkpoint storage path gs://bkt/ckpt/team-a-ft-u-1 is not writable (403 Forbidden): principal "
+                 "principal://iam.googleapis.com/.../subject/ns/team-a/sa/ft-workload lacks storage.objects.create")
+
+
+@pytest.mark.parametrize("seconds", [5, 45])   # the verify job's check took seconds: status long before 120+60 s
+def test_a_storage_failure_in_verification_fails_as_storage_naming_bucket_and_account(seconds):
+    o, n = verifying(checkpoint={"storagePath": "gs://bkt/ckpt"})
+    o["status"]["verification"] = {"passed": False, "message": f"storage check failed: {STORAGE_ERROR}",
+                                   "storageError": STORAGE_ERROR}
+    failed = {n.verify_job: job(n.verify_job, "FAILED", "Failed", reason="AppFailed")}
+    d = phases.decide(o, Observed(cluster(4, provisioned=True), failed), at(seconds), TUN)
+    assert d.phase == "Failed" and d.status["reason"] == "StorageNotWritable" and d.actions == ()
+    assert STORAGE_ERROR in d.status["message"] and "gs://bkt/ckpt/team-a-ft-u-1" in d.status["message"]
+    assert f"ServiceAccount {NS}/{NAME}-workload" in d.status["message"]
+    assert cond(d, c.Condition.COLLECTIVES_VERIFIED)["reason"] == "StorageNotWritable"
+    assert "CollectiveTimeout" not in d.status["message"] and "never joins" not in d.status["message"]
+
+
+def test_a_verification_without_a_storage_error_still_fails_as_verification():
+    o, n = verifying()
+    o["status"]["verification"] = {"passed": False, "message": "all_reduce mismatch", "storageError": None}
+    failed = {n.verify_job: job(n.verify_job, "FAILED", "Failed")}
+    d = phases.decide(o, Observed(cluster(4, provisioned=True), failed), at(30), TUN)
+    assert d.status["reason"] == "VerificationFailed"
+
+
+def test_a_storage_refusal_of_the_training_job_fails_as_storage_without_a_retry():
+    o, n = training(training={"maxJobRetries": 2}, serviceAccountName="team-ksa")
+    o["status"]["training"] = {"message": STORAGE_ERROR, "storageError": STORAGE_ERROR}
+    failed = {n.train_job: job(n.train_job, "FAILED", "Failed")}
+    d = phases.decide(o, Observed(cluster(4, provisioned=True), failed), at(100), TUN)
+    assert d.phase == "Failed" and d.status["reason"] == "StorageNotWritable" and d.actions == ()
+    assert STORAGE_ERROR in d.status["message"] and f"ServiceAccount {NS}/team-ksa" in d.status["message"]
+    assert cond(d, c.Condition.TRAINING_SUCCEEDED)["reason"] == "StorageNotWritable"
+
+
+def test_a_run_with_its_own_service_account_binds_it_and_creates_none():
+    d = phases.decide(make(serviceAccountName="team-ksa"), Observed(), at(0), TUN)
+    assert ("create", "ServiceAccount", f"{NAME}-workload") not in kinds(d)
+    binding = next(a.body for a in d.actions if a.kind == "RoleBinding")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "team-ksa", "namespace": NS}]
+    assert d.status["children"]["serviceAccount"] == "team-ksa"
+
+
 @pytest.mark.parametrize("elapsed,failed", [(659, False), (660, True)])
 def test_collective_timeout_at_timeout_plus_grace(elapsed, failed):
     o, n = verifying()

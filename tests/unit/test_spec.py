@@ -89,6 +89,8 @@ BAD = [
     ("spec.checkpoint.storagePath", "gs://", "spec.checkpoint.storagePath", "gs://BUCKET/PATH"),
     ("spec.checkpoint.storagePath", "relative/dir", "spec.checkpoint.storagePath", "absolute path"),
     ("spec.checkpoint.keep", 0, "spec.checkpoint.keep", "should be greater than or equal to 1"),
+    ("spec.checkpoint.storagePath", "s3://bucket/run", "spec.checkpoint.storagePath", "s3:// is not supported"),
+    ("spec.checkpoint.resumeFrom", "s3://bucket/run", "spec.checkpoint.resumeFrom", "copy the data to a gs:// bucket"),
     ("spec.checkpoint.resumeFrom", "relative/run", "spec.checkpoint.resumeFrom", "absolute path"),
     ("spec.checkpoint.resumeFrom", "https://example.com/ckpt", "spec.checkpoint.resumeFrom", "gs://BUCKET/PATH"),
     ("spec.checkpoint.resumeFrom", "gs://", "spec.checkpoint.resumeFrom", "gs://BUCKET/PATH"),
@@ -200,6 +202,59 @@ def test_all_problems_are_reported_in_one_pass_with_where():
     assert str(err.value).startswith("team-a/gemma4-dolly: ")
 
 
+# Every field that takes a gs:// URI (tpuft.spec.URI_FIELD); a query would be read as client options
+# and the run's directory appended after it.
+URI_FIELDS = ("spec.checkpoint.storagePath", "spec.checkpoint.resumeFrom", "spec.model", "spec.dataset.name",
+              "spec.evaluation.name")
+
+
+@pytest.mark.parametrize("path", URI_FIELDS)
+@pytest.mark.parametrize("uri", ["gs://bucket/runs?endpoint_override=http://127.0.0.1:4443",
+                                 "gs://bucket/runs#v2", "gs://bucket?x=1"])
+def test_a_gs_uri_with_a_query_or_fragment_is_refused_naming_the_field(path, uri):
+    doc = with_("spec.evaluation", {"split": "test"}) if path.startswith("spec.evaluation") else MINIMUM
+    with pytest.raises(SpecError) as err:
+        parse(with_(path, uri, base=doc))
+    assert [(p.field, "takes no query (?...) or fragment (#...)" in p.message) for p in err.value.problems] == [
+        (path, True)]
+
+
+@pytest.mark.parametrize("path", URI_FIELDS)
+def test_an_s3_uri_is_refused_saying_what_to_use_instead(path):
+    doc = with_("spec.evaluation", {"split": "test"}) if path.startswith("spec.evaluation") else MINIMUM
+    with pytest.raises(SpecError) as err:
+        parse(with_(path, "s3://bucket/run", base=doc))
+    assert [p.field for p in err.value.problems] == [path] and "copy the data to a gs:// bucket" in str(err.value)
+
+
+@pytest.mark.parametrize("path", URI_FIELDS)
+def test_a_plain_gs_uri_and_a_question_mark_outside_one_are_accepted(path):
+    doc = with_("spec.evaluation", {"split": "test"}) if path.startswith("spec.evaluation") else MINIMUM
+    parse(with_(path, "gs://bucket/runs/a_b-c.d", base=doc))
+    if path not in ("spec.checkpoint.storagePath", "spec.checkpoint.resumeFrom"):   # not a gs:// URI: not ours
+        parse(with_(path, "org/data?v", base=doc))
+
+
+def test_service_account_name_and_its_annotations_are_one_or_the_other():
+    both = with_("spec.serviceAccountName", "team-ksa", with_("spec.serviceAccountAnnotations", {"a": "b"}))
+    with pytest.raises(SpecError) as err:
+        parse(both)
+    assert [p.field for p in err.value.problems] == ["spec.serviceAccountAnnotations"]
+    assert "annotate it yourself" in str(err.value)
+    assert parse(with_("spec.serviceAccountName", "team-ksa")).spec.service_account_name == "team-ksa"
+
+
+@pytest.mark.parametrize("path,value,message", [
+    ("spec.serviceAccountName", "Team_KSA", "should match"),
+    ("spec.serviceAccountAnnotations", {"bad key!": "x"}, "qualified names"),
+    ("spec.serviceAccountAnnotations", ["x"], "map of strings"),
+])
+def test_service_account_fields_are_refused_naming_the_field(path, value, message):
+    with pytest.raises(SpecError) as err:
+        parse(with_(path, value))
+    assert [p.field for p in err.value.problems] == [path] and message in str(err.value)
+
+
 def test_parsed_types_are_frozen():
     t = parse(MINIMUM)
     with pytest.raises(AttributeError):
@@ -207,7 +262,7 @@ def test_parsed_types_are_frozen():
 
 
 @pytest.mark.parametrize("uri", ["gs://my-bucket/ckpt/default-demo-uid/checkpoint_step_0000099",
-                                 "s3://bucket/run", "/mnt/ckpt/default-demo-uid"])
+                                 "/mnt/ckpt/default-demo-uid"])
 def test_resume_from_accepts_what_the_storage_layer_reads(uri):
     assert parse(with_("spec.checkpoint.resumeFrom", uri)).spec.checkpoint.resume_from == uri
     assert parse(MINIMUM).spec.checkpoint.resume_from is None

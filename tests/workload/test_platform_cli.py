@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -147,6 +151,9 @@ def test_status_reporter_writes_status_subresource(kubeconfig, namespace, kube_a
     monkeypatch.setenv("TPUFT_NAMESPACE", namespace)
     monkeypatch.setenv("TPUFT_NAME", "status-test")
     r = StatusReporter()
+    assert r.verification({"passed": False, "ranks": 2, "message": "storage check failed: x", "storageError": "x"})
+    stored = api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "status-test")["status"]
+    assert stored["verification"]["storageError"] == "x"   # the CRD keeps it (an undeclared key is pruned)
     assert r.verification({"passed": True, "ranks": 2, "hosts": 1, "allReduceSum": 3.0, "expectedSum": 3.0,
                            "maxAbsDiff": 2e-7, "seconds": 4.2, "message": "ok", "extra": "dropped"})
     assert r.training(epoch=1, epochs=3, step=10, totalSteps=30, loss=2.5, tokensPerSecond=100.0,
@@ -157,7 +164,8 @@ def test_status_reporter_writes_status_subresource(kubeconfig, namespace, kube_a
         r.training(phase="Succeeded")
     status = api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "status-test")["status"]
     assert status["phase"] == "Training"
-    assert set(status["verification"]) == set(VERIFICATION_KEYS)
+    # every key, but a passing verification's storageError: sent as null, it clears the earlier one
+    assert set(status["verification"]) == set(VERIFICATION_KEYS) - {"storageError"}
     assert status["verification"]["allReduceSum"] == 3.0
     assert set(status["training"]) <= set(TRAINING_KEYS)
     assert status["training"]["epoch"] == 1 and status["training"]["step"] == 20
@@ -198,3 +206,47 @@ def test_tpu_scaling_config_passes_ray_validation(acc, topo, slices, workers, ra
     sc = train.scaling_config(target)
     assert (sc.use_tpu, sc.topology, sc.accelerator_type, sc.num_workers, sc.resources_per_worker) == \
         (True, topo, ray_type, workers, {"TPU": 1})
+
+
+# --- the run's storage, checked before any TPU work; its own status key (reason StorageNotWritable) ---
+
+def _storage_cli(command: str, storage: str, env: dict) -> tuple[subprocess.CompletedProcess, dict]:
+    """`python -m tpuft_workload <command>` as the operator's RayJob runs it, with an unwritable storage path."""
+    from tests.factories import MINIMUM
+    from tpuft import builders, spec as speclib
+
+    doc = {**MINIMUM, "metadata": {"name": "st", "namespace": "storage", "uid": "u"},
+           "spec": {**MINIMUM["spec"], "accelerator": "cpu", "topology": "2", "model": "builtin:tiny-llama",
+                    "dataset": {"name": "builtin:dolly-mini"}, "checkpoint": {"storagePath": storage}}}
+    entrypoint = (builders.verify_entrypoint if command == "verify" else builders.train_entrypoint)(speclib.parse(doc))
+    argv = shlex.split(entrypoint)[3:]   # after python -m tpuft_workload
+    argv[argv.index("--log-file") + 1] = os.devnull
+    proc = subprocess.run([sys.executable, "-m", "tpuft_workload", *argv], capture_output=True, text=True, timeout=120,
+                          # os.environ: the status recorder's KUBECONFIG; env: the session's Ray token
+                          env={**os.environ, **env, "TPUFT_NAMESPACE": "storage", "TPUFT_NAME": "st"})
+    prefix = "TPUFT_VERIFY_RESULT " if command == "verify" else "TPUFT_TRAIN_RESULT "
+    line = next(x for x in proc.stdout.splitlines() if x.startswith(prefix))
+    return proc, json.loads(line[len(prefix):])
+
+
+def test_verify_refuses_an_unwritable_storage_before_ray_and_reports_it_as_storage(tmp_path, ray_auth_env,
+                                                                                     status_recorder):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    status_recorder.take()
+    proc, result = _storage_cli("verify", str(blocker), ray_auth_env)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert result["passed"] is False and str(blocker) in result["storageError"]
+    assert "Started a local Ray instance" not in proc.stderr + proc.stdout   # no slice time spent
+    [patch] = status_recorder.take("verification")
+    assert patch["storageError"] == result["storageError"] and patch["passed"] is False
+
+
+def test_train_refuses_an_unwritable_storage_and_reports_it_as_storage(tmp_path, ray_auth_env, status_recorder):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    status_recorder.take()
+    proc, result = _storage_cli("train", str(blocker), ray_auth_env)
+    assert proc.returncode == 1 and "not writable" in result["error"], proc.stderr[-2000:]
+    [patch] = status_recorder.take("training")
+    assert patch["storageError"] == patch["message"] == result["error"]

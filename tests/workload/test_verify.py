@@ -28,7 +28,8 @@ def test_two_cpu_workers_pass_with_the_right_sum_and_parity(ray_cluster, topolog
     assert res.max_abs_diff < 1e-5                     # gloo TP vs single-device reference
     status = res.to_status()
     assert set(status) == {"passed", "ranks", "hosts", "allReduceSum", "expectedSum", "maxAbsDiff",
-                           "seconds", "message"}
+                           "seconds", "message", "storageError"}
+    assert status["storageError"] is None   # patched as null: clears an earlier verification's
 
 
 def test_a_hung_rank_ends_in_a_timeout_failure_within_its_bound(ray_cluster, status_recorder):

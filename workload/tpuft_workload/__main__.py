@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--collective-timeout-seconds", type=float, default=None,
                    help="bound on the collectives alone, counted once every worker has started "
                         "(default: what is left of --timeout-seconds)")
+    v.add_argument("--run-name", default=None,
+                   help="with --spec's checkpoint.storagePath: first check that the run's directory there can "
+                        "be written (the operator passes the training job's run name)")
 
     t = sub.add_parser("train", help="fine-tune a causal LM with Ray Train (TorchTrainer + FSDP2, or JaxTrainer)")
     _add_common(t)
@@ -148,6 +151,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Command, Target]:
     try:
         doc = _document(args)
         sections = speclib.TRAINING_SECTIONS if args.command == "train" else speclib.VERIFICATION_SECTIONS
+        if args.command == "verify" and args.run_name:   # the storage check reads spec.checkpoint
+            sections = (*sections, "checkpoint")
         run = speclib.parse_run(doc, sections)
         target = resolve_target(run.accelerator, run.topology, run.slices)
     except speclib.SpecError as e:
@@ -195,24 +200,24 @@ def _run(command: Command, target: Target) -> int:
     if command.name == "verify":
         from tpuft_workload import verify
 
-        _ray_init()
-        res = verify.run_verification(target, float(run.verification.timeout_seconds), faults.from_env(),
-                                       command.collective_timeout_seconds)
+        error = _storage_error(run.checkpoint.storage_path, command.run_name) if command.run_name else None
+        if error is not None:   # before Ray reserves the slice: a storage problem is not the slice's
+            res = verify.storage_refused(target.world_size, error)
+        else:
+            _ray_init()
+            res = verify.run_verification(target, float(run.verification.timeout_seconds), faults.from_env(),
+                                           command.collective_timeout_seconds)
         verify.print_result(res)
         StatusReporter().verification(res.to_status())
         return res.exit_code
 
-    from tpuft_workload import checkpoint, train
+    from tpuft_workload import train
 
     storage_path = run.checkpoint.storage_path
-    try:  # before Ray and any worker: a bad storage path fails in seconds, with its name
-        if run.training.framework == TrainingFramework.JAX.value:
-            from tpuft_workload import jax_checkpoint
-
-            jax_checkpoint.check_storage(storage_path)
-        checkpoint.check_writable(checkpoint.join(storage_path, command.run_name))
-    except checkpoint.StorageError as e:
-        return _refuse(str(e))
+    # before Ray and any worker: a bad storage path fails in seconds, with its name
+    error = _storage_error(storage_path, command.run_name, run.training.framework == TrainingFramework.JAX.value)
+    if error is not None:
+        return _refuse(error)
     _ray_init()
     if run.training.framework == TrainingFramework.JAX.value:
         from tpuft_workload import jax_train  # the torch path never imports jax
@@ -221,12 +226,29 @@ def _run(command: Command, target: Target) -> int:
     return train.run_training(command, target, faults.from_env())
 
 
+def _storage_error(storage_path: str, run_name: str, jax: bool = False) -> str | None:
+    """Why the run's directory under storage_path cannot be written (checkpoint.StorageError's message:
+    the bucket and the identity named), or None. jax: Orbax's own filesystem layer is checked too."""
+    from tpuft_workload import checkpoint
+
+    try:
+        if jax:
+            from tpuft_workload import jax_checkpoint
+
+            jax_checkpoint.check_storage(storage_path)
+        checkpoint.check_writable(checkpoint.join(storage_path, run_name))
+    except checkpoint.StorageError as e:
+        return str(e)
+    return None
+
+
 def _refuse(error: str) -> int:
-    """A run refused before Ray starts: the result line (and the status message, when reporting)."""
+    """A run refused before Ray starts, its storage not writable: the result line, and status.training's
+    message and storageError when reporting (the operator's reason StorageNotWritable)."""
     from tpuft_workload.report import StatusReporter
     from tpuft_workload.train import RESULT_PREFIX
 
-    StatusReporter().training(message=error)
+    StatusReporter().training(message=error, storageError=error)
     print(f"{RESULT_PREFIX} " + json.dumps({"succeeded": False, "error": error}), flush=True)
     return 1
 

@@ -10,7 +10,7 @@ from tpuft.spec import Run
 class Command:
     name: str                       # verify or train
     run: Run
-    run_name: str = ""              # train: the run's directory under checkpoint.storagePath
+    run_name: str = ""              # the run's directory under checkpoint.storagePath (verify: checked only)
     log_file: str | None = None
     collective_timeout_seconds: float | None = None   # verify
     # train: submitted beside a re-verification (after a lost host); the trainer starts once it passed

@@ -20,14 +20,17 @@ import re
 import urllib.request
 from dataclasses import dataclass
 
+from tpuft import constants as c
+
 # Transient errors are retried this long at run time (a checkpoint upload during a GCS blip); the
 # probe before Ray starts gives up sooner, so a missing credential or bucket fails in seconds.
 RETRY_LIMIT_S = 60.0
 PROBE_RETRY_LIMIT_S = 5.0
 GCS_SCHEME = "gs://"
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
-ENV_SERVICE_ACCOUNT = "TPUFT_SERVICE_ACCOUNT"   # the pod's KSA name, when no token is mounted
-ENV_NAMESPACE = "TPUFT_NAMESPACE"
+# the pod's KSA and its namespace, which the operator sets from the downward API (read when no token is mounted)
+ENV_SERVICE_ACCOUNT = c.SERVICE_ACCOUNT_ENV
+ENV_NAMESPACE = c.SERVICE_ACCOUNT_NAMESPACE_ENV
 BUCKET_ROLE = "roles/storage.objectUser"        # read, write and delete objects; no bucket admin
 METADATA_ROOT = "metadata.google.internal"
 METADATA_TIMEOUT_S = 2.0

@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tpuft_workload import faults as faultlib
 from tpuft_workload.verify_result import (  # noqa: F401  (re-exported: the CLI and tests use them)
-    EXIT_FAILED, EXIT_PASSED, EXIT_TIMEOUT, RESULT_PREFIX, VerifyResult, print_result)
+    EXIT_FAILED, EXIT_PASSED, EXIT_TIMEOUT, RESULT_PREFIX, VerifyResult, print_result, storage_refused)
 from tpuft_workload.platform import Target, missing_tpu_env, tpu_env_error
 
 log = logging.getLogger(__name__)

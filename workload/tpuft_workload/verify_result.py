@@ -24,6 +24,7 @@ class VerifyResult:
     message: str = ""
     timed_out: bool = False
     per_rank: list = field(default_factory=list)
+    storage_error: str | None = None   # the run's storage failed its check: nothing else ran
 
     @property
     def all_reduce_sum(self) -> float | None:
@@ -49,6 +50,7 @@ class VerifyResult:
             v.MAX_ABS_DIFF.value: self.max_abs_diff,
             v.SECONDS.value: round(self.seconds, 3),
             v.MESSAGE.value: self.message,
+            v.STORAGE_ERROR.value: self.storage_error,   # None clears an earlier verification's
         }
 
     def to_json_line(self) -> str:
@@ -56,6 +58,12 @@ class VerifyResult:
         body["allReduceSums"] = self.all_reduce_sums
         body["timedOut"] = self.timed_out
         return f"{RESULT_PREFIX} {json.dumps(body, sort_keys=True)}"
+
+
+def storage_refused(ranks: int, error: str) -> VerifyResult:
+    """The verdict when the run's storage cannot be written: failed before any TPU work, with the
+    storage layer's message (the operator's reason StorageNotWritable, not a collective's)."""
+    return VerifyResult(passed=False, ranks=ranks, message=f"storage check failed: {error}", storage_error=error)
 
 
 def print_result(res: VerifyResult) -> None:
