@@ -25,20 +25,68 @@ FROZEN_REPLICATED = ("embed_tokens_per_layer",)
 TOWERS = ("vision_config", "audio_config")
 
 
-def _local_copy(uri: str) -> str:
-    """gs://... -> a local directory (downloaded once per host, under a file lock)."""
-    if "://" not in uri:
-        return uri
-    from tpuft_workload.checkpoint import download_dir
+# The weights' files, left in the bucket by _small_files: the sharded load reads them in place.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
 
-    root = Path(os.environ.get("TPUFT_MODEL_CACHE", "/tmp/tpuft-model-cache")) / hashlib.sha256(uri.encode()).hexdigest()[:16]
+
+class ModelNotFound(FileNotFoundError):
+    """spec.model names a gs:// folder that does not exist or holds no object."""
+
+
+def _model_files(uri: str, recursive: bool) -> tuple:
+    """(filesystem, the folder's path in it, the FileInfos of its files) of a model folder URI;
+    ModelNotFound with the URI when there is no such folder."""
+    import pyarrow.fs as pafs
+
+    fs, path = pafs.FileSystem.from_uri(uri)
+    kind = fs.get_file_info(path).type
+    if kind == pafs.FileType.File:
+        raise ModelNotFound(f"spec.model {uri} is an object, not a folder: name the folder that holds config.json "
+                            "and the safetensors")
+    files = [] if kind == pafs.FileType.NotFound else [
+        info for info in fs.get_file_info(pafs.FileSelector(path, recursive=recursive)) if info.is_file]
+    if not files:
+        raise ModelNotFound(f"spec.model {uri} not found: no object at or under it (check the bucket and the path, "
+                            f"e.g. gcloud storage ls {uri})")
+    return fs, path.rstrip("/"), files
+
+
+def _download_once(uri: str, kind: str, wanted) -> str:
+    """The files of the model folder `uri` that `wanted(FileInfo)` keeps, downloaded once per host
+    (under a file lock: a host's ranks share one copy) into a folder named for the URI and `kind`."""
+    import pyarrow.fs as pafs
+
+    cache = Path(os.environ.get("TPUFT_MODEL_CACHE", "/tmp/tpuft-model-cache"))
+    root = cache / f"{hashlib.sha256(uri.encode()).hexdigest()[:16]}-{kind}"
     root.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{root}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (root / ".complete").exists():
-            download_dir(uri, str(root))
+            fs, path, files = _model_files(uri, recursive=kind == "whole")
+            for info in files:
+                if wanted(info):
+                    local = root / info.path.removeprefix(path).lstrip("/")
+                    local.parent.mkdir(parents=True, exist_ok=True)
+                    pafs.copy_files(info.path, str(local), source_filesystem=fs)
             (root / ".complete").touch()
     return str(root)
+
+
+def _local_copy(uri: str) -> str:
+    """gs://... -> a local folder with every file of it (downloaded once per host): for readers
+    that want the whole model on disk (serving, the JAX path, a checkpoint without safetensors)."""
+    if "://" not in uri:
+        return uri
+    return _download_once(uri, "whole", lambda info: True)
+
+
+def _small_files(uri: str) -> str:
+    """gs://... -> a local folder with the model folder's own small files (config, tokenizer,
+    generation config, chat template, the safetensors index), not its weights nor its subfolders:
+    what from_pretrained's config and tokenizer readers need, when the weights are read in place."""
+    if "://" not in uri:
+        return uri
+    return _download_once(uri, "small", lambda info: not info.base_name.endswith(WEIGHT_SUFFIXES))
 
 
 def load_tokenizer(model_ref: str):
@@ -48,7 +96,7 @@ def load_tokenizer(model_ref: str):
         return build_tokenizer()
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(_local_copy(model_ref))
+    tok = AutoTokenizer.from_pretrained(_small_files(model_ref))
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token  # pads are label-masked and sit only at the end of rows
     return with_template(tok)   # trained and served through the same template
@@ -72,27 +120,39 @@ def load_model(model_ref: str, tokenizer, platform: Platform, seed: int):
 
 
 def weights_dir(model_ref: str) -> str:
-    """A from_pretrained() folder on this host for a local path, a gs:// URI (downloaded once per
-    host: _local_copy) or a hub id (huggingface_hub's cache, shared by the host's ranks)."""
+    """A from_pretrained() folder on this host for a local path, a gs:// URI (downloaded whole, once
+    per host: _local_copy) or a hub id (huggingface_hub's cache, shared by the host's ranks)."""
     path = _local_copy(model_ref)
-    if os.path.isdir(path):
-        return path
+    return path if os.path.isdir(path) else _hub_snapshot(model_ref)
+
+
+def weights_location(model_ref: str) -> str:
+    """Where the sharded load (sharded_load.fill) reads the weights: a gs:// URI as it is (each
+    rank reads its rows' byte ranges from the bucket: no host copies the model), a local folder,
+    or a hub id's snapshot (huggingface_hub's cache, shared by the host's ranks)."""
+    if "://" in model_ref or os.path.isdir(model_ref):
+        return model_ref
+    return _hub_snapshot(model_ref)
+
+
+def _hub_snapshot(model_ref: str) -> str:
     from huggingface_hub import snapshot_download
 
     return snapshot_download(model_ref, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
 
 
-def empty_model(path: str, platform: Platform):
-    """The module tree of the saved model in `path` (weights_dir's) with its parameters on the meta
-    device, to be filled shard by shard once sharded (`shard`, then sharded_load.fill(model, path)).
-    None for a folder without safetensors (then load_model reads it whole)."""
+def empty_model(location: str, platform: Platform):
+    """The module tree of the saved model at `location` (weights_location's: a folder or a gs://
+    URI) with its parameters on the meta device, to be filled shard by shard once sharded (`shard`,
+    then sharded_load.fill(model, location)). None for a folder without safetensors (then
+    load_model reads it whole)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from tpuft_workload import sharded_load
 
-    if not sharded_load.loadable(path):
+    if not sharded_load.loadable(location):
         return None
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(_small_files(location))
     for tower in _text_only(config):
         setattr(config, tower, None)
     with sharded_load.parameters_on_meta():
@@ -119,7 +179,7 @@ def meta_model(model_ref: str):
             return build_model(len(load_tokenizer(model_ref)))
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(_local_copy(model_ref))
+    config = AutoConfig.from_pretrained(_small_files(model_ref))
     for tower in _text_only(config):
         setattr(config, tower, None)
     with torch.device("meta"):
