@@ -14,6 +14,7 @@ import json
 import math
 import os
 import struct
+import warnings
 from typing import Any
 
 INDEX = "model.safetensors.index.json"
@@ -93,6 +94,13 @@ class SafetensorsFile:
             raise ShardedLoadError(f"{self.label} not found: the checkpoint folder lacks a weight file "
                                    f"(upload it, or point spec.model at a complete folder)") from e
         try:
+            # pyarrow's GCS file starts a download of the whole object at open, for sequential
+            # reads we never make; it pulls bytes until a TCP window fills (tens of MB on a
+            # connection a large read widened). Seeking to the last byte replaces it with a
+            # 1-byte one; every read here is a bounded read_at of its own.
+            size = self.handle.size()
+            if size:
+                self.handle.seek(size - 1)
             length = struct.unpack("<Q", self._read(0, 8, "the header length"))[0]
             self.header = json.loads(self._read(8, length, "the header"))
         except Exception:
@@ -110,13 +118,13 @@ class SafetensorsFile:
     def close(self) -> None:
         self.handle.close()
 
-    def _read(self, offset: int, count: int, what: str, into: bytearray | None = None) -> bytes | bytearray:
-        buffer = into if into is not None else bytearray(count)
-        self.handle.seek(offset)
-        got = self.handle.readinto(buffer) if count else 0
-        if got != count:
-            raise ShardedLoadError(f"{self.label} ends inside {what} (byte {offset + got} of the {offset + count} "
-                                   "needed): the file is truncated; upload it again")
+    def _read(self, offset: int, count: int, what: str):
+        """Bytes [offset, offset + count) of the file, one bounded ranged read (read_at: a seek then
+        a read would open a stream to the end of a GCS object and pull bytes nobody reads)."""
+        buffer = self.handle.read_at(count, offset)
+        if len(buffer) != count:
+            raise ShardedLoadError(f"{self.label} ends inside {what} (byte {offset + len(buffer)} of the "
+                                   f"{offset + count} needed): the file is truncated; upload it again")
         return buffer
 
     def read_into(self, name: str, target, start: int | None) -> int:
@@ -138,8 +146,10 @@ class SafetensorsFile:
         row = math.prod(shape[1:]) * dtype.itemsize
         size = count * row
         if size:
-            buffer = self._read(self.base + entry["data_offsets"][0] + first * row, size, name, bytearray(size))
-            target.copy_(torch.frombuffer(buffer, dtype=dtype).view(target.shape))
+            buffer = self._read(self.base + entry["data_offsets"][0] + first * row, size, name)
+            with warnings.catch_warnings():   # read_at gives bytes (read-only); they are only copied from
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                target.copy_(torch.frombuffer(buffer, dtype=dtype).view(target.shape))
         return size
 
 
