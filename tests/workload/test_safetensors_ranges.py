@@ -274,3 +274,17 @@ def test_a_missing_model_folder_says_not_found_with_its_uri(tmp_path, monkeypatc
     with pytest.raises(modellib.ModelNotFound, match="is an object, not a folder"):
         modellib._small_files((tmp_path / "model.safetensors").as_uri())
     assert modellib.weights_location("gs://bucket/model") == "gs://bucket/model"   # read in place, not copied
+
+
+def test_a_whole_copy_still_holds_every_file_for_the_readers_that_want_one(tmp_path, monkeypatch):
+    """Serving, the JAX path and a checkpoint without safetensors read a local folder: _local_copy
+    downloads the whole of it, subfolders included, once per host."""
+    monkeypatch.setenv("TPUFT_MODEL_CACHE", str(tmp_path / "cache"))
+    _save(tmp_path / "model", "10MB")
+    uri = (tmp_path / "model").as_uri()
+    source = sorted(str(p.relative_to(tmp_path / "model")) for p in (tmp_path / "model").rglob("*") if p.is_file())
+    whole = Path(modellib._local_copy(uri))
+    assert sorted(str(p.relative_to(whole)) for p in whole.rglob("*") if p.is_file() and p.name != ".complete") == source
+    small = Path(modellib._small_files(uri))
+    assert sorted(p.name for p in small.iterdir() if p.name != ".complete") == [
+        name for name in source if "/" not in name and not name.endswith(".safetensors")]

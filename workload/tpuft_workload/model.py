@@ -34,8 +34,8 @@ class ModelNotFound(FileNotFoundError):
 
 
 def _model_files(uri: str, recursive: bool) -> tuple:
-    """(filesystem, the folder's path in it, the FileInfos of its files) of a model folder URI;
-    ModelNotFound with the URI when there is no such folder."""
+    """(filesystem, the FileInfos of its files; with `recursive`, its subfolders' too) of a model
+    folder URI; ModelNotFound with the URI when there is no such folder."""
     import pyarrow.fs as pafs
 
     fs, path = pafs.FileSystem.from_uri(uri)
@@ -48,26 +48,19 @@ def _model_files(uri: str, recursive: bool) -> tuple:
     if not files:
         raise ModelNotFound(f"spec.model {uri} not found: no object at or under it (check the bucket and the path, "
                             f"e.g. gcloud storage ls {uri})")
-    return fs, path.rstrip("/"), files
+    return fs, files
 
 
-def _download_once(uri: str, kind: str, wanted) -> str:
-    """The files of the model folder `uri` that `wanted(FileInfo)` keeps, downloaded once per host
-    (under a file lock: a host's ranks share one copy) into a folder named for the URI and `kind`."""
-    import pyarrow.fs as pafs
-
+def _download_once(uri: str, kind: str, download) -> str:
+    """`download(uri, folder)` run once per host (under a file lock: a host's ranks share one copy)
+    into a folder named for the URI and `kind`; that folder."""
     cache = Path(os.environ.get("TPUFT_MODEL_CACHE", "/tmp/tpuft-model-cache"))
     root = cache / f"{hashlib.sha256(uri.encode()).hexdigest()[:16]}-{kind}"
     root.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{root}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (root / ".complete").exists():
-            fs, path, files = _model_files(uri, recursive=kind == "whole")
-            for info in files:
-                if wanted(info):
-                    local = root / info.path.removeprefix(path).lstrip("/")
-                    local.parent.mkdir(parents=True, exist_ok=True)
-                    pafs.copy_files(info.path, str(local), source_filesystem=fs)
+            download(uri, root)
             (root / ".complete").touch()
     return str(root)
 
@@ -77,7 +70,13 @@ def _local_copy(uri: str) -> str:
     that want the whole model on disk (serving, the JAX path, a checkpoint without safetensors)."""
     if "://" not in uri:
         return uri
-    return _download_once(uri, "whole", lambda info: True)
+    from tpuft_workload.checkpoint import download_dir
+
+    def whole(uri: str, root: Path) -> None:
+        _model_files(uri, recursive=True)   # a missing folder says so, instead of copying nothing
+        download_dir(uri, str(root))
+
+    return _download_once(uri, "whole", whole)
 
 
 def _small_files(uri: str) -> str:
@@ -86,7 +85,16 @@ def _small_files(uri: str) -> str:
     what from_pretrained's config and tokenizer readers need, when the weights are read in place."""
     if "://" not in uri:
         return uri
-    return _download_once(uri, "small", lambda info: not info.base_name.endswith(WEIGHT_SUFFIXES))
+    import pyarrow.fs as pafs
+
+    def small(uri: str, root: Path) -> None:
+        fs, files = _model_files(uri, recursive=False)
+        root.mkdir(parents=True, exist_ok=True)
+        for info in files:
+            if not info.base_name.endswith(WEIGHT_SUFFIXES):
+                pafs.copy_files(info.path, str(root / info.base_name), source_filesystem=fs)
+
+    return _download_once(uri, "small", small)
 
 
 def load_tokenizer(model_ref: str):
