@@ -107,7 +107,6 @@ class SafetensorsFile:
             self.handle.close()
             raise
         self.base = 8 + length
-        self.header_bytes = self.base
 
     def __enter__(self) -> SafetensorsFile:
         return self
