@@ -26,25 +26,90 @@ FROZEN_REPLICATED = ("embed_tokens_per_layer",)
 TOWERS = ("vision_config", "audio_config")
 
 
-def _local_copy(uri: str) -> str:
-    """gs://... -> a local directory (downloaded once per host, under a file lock); builtin:tiny-chat
-    -> its folder (built once per host, or found in the image)."""
-    if uri == BUILTIN_CHAT_MODEL:
-        from tpuft_workload.tiny_chat import folder
+# The weights' files, left in the bucket by _small_files: the sharded load reads them in place.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
 
-        return folder()
-    if "://" not in uri:
-        return uri
-    from tpuft_workload.checkpoint import download_dir
 
-    root = Path(os.environ.get("TPUFT_MODEL_CACHE", "/tmp/tpuft-model-cache")) / hashlib.sha256(uri.encode()).hexdigest()[:16]
+class ModelNotFound(FileNotFoundError):
+    """spec.model names a gs:// folder that does not exist or holds no object."""
+
+
+def _model_files(uri: str, recursive: bool) -> tuple:
+    """(filesystem, the FileInfos of its files; with `recursive`, its subfolders' too) of a model
+    folder URI; ModelNotFound with the URI when there is no such folder."""
+    import pyarrow.fs as pafs
+
+    fs, path = pafs.FileSystem.from_uri(uri)
+    kind = fs.get_file_info(path).type
+    if kind == pafs.FileType.File:
+        raise ModelNotFound(f"spec.model {uri} is an object, not a folder: name the folder that holds config.json "
+                            "and the safetensors")
+    files = [] if kind == pafs.FileType.NotFound else [
+        info for info in fs.get_file_info(pafs.FileSelector(path, recursive=recursive)) if info.is_file]
+    if not files:
+        raise ModelNotFound(f"spec.model {uri} not found: no object at or under it (check the bucket and the path, "
+                            f"e.g. gcloud storage ls {uri})")
+    return fs, files
+
+
+def _download_once(uri: str, kind: str, download) -> str:
+    """`download(uri, folder)` run once per host (under a file lock: a host's ranks share one copy)
+    into a folder named for the URI and `kind`; that folder."""
+    cache = Path(os.environ.get("TPUFT_MODEL_CACHE", "/tmp/tpuft-model-cache"))
+    root = cache / f"{hashlib.sha256(uri.encode()).hexdigest()[:16]}-{kind}"
     root.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{root}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (root / ".complete").exists():
-            download_dir(uri, str(root))
+            download(uri, root)
             (root / ".complete").touch()
     return str(root)
+
+
+def _builtin_folder(uri: str) -> str:
+    """builtin:tiny-chat -> its folder (built once per host, or found in the image); any other
+    reference as it is."""
+    if uri == BUILTIN_CHAT_MODEL:
+        from tpuft_workload.tiny_chat import folder
+
+        return folder()
+    return uri
+
+
+def _local_copy(uri: str) -> str:
+    """gs://... -> a local folder with every file of it (downloaded once per host): for readers
+    that want the whole model on disk (serving, the JAX path, a checkpoint without safetensors);
+    builtin:tiny-chat -> its folder."""
+    uri = _builtin_folder(uri)
+    if "://" not in uri:
+        return uri
+    from tpuft_workload.checkpoint import download_dir
+
+    def whole(uri: str, root: Path) -> None:
+        _model_files(uri, recursive=True)   # a missing folder says so, instead of copying nothing
+        download_dir(uri, str(root))
+
+    return _download_once(uri, "whole", whole)
+
+
+def _small_files(uri: str) -> str:
+    """gs://... -> a local folder with the model folder's own small files (config, tokenizer,
+    generation config, chat template, the safetensors index), not its weights nor its subfolders:
+    what from_pretrained's config and tokenizer readers need, when the weights are read in place.
+    builtin:tiny-chat -> its folder."""
+    uri = _builtin_folder(uri)
+    if "://" not in uri:
+        return uri
+    import pyarrow.fs as pafs
+
+    def small(uri: str, root: Path) -> None:
+        fs, files = _model_files(uri, recursive=False)
+        root.mkdir(parents=True, exist_ok=True)
+        for info in files:
+            if not info.base_name.endswith(WEIGHT_SUFFIXES):
+                pafs.copy_files(info.path, str(root / info.base_name), source_filesystem=fs)
+
+    return _download_once(uri, "small", small)
 
 
 def load_tokenizer(model_ref: str):
@@ -54,7 +119,7 @@ def load_tokenizer(model_ref: str):
         return build_tokenizer()
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(_local_copy(model_ref))
+    tok = AutoTokenizer.from_pretrained(_small_files(model_ref))
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token  # pads are label-masked and sit only at the end of rows
     return with_template(tok)   # trained and served through the same template
@@ -78,27 +143,40 @@ def load_model(model_ref: str, tokenizer, platform: Platform, seed: int):
 
 
 def weights_dir(model_ref: str) -> str:
-    """A from_pretrained() folder on this host for a local path, a gs:// URI (downloaded once per
-    host: _local_copy) or a hub id (huggingface_hub's cache, shared by the host's ranks)."""
+    """A from_pretrained() folder on this host for a local path, a gs:// URI (downloaded whole, once
+    per host: _local_copy) or a hub id (huggingface_hub's cache, shared by the host's ranks)."""
     path = _local_copy(model_ref)
-    if os.path.isdir(path):
-        return path
+    return path if os.path.isdir(path) else _hub_snapshot(model_ref)
+
+
+def weights_location(model_ref: str) -> str:
+    """Where the sharded load (sharded_load.fill) reads the weights: a gs:// URI as it is (each
+    rank reads its rows' byte ranges from the bucket: no host copies the model), a local folder,
+    or a hub id's snapshot (huggingface_hub's cache, shared by the host's ranks)."""
+    model_ref = _builtin_folder(model_ref)
+    if "://" in model_ref or os.path.isdir(model_ref):
+        return model_ref
+    return _hub_snapshot(model_ref)
+
+
+def _hub_snapshot(model_ref: str) -> str:
     from huggingface_hub import snapshot_download
 
     return snapshot_download(model_ref, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
 
 
-def empty_model(path: str, platform: Platform):
-    """The module tree of the saved model in `path` (weights_dir's) with its parameters on the meta
-    device, to be filled shard by shard once sharded (`shard`, then sharded_load.fill(model, path)).
-    None for a folder without safetensors (then load_model reads it whole)."""
+def empty_model(location: str, platform: Platform):
+    """The module tree of the saved model at `location` (weights_location's: a folder or a gs://
+    URI) with its parameters on the meta device, to be filled shard by shard once sharded (`shard`,
+    then sharded_load.fill(model, location)). None for a folder without safetensors (then
+    load_model reads it whole)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from tpuft_workload import sharded_load
 
-    if not sharded_load.loadable(path):
+    if not sharded_load.loadable(location):
         return None
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(_small_files(location))
     for tower in _text_only(config):
         setattr(config, tower, None)
     with sharded_load.parameters_on_meta():
@@ -115,7 +193,7 @@ def base_generation(model_ref: str, config):
 
     if model_ref != BUILTIN_MODEL:
         try:
-            return GenerationConfig.from_pretrained(weights_dir(model_ref))
+            return GenerationConfig.from_pretrained(_small_files(model_ref))
         except OSError:   # the base has none
             pass
     return GenerationConfig.from_model_config(config)
@@ -127,7 +205,7 @@ def base_use_cache(model_ref: str) -> bool:
         return True
     from transformers import AutoConfig
 
-    return bool(getattr(AutoConfig.from_pretrained(weights_dir(model_ref)).get_text_config(), "use_cache", True))
+    return bool(getattr(AutoConfig.from_pretrained(_small_files(model_ref)).get_text_config(), "use_cache", True))
 
 
 def as_served(model, model_ref: str) -> None:
@@ -155,7 +233,7 @@ def meta_model(model_ref: str):
             return build_model(len(load_tokenizer(model_ref)))
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(_local_copy(model_ref))
+    config = AutoConfig.from_pretrained(_small_files(model_ref))
     for tower in _text_only(config):
         setattr(config, tower, None)
     with torch.device("meta"):

@@ -3,8 +3,9 @@
 The module tree is built with its parameters on torch's meta device (nothing allocated; buffers,
 such as the rotary tables, are computed as usual), sharded with FSDP2, given storage for this
 rank's shards only (`to_empty`), then each shard is read from the safetensors files: only the
-rows of dim 0 this rank holds, one byte range of the file each (plain reads, not a memory map),
-so a rank reads and keeps about 1/world of the model. A tied weight is one parameter and is read once; a parameter FSDP2
+rows of dim 0 this rank holds, one byte range of the file each, through a pyarrow filesystem
+(tpuft_workload.safetensors_ranges: a local folder or a gs:// one, read in place), so a rank
+reads and keeps about 1/world of the model. A tied weight is one parameter and is read once; a parameter FSDP2
 does not shard (the frozen, replicated Gemma per-layer table) is read whole. LoRA's adapters are
 not in the base's files: each is initialised whole as PEFT initialises it, from the run's seed, and
 this rank's rows copied in (`_reset_adapters`).
@@ -12,38 +13,24 @@ this rank's rows copied in (`_reset_adapters`).
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
-import json
 import math
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
-
-
-class ShardedLoadError(RuntimeError):
-    """The checkpoint cannot fill the model: which tensors, which files, what to do."""
+from tpuft_workload import safetensors_ranges
+from tpuft_workload.safetensors_ranges import Folder, SafetensorsFile, ShardedLoadError
 
 
-def loadable(path: str) -> bool:
-    """Whether `path` is a directory this module loads from (safetensors, one file or an index)."""
-    folder = Path(path)
-    return (folder / INDEX).is_file() or (folder / SINGLE).is_file()
+def loadable(path: str, filesystem=None) -> bool:
+    """Whether `path` (a local folder or a gs:// URI; with `filesystem`, a path in it) holds a
+    safetensors checkpoint: one file or an index."""
+    return safetensors_ranges.loadable(Folder.at(path, filesystem))
 
 
-def weight_files(path: str) -> dict[str, str]:
-    """{tensor name: its file} of a safetensors checkpoint directory."""
-    folder = Path(path)
-    if (folder / INDEX).is_file():
-        weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
-        return {name: str(folder / file) for name, file in weight_map.items()}
-    from safetensors import safe_open
-
-    with safe_open(str(folder / SINGLE), framework="pt") as f:
-        return {name: str(folder / SINGLE) for name in f.keys()}
+def weight_files(path: str, filesystem=None) -> dict[str, str]:
+    """{tensor name: its file} of a safetensors checkpoint folder (a local folder or a gs:// URI)."""
+    return safetensors_ranges.weight_files(Folder.at(path, filesystem))
 
 
 @contextlib.contextmanager
@@ -99,67 +86,17 @@ def _local_rows(param):
     return local, offset[0]
 
 
-class _SafetensorsFile:
-    """One safetensors file, read by byte range with plain reads: a dim-0 row range of a tensor is
-    one contiguous range of the file, so a rank reads exactly its rows. Not memory-mapped: mapped
-    pages a rank touched would count in its resident memory until the file is closed."""
-
-    def __init__(self, path: str):
-        import struct
-
-        self.path = path
-        self.handle = open(path, "rb", buffering=0)
-        length = struct.unpack("<Q", self.handle.read(8))[0]
-        self.header = json.loads(self.handle.read(length))
-        self.base = 8 + length
-
-    def close(self) -> None:
-        self.handle.close()
-
-    def read_into(self, name: str, target, start: int | None) -> int:
-        """Rows [start, start + len(target)) of tensor `name` (all of it when start is None) copied
-        into `target`; the bytes read."""
-        import torch
-
-        entry = self.header[name]
-        dtype = _dtypes().get(entry["dtype"])
-        if dtype is None:
-            raise ShardedLoadError(f"{name} in {self.path} is {entry['dtype']}, a dtype this loader does not read")
-        shape = tuple(entry["shape"])
-        first, count = (0, shape[0] if shape else 1) if start is None else (start, target.shape[0])
-        wanted = shape if start is None else (count, *shape[1:])
-        if tuple(target.shape) != wanted or first + count > (shape[0] if shape else 1):
-            raise ShardedLoadError(f"{name} in {self.path} has shape {shape}, not the {tuple(target.shape)} this rank "
-                                   "holds: the checkpoint is not of this architecture")
-        row = math.prod(shape[1:]) * dtype.itemsize
-        buffer = bytearray(count * row)
-        if buffer:
-            self.handle.seek(self.base + entry["data_offsets"][0] + first * row)
-            got = self.handle.readinto(buffer)
-            if got != len(buffer):
-                raise ShardedLoadError(f"{self.path} ends inside {name}: the file is truncated; download it again")
-            target.copy_(torch.frombuffer(buffer, dtype=dtype).view(target.shape))
-        return len(buffer)
-
-
-@functools.cache
-def _dtypes() -> dict:
-    """safetensors' dtype names as torch's."""
-    import torch
-
-    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-            "BOOL": torch.bool}
-
-
-def fill(model, path: str, seed: int = 0) -> dict[str, int]:
+def fill(model, path: str, filesystem=None, seed: int = 0) -> dict[str, int]:
     """Every parameter (and every persistent buffer the files hold) of a sharded, materialized
-    model from the safetensors in `path`, each rank reading only its rows; LoRA's adapters
-    initialised from `seed` (`_reset_adapters`). Returns
-    {"tensors": filled, "bytes": read by this rank}. ShardedLoadError names what is missing."""
+    model from the safetensors in `path` (a local folder or a gs:// URI, read in place; with
+    `filesystem`, a path in that pyarrow filesystem), each rank reading only its rows; LoRA's
+    adapters initialised from `seed` (`_reset_adapters`). Returns
+    {"tensors": filled, "bytes": tensor data read by this rank}. ShardedLoadError names what is
+    missing."""
     import torch
 
-    files = weight_files(path)
+    folder = Folder.at(path, filesystem)
+    files = safetensors_ranges.weight_files(folder)
     names: dict[int, list[str]] = {}   # a tied parameter has several names; the files hold one
     params = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -168,9 +105,9 @@ def fill(model, path: str, seed: int = 0) -> dict[str, int]:
     adapters = {id(p) for n, p in model.named_parameters() if _is_adapter(n)}
     missing, read, opened = [], 0, {}
 
-    def file_of(source: str) -> _SafetensorsFile:
+    def file_of(source: str) -> SafetensorsFile:
         if files[source] not in opened:
-            opened[files[source]] = _SafetensorsFile(files[source])
+            opened[files[source]] = SafetensorsFile(folder, files[source])
         return opened[files[source]]
 
     try:

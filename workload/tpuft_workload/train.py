@@ -120,7 +120,7 @@ class _Torch:
         # A saved model is built on the meta device and each rank reads only its shards, below
         # (sharded_load): no rank ever holds the whole model. The builtin is built whole.
         # (the builtin is built whole: it is tiny)
-        weights = None if cfg.model == BUILTIN_MODEL else modellib.weights_dir(cfg.model)
+        weights = None if cfg.model == BUILTIN_MODEL else modellib.weights_location(cfg.model)
         empty = modellib.empty_model(weights, self.plat) if weights is not None else None
         self.model = empty if empty is not None else modellib.load_model(cfg.model, self.tokenizer, self.plat, cfg.seed)
         arch = ckptlib.architecture(self.model)   # the base's: what a resume point must match
