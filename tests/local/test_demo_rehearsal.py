@@ -27,7 +27,7 @@ def _status(reason: str = "CollectiveTimeout", phase: str = "Failed", admitted: 
 
 def _placed(workers: int = WORKERS, simulated: bool = True, flex_start: bool = False) -> dict[str, dict]:
     pool = "gke-v6e-4x4-flex-ab12c-0" if flex_start else "gke-v6e-4x4-0"
-    placed = {f"r-ray-head-x": {"node": "gke-cpu-0", "simulated": True, "flexStart": False, "role": "head"}}
+    placed = {"r-ray-head-x": {"node": "gke-cpu-0", "simulated": True, "flexStart": False, "role": "head"}}
     for h in range(workers):
         placed[f"r-ray-tpu-worker-{h}"] = {"node": f"{pool}-{h}", "simulated": simulated, "flexStart": flex_start,
                                            "role": "worker"}
