@@ -604,7 +604,7 @@ def judge_rehearsal(status: dict, placed: dict[str, dict], workers: int, flex_st
     ProvisioningRequest check), the slice provisioned with its `workers` Ray workers on simulated
     hosts (flex-start ones with flex-start), verification started and ended the way it can only
     end there (EXPECTED_ON_SIMULATED_HOSTS), (with flex-start, its nodes gone once the run is
-    deleted). The first of these that did not happen is the verdict; the order is the run's own."""
+    deleted). The first of these that did not happen, in the order the run goes through them, is the verdict."""
     conds = {x.get("type"): x for x in status.get("conditions") or []}
 
     def holds(cond: c.Condition) -> bool:
