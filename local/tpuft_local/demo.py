@@ -17,7 +17,10 @@ the 4 simulated v6e nodes and reports the RayCluster ready, the operator starts 
 and since nothing executes on simulated hosts the run ends at the verification deadline. With
 `--flex-start` the slice comes through Kueue's ProvisioningRequest check: the run waits for
 capacity, the local stand-in for GKE's queued provisioning makes the flex-start nodes, and they go
-when the run is deleted at the end.
+when the run is deleted at the end. The object's phase is then Failed, as it must be; the demo
+judges the rehearsal (judge_rehearsal) and exits 0 when every step of it happened.
+An object queued to one of the local cluster's LocalQueues gets that LocalQueue in the namespace
+it runs in (--namespace), as `tpuft cluster up` makes it in tpuft-demo.
 Every step says what it is doing; a failing step says which and what to do.
 """
 from __future__ import annotations
@@ -30,6 +33,7 @@ import os
 import secrets
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -58,7 +62,8 @@ class Clock:
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--example", type=Path, default=None, help="TPUFinetune manifest (default: the CPU example)")
-    p.add_argument("--namespace", default=DEMO_NAMESPACE, help="namespace to run it in (created if missing)")
+    p.add_argument("--namespace", default=DEMO_NAMESPACE,
+                   help="namespace to run it in (created if missing, with the local cluster's LocalQueue its object names)")
     p.add_argument("--use-kubeconfig", action="store_true",
                    help="use the cluster in $KUBECONFIG (KubeRay and our operator already installed there)")
     p.add_argument("--down", action="store_true", help="stop the local cluster at the end (keeps its packages)")
@@ -69,7 +74,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                    help="override spec.provisioningTimeoutSeconds (see a slice that never comes up fail fast)")
     p.add_argument("--rehearse-tpu", action="store_true",
                    help="apply examples/v6e-4x4.yaml: 4 workers on the simulated v6e pool; ends at the "
-                        "verification deadline, since nothing runs on simulated hosts")
+                        "verification deadline, since nothing runs on simulated hosts (exit 0 when the rehearsal "
+                        "went as designed)")
     p.add_argument("--flex-start", action="store_true",
                    help="with --rehearse-tpu: get the slice through GKE flex-start (Kueue's ProvisioningRequest check, "
                         "the local stand-in for GKE's queued provisioning); the slice's nodes go at the end")
@@ -246,8 +252,9 @@ def _chat(obj: dict, kubeconfig: str, clock: Clock, questions: list[tuple[str, s
             "exchanges": exchanges, "evalLosses": evals}
 
 
-def _prepare(api_client, manifest: dict, namespace: str, clock: Clock) -> None:
-    """What the object needs beside it: its namespace, its API key Secret, its checkpoint claim."""
+def _prepare(api_client, manifest: dict, namespace: str, clock: Clock, local_cluster: bool) -> None:
+    """What the object needs beside it: its namespace, its Kueue LocalQueue, its API key Secret,
+    its checkpoint claim."""
     from kubernetes import client
     from kubernetes.client.rest import ApiException
 
@@ -255,8 +262,47 @@ def _prepare(api_client, manifest: dict, namespace: str, clock: Clock) -> None:
     with contextlib.suppress(ApiException):   # already there: left as it is, labels included
         core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace, labels=PSA_LABELS)))
     manifest["metadata"]["namespace"] = namespace
+    _ensure_local_queue(client.CustomObjectsApi(api_client), manifest, namespace, clock, local_cluster)
     _ensure_api_key(core, manifest, namespace, clock)
     _hostpath_as_claim(core, manifest, namespace, clock)
+
+
+def _ensure_local_queue(custom, manifest: dict, namespace: str, clock: Clock, local_cluster: bool) -> None:
+    """The LocalQueue the object's kueue.x-k8s.io/queue-name label names must be in its namespace, or
+    Kueue keeps it Queued for good. On the local cluster a queue `tpuft cluster up` makes in the demo
+    namespace (kueue.DEMO_LOCAL_QUEUES) is made here too, the same object; another cluster's queues,
+    or another name, are its admin's: they are looked up, and a missing one is refused."""
+    from kubernetes.client.rest import ApiException
+
+    from tpuft_local import kueue
+
+    queue = ((manifest.get("metadata") or {}).get("labels") or {}).get(c.KUEUE_QUEUE_LABEL)
+    if not queue:
+        return
+    where = f"LocalQueue {namespace}/{queue} (the object's label {c.KUEUE_QUEUE_LABEL})"
+    api = (c.KUEUE_GROUP, c.KUEUE_VERSION, namespace, "localqueues")
+    make = local_cluster and queue in kueue.DEMO_LOCAL_QUEUES
+    try:
+        if make:
+            custom.create_namespaced_custom_object(*api, kueue.demo_local_queue(namespace, queue))
+            print(f"{clock.stamp()}       created {where} -> ClusterQueue {kueue.DEMO_LOCAL_QUEUES[queue]}, "
+                  f"as `tpuft cluster up` makes it in {DEMO_NAMESPACE}", flush=True)
+        else:
+            custom.get_namespaced_custom_object(*api, queue)
+        return
+    except ApiException as e:
+        if e.status == 409:   # made by an earlier run (or by hand): kept as it is
+            return
+        if e.status == 404 and make:
+            raise DemoError(f"cannot create {where}: Kueue's API is not served (a cluster started with "
+                            "`tpuft cluster up --no-kueue`?); start it with Kueue: tpuft cluster down && "
+                            "tpuft cluster up") from None
+        if e.status == 404:
+            known = ", ".join(kueue.DEMO_LOCAL_QUEUES) if local_cluster else ""
+            raise DemoError(f"{where} does not exist, and Kueue would keep the run Queued until it does: create it "
+                            f"in {namespace}, or run in a namespace that has it"
+                            + (f" (the local cluster's queues: {known})" if known else "")) from None
+        raise DemoError(f"cannot {'create' if make else 'read'} {where}: {e.reason}") from None
 
 
 def _apply(api_client, manifest: dict, namespace: str, clock: Clock) -> tuple[str, datetime]:
@@ -365,8 +411,9 @@ def _manifest(args) -> dict:
     return manifest
 
 
-def _release_flex_start(custom, core, namespace: str, name: str, clock: Clock, timeout: float = 180) -> None:
-    """Delete the run and wait (bounded) until the stand-in has removed its flex-start nodes."""
+def _release_flex_start(custom, core, namespace: str, name: str, clock: Clock, timeout: float = 180) -> bool:
+    """Delete the run and wait (bounded) until the stand-in has removed its flex-start nodes:
+    whether they went."""
     from tpuft_local.queued_provisioning import OWNER_LABEL
     with contextlib.suppress(Exception):
         custom.delete_namespaced_custom_object(c.GROUP, c.VERSION, namespace, c.PLURAL, name)
@@ -376,10 +423,11 @@ def _release_flex_start(custom, core, namespace: str, name: str, clock: Clock, t
         left = [n.metadata.name for n in core.list_node(label_selector=OWNER_LABEL).items]
         if not left:
             print(f"{clock.stamp()}   the flex-start nodes are gone", flush=True)
-            return
+            return True
         time.sleep(2)
     print(f"{clock.stamp()}   flex-start nodes still there after {timeout:.0f} s: {', '.join(left)} "
           "(logs: queued-provisioning.log)", file=sys.stderr, flush=True)
+    return False
 
 
 def _cluster(args, clock: Clock):
@@ -400,35 +448,40 @@ def _cluster(args, clock: Clock):
 
 
 class Placement:
-    """Prints once where each of this run's KubeRay pods landed: the real node or a simulated host.
-    A previous run's pods (same names, still shutting down) are older than this run's object."""
+    """Prints once where each of this run's KubeRay pods landed: the real node or a simulated host
+    (a flex-start one: from GKE's queued provisioning, the local stand-in here). A previous run's
+    pods (same names, still shutting down) are older than this run's object."""
 
     def __init__(self, core, namespace: str, clock: Clock, since: datetime):
         self.core, self.namespace, self.clock, self.since = core, namespace, clock, since
         self.placed: dict[str, dict] = {}
-        self._simulated: dict[str, bool] = {}
+        self._nodes: dict[str, tuple[bool, bool]] = {}
 
-    def _is_simulated(self, node: str) -> bool:
-        if node not in self._simulated:
+    def _node(self, node: str) -> tuple[bool, bool]:
+        """(simulated, flex-start) of a node, read once."""
+        if node not in self._nodes:
             from tpuft_local.pools import KWOK_ANNOTATION
             try:
-                annotations = self.core.read_node(node).metadata.annotations or {}
+                meta = self.core.read_node(node).metadata
+                annotations, labels = meta.annotations or {}, meta.labels or {}
             except Exception:  # noqa: BLE001  (a node we may not read is shown as real)
-                annotations = {}
-            self._simulated[node] = KWOK_ANNOTATION in annotations
-        return self._simulated[node]
+                annotations, labels = {}, {}
+            self._nodes[node] = (KWOK_ANNOTATION in annotations, labels.get(c.GKE_FLEX_START_SELECTOR) == "true")
+        return self._nodes[node]
 
     def poll(self) -> None:
         try:
-            pods = self.core.list_namespaced_pod(self.namespace, label_selector="ray.io/node-type").items
+            pods = self.core.list_namespaced_pod(self.namespace, label_selector=c.RAY_NODE_TYPE_LABEL).items
         except Exception:  # noqa: BLE001  (best effort: the phase stream is what matters)
             return
         for pod in pods:
             if (pod.metadata.name in self.placed or not pod.spec.node_name or pod.metadata.deletion_timestamp
                     or pod.metadata.creation_timestamp < self.since):
                 continue
-            simulated = self._is_simulated(pod.spec.node_name)
-            self.placed[pod.metadata.name] = {"node": pod.spec.node_name, "simulated": simulated}
+            simulated, flex_start = self._node(pod.spec.node_name)
+            self.placed[pod.metadata.name] = {"node": pod.spec.node_name, "simulated": simulated,
+                                              "flexStart": flex_start,
+                                              "role": (pod.metadata.labels or {}).get(c.RAY_NODE_TYPE_LABEL)}
             kind = "SIMULATED host (KWOK): nothing executes there" if simulated else "real node"
             print(f"{self.clock.stamp()}   KubeRay pod {pod.metadata.name} -> {pod.spec.node_name} ({kind})",
                   flush=True)
@@ -449,7 +502,7 @@ def run_demo(args: argparse.Namespace) -> int:
             from tpuft_local import demo_gitops
             _step(clock, 2, f"git commit {_example(args).name} to the local repository; Argo CD syncs it "
                             f"(namespace {args.namespace})")
-            _prepare(api_client, manifest, args.namespace, clock)
+            _prepare(api_client, manifest, args.namespace, clock, cluster is not None)
             def say(text: str) -> None:
                 print(f"{clock.stamp()}       {text}", flush=True)
             try:
@@ -458,7 +511,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 raise DemoError(str(e)) from None
         else:
             _step(clock, 2, f"kubectl apply -f {_example(args)} (namespace {args.namespace})")
-            _prepare(api_client, manifest, args.namespace, clock)
+            _prepare(api_client, manifest, args.namespace, clock, cluster is not None)
             name, created = _apply(api_client, manifest, args.namespace, clock)
         _step(clock, 3, "watching status: our operator -> KubeRay -> the kubelet" + (" (and Argo CD)" if view else ""))
         questions = demo_questions(manifest)
@@ -467,11 +520,16 @@ def run_demo(args: argparse.Namespace) -> int:
         polls = [placement.poll, *([view.poll] if view else [])]
         final, losses = stream(custom, args.namespace, name, clock, args.timeout,
                                on_poll=lambda: [poll() for poll in polls])
-        code = _summary(final, losses, placement, clock)
-        if getattr(args, "flex_start", False):
-            _release_flex_start(custom, client.CoreV1Api(api_client), args.namespace, name, clock)
+        released = (_release_flex_start(custom, client.CoreV1Api(api_client), args.namespace, name, clock)
+                    if getattr(args, "flex_start", False) else None)
+        st = final.get("status") or {}
+        ended_well = st.get("phase") == c.Phase.SUCCEEDED.value or serving_ready(st)
+        if args.rehearse_tpu and not ended_well:
+            code = _rehearsal_summary(final, placement, getattr(args, "flex_start", False), released, clock)
+        else:
+            code = _summary(final, losses, placement, clock)
         if view is not None:   # Argo CD's own verdict on the phase the run ended in
-            view.settle("Healthy" if code == 0 else "Degraded")
+            view.settle("Healthy" if ended_well else "Degraded")
         exchange = None
         if code == 0 and serving_ready(final.get("status") or {}):
             exchange = _chat(final, kubeconfig, clock, questions, *base.collect())
@@ -521,6 +579,87 @@ def _summary(obj: dict, losses: list[float], placement: Placement, clock: Clock)
     print(f"  kubectl describe tft {obj['metadata']['name']} -n {obj['metadata']['namespace']}", file=sys.stderr,
           flush=True)
     return 1
+
+
+# How verification ends on simulated hosts, where no Ray worker starts: at its deadline
+# (CollectiveTimeout), or earlier when KubeRay gives the RayJob up because its submitter cannot
+# reach the Ray head (VerificationFailed).
+EXPECTED_ON_SIMULATED_HOSTS = (c.Reason.COLLECTIVE_TIMEOUT.value, c.Reason.VERIFICATION_FAILED.value)
+
+
+@dataclass(frozen=True)
+class RehearsalVerdict:
+    """Whether a `--rehearse-tpu` run went as designed, in one line that says so or says what did not."""
+    as_designed: bool
+    line: str
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.as_designed else 1
+
+
+def judge_rehearsal(status: dict, placed: dict[str, dict], workers: int, flex_start: bool,
+                    nodes_released: bool | None) -> RehearsalVerdict:
+    """A rehearsal is designed to show: (with flex-start, Kueue admitting the slice through the
+    ProvisioningRequest check), the slice provisioned with its `workers` Ray workers on simulated
+    hosts (flex-start ones with flex-start), verification started and ended the way it can only
+    end there (EXPECTED_ON_SIMULATED_HOSTS), (with flex-start, its nodes gone once the run is
+    deleted). The first of these that did not happen, in the order the run goes through them, is the verdict."""
+    conds = {x.get("type"): x for x in status.get("conditions") or []}
+
+    def holds(cond: c.Condition) -> bool:
+        return (conds.get(cond.value) or {}).get("status") == c.ConditionStatus.TRUE.value
+
+    def said(cond: c.Condition) -> str:
+        x = conds.get(cond.value)
+        if x is None:
+            return f"no condition {cond.value}"
+        return f"{cond.value}={x.get('status')}: {x.get('reason')}" + (f": {x['message']}" if x.get("message") else "")
+
+    phase, reason = status.get("phase"), status.get("reason")
+    ended = f"it ended in phase {phase}" + (f": {reason}" if reason else "") + (
+        f": {status['message']}" if status.get("message") else "")
+    pool = "flex-start " if flex_start else ""
+    hosts = sorted(p["node"] for p in placed.values()
+                   if p.get("role") == "worker" and p.get("simulated") and (p.get("flexStart") or not flex_start))
+    if flex_start and not holds(c.Condition.ADMITTED):
+        return RehearsalVerdict(False, f"never admitted: Kueue did not admit the slice through the flex-start check "
+                                       f"({said(c.Condition.ADMITTED)}); {ended}")
+    if not holds(c.Condition.SLICE_PROVISIONED):
+        return RehearsalVerdict(False, f"never provisioned: the slice did not come up ({said(c.Condition.SLICE_PROVISIONED)}); "
+                                       f"{ended}")
+    if len(hosts) < workers:
+        return RehearsalVerdict(False, f"{len(hosts)} of the slice's {workers} Ray workers were placed on simulated "
+                                       f"{pool}hosts ({', '.join(hosts) or 'none'}); {ended}")
+    if phase != c.Phase.FAILED.value or reason not in EXPECTED_ON_SIMULATED_HOSTS:
+        return RehearsalVerdict(False, f"{ended}, not at the end verification can only reach on simulated hosts "
+                                       f"({' or '.join(EXPECTED_ON_SIMULATED_HOSTS)})")
+    if flex_start and nodes_released is not True:
+        return RehearsalVerdict(False, "the flex-start nodes were still there when the demo ended "
+                                       "(logs: queued-provisioning.log)")
+    return RehearsalVerdict(True, "rehearsal complete: " + ("Kueue admitted the slice through the flex-start check, "
+                                                            if flex_start else "")
+                            + f"its {workers} Ray workers ran on SIMULATED {pool}hosts ({', '.join(hosts)}), KubeRay "
+                            "reported the slice ready and verification started"
+                            + (", and the flex-start nodes went with the run" if flex_start else "")
+                            + f" (verification cannot run on simulated hosts: the {reason} is expected)")
+
+
+def _rehearsal_summary(obj: dict, placement: Placement, flex_start: bool, nodes_released: bool | None,
+                       clock: Clock) -> int:
+    """The rehearsal's verdict (judge_rehearsal) printed; its exit code."""
+    from tpuft.spec import parse
+
+    spec = parse(obj).spec
+    verdict = judge_rehearsal(obj.get("status") or {}, placement.placed, spec.slice.hosts * spec.slices,
+                              flex_start, nodes_released)
+    if verdict.as_designed:
+        print(f"{clock.stamp()} {verdict.line}", flush=True)
+    else:
+        print(f"{clock.stamp()} the rehearsal did not go as designed: {verdict.line}\n"
+              f"  kubectl describe tft {obj['metadata']['name']} -n {obj['metadata']['namespace']}",
+              file=sys.stderr, flush=True)
+    return verdict.exit_code
 
 
 add_arguments, run = add_demo_arguments, run_demo

@@ -2,7 +2,7 @@
 labels, and replacing an earlier run of the same name.
 
 Its own module so that `tpuft demo` (tpuft_local.demo), its --gitops path (tpuft_local.demo_gitops)
-and `tpuft cluster up` (tpuft_local.cluster, which makes the namespace with Kueue's LocalQueue in
+and `tpuft cluster up` (tpuft_local.cluster, which makes the namespace with Kueue's LocalQueues in
 it) each import it, and none of them imports another.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tpuft import constants as c
 # A namespace the demo creates refuses privileged pods (Pod Security Admission, baseline) and warns
 # about what `restricted` would refuse: the run's pods must not need more (issue 25).
 PSA_LABELS = {"pod-security.kubernetes.io/enforce": "baseline", "pod-security.kubernetes.io/warn": "restricted"}
-DEMO_NAMESPACE = "tpuft-demo"   # `tpuft cluster up` makes it too, with Kueue's LocalQueue `local` in it
+DEMO_NAMESPACE = "tpuft-demo"   # `tpuft cluster up` makes it too, with the LocalQueues of kueue.DEMO_LOCAL_QUEUES
 
 
 class DemoError(RuntimeError):

@@ -1,6 +1,7 @@
 """Kueue on the local cluster, as data: its Configuration, its webhooks pointed at the host
 process, its RBAC, and the queue objects `tpuft cluster up` makes (one ResourceFlavor per pool,
-the ClusterQueue `local`, a LocalQueue `local` in the demo namespace).
+the ClusterQueues `local`, `flex-start` and `tas`, and a LocalQueue of each name in the demo
+namespace: DEMO_LOCAL_QUEUES, which `tpuft demo --namespace` makes in its own namespace too).
 
 Kueue (sigs.k8s.io/kueue, built from hack/kueue by tpuft_local.toolchain) runs as a host process
 like KubeRay's operator: no registry serves its image. Its webhook server listens on the bridge
@@ -205,7 +206,7 @@ def flex_start_objects(pool, local_queue_namespace: str | None = None, slices: i
                         admissionChecksStrategy=_flex_start_check(pool))
     out = [flavor, config, check, cq]
     if local_queue_namespace:
-        out.append(local_queue(local_queue_namespace, FLEX_START, FLEX_START))
+        out.append(demo_local_queue(local_queue_namespace, FLEX_START))
     return out
 
 
@@ -253,8 +254,20 @@ def tas_objects(pool, local_queue_namespace: str | None = None) -> list[dict]:
     cq = _cluster_queue(TAS, [_cpu_quota(), _tpu_quota(name, pool, pool.slices)])
     out = [topology(), flavor, cq]
     if local_queue_namespace:
-        out.append(local_queue(local_queue_namespace, TAS, TAS))
+        out.append(demo_local_queue(local_queue_namespace, TAS))
     return out
+
+
+# The LocalQueues `tpuft cluster up` makes in the demo namespace (queue_objects, flex_start_objects,
+# tas_objects), each with the ClusterQueue it points at. Kueue keeps an object whose queue-name label
+# names a LocalQueue missing from its namespace Queued for good, so `tpuft demo` makes the one its
+# object names in whatever namespace it runs in, from this same table.
+DEMO_LOCAL_QUEUES = {LOCAL_QUEUE: CLUSTER_QUEUE, FLEX_START: FLEX_START, TAS: TAS}
+
+
+def demo_local_queue(namespace: str, name: str) -> dict:
+    """The LocalQueue `name` of DEMO_LOCAL_QUEUES, in `namespace`."""
+    return local_queue(namespace, DEMO_LOCAL_QUEUES[name], name)
 
 
 def standin_rbac(user: str) -> list[dict]:
