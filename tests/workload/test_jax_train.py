@@ -122,13 +122,17 @@ def test_a_torch_checkpoint_is_refused_by_the_jax_path():
 
 
 def test_an_object_store_path_orbax_cannot_reach_fails_before_ray(monkeypatch, capsys):
+    """s3:// is refused as the CRD refuses it (the workload parses the same declaration), naming the
+    field, before Ray starts."""
     def no_ray():
         raise AssertionError("the storage check must come before Ray starts")
 
     monkeypatch.setattr(cli, "_ray_init", no_ray)
-    assert cli.main(tiny_train_argv(FRAMEWORK, "s3://bucket/ckpt", "run")) == 1
-    out = capsys.readouterr().out
-    assert "not s3://" in out and "spec.checkpoint.storagePath" in out
+    with pytest.raises(SystemExit) as exited:
+        cli.main(tiny_train_argv(FRAMEWORK, "s3://bucket/ckpt", "run"))
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "spec.checkpoint.storagePath" in err and "s3:// is not supported" in err
 
 
 # ---- the recipe's step and optimizer (no Ray cluster needed) -----------------------------------------
