@@ -106,6 +106,9 @@ def _training_line(tr: dict) -> str:
     return " | ".join(parts)
 
 
+TRANSIENT_API_STATUSES = (429, 500, 502, 503, 504)
+
+
 def stream(custom, namespace: str, name: str, clock: Clock, timeout: float,
            on_poll=None) -> tuple[dict, list[float]]:
     """Print each phase change, the verification result and training progress; return the final object."""
@@ -118,6 +121,10 @@ def stream(custom, namespace: str, name: str, clock: Clock, timeout: float,
         try:
             obj = custom.get_namespaced_custom_object(c.GROUP, c.VERSION, namespace, c.PLURAL, name)
         except ApiException as e:
+            # A loaded 2-core machine's API server answers a read with 504 now and then: poll again.
+            if e.status in TRANSIENT_API_STATUSES and time.monotonic() < end:
+                time.sleep(1)
+                continue
             raise DemoError(f"cannot read {c.KIND} {namespace}/{name}: {e.reason}") from None
         st = obj.get("status") or {}
         phase = st.get("phase")
