@@ -8,7 +8,8 @@ master copy) by N gloo CPU workers (torch.multiprocessing) both ways:
 Per worker: peak RSS (VmHWM) once loaded and, for --step-workers, after the first optimizer
 step (AdamW, one sequence of 32 tokens: on CPU the shard's gradients and moments are host memory
 too, 12 bytes a parameter, where a TPU holds them in HBM), the seconds to each, and the bytes of
-tensor data read.
+tensor data read; where the process may make cgroup v1 memory groups (root), each rank runs in its own
+and its usage, the kubelet's working set and Ray's "used" are sampled per phase (PodMemory).
 
     .venv/bin/python bench/sharded_load.py [--workers 2,4] [--step-workers 2] [--hidden 2048 --layers 22]
 
