@@ -288,3 +288,51 @@ def test_a_whole_copy_still_holds_every_file_for_the_readers_that_want_one(tmp_p
     small = Path(modellib._small_files(uri))
     assert sorted(p.name for p in small.iterdir() if p.name != ".complete") == [
         name for name in source if "/" not in name and not name.endswith(".safetensors")]
+
+
+def _resident_pages(path: str) -> int:
+    """How many of the file's pages are in the page cache (mincore over a read-only mapping)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    size = os.path.getsize(path)
+    pages = -(-size // mmap.PAGESIZE)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        vector = ctypes.create_string_buffer(pages)
+        assert libc.mincore(address, size, vector) == 0, ctypes.get_errno()
+        libc.munmap(address, size)
+    finally:
+        os.close(fd)
+    return sum(byte & 1 for byte in vector.raw)
+
+
+def test_a_local_file_is_read_into_the_tensor_and_leaves_no_page_cache_behind(tmp_path):
+    """A rank reads each byte of its rows once: the pages a local read brought into the page cache
+    (charged to the pod's cgroup) are dropped; the values are the file's, whatever the dtypes."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(5)
+    tensors = {"f32": torch.randn(512, 1024), "bf16": torch.randn(256, 512).to(torch.bfloat16)}
+    path = str(tmp_path / "model.safetensors")
+    save_file(tensors, path)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)   # written pages are dirty: only clean ones can be dropped
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    assert _resident_pages(path) == 0
+    folder = safetensors_ranges.Folder.at(str(tmp_path))
+    with safetensors_ranges.SafetensorsFile(folder, path) as f:
+        same = torch.empty(200, 1024)              # the file's dtype: read straight into the tensor
+        wider = torch.empty(100, 512)              # bf16 in the file, fp32 here: read, then converted
+        assert f.read_into("f32", same, 300) == 200 * 1024 * 4 and f.read_into("bf16", wider, 56) == 100 * 512 * 2
+    assert torch.equal(same, tensors["f32"][300:500]) and torch.equal(wider, tensors["bf16"][56:156].float())
+    # 4 reads (the header's length, the header, 2 tensors' rows): the kernel drops whole pages
+    # only, so a page a range covers in part may stay, at most 2 a read; the ranges span 225 pages
+    assert _resident_pages(path) <= 2 * 4

@@ -80,16 +80,63 @@ def weight_files(folder: Folder) -> dict[str, str]:
         return {name: single.path for name in single.header if name != "__metadata__"}
 
 
+class _LocalFile:
+    """A local file read with pread, as pyarrow's file is read here (`read_at`), plus `read_into`:
+    a range read straight into a tensor's memory, its pages then dropped from the page cache
+    (posix_fadvise DONTNEED). A rank reads each byte once: the cache would only hold the pages,
+    charged to the pod's cgroup, where they count in its usage until the kernel reclaims them."""
+
+    def __init__(self, path: str):
+        self.fd = os.open(path, os.O_RDONLY)
+        # no readahead: pages past a rank's rows are another rank's, and nobody here reads them
+        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
+
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def seek(self, offset: int) -> None:   # pyarrow's GCS file wants one; pread has no position
+        pass
+
+    def read_at(self, count: int, offset: int) -> bytes:
+        data = os.pread(self.fd, count, offset)
+        self._forget(offset, len(data))
+        return data
+
+    def read_into(self, memory: memoryview, offset: int) -> int:
+        """`memory` filled from `offset` on (pread may return less than asked: loop to the end of
+        the file); the bytes read."""
+        done = 0
+        while done < len(memory):
+            got = os.preadv(self.fd, [memory[done:]], offset + done)
+            if got == 0:
+                break
+            done += got
+        self._forget(offset, done)
+        return done
+
+    def _forget(self, offset: int, count: int) -> None:
+        if count:
+            os.posix_fadvise(self.fd, offset, count, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 class SafetensorsFile:
     """One safetensors file, its header parsed through two ranged reads; `read_into` reads one
     tensor's rows, one range. Not memory-mapped: mapped pages a rank touched would count in its
-    resident memory until the file is closed, and a bucket cannot be mapped."""
+    resident memory until the file is closed, and a bucket cannot be mapped. A local file is read
+    with pread (`_LocalFile`): into the tensor itself when the dtypes match, its page cache
+    dropped; pyarrow's local file gives a buffer of its own allocator, then copied."""
 
     def __init__(self, folder: Folder, path: str):
+        import pyarrow.fs as pafs
+
         self.path = path
         self.label = folder.label(path)
         try:
-            self.handle = folder.filesystem.open_input_file(path)
+            local = type(folder.filesystem) is pafs.LocalFileSystem
+            self.handle = _LocalFile(path) if local else folder.filesystem.open_input_file(path)
         except FileNotFoundError as e:
             raise ShardedLoadError(f"{self.label} not found: the checkpoint folder lacks a weight file "
                                    f"(upload it, or point spec.model at a complete folder)") from e
@@ -144,8 +191,15 @@ class SafetensorsFile:
                                    "rank holds: the checkpoint is not of this architecture")
         row = math.prod(shape[1:]) * dtype.itemsize
         size = count * row
-        if size:
-            buffer = self._read(self.base + entry["data_offsets"][0] + first * row, size, name)
+        offset = self.base + entry["data_offsets"][0] + first * row
+        if size and isinstance(self.handle, _LocalFile) and target.dtype == dtype and target.is_contiguous():
+            memory = memoryview(target.detach().view(torch.uint8).numpy()).cast("B")
+            got = self.handle.read_into(memory, offset)
+            if got != size:
+                raise ShardedLoadError(f"{self.label} ends inside {name} (byte {offset + got} of the {offset + size} "
+                                       "needed): the file is truncated; upload it again")
+        elif size:
+            buffer = self._read(offset, size, name)
             with warnings.catch_warnings():   # read_at gives bytes (read-only); they are only copied from
                 warnings.filterwarnings("ignore", message="The given buffer is not writable")
                 target.copy_(torch.frombuffer(buffer, dtype=dtype).view(target.shape))
