@@ -380,18 +380,47 @@ def _linear(x, w, bias=None):
     return y if bias is None else y + bias.astype(x.dtype)
 
 
-def _projection(p: dict, x, name: str):
-    return _linear(x, p[f"self_attn.{name}.weight"], p.get(f"self_attn.{name}.bias"))
+@dataclass(frozen=True)
+class Adapters:
+    """LoRA on the forward pass (tpuft_workload.jax_lora): each adapted linear layer adds
+    scale * B(A(dropout(x))), PEFT's LoraLayer; its A and B sit in the params beside the weight
+    (`<module>.lora_A.weight` [r, in], `<module>.lora_B.weight` [out, r])."""
+    scale: float
+    dropout: float = 0.0
 
 
-def _attention(p: dict, x, positions, mask, layer: int, cfg: ModelConfig):
+# Every linear layer of a decoder layer, in a fixed order (dropout's random stream per module).
+LINEAR_MODULES = tuple(f"self_attn.{n}" for n in _PROJECTIONS) + ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def _adapted(p: dict, x, module: str, adapters: Adapters | None, rng):
+    """Linear layer `module` (short name) on x, plus its LoRA adapters when `p` holds them."""
     import jax
     import jax.numpy as jnp
 
+    y = _linear(x, p[f"{module}.weight"], p.get(f"{module}.bias"))
+    a = p.get(f"{module}.lora_A.weight")
+    if a is None or adapters is None:
+        return y
+    h = x
+    if adapters.dropout and rng is not None:
+        keep = jax.random.bernoulli(jax.random.fold_in(rng, LINEAR_MODULES.index(module)), 1.0 - adapters.dropout,
+                                    x.shape)
+        h = jnp.where(keep, x / (1.0 - adapters.dropout), jnp.zeros_like(x))
+    return y + _linear(_linear(h, a), p[f"{module}.lora_B.weight"]) * jnp.asarray(adapters.scale, x.dtype)
+
+
+def _attention(p: dict, x, positions, mask, layer: int, cfg: ModelConfig, adapters=None, rng=None):
+    import jax
+    import jax.numpy as jnp
+
+    def project(name, h):
+        return _adapted(p, h, f"self_attn.{name}", adapters, rng)
+
     b, t, _ = x.shape
-    q = _projection(p, x, "q_proj").reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k = _projection(p, x, "k_proj").reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = _projection(p, x, "v_proj").reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    q = project("q_proj", x).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = project("k_proj", x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = project("v_proj", x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     if cfg.family.qk_norm:
         q, k = _rms_norm(q, p["self_attn.q_norm.weight"], cfg), _rms_norm(k, p["self_attn.k_norm.weight"], cfg)
     q, k = _apply_rope(q, positions, layer, cfg), _apply_rope(k, positions, layer, cfg)
@@ -404,15 +433,15 @@ def _attention(p: dict, x, positions, mask, layer: int, cfg: ModelConfig):
     scores = jnp.where(mask[:, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
     out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, cfg.num_heads * cfg.head_dim)
-    return _projection(p, out, "o_proj")
+    return project("o_proj", out)
 
 
-def _mlp(p: dict, x, cfg: ModelConfig):
+def _mlp(p: dict, x, cfg: ModelConfig, adapters=None, rng=None):
     import jax
 
-    gate = _linear(x, p["mlp.gate_proj.weight"])
+    gate = _adapted(p, x, "mlp.gate_proj", adapters, rng)
     act = jax.nn.silu(gate) if cfg.activation == "silu" else jax.nn.gelu(gate, approximate=True)
-    return _linear(act * _linear(x, p["mlp.up_proj.weight"]), p["mlp.down_proj.weight"])
+    return _adapted(p, act * _adapted(p, x, "mlp.up_proj", adapters, rng), "mlp.down_proj", adapters, rng)
 
 
 def attention_mask(position_ids, key_mask, window: int | None = None):
@@ -430,21 +459,26 @@ def attention_mask(position_ids, key_mask, window: int | None = None):
     return causal[None] & same & key_mask.astype(bool)[:, None, :]
 
 
-def _decoder_layer(p: dict, x, positions, mask, cfg: ModelConfig, layer: int):
-    """Decoder layer `layer` on the residual stream `x` (`p`: the layer's parameters, short names)."""
-    attended = _attention(p, _rms_norm(x, p["input_layernorm.weight"], cfg), positions, mask, layer, cfg)
+def _decoder_layer(p: dict, x, positions, mask, rng, cfg: ModelConfig, layer: int, adapters: Adapters | None):
+    """Decoder layer `layer` on the residual stream `x` (`p`: the layer's parameters, short names;
+    `rng`: the adapters' dropout key for this layer, or None)."""
+    attended = _attention(p, _rms_norm(x, p["input_layernorm.weight"], cfg), positions, mask, layer, cfg,
+                          adapters, rng)
     if not cfg.family.sandwich_norms:
         x = x + attended
-        return x + _mlp(p, _rms_norm(x, p["post_attention_layernorm.weight"], cfg), cfg)
+        return x + _mlp(p, _rms_norm(x, p["post_attention_layernorm.weight"], cfg), cfg, adapters, rng)
     x = x + _rms_norm(attended, p["post_attention_layernorm.weight"], cfg)
-    fed = _mlp(p, _rms_norm(x, p["pre_feedforward_layernorm.weight"], cfg), cfg)
+    fed = _mlp(p, _rms_norm(x, p["pre_feedforward_layernorm.weight"], cfg), cfg, adapters, rng)
     return x + _rms_norm(fed, p["post_feedforward_layernorm.weight"], cfg)
 
 
-def forward(params: dict, cfg: ModelConfig, input_ids, position_ids, key_mask, dtype=None, remat: bool = False):
+def forward(params: dict, cfg: ModelConfig, input_ids, position_ids, key_mask, dtype=None, remat: bool = False,
+            adapters: Adapters | None = None, rng=None):
     """Logits [B, T, vocab] (float32). `dtype`: the compute dtype (bf16 on TPU); params stay as given.
     `remat` (spec.training.activationCheckpointing): each decoder layer keeps only its input for the
-    backward pass and recomputes the rest (jax.checkpoint), trading compute for activation memory."""
+    backward pass and recomputes the rest (jax.checkpoint), trading compute for activation memory.
+    `adapters`: LoRA on the layers whose A and B `params` holds; `rng` a key for their dropout
+    (None: no dropout, as in evaluation)."""
     import jax
     import jax.numpy as jnp
 
@@ -454,10 +488,11 @@ def forward(params: dict, cfg: ModelConfig, input_ids, position_ids, key_mask, d
     if cfg.gemma:
         x = x * jnp.asarray(cfg.hidden_size ** 0.5, dtype=x.dtype)
     masks = {w: attention_mask(position_ids, key_mask, w) for w in set(cfg.windows)}
-    layer = jax.checkpoint(_decoder_layer, static_argnums=(4, 5)) if remat else _decoder_layer
+    layer = jax.checkpoint(_decoder_layer, static_argnums=(5, 6, 7)) if remat else _decoder_layer
     for i in range(cfg.num_layers):
         p = {k[len(f"model.layers.{i}."):]: cast(v) for k, v in params.items() if k.startswith(f"model.layers.{i}.")}
-        x = layer(p, x, position_ids, masks[cfg.windows[i]], cfg, i)
+        key = None if rng is None else jax.random.fold_in(rng, i)
+        x = layer(p, x, position_ids, masks[cfg.windows[i]], key, cfg, i, adapters)
     x = _rms_norm(x, cast(params["model.norm.weight"]), cfg)
     head = embed if cfg.tie_word_embeddings else params["lm_head.weight"]
     logits = _linear(x, cast(head)).astype(jnp.float32)
@@ -478,13 +513,15 @@ def labelled_tokens(labels):
     return (_next_token_labels(labels) != IGNORE).sum()
 
 
-def loss_sums(params: dict, cfg: ModelConfig, batch: dict, dtype=None, remat: bool = False):
+def loss_sums(params: dict, cfg: ModelConfig, batch: dict, dtype=None, remat: bool = False,
+              adapters: Adapters | None = None, rng=None):
     """(summed next-token cross entropy, labelled tokens) over `batch`: HF's ForCausalLMLoss
     before its division, so sums from several shards average exactly."""
     import jax
     import jax.numpy as jnp
 
-    logits = forward(params, cfg, batch["input_ids"], batch["position_ids"], batch["key_mask"], dtype, remat)
+    logits = forward(params, cfg, batch["input_ids"], batch["position_ids"], batch["key_mask"], dtype, remat,
+                     adapters, rng)
     labels = _next_token_labels(batch["labels"])
     valid = labels != IGNORE
     logp = jax.nn.log_softmax(logits, axis=-1)
@@ -492,8 +529,9 @@ def loss_sums(params: dict, cfg: ModelConfig, batch: dict, dtype=None, remat: bo
     return -(picked * valid).sum(), valid.sum()
 
 
-def loss(params: dict, cfg: ModelConfig, batch: dict, dtype=None, remat: bool = False):
-    total, count = loss_sums(params, cfg, batch, dtype, remat)
+def loss(params: dict, cfg: ModelConfig, batch: dict, dtype=None, remat: bool = False,
+         adapters: Adapters | None = None, rng=None):
+    total, count = loss_sums(params, cfg, batch, dtype, remat, adapters, rng)
     return total / count.clip(1)
 
 
