@@ -35,14 +35,14 @@ FAMILIES: dict[str, tuple[str, dict]] = {
 }
 
 
-def build(family: str, seed: int = 0):
+def build(family: str, seed: int = 0, vocab: int = VOCAB):
     """The family's tiny transformers model (float32, eval mode), every parameter random."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
 
     cls, settings = FAMILIES[family]
-    config = getattr(transformers, cls)(**{**_SHAPE, **settings})
+    config = getattr(transformers, cls)(**{**_SHAPE, **settings, "vocab_size": vocab})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     with torch.no_grad():
@@ -51,10 +51,13 @@ def build(family: str, seed: int = 0):
     return model
 
 
-def save(family: str, directory: str, seed: int = 0):
-    """build() saved as a from_pretrained() folder (safetensors); the model."""
-    model = build(family, seed)
+def save(family: str, directory: str, seed: int = 0, tokenizer=None):
+    """build() saved as a from_pretrained() folder (safetensors), with `tokenizer` (its vocabulary
+    then the model's) when given; the model."""
+    model = build(family, seed, len(tokenizer) if tokenizer is not None else VOCAB)
     model.save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
     return model
 
 

@@ -18,7 +18,6 @@ import tempfile
 from dataclasses import dataclass
 
 from tpuft.constants import EXPORT_MERGED_DIR, LORA_DEFAULT_TARGET_MODULES, TrainingMethod
-from tpuft.spec import LORA_ON_TORCH_ONLY
 from tpuft_workload import checkpoint as ckptlib
 from tpuft_workload.tiny import BUILTIN_MODEL
 
@@ -33,10 +32,6 @@ BASE_DIR = "base"
 MERGED_DIR = EXPORT_MERGED_DIR   # one source: the operator's vLLM RayService serves it
 ADAPTER_CONFIG = "adapter_config.json"   # what marks a PEFT adapter folder (peft.utils.CONFIG_NAME)
 PEFT_PREFIX = "base_model.model."        # PeftModelForCausalLM's path to the base model's modules
-
-
-# JAX trains full weights only (docs/lora.md): tpuft.spec refuses the pair, here for a direct caller.
-JAX_REFUSAL = f"{METHOD_FIELD}: {LORA_ON_TORCH_ONLY}"
 
 
 class LoraError(ValueError):
