@@ -148,19 +148,14 @@ class ModelConfig:
 
 
 def _layer_ropes(hf: dict, kind: str, layer_types: list[str]) -> tuple[Rope, ...]:
-    """Each layer's Rope: transformers 5's rope_parameters (one dict, or one per layer type for
-    Gemma 3), else a config.json's older rope_theta / rope_scaling / rope_local_base_freq."""
-    given = hf.get("rope_parameters")
+    """Each layer's Rope from transformers 5's rope_parameters: one dict, or one per layer type
+    (Gemma 3). open_hf_dir reads config.json through AutoConfig, which writes older configs'
+    rope_theta / rope_scaling / rope_local_base_freq this way."""
+    given = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0)}
     if FAMILIES[kind].rope_per_layer_type:
-        if not (given and all(t in given for t in layer_types)):
-            full = {"rope_theta": hf.get("rope_theta", 1e6), **(hf.get("rope_scaling") or {})}
-            given = {"full_attention": full,
-                     "sliding_attention": {"rope_theta": hf.get("rope_local_base_freq", 1e4)}}
         by_type = {t: _rope(given[t], f"rope_parameters.{t}") for t in set(layer_types)}
         return tuple(by_type[t] for t in layer_types)
-    params = given or {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {})}
-    params = {"rope_theta": hf.get("rope_theta", 10000.0), **params}
-    return (_rope(params, "rope_parameters"),) * len(layer_types)
+    return (_rope(given, "rope_parameters"),) * len(layer_types)
 
 
 def _windows(hf: dict, kind: str, layer_types: list[str]) -> tuple[int | None, ...]:

@@ -19,6 +19,9 @@ master weights on accelerators, float32 on CPU; Orbax checkpoints (tpuft_workloa
 (restore, reports, checkpoint cadence, status keys, log lines, TensorBoard files, the run summary,
 a stop on SIGTERM) is tpuft_workload.loop's, the torch path's too; this file is its JAX backend
 (`_Jax`): the processes agree on a stop's step through JAX's own preemption sync point.
+LoRA (`spec.training.method: lora`): the base is placed as above and frozen, the adapters of
+tpuft_workload.jax_lora are what the step differentiates, AdamW updates, Orbax saves and the
+export writes (a PEFT adapter folder, by the torch path's writer).
 """
 from __future__ import annotations
 
