@@ -97,7 +97,9 @@ REAL_NODE = ("-m", "cluster and real_node")
 REAL_NODE_FILES = ("tests/cluster/test_demo.py", "tests/cluster/test_lifecycle.py")
 # tests/workload modules that start no local Ray (torch, transformers, jax, a control plane):
 # tests/unit/test_lanes.py checks that none of them uses the Ray fixture.
-WORKLOAD_WITHOUT_RAY = ("tests/workload/test_jax_model.py", "tests/workload/test_platform_cli.py",
+WORKLOAD_WITHOUT_RAY = ("tests/workload/test_jax_model.py", "tests/workload/test_jax_parity.py",
+                        "tests/workload/test_jax_lora.py",
+                        "tests/workload/test_platform_cli.py",
                         "tests/workload/test_data.py", "tests/workload/test_batching.py",
                         "tests/workload/test_model.py", "tests/workload/test_metrics_log.py",
                         "tests/workload/test_preemption.py", "tests/workload/test_loop.py",

@@ -192,14 +192,10 @@ class Lora:
         python_default=(), schema=_target_modules_schema, workload=True, flag="lora-target-modules")
 
 
-LORA_ON_TORCH_ONLY = "lora runs on framework torch only (JAX LoRA is not implemented)"
 LORA_RULES = (
     {"rule": "!has(self.lora) || (has(self.method) && self.method == 'lora')",
      "message": "training.lora is set but training.method is not lora: set method: lora, or remove it",
-     "fieldPath": ".lora", "reason": "FieldValueInvalid"},
-    {"rule": "!(has(self.method) && self.method == 'lora') || !has(self.framework) || self.framework == 'torch'",
-     "message": f"training.method {LORA_ON_TORCH_ONLY}",
-     "fieldPath": ".method", "reason": "FieldValueInvalid"})
+     "fieldPath": ".lora", "reason": "FieldValueInvalid"},)
 
 
 @dataclass(frozen=True)
@@ -232,7 +228,7 @@ class Training:
                              enum=_values(TrainingFramework), workload=True)
     method: str = declare("full: every weight is trained. lora: low-rank adapters (PEFT) beside the frozen, sharded "
                           "base; gradients, optimizer state and checkpoints hold the adapters only, and the export "
-                          "is a PEFT adapter folder. lora runs on framework torch only.",
+                          "is a PEFT adapter folder, on either framework.",
                           default=TrainingMethod.FULL, enum=_values(TrainingMethod), workload=True)
     lora: Lora | None = declare("LoRA's adapters (with method: lora).")   # set exactly when method is lora
     seed: int = declare("Seeds the model's new weights, the data order and dropout: the same seed and data give "
@@ -865,10 +861,7 @@ def _training(r: _Reader, spec: Mapping, on_tpu: bool) -> Training:
     tr = r.section(spec, "training", "spec.training")
     before = len(r.problems)
     values = r.declared(Training, tr, "spec.training")
-    method, framework = values.get("method"), values.get("framework")
-    if method == TrainingMethod.LORA.value and framework != TrainingFramework.TORCH.value:
-        r.fail("spec.training.method", f"{LORA_ON_TORCH_ONLY} (got framework {framework}): set "
-               "spec.training.framework: torch, or method: full")
+    method = values.get("method")
     # A rule across fields is checked once the fields themselves are right (so is the server's CEL).
     if len(r.problems) == before and values.get("warmup_steps") is not None and values.get("warmup_ratio") is not None:
         r.fail("spec.training.warmupRatio", WARMUP_RULE["message"])

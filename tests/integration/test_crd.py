@@ -332,7 +332,6 @@ INVALID = [
     row("spec-string", ("spec", "x"), "spec"),
     # --- LoRA (spec.training.method, spec.training.lora, spec.export.merge) ---
     row("method-unknown", ("spec.training.method", "qlora"), "spec.training.method"),
-    row("lora-with-jax", ("spec.training", {"method": "lora", "framework": "jax"}), "spec.training.method"),
     row("lora-with-method-full", ("spec.training.lora", {"rank": 8}), "spec.training.lora"),
     row("lora-rank-not-power-of-two", ("spec.training", {"method": "lora", "lora": {"rank": 12}}),
         "spec.training.lora.rank"),

@@ -49,6 +49,11 @@ def test_jax_framework_is_parsed():
     assert parse(with_("spec.training", {"framework": "jax"})).spec.training.framework == "jax"
 
 
+def test_lora_on_jax_is_parsed():
+    t = parse(with_("spec.training", {"method": "lora", "framework": "jax"})).spec.training
+    assert (t.method, t.framework, t.lora) == ("lora", "jax", Lora())
+
+
 @pytest.mark.parametrize("spelling", ["TPU-V6E", "tpu-v6e-slice", "V6E", "trillium"])
 def test_ray_and_gke_spellings_are_accepted(spelling):
     assert parse(with_("spec.accelerator", spelling)).spec.accelerator == "v6e"
@@ -168,7 +173,6 @@ BAD = [
     ("spec.training.framework", "flax", "spec.training.framework", 'supported values: "torch", "jax"'),
     ("spec.training.framework", 1, "spec.training.framework", "must be of type string"),
     ("spec.training", {"method": "qlora"}, "spec.training.method", 'supported values: "full", "lora"'),
-    ("spec.training", {"method": "lora", "framework": "jax"}, "spec.training.method", "framework torch only"),
     ("spec.training", {"lora": {"rank": 8}}, "spec.training.lora", "method is full"),
     ("spec.training", {"method": "lora", "lora": {"rank": 12}}, "spec.training.lora.rank", 'Unsupported value: 12: supported values: "1", "2", "4", "8", "16", "32", "64", "128", "256", "512", "1024"'),
     ("spec.training", {"method": "lora", "lora": {"rank": 2048}}, "spec.training.lora.rank", "Unsupported value: 2048"),

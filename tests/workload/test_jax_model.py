@@ -164,9 +164,10 @@ def test_the_export_loads_in_transformers_with_the_same_logits(tokenizer, tmp_pa
 
 
 @pytest.mark.parametrize("change,words", [
-    ({"model_type": "gemma2"}, "model_type 'gemma2' is not implemented"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "rope_type 'llama3'"),
-    ({"attention_bias": True}, "attention_bias"),
+    ({"model_type": "gemma4_text"}, "model_type 'gemma4_text' is not implemented: Gemma 4"),
+    ({"model_type": "phi3"}, "model_type 'phi3' is not implemented"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0}}, "rope_type 'yarn'"),
+    ({"mlp_bias": True}, "mlp_bias"),
 ])
 def test_unsupported_architectures_are_refused_by_name(tokenizer, change, words):
     hf = {**tiny.build_model(len(tokenizer)).config.to_dict(), **change}

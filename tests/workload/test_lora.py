@@ -19,7 +19,7 @@ from tests.factories import assert_export_generates, tiny_batch, tiny_train_argv
 from tpuft.constants import LORA_DEFAULT_TARGET_MODULES
 from tpuft.spec import DEFAULTS, LORA_DEFAULTS
 from tpuft_workload import __main__ as cli
-from tpuft_workload import checkpoint, lora, model as modellib, tiny
+from tpuft_workload import checkpoint, lora, model as modellib, tiny, train
 from tpuft_workload.platform import PLATFORMS
 
 CPU = PLATFORMS["cpu"]
@@ -117,15 +117,12 @@ def test_bad_lora_flags_are_usage_errors(tmp_path, capsys, flag, value):
     assert f"--{flag.replace('_', '-')}" in capsys.readouterr().err
 
 
-def test_lora_on_jax_is_refused_on_the_driver_by_name(tmp_path, capsys):
-    """Before Ray starts or the storage is touched: a usage error naming the field, in the
-    operator's parser's words (the server's CEL rule says the same)."""
-    with pytest.raises(SystemExit) as exit_:
-        cli.main(tiny_train_argv("jax", tmp_path / "never", "r", method="lora"))
-    assert exit_.value.code == cli.EXIT_USAGE
-    assert ("--method (spec.training.method): lora runs on framework torch only (JAX LoRA is not implemented)"
-            in capsys.readouterr().err)
-    assert not (tmp_path / "never").exists()
+def test_lora_on_jax_resolves_the_torch_paths_adapters_on_the_driver(tmp_path):
+    """The driver resolves the adapters for both frameworks alike (the model_type's default targets)."""
+    command, _ = cli.parse_args(tiny_train_argv("jax", tmp_path, "r", method="lora"))
+    assert (command.run.training.framework, command.run.training.method) == ("jax", "lora")
+    settings = train._model_checks(command.run, "", {})
+    assert settings == lora.LoraSettings(16, 32, 0.05, LORA_DEFAULT_TARGET_MODULES["llama"])
 
 
 # ---- one worker's LoRA run, in process -----------------------------------------------------------------

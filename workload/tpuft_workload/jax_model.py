@@ -1,20 +1,24 @@
-"""A Hugging Face Llama-family causal LM in plain JAX, on Hugging Face's own parameter names.
+"""Hugging Face causal LMs of the current families in plain JAX, on Hugging Face's own parameter names.
 
 transformers 5 dropped its Flax models, so the JAX path carries its own forward pass. The
-parameters are a flat dict keyed exactly as LlamaForCausalLM's state_dict
+parameters are a flat dict keyed exactly as the transformers model's state_dict
 (`model.layers.0.self_attn.q_proj.weight`, ...) with torch's [out, in] layout, so loading a
 checkpoint, sharding by name and exporting safetensors that `from_pretrained` reads back are
 each a dict operation, with no name or layout mapping to keep in step with transformers.
 
-Supported: the Llama layout (RMSNorm, RoPE with the default rope type, grouped-query
-attention, SwiGLU MLP, tied or untied embeddings) and Gemma (v1) on top of it (RMSNorm's
-(1 + w), embeddings scaled by sqrt(hidden), GELU-tanh MLP, explicit head_dim, tied
-embeddings). Refused with a clear error: anything else (Gemma 2/3 soft-capping, sliding
-windows and q/k norms, scaled RoPE such as Llama 3.1's, attention or MLP biases).
+One decoder covers the families (FAMILIES: model_type -> what sets it apart), each matching
+transformers' logits within 1e-4 in float32 (tests/workload/test_jax_parity.py, docs/jax.md):
+Llama (1-3.x: default, linear and llama3 RoPE), Mistral (the Llama layout, a sliding window),
+Qwen 2/2.5 (q/k/v biases), Qwen 3 (q/k RMSNorm per head), Gemma (v1: (1 + w) RMSNorm,
+embeddings scaled by sqrt(hidden), GELU-tanh), Gemma 2 (and norms around attention and MLP,
+attention and final logit soft-capping, sliding-window layers, query_pre_attn_scalar) and
+Gemma 3 text (Gemma 2 with q/k norms and a RoPE per layer type). Refused by name: any other
+model_type (Gemma 4: per-layer inputs, shared KV, k = v attention) and RoPE types not listed.
 
 Attention follows what the torch path gives transformers: packed rows restart position_ids
 per example and attention is block-diagonal across examples (a new example starts wherever
 position_ids do not continue by one); padded rows use positions 0..T-1 and mask the padding.
+A sliding window counts token offsets within an example, as transformers' masks do.
 """
 from __future__ import annotations
 
@@ -25,16 +29,93 @@ from dataclasses import dataclass
 
 IGNORE = -100
 EMBEDDING = "model.embed_tokens.weight"   # also the output head when tie_word_embeddings
-SUPPORTED = ("llama", "gemma")
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu_tanh"}
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class Family:
+    """What sets a model_type apart from the Llama layout (transformers' modeling_<type>.py)."""
+    hf_class: str                              # the transformers class that loads the export
+    gemma: bool = False                        # (1 + w) RMSNorm, embeddings scaled by sqrt(hidden)
+    sandwich_norms: bool = False               # norms after attention and around the MLP (Gemma 2/3)
+    qk_norm: bool = False                      # RMSNorm over each head's q and k before RoPE
+    biased: tuple[str, ...] | None = None      # projections with a bias whatever attention_bias says
+    rope_per_layer_type: bool = False          # rope_parameters keyed by layer type (Gemma 3)
+
+
+FAMILIES = {
+    "llama": Family("LlamaForCausalLM"),
+    "mistral": Family("MistralForCausalLM"),
+    "qwen2": Family("Qwen2ForCausalLM", biased=("q_proj", "k_proj", "v_proj")),
+    "qwen3": Family("Qwen3ForCausalLM", qk_norm=True),
+    "gemma": Family("GemmaForCausalLM", gemma=True),
+    "gemma2": Family("Gemma2ForCausalLM", gemma=True, sandwich_norms=True),
+    "gemma3_text": Family("Gemma3ForCausalLM", gemma=True, sandwich_norms=True, qk_norm=True,
+                          rope_per_layer_type=True),
+}
+SUPPORTED = tuple(FAMILIES)
+# Named with what is missing, so the refusal says why (the model_type alone would not).
+_NOT_IMPLEMENTED = {
+    "gemma4": "Gemma 4 (per-layer input embeddings, KV shared across layers, k = v attention)",
+    "gemma4_text": "Gemma 4 (per-layer input embeddings, KV shared across layers, k = v attention)",
+}
 
 
 class ModelError(ValueError):
     """spec.model's architecture is not one this JAX model implements: what differs, what to do."""
 
     def __init__(self, message: str):
-        super().__init__(f"spec.model (training.framework jax): {message}; use a Llama or Gemma (v1) "
-                         "checkpoint, or training.framework torch")
+        super().__init__(f"spec.model (training.framework jax): {message}; use a checkpoint of model_type "
+                         f"{', '.join(SUPPORTED)}, or training.framework torch")
+
+
+@dataclass(frozen=True)
+class Rope:
+    """One layer's rotary embedding: rope_theta and transformers' rope_type with its parameters."""
+    theta: float
+    kind: str = "default"                      # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def inverse_frequencies(self, head_dim: int):
+        """transformers' inv_freq (modeling_rope_utils), float32 as it computes it."""
+        import numpy as np
+
+        inv = (1.0 / (np.float32(self.theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)))
+        inv = inv.astype(np.float32)
+        if self.kind == "linear":
+            return inv / np.float32(self.factor)
+        if self.kind == "llama3":
+            low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
+            high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
+            wavelen = 2 * math.pi / inv
+            scaled = np.where(wavelen > low_wavelen, inv / self.factor, inv)
+            smooth = ((self.original_max_position_embeddings / wavelen - self.low_freq_factor)
+                      / (self.high_freq_factor - self.low_freq_factor))
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+            return np.where(medium, smoothed, scaled).astype(np.float32)
+        return inv
+
+
+_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _rope(params: dict, where: str) -> Rope:
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in _ROPE_TYPES:
+        raise ModelError(f"{where} rope_type {kind!r} is not implemented (implemented: {', '.join(_ROPE_TYPES)})")
+    extra = {}
+    if kind != "default":
+        extra["factor"] = float(params["factor"])
+    if kind == "llama3":
+        extra.update(low_freq_factor=float(params["low_freq_factor"]),
+                     high_freq_factor=float(params["high_freq_factor"]),
+                     original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+    return Rope(theta=float(params["rope_theta"]), kind=kind, **extra)
 
 
 @dataclass(frozen=True)
@@ -48,56 +129,96 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
     tie_word_embeddings: bool
-    activation: str          # silu | gelu_tanh
+    activation: str                            # silu | gelu_tanh
+    ropes: tuple[Rope, ...]                    # one per layer
+    windows: tuple[int | None, ...]            # each layer's sliding window (None: full attention)
+    biased: tuple[str, ...] = ()               # attention projections with a bias
+    attention_scale: float = 0.0               # 0: head_dim ** -0.5
+    attention_softcap: float | None = None
+    final_softcap: float | None = None
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.model_type]
 
     @property
     def gemma(self) -> bool:
-        return self.model_type == "gemma"
+        return self.family.gemma
 
 
-def _rope_theta(hf: dict) -> float:
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise ModelError(f"rope_type {kind!r} is not implemented (only the default RoPE)")
-    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+def _layer_ropes(hf: dict, kind: str, layer_types: list[str]) -> tuple[Rope, ...]:
+    """Each layer's Rope from transformers 5's rope_parameters: one dict, or one per layer type
+    (Gemma 3). open_hf_dir reads config.json through AutoConfig, which writes older configs'
+    rope_theta / rope_scaling / rope_local_base_freq this way."""
+    given = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0)}
+    if FAMILIES[kind].rope_per_layer_type:
+        by_type = {t: _rope(given[t], f"rope_parameters.{t}") for t in set(layer_types)}
+        return tuple(by_type[t] for t in layer_types)
+    return (_rope(given, "rope_parameters"),) * len(layer_types)
+
+
+def _windows(hf: dict, kind: str, layer_types: list[str]) -> tuple[int | None, ...]:
+    window = hf.get("sliding_window")
+    if kind == "mistral" or not hf.get("layer_types"):   # Mistral: every layer, when a window is set
+        sliding = [kind == "mistral"] * len(layer_types)
+    else:
+        sliding = [t == "sliding_attention" for t in layer_types]
+    return tuple(int(window) if s and window else None for s in sliding)
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
     """A Hugging Face config.json (as a dict) -> ModelConfig; ModelError when it is not supported."""
     kind = hf.get("model_type")
-    if kind not in SUPPORTED:
+    if kind in _NOT_IMPLEMENTED:
+        raise ModelError(f"model_type {kind!r} is not implemented: {_NOT_IMPLEMENTED[kind]}")
+    if kind not in FAMILIES:
         raise ModelError(f"model_type {kind!r} is not implemented (supported: {', '.join(SUPPORTED)})")
-    for flag in ("attention_bias", "mlp_bias"):
-        if hf.get(flag):
-            raise ModelError(f"{flag}: true is not implemented")
+    family = FAMILIES[kind]
+    if hf.get("mlp_bias"):
+        raise ModelError("mlp_bias: true is not implemented")
+    if hf.get("use_bidirectional_attention"):
+        raise ModelError("use_bidirectional_attention is not implemented (causal attention only)")
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
     if act not in _ACTIVATIONS:
         raise ModelError(f"activation {act!r} is not implemented (supported: {', '.join(_ACTIVATIONS)})")
-    heads = int(hf["num_attention_heads"])
+    heads, layers = int(hf["num_attention_heads"]), int(hf["num_hidden_layers"])
+    head_dim = int(hf.get("head_dim") or hf["hidden_size"] // heads)
+    layer_types = list(hf.get("layer_types") or ["full_attention"] * layers)
+    if family.biased is not None:
+        biased = family.biased
+    else:
+        biased = _PROJECTIONS if hf.get("attention_bias") else ()
+    scalar = hf.get("query_pre_attn_scalar") if family.gemma else None
     return ModelConfig(
         model_type=kind, vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]), num_layers=int(hf["num_hidden_layers"]),
-        num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(hf),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", kind == "gemma")),
-        activation=_ACTIVATIONS[act])
+        intermediate_size=int(hf["intermediate_size"]), num_layers=layers,
+        num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads), head_dim=head_dim,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", family.gemma)),
+        activation=_ACTIVATIONS[act], ropes=_layer_ropes(hf, kind, layer_types),
+        windows=_windows(hf, kind, layer_types), biased=tuple(biased),
+        attention_scale=float(scalar) ** -0.5 if scalar else 0.0,
+        attention_softcap=hf.get("attn_logit_softcapping") if family.gemma else None,
+        final_softcap=hf.get("final_logit_softcapping") if family.gemma else None)
 
 
 # ---- load / save on Hugging Face names --------------------------------------------------------
 
 def param_names(cfg: ModelConfig) -> list[str]:
-    """Every trainable parameter, as LlamaForCausalLM / GemmaForCausalLM name them."""
+    """Every trainable parameter, as the family's transformers model names it."""
+    family = cfg.family
+    per_layer = [f"self_attn.{proj}.weight" for proj in _PROJECTIONS]
+    per_layer += [f"self_attn.{proj}.bias" for proj in cfg.biased]
+    per_layer += ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                  "input_layernorm.weight", "post_attention_layernorm.weight"]
+    if family.sandwich_norms:
+        per_layer += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
+    if family.qk_norm:
+        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     names = [EMBEDDING, "model.norm.weight"]
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        names += [p + n for n in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-                                  "mlp.down_proj.weight", "input_layernorm.weight",
-                                  "post_attention_layernorm.weight")]
+        names += [f"model.layers.{i}.{n}" for n in per_layer]
     if not cfg.tie_word_embeddings:
         names.append("lm_head.weight")
     return names
@@ -160,9 +281,11 @@ def open_hf_dir(path: str) -> tuple[dict, ModelConfig, HostTensors]:
     """(HF config dict, ModelConfig, {name: SavedTensor}) of a from_pretrained() folder: the files
     opened, nothing read yet (torch's safetensors reader: bf16 files read without a device)."""
     from safetensors import safe_open
+    from transformers import AutoConfig
 
-    with open(os.path.join(path, "config.json")) as f:
-        hf = json.load(f)
+    # through transformers' config class: a config.json of an older transformers (rope_scaling,
+    # Gemma 3's sliding_window_pattern) reads as the current fields (rope_parameters, layer_types)
+    hf = AutoConfig.from_pretrained(path).to_dict()
     hf = hf.get("text_config", hf) if hf.get("model_type") not in SUPPORTED else hf
     cfg = config_from_hf(hf)
     files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
@@ -191,7 +314,7 @@ def from_torch(model):
 
 def hf_class(hf_config: dict) -> str:
     """The transformers class that loads what save_hf writes."""
-    return "GemmaForCausalLM" if hf_config.get("model_type") == "gemma" else "LlamaForCausalLM"
+    return FAMILIES[hf_config["model_type"]].hf_class
 
 
 def decays(name: str, shape: tuple) -> bool:
@@ -234,12 +357,12 @@ def _rms_norm(x, w, cfg: ModelConfig):
     return w * y.astype(x.dtype)
 
 
-def _rope(x, positions, cfg: ModelConfig):
-    """HF's rotate_half RoPE on [B, T, heads, head_dim]."""
+def _apply_rope(x, positions, layer: int, cfg: ModelConfig):
+    """HF's rotate_half RoPE on [B, T, heads, head_dim], with layer `layer`'s frequencies."""
     import jax.numpy as jnp
 
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    inv = jnp.asarray(cfg.ropes[layer].inverse_frequencies(d))
     freqs = positions.astype(jnp.float32)[..., None] * inv
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
     cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
@@ -247,57 +370,110 @@ def _rope(x, positions, cfg: ModelConfig):
     return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
-def _linear(x, w):
-    return x @ w.T.astype(x.dtype)   # HF [out, in] weights
+def _linear(x, w, bias=None):
+    y = x @ w.T.astype(x.dtype)   # HF [out, in] weights
+    return y if bias is None else y + bias.astype(x.dtype)
 
 
-def _attention(p: dict, x, positions, mask, cfg: ModelConfig):
+@dataclass(frozen=True)
+class Adapters:
+    """LoRA on the forward pass (tpuft_workload.jax_lora): each adapted linear layer adds
+    scale * B(A(dropout(x))), PEFT's LoraLayer; its A and B sit in the params beside the weight
+    (`<module>.lora_A.weight` [r, in], `<module>.lora_B.weight` [out, r])."""
+    scale: float
+    dropout: float = 0.0
+
+
+# Every linear layer of a decoder layer, in a fixed order (dropout's random stream per module).
+LINEAR_MODULES = tuple(f"self_attn.{n}" for n in _PROJECTIONS) + ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def _adapted(p: dict, x, module: str, adapters: Adapters | None, rng):
+    """Linear layer `module` (short name) on x, plus its LoRA adapters when `p` holds them."""
     import jax
     import jax.numpy as jnp
 
+    y = _linear(x, p[f"{module}.weight"], p.get(f"{module}.bias"))
+    a = p.get(f"{module}.lora_A.weight")
+    if a is None or adapters is None:
+        return y
+    h = x
+    if adapters.dropout and rng is not None:
+        keep = jax.random.bernoulli(jax.random.fold_in(rng, LINEAR_MODULES.index(module)), 1.0 - adapters.dropout,
+                                    x.shape)
+        h = jnp.where(keep, x / (1.0 - adapters.dropout), jnp.zeros_like(x))
+    return y + _linear(_linear(h, a), p[f"{module}.lora_B.weight"]) * jnp.asarray(adapters.scale, x.dtype)
+
+
+def _attention(p: dict, x, positions, mask, layer: int, cfg: ModelConfig, adapters=None, rng=None):
+    import jax
+    import jax.numpy as jnp
+
+    def project(name, h):
+        return _adapted(p, h, f"self_attn.{name}", adapters, rng)
+
     b, t, _ = x.shape
-    q = _rope(_linear(x, p["self_attn.q_proj.weight"]).reshape(b, t, cfg.num_heads, cfg.head_dim), positions, cfg)
-    k = _rope(_linear(x, p["self_attn.k_proj.weight"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim), positions, cfg)
-    v = _linear(x, p["self_attn.v_proj.weight"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    q = project("q_proj", x).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = project("k_proj", x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = project("v_proj", x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.family.qk_norm:
+        q, k = _rms_norm(q, p["self_attn.q_norm.weight"], cfg), _rms_norm(k, p["self_attn.k_norm.weight"], cfg)
+    q, k = _apply_rope(q, positions, layer, cfg), _apply_rope(k, positions, layer, cfg)
     groups = cfg.num_heads // cfg.num_kv_heads
     k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * (cfg.head_dim ** -0.5)
+    scale = cfg.attention_scale or cfg.head_dim ** -0.5
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * scale
+    if cfg.attention_softcap:
+        scores = jnp.tanh(scores / cfg.attention_softcap) * cfg.attention_softcap
     scores = jnp.where(mask[:, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
     out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, cfg.num_heads * cfg.head_dim)
-    return _linear(out, p["self_attn.o_proj.weight"])
+    return project("o_proj", out)
 
 
-def _mlp(p: dict, x, cfg: ModelConfig):
+def _mlp(p: dict, x, cfg: ModelConfig, adapters=None, rng=None):
     import jax
 
-    gate = _linear(x, p["mlp.gate_proj.weight"])
+    gate = _adapted(p, x, "mlp.gate_proj", adapters, rng)
     act = jax.nn.silu(gate) if cfg.activation == "silu" else jax.nn.gelu(gate, approximate=True)
-    return _linear(act * _linear(x, p["mlp.up_proj.weight"]), p["mlp.down_proj.weight"])
+    return _adapted(p, act * _adapted(p, x, "mlp.up_proj", adapters, rng), "mlp.down_proj", adapters, rng)
 
 
-def attention_mask(position_ids, key_mask):
-    """[B, T, T] causal mask, block-diagonal across packed examples, padding keys masked out."""
+def attention_mask(position_ids, key_mask, window: int | None = None):
+    """[B, T, T] causal mask, block-diagonal across packed examples, padding keys masked out;
+    with `window`, a query sees only the `window` latest tokens (itself included)."""
     import jax.numpy as jnp
 
     b, t = position_ids.shape
     starts = jnp.concatenate([jnp.ones((b, 1), bool), position_ids[:, 1:] != position_ids[:, :-1] + 1], axis=1)
     segment = jnp.cumsum(starts, axis=1)
-    causal = jnp.tril(jnp.ones((t, t), bool))[None]
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    if window:
+        causal = causal & ~jnp.tril(jnp.ones((t, t), bool), -window)
     same = segment[:, :, None] == segment[:, None, :]
-    return causal & same & key_mask.astype(bool)[:, None, :]
+    return causal[None] & same & key_mask.astype(bool)[:, None, :]
 
 
-def _decoder_layer(p: dict, x, positions, mask, cfg: ModelConfig):
-    """One decoder layer on the residual stream `x` (`p`: the layer's parameters, short names)."""
-    x = x + _attention(p, _rms_norm(x, p["input_layernorm.weight"], cfg), positions, mask, cfg)
-    return x + _mlp(p, _rms_norm(x, p["post_attention_layernorm.weight"], cfg), cfg)
+def _decoder_layer(p: dict, x, positions, mask, rng, cfg: ModelConfig, layer: int, adapters: Adapters | None):
+    """Decoder layer `layer` on the residual stream `x` (`p`: the layer's parameters, short names;
+    `rng`: the adapters' dropout key for this layer, or None)."""
+    attended = _attention(p, _rms_norm(x, p["input_layernorm.weight"], cfg), positions, mask, layer, cfg,
+                          adapters, rng)
+    if not cfg.family.sandwich_norms:
+        x = x + attended
+        return x + _mlp(p, _rms_norm(x, p["post_attention_layernorm.weight"], cfg), cfg, adapters, rng)
+    x = x + _rms_norm(attended, p["post_attention_layernorm.weight"], cfg)
+    fed = _mlp(p, _rms_norm(x, p["pre_feedforward_layernorm.weight"], cfg), cfg, adapters, rng)
+    return x + _rms_norm(fed, p["post_feedforward_layernorm.weight"], cfg)
 
 
-def forward(params: dict, cfg: ModelConfig, input_ids, position_ids, key_mask, dtype=None, remat: bool = False):
+def forward(params: dict, cfg: ModelConfig, input_ids, position_ids, key_mask, dtype=None, remat: bool = False,
+            adapters: Adapters | None = None, rng=None):
     """Logits [B, T, vocab] (float32). `dtype`: the compute dtype (bf16 on TPU); params stay as given.
     `remat` (spec.training.activationCheckpointing): each decoder layer keeps only its input for the
-    backward pass and recomputes the rest (jax.checkpoint), trading compute for activation memory."""
+    backward pass and recomputes the rest (jax.checkpoint), trading compute for activation memory.
+    `adapters`: LoRA on the layers whose A and B `params` holds; `rng` a key for their dropout
+    (None: no dropout, as in evaluation)."""
     import jax
     import jax.numpy as jnp
 
@@ -306,14 +482,18 @@ def forward(params: dict, cfg: ModelConfig, input_ids, position_ids, key_mask, d
     x = cast(embed[input_ids])
     if cfg.gemma:
         x = x * jnp.asarray(cfg.hidden_size ** 0.5, dtype=x.dtype)
-    mask = attention_mask(position_ids, key_mask)
-    layer = jax.checkpoint(_decoder_layer, static_argnums=(4,)) if remat else _decoder_layer
+    masks = {w: attention_mask(position_ids, key_mask, w) for w in set(cfg.windows)}
+    layer = jax.checkpoint(_decoder_layer, static_argnums=(5, 6, 7)) if remat else _decoder_layer
     for i in range(cfg.num_layers):
         p = {k[len(f"model.layers.{i}."):]: cast(v) for k, v in params.items() if k.startswith(f"model.layers.{i}.")}
-        x = layer(p, x, position_ids, mask, cfg)
+        key = None if rng is None else jax.random.fold_in(rng, i)
+        x = layer(p, x, position_ids, masks[cfg.windows[i]], key, cfg, i, adapters)
     x = _rms_norm(x, cast(params["model.norm.weight"]), cfg)
     head = embed if cfg.tie_word_embeddings else params["lm_head.weight"]
-    return _linear(x, cast(head)).astype(jnp.float32)
+    logits = _linear(x, cast(head)).astype(jnp.float32)
+    if cfg.final_softcap:
+        logits = jnp.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+    return logits
 
 
 def _next_token_labels(labels):
@@ -328,13 +508,15 @@ def labelled_tokens(labels):
     return (_next_token_labels(labels) != IGNORE).sum()
 
 
-def loss_sums(params: dict, cfg: ModelConfig, batch: dict, dtype=None, remat: bool = False):
+def loss_sums(params: dict, cfg: ModelConfig, batch: dict, dtype=None, remat: bool = False,
+              adapters: Adapters | None = None, rng=None):
     """(summed next-token cross entropy, labelled tokens) over `batch`: HF's ForCausalLMLoss
     before its division, so sums from several shards average exactly."""
     import jax
     import jax.numpy as jnp
 
-    logits = forward(params, cfg, batch["input_ids"], batch["position_ids"], batch["key_mask"], dtype, remat)
+    logits = forward(params, cfg, batch["input_ids"], batch["position_ids"], batch["key_mask"], dtype, remat,
+                     adapters, rng)
     labels = _next_token_labels(batch["labels"])
     valid = labels != IGNORE
     logp = jax.nn.log_softmax(logits, axis=-1)
@@ -342,8 +524,9 @@ def loss_sums(params: dict, cfg: ModelConfig, batch: dict, dtype=None, remat: bo
     return -(picked * valid).sum(), valid.sum()
 
 
-def loss(params: dict, cfg: ModelConfig, batch: dict, dtype=None, remat: bool = False):
-    total, count = loss_sums(params, cfg, batch, dtype, remat)
+def loss(params: dict, cfg: ModelConfig, batch: dict, dtype=None, remat: bool = False,
+         adapters: Adapters | None = None, rng=None):
+    total, count = loss_sums(params, cfg, batch, dtype, remat, adapters, rng)
     return total / count.clip(1)
 
 

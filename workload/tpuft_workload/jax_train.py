@@ -19,6 +19,9 @@ master weights on accelerators, float32 on CPU; Orbax checkpoints (tpuft_workloa
 (restore, reports, checkpoint cadence, status keys, log lines, TensorBoard files, the run summary,
 a stop on SIGTERM) is tpuft_workload.loop's, the torch path's too; this file is its JAX backend
 (`_Jax`): the processes agree on a stop's step through JAX's own preemption sync point.
+LoRA (`spec.training.method: lora`): the base is placed as above and frozen, the adapters of
+tpuft_workload.jax_lora are what the step differentiates, AdamW updates, Orbax saves and the
+export writes (a PEFT adapter folder, by the torch path's writer).
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ import ray.train
 
 from tpuft_workload import checkpoint as ckptlib
 from tpuft_workload import data as datalib
-from tpuft_workload import jax_checkpoint, loop, pipeline, preemption
+from tpuft_workload import jax_checkpoint, jax_lora, loop, pipeline, preemption
 from tpuft_workload import jax_model as jm
 from tpuft_workload.command import Command
 from tpuft_workload.platform import PLATFORMS, Target
@@ -157,37 +160,48 @@ def with_rate(opt_state, learning_rate):
     return clip, adamw._replace(hyperparams={**adamw.hyperparams, "learning_rate": rate})
 
 
-def train_step(tx, cfg: jm.ModelConfig, dtype, remat: bool, params, opt_state, micro_batches: dict, learning_rate):
+def train_step(tx, cfg: jm.ModelConfig, dtype, remat: bool, params, opt_state, micro_batches: dict, learning_rate,
+               frozen=None, adapters: jm.Adapters | None = None, dropout_key=None):
     """One optimizer step over k micro-batches, stacked ([k, global micro-batch, ...] each key):
     the gradient of the mean loss over every labelled token of all k (each micro-batch's summed
     loss over the count of all k, gradients summed by a lax.scan over them), so k micro-batches of b rows
     update the params as one batch of k x b; then `tx` (`optimizer`) at `learning_rate`. One jit over
     the mesh: exact data-parallel averaging, FSDP gathers/scatters by XLA. Returns (params,
-    opt_state, the step's sums: loss_sum, labelled and real tokens, the gradient norm)."""
+    opt_state, the step's sums: loss_sum, labelled and real tokens, the gradient norm).
+    LoRA: `params` are the adapters (trained), `frozen` the base (no gradient), `adapters` how they
+    apply; `dropout_key` draws their dropout, a new stream each step (the optimizer's step count)
+    and micro-batch."""
     import jax
     import jax.numpy as jnp
     import optax
 
     labelled = jm.labelled_tokens(micro_batches["labels"])
     share = 1.0 / labelled.clip(1).astype(jnp.float32)
+    k = micro_batches["labels"].shape[0]
+    keys = [None] * k
+    if dropout_key is not None:
+        count = opt_state[1].count   # optimizer(): (clip, inject_hyperparams(adamw)) states
+        keys = jax.random.split(jax.random.fold_in(dropout_key, count), k)
 
-    def loss_and_grads(batch):
+    def loss_and_grads(batch, key):
         def scaled(p):
-            total, _ = jm.loss_sums(p, cfg, batch, dtype, remat)
+            whole = p if frozen is None else {**frozen, **p}
+            total, _ = jm.loss_sums(whole, cfg, batch, dtype, remat, adapters, key)
             return total * share, total
 
         (_, total), grads = jax.value_and_grad(scaled, has_aux=True)(params)
         return total, grads
 
-    def accumulate(carry, batch):
-        total, grads = loss_and_grads(batch)
+    def accumulate(carry, batch_and_key):
+        total, grads = loss_and_grads(*batch_and_key)
         return (carry[0] + total, jax.tree.map(jnp.add, carry[1], grads)), None
 
-    if micro_batches["labels"].shape[0] == 1:   # no accumulator: one gradient's memory, not two
-        loss_sum, grads = loss_and_grads(jax.tree.map(lambda v: v[0], micro_batches))
+    if k == 1:   # no accumulator: one gradient's memory, not two
+        loss_sum, grads = loss_and_grads(jax.tree.map(lambda v: v[0], micro_batches), keys[0])
     else:
         start = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        (loss_sum, grads), _ = jax.lax.scan(accumulate, start, micro_batches)
+        stacked_keys = None if dropout_key is None else keys
+        (loss_sum, grads), _ = jax.lax.scan(accumulate, start, (micro_batches, stacked_keys))
     updates, opt_state = tx.update(grads, with_rate(opt_state, learning_rate), params)
     sums = {"loss_sum": loss_sum, "labelled": labelled, "real": micro_batches["n_real"].sum()}
     # the norm before clip_by_global_norm, as torch's clip_grad_norm_ returns it
@@ -279,19 +293,30 @@ class _Jax:
 
         jax, cfg = self.jax, self.cfg
         self.hf_config, self.mcfg, host = load_weights(cfg.model, self.tokenizer, cfg.seed)
-        arch = jax_checkpoint.architecture(jm.hf_class(self.hf_config), host)
+        arch = jax_checkpoint.architecture(jm.hf_class(self.hf_config), host)   # the base's
         self.flops_per_token = flops_per_token(arch["parameters"], self.hf_config, cfg.max_seq_length)   # MFU's
         self.worker.adopt_architecture(arch, self.barrier)
-        self.parameter_counts = (arch["parameters"], arch["parameters"])   # full fine-tuning only (trainable, total)
         self.mesh = build_mesh(jax, cfg.slices)
         # Each device's shard read from the files (a SavedTensor) or cut from the host array (the
         # builtin): no process builds the whole tree of a saved model.
-        self.params = {n: _put(jax, a, self._sharding(a)) for n, a in host.items()}
+        base = {n: _put(jax, a, self._sharding(a)) for n, a in host.items()}
         if isinstance(host, jm.HostTensors):
             self.worker.say(f"[tpuft] read {sum(t.read_bytes for t in host.values()) / 2**20:.1f} MiB of "
                             f"{sum(t.size for t in host.values()) * 4 / 2**20:.1f} MiB of weights (fp32) on this host")
             host.close()
-        self.tx = optimizer(host, cfg.weight_decay, cfg.max_grad_norm)
+        # LoRA: the base frozen (sharded as for full fine-tuning), the adapters trained; else all of it
+        self.frozen, self.adapters, trained = None, None, base
+        if cfg.lora:
+            shapes = {n: tuple(a.shape) for n, a in base.items()}
+            fresh = jax_lora.init(self.mcfg, cfg.lora, shapes, cfg.seed)
+            self.frozen, self.adapters = base, jax_lora.adapters(cfg.lora)
+            trained = {n: _put(jax, a, self._sharding(a)) for n, a in fresh.items()}
+        self.params = trained
+        count = sum(int(a.size) for a in trained.values())
+        self.parameter_counts = (count, arch["parameters"] + (count if cfg.lora else 0))   # (trainable, total)
+        self.worker.say(f"[tpuft] training {self.parameter_counts[0]:,} of {self.parameter_counts[1]:,} parameters"
+                        + (f" (LoRA rank {cfg.lora.rank} on {','.join(cfg.lora.target_modules)})" if cfg.lora else ""))
+        self.tx = optimizer(trained, cfg.weight_decay, cfg.max_grad_norm)
         # Every leaf placed explicitly: the moments like their parameters; the step count, left to
         # jit, lands on one local device and no longer fits the mesh once Orbax restores it.
         shardings = jax.tree.map(self._sharding, jax.eval_shape(self.tx.init, self.params))
@@ -299,9 +324,13 @@ class _Jax:
         self.batch_sharding = NamedSharding(self.mesh, P(MESH_AXES))
         self.micro_batches_sharding = NamedSharding(self.mesh, P(None, MESH_AXES))
         dtype = jax.numpy.bfloat16 if self.plat.mixed_precision else None
-        self.step_fn = jax.jit(partial(train_step, self.tx, self.mcfg, dtype, cfg.activation_checkpointing),
-                               donate_argnums=(0, 1))
-        self.eval_fn = jax.jit(lambda params, batch: jm.loss_sums(params, self.mcfg, batch, dtype))
+        dropout_key = jax.random.key(cfg.seed) if cfg.lora and cfg.lora.dropout else None
+        step = partial(train_step, self.tx, self.mcfg, dtype, cfg.activation_checkpointing, adapters=self.adapters,
+                       dropout_key=dropout_key)
+        self.step_fn = jax.jit(lambda params, opt_state, batch, rate, frozen: step(params, opt_state, batch, rate,
+                                                                                   frozen), donate_argnums=(0, 1))
+        self.eval_fn = jax.jit(lambda params, frozen, batch: jm.loss_sums(
+            params if frozen is None else {**frozen, **params}, self.mcfg, batch, dtype, adapters=self.adapters))
 
     def _sharding(self, leaf):
         """Where a parameter (or a state leaf of its shape) lives: FSDP over the mesh's fsdp axis."""
@@ -330,7 +359,7 @@ class _Jax:
                      self.micro_batches_sharding, v, (len(local), self.local_batch * self.world, *v.shape[2:]))
                  for k, v in stacked.items()}
         self.params, self.opt_state, sums, grad_norm = self.step_fn(self.params, self.opt_state, batch,
-                                                                    np.float32(learning_rate))
+                                                                    np.float32(learning_rate), self.frozen)
         return loop.Step(loss_sum=sums["loss_sum"], labelled=sums["labelled"], real=sums["real"],
                          padded=len(local) * self.local_batch * self.world * self.cfg.max_seq_length,
                          grad_norm=grad_norm)
@@ -341,7 +370,7 @@ class _Jax:
         for rows in pipeline.eval_batches(self.eval_rows, self.world, self.rank, self.local_batch):
             batch = {k: self.jax.make_array_from_process_local_data(self.batch_sharding, v)
                      for k, v in jm.inputs_from_rows(rows, self.cfg.packing).items()}
-            total, count = self.eval_fn(self.params, batch)
+            total, count = self.eval_fn(self.params, self.frozen, batch)
             loss_sum, labelled = loss_sum + total, labelled + count
         return float(loss_sum), float(labelled)
 
@@ -399,9 +428,12 @@ class _Jax:
 
     def export(self) -> str | None:
         """Collective: the full weights gathered to every host; rank 0 writes the from_pretrained()
-        folder (bf16 on accelerators, the dtype the model trained in; float32 on CPU)."""
+        folder (bf16 on accelerators, the dtype the model trained in; float32 on CPU). LoRA: the
+        torch path's PEFT adapter folder (`_export_adapters`)."""
         from jax.experimental import multihost_utils
 
+        if self.cfg.lora:
+            return self._export_adapters()
         full = multihost_utils.process_allgather(self.params, tiled=True)
         if self.rank != 0:
             return None
@@ -416,3 +448,26 @@ class _Jax:
             self.tokenizer.save_pretrained(tmp)
             ckptlib.upload_dir(tmp, self.cfg.export_uri)
         return self.cfg.export_uri
+
+    def _export_adapters(self) -> str | None:
+        """Collective: the adapters (and the base, where the built-in model or spec.export.merge needs
+        it on rank 0) gathered; rank 0 writes through tpuft_workload.lora.write_export, the torch
+        path's writer: the PEFT adapter folder, and base/ or export-merged/ as that path does."""
+        from jax.experimental import multihost_utils
+        from transformers import AutoConfig
+
+        from tpuft_workload import lora as loralib
+        from tpuft_workload import model as modellib
+        from tpuft_workload.tiny import BUILTIN_MODEL
+
+        cfg = self.cfg
+        adapters = multihost_utils.process_allgather(self.params, tiled=True)
+        with_base = cfg.merge_export or cfg.model == BUILTIN_MODEL
+        base = multihost_utils.process_allgather(self.frozen, tiled=True) if with_base else {}
+        if self.rank != 0:
+            return None
+        config = AutoConfig.for_model(**self.hf_config)
+        generation = modellib.base_generation(cfg.model, config)
+        state = jax_lora.peft_state(base, adapters, cfg.lora, self.mcfg)
+        return loralib.write_export(config, state, self.tokenizer, cfg.lora, cfg.model, cfg.run_dir, cfg.merge_export,
+                                    generation)

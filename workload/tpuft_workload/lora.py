@@ -18,7 +18,6 @@ import tempfile
 from dataclasses import dataclass
 
 from tpuft.constants import EXPORT_MERGED_DIR, LORA_DEFAULT_TARGET_MODULES, TrainingMethod
-from tpuft.spec import LORA_ON_TORCH_ONLY
 from tpuft_workload import checkpoint as ckptlib
 from tpuft_workload.tiny import BUILTIN_MODEL
 
@@ -33,10 +32,6 @@ BASE_DIR = "base"
 MERGED_DIR = EXPORT_MERGED_DIR   # one source: the operator's vLLM RayService serves it
 ADAPTER_CONFIG = "adapter_config.json"   # what marks a PEFT adapter folder (peft.utils.CONFIG_NAME)
 PEFT_PREFIX = "base_model.model."        # PeftModelForCausalLM's path to the base model's modules
-
-
-# JAX trains full weights only (docs/lora.md): tpuft.spec refuses the pair, here for a direct caller.
-JAX_REFUSAL = f"{METHOD_FIELD}: {LORA_ON_TORCH_ONLY}"
 
 
 class LoraError(ValueError):
@@ -85,7 +80,7 @@ def linear_layers(model) -> dict[str, tuple[int, int]]:
             if isinstance(m, torch.nn.Linear)}
 
 
-def _matches(path: str, target: str) -> bool:
+def matches(path: str, target: str) -> bool:
     """PEFT's rule for a target_modules list entry: the whole path or its last dotted parts."""
     return path == target or path.endswith("." + target)
 
@@ -104,9 +99,9 @@ def resolve(model, rank: int, alpha: int, dropout: float, targets: tuple[str, ..
                             f"list the linear layers to adapt (its linear layers: {names})")
         targets = LORA_DEFAULT_TARGET_MODULES[model_type]
     for target in targets:
-        if not any(_matches(p, target) for p in layers):
+        if not any(matches(p, target) for p in layers):
             raise LoraError(f"{TARGETS_FIELD}: {target!r} is not a linear layer of {cls} (its linear layers: {names})")
-    targeted = {p: dims for p, dims in layers.items() if any(_matches(p, t) for t in targets)}
+    targeted = {p: dims for p, dims in layers.items() if any(matches(p, t) for t in targets)}
     path, (n_in, n_out) = min(targeted.items(), key=lambda kv: min(kv[1]))
     if rank > min(n_in, n_out):
         raise LoraError(f"{RANK_FIELD}: {rank} is larger than the smallest dimension ({min(n_in, n_out)}) of "
@@ -163,21 +158,30 @@ turn end among its stop ids), or {run_dir}/base for the built-in model (written 
     full weights. Returns the adapter folder's URI on rank 0, None elsewhere."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    builtin = model_ref == BUILTIN_MODEL
     full = get_model_state_dict(model, options=StateDictOptions(
-        full_state_dict=True, cpu_offload=True, ignore_frozen_params=not (merge or builtin)))
+        full_state_dict=True, cpu_offload=True, ignore_frozen_params=not (merge or model_ref == BUILTIN_MODEL)))
     if rank != 0:
         return None
     if dtype is not None:
         full = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in full.items()}
-    fresh = _rebuild(model.config, settings, full)
+    return write_export(model.config, full, tokenizer, settings, model_ref, run_dir, merge,
+                        getattr(model, "generation_config", None))
+
+
+def write_export(config, full: dict, tokenizer, settings: LoraSettings, model_ref: str, run_dir: str,
+                 merge: bool = False, generation=None) -> str:
+    """export's writing, on the process that holds `full` (the PEFT model's state dict, torch
+    tensors: the adapters, and the frozen base when the built-in model or `merge` needs it); the
+    JAX path's export writes through it too (tpuft_workload.jax_lora.peft_state). `generation`:
+    the base's generation config (None: the config's default)."""
+    builtin = model_ref == BUILTIN_MODEL
+    fresh = _rebuild(config, settings, full)
     # the base's (tpuft_workload.model.as_served) with the turn end among its stop ids: an adapter
     # folder carries its own, which the engine reads before the base's
-    generation = ckptlib.serving_generation(getattr(model, "generation_config", None) or fresh.generation_config,
-                                            tokenizer)
+    generation = ckptlib.serving_generation(generation or fresh.generation_config, tokenizer)
     base_ref = ckptlib.join(run_dir, BASE_DIR) if builtin else model_ref
     if builtin:
-        ckptlib.save_hf(model.config, base_state(full), tokenizer, base_ref, generation=generation)
+        ckptlib.save_hf(config, base_state(full), tokenizer, base_ref, generation=generation)
     dest = ckptlib.join(run_dir, ckptlib.EXPORT_DIR)
     fresh.peft_config["default"].base_model_name_or_path = base_ref
     with tempfile.TemporaryDirectory() as tmp:

@@ -366,17 +366,16 @@ def check_resume_batch(run_dir: str, resume_from: str, global_batch: int, per_de
 
 
 def _model_checks(run: Run, resume_from: str, resume_manifest: dict) -> loralib.LoraSettings | None:
-    """On the meta model, before any worker starts (torch; the JAX path checks the architecture on
-    its workers): the LoRA settings resolved (LoraError naming the field), and the resume point
-    written for spec.model's architecture and for this method (ResumeError). The workers check the
-    resume point again."""
+    """On the meta model, before any worker starts: the LoRA settings resolved (LoraError naming
+    the field; both frameworks), and the resume point written for spec.model's architecture
+    (torch; the JAX path checks it on its workers) and for this method (ResumeError). The workers
+    check the resume point again."""
     from tpuft.constants import TrainingFramework, TrainingMethod
 
     training = run.training
     lora = training.method == TrainingMethod.LORA.value
-    if lora and training.framework != TrainingFramework.TORCH.value:
-        raise loralib.LoraError(loralib.JAX_REFUSAL)   # __main__ refuses it first; a direct caller too
-    if training.framework != TrainingFramework.TORCH.value or not (resume_from or lora):
+    torch_path = training.framework == TrainingFramework.TORCH.value
+    if not (lora or (resume_from and torch_path)):
         return None
     from tpuft_workload import model as modellib
 
@@ -385,7 +384,8 @@ def _model_checks(run: Run, resume_from: str, resume_manifest: dict) -> loralib.
     settings = loralib.resolve(meta, adapters.rank, adapters.alpha, adapters.dropout,
                                adapters.target_modules) if lora else None
     if resume_from:
-        ckptlib.check_architecture(resume_from, resume_manifest, ckptlib.architecture(meta), run.model)
+        if torch_path:
+            ckptlib.check_architecture(resume_from, resume_manifest, ckptlib.architecture(meta), run.model)
         loralib.check_resume(resume_from, resume_manifest, settings)
     return settings
 
