@@ -5,6 +5,7 @@ import base64
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -307,6 +308,24 @@ def test_a_driver_killed_outright_leaves_its_log_in_the_bucket(gcs):
             proc.wait(timeout=30)
     text = checkpoint.read_bytes(log_uri).decode()
     assert "[tpuft] train driver started" in text and "step 1 done" in text
+
+
+def test_a_driver_whose_bucket_cannot_be_reached_ends_at_once_its_log_kept_on_the_host(gcs, monkeypatch):
+    """No metadata server (nothing listens where GCE_METADATA_ROOT points): the log's first read
+    gives up within the probe's bound, nothing more is tried, and the driver's block ends at once
+    instead of waiting out one retry window per upload (it once held a failed verification 199 s)."""
+    from tpuft_workload import driver_log
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("GCE_METADATA_ROOT", f"127.0.0.1:{closed.getsockname()[1]}")
+    start = time.monotonic()
+    with driver_log.tee(gcs.path("run", "logs", "verify.log"), "verify", upload_every_s=0.5):
+        print("storage probe failed", flush=True)
+        time.sleep(1.5)   # past a few upload intervals
+    seconds = time.monotonic() - start
+    assert seconds < 3 * driver_log.LOG_RETRY_LIMIT_S + 5, seconds
+    assert not gcs.local("run", "logs", "verify.log").exists()
 
 
 def test_tensorboard_events_reach_the_bucket_between_checkpoints(gcs):

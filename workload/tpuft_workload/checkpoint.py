@@ -112,17 +112,17 @@ def write_json(uri: str, obj) -> None:
         f.write(json.dumps(obj, sort_keys=True).encode())
 
 
-def write_bytes(uri: str, data: bytes) -> None:
+def write_bytes(uri: str, data: bytes, retry_limit_s: float = storage.RETRY_LIMIT_S) -> None:
     """`data` as the file `uri`, its folder created first."""
-    fs, path = _fs(uri)
+    fs, path = _fs(uri, retry_limit_s)
     storage.make_dirs(fs, path.rpartition("/")[0])
     with fs.open_output_stream(path) as f:
         f.write(data)
 
 
-def read_bytes(uri: str) -> bytes:
+def read_bytes(uri: str, retry_limit_s: float = storage.RETRY_LIMIT_S) -> bytes:
     """The file `uri`; storage.NotFound (naming it) when there is none."""
-    fs, path = _fs(uri)
+    fs, path = _fs(uri, retry_limit_s)
     try:
         with fs.open_input_stream(path) as f:
             return f.read()

@@ -19,9 +19,11 @@ import threading
 from typing import Iterator, TextIO
 
 from tpuft_workload import checkpoint as ckptlib
+from tpuft_workload import storage
 from tpuft_workload.report import now_rfc3339
 
 UPLOAD_EVERY_S = 30.0
+LOG_RETRY_LIMIT_S = storage.PROBE_RETRY_LIMIT_S   # a log is not worth holding a driver for: the probe's bound
 
 
 class _Tee:
@@ -52,10 +54,13 @@ class _Uploader:
     """The local copy of a remote log, uploaded whole every `every_s` seconds while it grows (a
     thread), and once more by `close`."""
 
-    def __init__(self, local: str, uri: str, lock: threading.Lock, every_s: float):
+    def __init__(self, local: str, uri: str, lock: threading.Lock, every_s: float, reachable: bool = True):
         self.local, self.uri, self._lock, self._every_s = local, uri, lock, every_s
         self._sent = -1
         self._failed = False
+        # False: the log's first read found no credentials or no bucket; nothing is uploaded then (each try
+        # would wait out the client's retries, keeping a failed driver from ending)
+        self.reachable = reachable
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tpuft-driver-log-upload", daemon=True)
 
@@ -67,13 +72,15 @@ class _Uploader:
             self.upload()
 
     def upload(self, err: TextIO | None = None) -> None:
+        if not self.reachable:
+            return
         with self._lock:   # a whole line at a time: writers hold the lock while they write
             with open(self.local, "rb") as f:
                 data = f.read()
         if len(data) == self._sent:
             return
         try:
-            ckptlib.write_bytes(self.uri, data)
+            ckptlib.write_bytes(self.uri, data, LOG_RETRY_LIMIT_S)
             self._sent = len(data)
         except Exception as e:  # noqa: BLE001 - pyarrow raises OSError, ArrowException, ...
             if not self._failed or err is not None:   # said once while running, and at the end
@@ -95,12 +102,19 @@ def tee(path: str | None, what: str, upload_every_s: float = UPLOAD_EVERY_S) -> 
         yield None
         return
     remote = "://" in path
+    reachable = True
     try:
         if remote:   # what earlier attempts uploaded comes first: the file is replaced, not appended to
             with tempfile.NamedTemporaryFile("wb", prefix="tpuft-driver-", suffix=".log", delete=False) as f:
                 local = f.name
-                with contextlib.suppress(Exception):
-                    f.write(ckptlib.read_bytes(path))
+                try:
+                    f.write(ckptlib.read_bytes(path, LOG_RETRY_LIMIT_S))
+                except storage.NotFound:
+                    pass   # the run's first attempt
+                except Exception as e:  # noqa: BLE001 - pyarrow raises OSError, ArrowException, ...
+                    reachable = False
+                    sys.stderr.write(f"[tpuft] the driver log stays on this host: {path} cannot be read "
+                                     f"({type(e).__name__}: {str(e)[:300]})\n")
         else:
             local = path
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -112,7 +126,7 @@ def tee(path: str | None, what: str, upload_every_s: float = UPLOAD_EVERY_S) -> 
     lock = threading.Lock()
     out, err = sys.stdout, sys.stderr
     log.write(f"[tpuft] {what} driver started {now_rfc3339()} (pid {os.getpid()})\n")
-    uploader = _Uploader(local, path, lock, upload_every_s) if remote else None
+    uploader = _Uploader(local, path, lock, upload_every_s, reachable) if remote else None
     if uploader is not None:
         uploader.start()
     sys.stdout, sys.stderr = _Tee(out, log, lock), _Tee(err, log, lock)
