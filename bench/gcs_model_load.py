@@ -15,8 +15,8 @@ its loaded shards (both paths must load the same weights). Medians over --repeat
 
     .venv/bin/python bench/gcs_model_load.py [--repeats 3] [--hidden 1024 --layers 20]
 
-Needs the fake-gcs-server binary (--server; build: GOBIN=/tmp/fgcs-bin go install
-github.com/fsouza/fake-gcs-server@v1.56.1). pyarrow's GCS client finds it through
+fake-gcs-server is the local cluster's (built once per machine by tpuft_local.toolchain, as
+`tpuft cluster tools` builds it; --server names another binary). pyarrow's GCS client finds it through
 CLOUD_STORAGE_EMULATOR_ENDPOINT and takes its token from a fake metadata server (GCE_METADATA_ROOT),
 both on 127.0.0.1. Writes bench/results/gcs_model_load.json (and the table as .txt) by default.
 """
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="loads per path, alternating the order (default 3)")
     p.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024: 1.1 GB fp32 with 20 layers)")
     p.add_argument("--layers", type=int, default=20, help="decoder layers (default 20)")
-    p.add_argument("--server", default="/tmp/fgcs-bin/fake-gcs-server", help="the fake-gcs-server binary")
+    p.add_argument("--server", default=None, help="the fake-gcs-server binary (default: the toolchain's)")
     p.add_argument("--data", type=Path, default=Path("/tmp/tpuft-bench-gcs-data"),
                    help="the server's data folder; the model is written once under it (default /tmp/tpuft-bench-gcs-data)")
     p.add_argument("--out", type=Path, default=OUT, help=f"results JSON (default {OUT.relative_to(REPO)})")
@@ -241,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(args.data.parent / "tpuft-bench-gcs-server.log", "w")
+    if args.server is None:
+        from tpuft_local import gcs
+        args.server = gcs.build()
     server = subprocess.Popen([args.server, "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
                                "-backend", "filesystem", "-data", str(args.data),
                                "-external-url", f"http://127.0.0.1:{port}"], stdout=log, stderr=log)
