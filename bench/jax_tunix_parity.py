@@ -28,6 +28,8 @@ import types
 from pathlib import Path
 
 os.environ["JAX_PLATFORMS"] = "cpu"
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tests.workload.jax_families: the parity test's tiny models
 SITE = os.environ.get("TUNIX_SITE", "/tmp/tunix-site")
 RESULTS = Path(__file__).parent / "results" / "jax_tunix_parity.json"
 ADJUSTED = {"gemma2": "query_pre_attn_scalar = head_dim",
@@ -106,7 +108,12 @@ def measure(family: str) -> dict:
     return row
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=RESULTS, help="the JSON written (default: %(default)s)")
+    args = parser.parse_args(argv)
     _enter_tunix_models()
     from tests.workload import jax_families
 
@@ -117,7 +124,7 @@ def main() -> None:
     for r in rows:
         found = r.get("result") or f"packed {r['max_abs_diff_packed']:.1e}, whole rows {r['max_abs_diff_whole']:.1e}"
         print(f"{r['family']:12s} {r['candidate']}: {found} {r['adjusted']}")
-    RESULTS.write_text(json.dumps(rows, indent=2) + "\n")
+    args.out.write_text(json.dumps(rows, indent=2) + "\n")
 
 
 if __name__ == "__main__":
