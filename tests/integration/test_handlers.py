@@ -481,8 +481,8 @@ def test_a_worker_killed_for_memory_is_named_and_the_log_stays_out_of_status(ope
         assert st["message"] == (
             f"training failed after 1 attempt(s): RayJob {NAME}-train: worker pod {namespace}/{NAME}-ray-tpu-worker-x "
             "(host 2 of slice 0) was killed for memory by the kernel's OOM killer (limit 200Gi): give the workers more "
-            "memory (spec.resources.worker.limits.memory), a bigger slice, or spec.training.method: lora; the full "
-            f"log: tpuft logs {NAME} -n {namespace}")
+            "memory (spec.resources.worker.limits.memory), a bigger slice, spec.training.method: lora, or a smaller "
+            f"spec.training.batchSizePerDevice or maxSeqLength; the full log: tpuft logs {NAME} -n {namespace}")
         assert "TrainController" not in json.dumps(st)
     events = tft.events()
     assert "OutOfMemory" in [e["reason"] for e in events if e["type"] == "Warning"]
