@@ -148,11 +148,11 @@ def test_demo_serves_what_it_trained_beside_a_second_model_and_a_jax_run(local_c
     labels = json.loads(cluster_kubectl("get", "ns", DEMO_NS, "-o", "json", check=True).stdout)["metadata"]["labels"]
     assert labels["pod-security.kubernetes.io/enforce"] == "baseline", labels
     run = Path(final["object"]["status"]["training"]["lastCheckpoint"]).parent
-    # trained from step 0: its first report is the first interval's (the demo prints the status it
-    # polls each second; a status write is throttled to one per 10 s, so which step it shows first
-    # depends on the machine's load)
+    # trained from step 0: its first report is the first epoch's end, step 3 (3 steps an epoch,
+    # before reportEverySteps' 5; the demo prints the status it polls each second; a status write is
+    # throttled to one per 10 s, so which step it shows first depends on the machine's load)
     training = final["object"]["status"]["training"]
-    assert training["history"][0]["step"] == 5 and "resumedFrom" not in training, training
+    assert training["history"][0]["step"] == 3 and "resumedFrom" not in training, training
     assert re.search(rf"Epoch \d+/{DEMO_EPOCHS} \| step \d+/{DEMO_STEPS}", demo.stdout), demo.stdout[-3000:]
     assert final["object"]["status"]["serving"]["modelSource"].startswith(str(run))   # serves its own export
     monkeypatch.setenv("KUBECONFIG", str(local_cluster.kubeconfig))
