@@ -87,23 +87,35 @@ class TensorBoard:
             self.sync()
 
     def sync(self) -> None:
-        """On object storage: copy the event files up (at checkpoints, every SYNC_EVERY_S and at the end)."""
+        """On object storage: copy the event files up (at checkpoints and every SYNC_EVERY_S; whole at
+        `close`). tensorboardX writes from a thread of its own, so a flushed file may still lack the
+        last records: the next sync, or the close, carries them."""
         if self._writer is None or not self.remote:
             return
+        try:
+            self._writer.flush()
+        except Exception as e:  # noqa: BLE001
+            self._off(e)
+            return
+        self._upload()
+
+    def _upload(self) -> None:
         from tpuft_workload import checkpoint as ckptlib
 
         try:
-            self._writer.flush()
             ckptlib.upload_dir(self._tmp.name, self.dest)
             self._synced_at = self._clock()
         except Exception as e:  # noqa: BLE001
             self._off(e)
 
     def close(self) -> None:
-        self.sync()
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        """The writer closed first (its thread joined: every record is in the file), then, on object
+        storage, the whole file uploaded."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+            if self.remote and self.enabled:
+                self._upload()
         if self._tmp is not None:
             self._tmp.cleanup()
 
