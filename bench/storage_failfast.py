@@ -21,7 +21,6 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import yaml
@@ -77,7 +76,7 @@ def one(cluster, storage: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tpuft_local import procs
+    from tpuft_local import gcs, procs
     from tpuft_local.cluster import LocalCluster
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -88,9 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     kc = cluster.kubeconfig
     kubectl(kc, "create", "namespace", NAMESPACE, check=False)
     bucket = f"bench-{int(time.time())}"
-    urllib.request.urlopen(urllib.request.Request(
-        f"{cluster.gcs_endpoint}/storage/v1/b", method="POST", data=json.dumps({"name": bucket}).encode(),
-        headers={"Content-Type": "application/json"}), timeout=30).close()
+    gcs.create_bucket(cluster.gcs_endpoint, bucket)
     runs: dict[str, list[dict]] = {"missing-bucket": [], "no-credentials": []}
     try:
         for rep in range(args.repetitions):

@@ -95,8 +95,6 @@ def cluster_bucket(local_cluster, tmp_path, monkeypatch) -> str:
     """gs://BUCKET on the local cluster's GCS stand-in, holding builtin:tiny-llama saved as a model
     folder (models/tiny-llama) and builtin:dolly-mini's JSONL (data/dolly-mini.jsonl), uploaded
     through the workload's own storage code from this host (the bridge address)."""
-    import urllib.request
-
     from tpuft_local import gcs
     from tpuft_workload import checkpoint, tiny
 
@@ -104,16 +102,14 @@ def cluster_bucket(local_cluster, tmp_path, monkeypatch) -> str:
         monkeypatch.setenv(key, value)   # this process and its children (`tpuft logs`, `tpuft plot`) reach the bucket
     monkeypatch.setenv("KUBECONFIG", str(local_cluster.kubeconfig))
     name = f"e2e-{uuid.uuid4().hex[:12]}"
-    urllib.request.urlopen(urllib.request.Request(
-        f"{local_cluster.gcs_endpoint}/storage/v1/b", method="POST", data=json.dumps({"name": name}).encode(),
-        headers={"Content-Type": "application/json"}), timeout=30).close()
+    uri = gcs.create_bucket(local_cluster.gcs_endpoint, name)
     tokenizer = tiny.build_tokenizer()
     model = tmp_path / "tiny-llama"
     tiny.build_model(len(tokenizer)).save_pretrained(model)
     tokenizer.save_pretrained(model)
-    checkpoint.upload_dir(str(model), f"gs://{name}/models/tiny-llama")
-    checkpoint.write_bytes(f"gs://{name}/data/dolly-mini.jsonl", tiny.dolly_mini_path().read_bytes())
-    return f"gs://{name}"
+    checkpoint.upload_dir(str(model), f"{uri}/models/tiny-llama")
+    checkpoint.write_bytes(f"{uri}/data/dolly-mini.jsonl", tiny.dolly_mini_path().read_bytes())
+    return uri
 
 
 def clear_namespace(kubectl, ns: str, timeout: float = PODS_GONE_S) -> None:

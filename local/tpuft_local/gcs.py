@@ -76,20 +76,24 @@ class FakeGcs:
     def bucket(self, name: str) -> str:
         """A bucket named `name` (a folder under the data dir, read by the filesystem backend at
         start; later ones through the JSON API); its gs:// URI."""
-        import urllib.request
-
-        request = urllib.request.Request(f"{self.endpoint}/storage/v1/b", method="POST",
-                                         data=json.dumps({"name": name}).encode(),
-                                         headers={"Content-Type": "application/json"})
-        try:
-            urllib.request.urlopen(request, timeout=10).close()
-        except OSError as e:
-            if getattr(e, "code", None) != 409:   # 409: it exists already
-                raise
-        return f"gs://{name}"
+        return create_bucket(self.endpoint, name)
 
     def stop(self) -> None:
         procs.terminate(self.proc.pid, TOOL, timeout=5, quiet=True)
+
+
+def create_bucket(endpoint: str, name: str) -> str:
+    """The bucket `name` on the GCS stand-in at `endpoint` (kept if it exists); its gs:// URI."""
+    import urllib.request
+
+    request = urllib.request.Request(f"{endpoint}/storage/v1/b", method="POST", data=json.dumps({"name": name}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(request, timeout=10).close()
+    except OSError as e:
+        if getattr(e, "code", None) != 409:   # 409: it exists already
+            raise
+    return f"gs://{name}"
 
 
 def fake_gcs_argv(binary: str, host: str, port: int, data_dir: Path, backend: str = "filesystem") -> list[str]:
