@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import json
 import shlex
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ class ChildNames:
     worker_group: str
     service: str        # the RayService (spec.serve)
     network_policy: str
+    publish_job: str    # spec.publish: the RayJob on the base's serving cluster
 
     @property
     def serve_service(self) -> str:
@@ -85,7 +87,14 @@ def names(tft: TPUFinetune) -> ChildNames:
     group = f"{s.generation}-{s.devices}" if s.is_tpu else "cpu-workers"
     return ChildNames(cluster=cluster_name(n), verify_job=f"{n}-verify", train_job=f"{n}-train",
                       identity=f"{n}-workload", worker_group=group, service=f"{n}-serve",
-                      network_policy=f"{n}-ray-ingress")
+                      network_policy=f"{n}-ray-ingress", publish_job=f"{n}-publish")
+
+
+def unpublish_job_name(base: str, adapter: str, uid: str) -> str:
+    """A base's RayJob removing one adapter (its fine-tune deleted): the adapter name (up to 63
+    characters) would not fit in a child's name, so a hash of it and the publication's uid does."""
+    digest = hashlib.sha256(f"{adapter}/{uid}".encode()).hexdigest()[:10]
+    return f"{base}-unpublish-{digest}"
 
 
 def service_account(tft: TPUFinetune) -> str:
@@ -442,12 +451,15 @@ def merges(tft: TPUFinetune) -> bool:
 
 
 def _rayjob(tft: TPUFinetune, name: str, component: c.Component, entrypoint: str,
-            active_deadline: int | None) -> dict:
+            active_deadline: int | None, cluster: str | None = None, submitter_of: str | None = None) -> dict:
+    """cluster: the RayCluster it runs on (default the run's own); submitter_of: the TPUFinetune whose
+    NetworkPolicy must let the submitter reach that cluster's dashboard (default this one)."""
     runtime_env = {"env_vars": {c.ENV_CR_NAMESPACE: tft.meta.namespace, c.ENV_CR_NAME: tft.meta.name}}
     spec: dict = {
         "entrypoint": entrypoint,
         "runtimeEnvYAML": yaml.safe_dump(runtime_env, sort_keys=True),
-        "clusterSelector": {c.RAY_CLUSTER_LABEL: names(tft).cluster},
+        # KubeRay reads the cluster's name under this key (rayjob_controller: RayJobDefaultClusterSelectorKey).
+        "clusterSelector": {c.RAY_CLUSTER_LABEL: cluster or names(tft).cluster},
         "submissionMode": "K8sJobMode",
         # A job that cannot even start within the provisioning budget fails instead of
         # sitting in Initializing forever.
@@ -455,12 +467,12 @@ def _rayjob(tft: TPUFinetune, name: str, component: c.Component, entrypoint: str
     }
     if active_deadline is not None:
         spec["activeDeadlineSeconds"] = active_deadline
-    spec["submitterPodTemplate"] = _submitter_template(tft, component)
+    spec["submitterPodTemplate"] = _submitter_template(tft, component, submitter_of)
     return {"apiVersion": c.RAY_API_VERSION, "kind": c.RAYJOB_KIND,
             "metadata": _metadata(tft, name, component), "spec": spec}
 
 
-def _submitter_template(tft: TPUFinetune, component: c.Component) -> dict:
+def _submitter_template(tft: TPUFinetune, component: c.Component, labelled_as: str | None = None) -> dict:
     """The submitter pod KubeRay runs for a RayJob: the run's labels (so the run's NetworkPolicy
     lets it reach its head), small requests, no Kubernetes API token (it only talks to the Ray
     dashboard; KubeRay adds the Ray token's env when the cluster has authOptions)."""
@@ -472,7 +484,10 @@ def _submitter_template(tft: TPUFinetune, component: c.Component) -> dict:
                   "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT), "containers": [container]}
     if tft.spec.scheduling.priority_class_name:
         spec["priorityClassName"] = tft.spec.scheduling.priority_class_name
-    return {"metadata": {"labels": child_labels(tft, component)}, "spec": spec}
+    labels = child_labels(tft, component)
+    if labelled_as is not None:
+        labels[c.LABEL_NAME] = labelled_as
+    return {"metadata": {"labels": labels}, "spec": spec}
 
 
 def build_verify_job(tft: TPUFinetune, attempt: int = 0) -> dict:
@@ -486,6 +501,38 @@ def build_train_job(tft: TPUFinetune, attempt: int = 0, slices: int | None = Non
     `after_verification`: submitted beside the slice's re-verification; its trainer waits for it."""
     return _rayjob(tft, names(tft).train_attempt(attempt), c.Component.TRAIN,
                    train_entrypoint(tft, slices, after_verification), None)
+
+
+PUBLISH_DEADLINE_SECONDS = 1800   # copying one adapter folder: far less, unless the storage is failing
+
+
+def adapters_root(tft: TPUFinetune) -> str:
+    """A base's adapters (spec.serve.adapters): {run dir}/adapters, one folder per adapter name."""
+    return "/".join([run_dir(tft), c.ADAPTERS_DIR])
+
+
+def build_publish_job(tft: TPUFinetune, base: str, cluster: str, root: str, export: str, eval_loss: float | None,
+                      eval_set: str | None) -> dict:
+    """spec.publish: the RayJob copying the fine-tune's adapter export under the base's adapters root.
+    It runs on the base's serving RayCluster (`cluster`), whose pods hold the base's storage identity;
+    its submitter carries the base's name label, so the base's NetworkPolicy lets it reach that head."""
+    adapter = tft.adapter_name
+    assert adapter is not None, "build_publish_job needs spec.publish"
+    argv = ["python", "-m", WORKLOAD_MODULE, c.Component.PUBLISH.value, "--export", export, "--adapters-root", root,
+            "--name", adapter, "--source", tft.meta.ref, "--uid", tft.meta.uid, "--eval-set", eval_set or ""]
+    if eval_loss is not None:
+        argv += ["--eval-loss", repr(float(eval_loss))]
+    return _rayjob(tft, names(tft).publish_job, c.Component.PUBLISH, shlex.join(argv), PUBLISH_DEADLINE_SECONDS,
+                   cluster=cluster, submitter_of=base)
+
+
+def build_unpublish_job(base: TPUFinetune, cluster: str, adapter: str, uid: str) -> dict:
+    """A base's RayJob removing the adapter of a fine-tune that was deleted, on the base's own serving
+    RayCluster; the workload removes the folder only while its marker names that fine-tune's uid."""
+    argv = ["python", "-m", WORKLOAD_MODULE, c.Component.UNPUBLISH.value, "--adapters-root", adapters_root(base),
+            "--name", adapter, "--uid", uid]
+    return _rayjob(base, unpublish_job_name(base.meta.name, adapter, uid), c.Component.UNPUBLISH, shlex.join(argv),
+                   PUBLISH_DEADLINE_SECONDS, cluster=cluster)
 
 
 def build_workload_identity(tft: TPUFinetune) -> list[dict]:
@@ -531,6 +578,12 @@ def log_path(tft: TPUFinetune, job: c.Component) -> str:
     return "/".join([run_dir(tft), c.LOGS_DIR, f"{job.value}.log"])
 
 
+def served_source(tft: TPUFinetune) -> str:
+    """What the RayService serves before the run reports an export: where training writes it, or with
+    training.method none spec.model itself."""
+    return export_path(tft) if tft.spec.trains else tft.spec.model
+
+
 def serving_view(tft: TPUFinetune) -> TPUFinetune:
     """The object as the serving cluster sees it: the serve slice (one per replica, min replicas to
     start with), image and resources in place of training's, so the training cluster's builders give
@@ -552,6 +605,9 @@ def serve_app(tft: TPUFinetune, model_source: str) -> dict:
     args: dict = {c.ServeArg.MODEL_SOURCE.value: model_source, c.ServeArg.MODEL_ID.value: model_id}
     if sv.max_model_length:
         args[c.ServeArg.MAX_MODEL_LEN.value] = sv.max_model_length
+    if sv.adapters is not None:
+        args[c.ServeArg.ADAPTERS_ROOT.value] = adapters_root(tft)
+        args[c.ServeArg.MAX_ADAPTERS.value] = sv.adapters.max_per_replica
     return {"name": c.SERVE_APP_NAME, "route_prefix": c.SERVE_ROUTE_PREFIX, "import_path": c.SERVE_TRANSFORMERS_IMPORT_PATH,
             "args": args, "deployments": [{"name": c.SERVE_DEPLOYMENT_NAME, **serve_replicas(sv.replicas)}]}
 
@@ -578,6 +634,10 @@ def llm_config(tft: TPUFinetune, model_source: str) -> dict:
         model_source = "/".join([model_source.rstrip("/").rpartition("/")[0], c.EXPORT_MERGED_DIR])
     out: dict = {"model_loading_config": {"model_id": tft.meta.name, "model_source": model_source},
                  "engine_kwargs": engine, "deployment_config": serve_replicas(sv.replicas)}
+    if sv.adapters is not None:   # Ray Serve LLM's multi-LoRA: <model_id>:<adapter> loads <path>/<adapter>
+        engine.update({"enable_lora": True, "max_lora_rank": sv.adapters.max_rank})
+        out["lora_config"] = {"dynamic_lora_loading_path": adapters_root(tft),
+                              "max_num_adapters_per_replica": sv.adapters.max_per_replica}
     if s.is_tpu:
         out["accelerator_type"] = s.ray_accelerator_type
         out["accelerator_config"] = {"kind": "tpu", "topology": s.topology}
@@ -605,7 +665,7 @@ def build_rayservice(tft: TPUFinetune, model_source: str | None = None) -> dict:
         for tmpl in [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]:
             tmpl["spec"]["containers"][0].setdefault("env", []).append(
                 {"name": c.SERVE_API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": key.name, "key": key.key}}})
-    app = serve_app(tft, model_source or export_path(tft))
+    app = serve_app(tft, model_source or served_source(tft))
     return {"apiVersion": c.RAY_API_VERSION, "kind": c.RAYSERVICE_KIND,
             "metadata": _metadata(tft, n.service, c.Component.SERVE),
             "spec": {"serveConfigV2": yaml.safe_dump({"applications": [app]}, sort_keys=False),
@@ -651,7 +711,9 @@ def build_network_policy(tft: TPUFinetune) -> dict:
 def build_children(tft: TPUFinetune) -> list[dict]:
     """Everything the operator will create, RayCluster first (the order `tpuft render` prints);
     the RayService last, created once training has succeeded."""
-    jobs = [build_verify_job(tft)] if tft.spec.verification.enabled else []
     serve = [build_rayservice(tft)] if tft.spec.serve else []
+    if not tft.spec.trains:   # training.method none: spec.model served as it is, no training cluster
+        return [*build_workload_identity(tft), build_network_policy(tft), *serve]
+    jobs = [build_verify_job(tft)] if tft.spec.verification.enabled else []
     return [build_raycluster(tft), *jobs, build_train_job(tft), *build_workload_identity(tft),
             build_network_policy(tft), *serve]

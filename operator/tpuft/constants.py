@@ -121,6 +121,8 @@ class Component(str, enum.Enum):
     IDENTITY = "workload-identity"
     NETWORK = "network-policy"
     SERVE = "serve"
+    PUBLISH = "publish"       # a LoRA fine-tune's adapter copied under its base's adapters root
+    UNPUBLISH = "unpublish"   # an adapter removed from its base's adapters root
 
 
 # --- GKE / TPU ---------------------------------------------------------------------------
@@ -187,6 +189,10 @@ EXPORT_DIR = "export"
 # With spec.training.method lora, EXPORT_DIR holds the PEFT adapter; spec.export.merge (and serving
 # with vLLM, which serves merged weights) also writes the base with the adapters merged in here.
 EXPORT_MERGED_DIR = "export-merged"
+# A base served for adapters (spec.serve.adapters): <run dir>/ADAPTERS_DIR/<adapter>/, each folder complete
+# once its PUBLICATION_MARKER is there (written last by `tpuft_workload publish`).
+ADAPTERS_DIR = "adapters"
+PUBLICATION_MARKER = "tpuft-publication.json"
 # The drivers' logs, {storagePath}/{run name}/logs/{verify,train}.log (tpuft_workload.driver_log tees
 # them there; `tpuft logs` reads them once the head is gone), and rank 0's TensorBoard event files,
 # {storagePath}/{run name}/tensorboard (tpuft_workload.metrics_log).
@@ -312,6 +318,15 @@ class Reason(str, enum.Enum):
     DEPLOYING = "Deploying"   # the RayService is being created / its Serve app is not RUNNING yet
     SERVING = "Serving"
     SERVE_STOPPED = "ServeStopped"   # spec.serve.enabled set to false: the RayService is deleted
+    NOT_TRAINED = "NotTrained"       # spec.training.method none: spec.model is served as it is
+    # spec.publish (condition Serving of a LoRA fine-tune, and its reason in Succeeded)
+    PUBLISHING = "Publishing"        # the publish RayJob runs on the base's serving cluster
+    PUBLISHED = "Published"          # its adapter is served by the base as <base id>:<adapter>
+    NOT_PROMOTED = "NotPromoted"     # kept unpublished: not better than the served one (both figures in the message)
+    SUPERSEDED = "Superseded"        # a newer fine-tune is published under the same adapter name
+    BASE_NOT_SERVING = "BaseNotServing"   # the base is missing or not Serving: published once it is
+    PUBLISH_FAILED = "PublishFailed"      # the publish RayJob failed
+    UNPUBLISHING = "Unpublishing"    # a base removes the adapter of a fine-tune that was deleted
     FINISHING_RAYJOB = "FinishingRayJob"   # the Ray job ended: waiting for KubeRay to finish its RayJob
     SUBMISSION_LOST = "SubmissionLost"   # KubeRay lost a RayJob's Ray job: resubmitted (c.LOST_SUBMISSION_RETRIES)
     QUEUED = "Queued"         # waiting for Kueue to admit the Workload (Kueue's words in the message)
@@ -335,6 +350,7 @@ class Reason(str, enum.Enum):
     CHILD_DELETED = "ChildDeleted"
     SLICE_LOST = "SliceLost"   # a host lost once more than spec.recovery.maxSliceReplacements allows
     SERVE_FAILED = "ServeFailed"   # the Serve app not RUNNING within spec.serve.timeoutSeconds
+    BASE_MISMATCH = "BaseMismatch"   # spec.publish.to names another model, or an object that serves no adapters
     # notices (events / status.ignoredSpecChange; not phases)
     SPEC_CHANGE_IGNORED = "SpecChangeIgnored"
     TTL_EXPIRED = "TTLExpired"
@@ -404,6 +420,13 @@ class TrainingMethod(str, enum.Enum):
     """spec.training.method: which weights a run trains."""
     FULL = "full"    # every weight: FSDP2 shards weights, gradients and AdamW state
     LORA = "lora"    # low-rank adapters beside the frozen, sharded base (PEFT; tpuft_workload.lora)
+    NONE = "none"    # nothing trained: spec.model is served as it is (a base for adapters, spec.serve.adapters)
+
+
+class PublishWhen(str, enum.Enum):
+    """spec.publish.when: which LoRA fine-tune is served under an adapter name already served."""
+    ALWAYS = "always"       # the newest publication replaces the served one
+    IF_BETTER = "ifBetter"  # only an eval loss below the served one's minus spec.publish.margin, on the same eval set
 
 
 # spec.training.lora.targetModules when left out, by the model's Hugging Face `model_type`: the
@@ -579,6 +602,8 @@ class ServeArg(str, enum.Enum):
     MAX_MODEL_LEN = "max_model_len"            # optional int: prompt + completion tokens at most
     MAX_TOKENS_DEFAULT = "max_tokens_default"  # optional int: completion tokens when a request gives none
     MAX_BATCH_SIZE = "max_batch_size"          # optional int: requests generated together (1: one at a time)
+    ADAPTERS_ROOT = "adapters_root"            # optional URI: published LoRA adapters, one folder each
+    MAX_ADAPTERS = "max_adapters"              # optional int: adapters loaded per replica at most (LRU)
 
 
 # --- spec.labels / spec.annotations keys that are not the user's ---------------------------------------

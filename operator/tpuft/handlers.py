@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
@@ -68,11 +69,31 @@ def _queue(memo: kopf.Memo) -> WorkQueue | None:
 
 
 @kopf.on.event(c.GROUP, c.VERSION, c.PLURAL)  # type: ignore[arg-type]
-async def tpufinetune_event(type: str | None, namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+async def tpufinetune_event(type: str | None, namespace: str, name: str, memo: kopf.Memo, body: Any = None,
+                            tpufinetunes: kopf.Index | None = None, **_: Any) -> None:
     if (queue := _queue(memo)) is not None:
         if type == "DELETED":
             metrics.set_phase((namespace, name), None)
         queue.kick((namespace, name))
+        for key in sharing_a_base(namespace, name, body, tpufinetunes or {}):
+            queue.kick(key)
+
+
+def sharing_a_base(namespace: str, name: str, body: Any, objects: Any) -> list[tuple[str, str]]:
+    """Who else decides on this object's change: the base a fine-tune publishes to (its adapters, an
+    unpublish when the fine-tune is deleted), and the fine-tunes that publish to a base (waiting for
+    it to serve)."""
+    spec = (body or {}).get("spec") or {}
+    publish = spec.get("publish") if isinstance(spec.get("publish"), Mapping) else None
+    keys = [(namespace, str(publish["to"]))] if publish is not None and publish.get("to") else []
+    serve = spec.get("serve") if isinstance(spec.get("serve"), Mapping) else {}
+    if serve.get("adapters") is not None:
+        for key, store in list(objects.items()):
+            other = next(iter(store), None) or {}
+            to = ((other.get("spec") or {}).get("publish") or {}).get("to")
+            if key[0] == namespace and to == name:
+                keys.append(key)
+    return keys
 
 
 async def child_event(namespace: str, labels: Any, memo: kopf.Memo, **_: Any) -> None:

@@ -165,6 +165,55 @@ def booking_lost(workload: str | None, requests: tuple[Mapping[str, Any], ...]) 
 
 
 @dataclass(frozen=True)
+class PublishedObs:
+    """A fine-tune's adapter as its status.serving says it is published (spec.publish)."""
+    source: str                 # namespace/name
+    uid: str
+    base: str
+    adapter: str
+    eval_loss: float | None
+    eval_set: str | None
+    published_at: str
+
+
+@dataclass(frozen=True)
+class PeerObs:
+    """Another TPUFinetune of the namespace, read from the operator's index (never written): a base and
+    the fine-tunes that publish to it decide from each other's spec and status."""
+    name: str
+    uid: str = ""
+    model: str = ""                   # spec.model
+    adapters: bool = False            # spec.serve.adapters is set (it serves adapters)
+    max_rank: int | None = None       # spec.serve.adapters.maxRank
+    serving_ready: bool = False       # Serving, Ready True
+    ray_cluster: str | None = None    # status.serving.rayCluster: where a publish RayJob runs
+    adapters_root: str | None = None  # status.serving.adaptersRoot
+    published: PublishedObs | None = None   # its status.serving says its adapter is served
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> PeerObs:
+        meta, spec, status = body.get("metadata") or {}, body.get("spec") or {}, body.get("status") or {}
+        serve = spec.get("serve") if isinstance(spec.get("serve"), Mapping) else {}
+        adapters = serve.get("adapters") if isinstance(serve.get("adapters"), Mapping) else None
+        serving = status.get("serving") if isinstance(status.get("serving"), Mapping) else {}
+        record = serving.get("published") if isinstance(serving.get("published"), Mapping) else None
+        published = None
+        if record is not None and serving.get("reason") == Reason.PUBLISHED.value and serving.get("base"):
+            loss = record.get("evalLoss")
+            published = PublishedObs(
+                source=f"{meta.get('namespace')}/{meta.get('name')}", uid=str(meta.get("uid") or ""),
+                base=str(serving["base"]), adapter=str(serving.get("adapter") or ""),
+                eval_loss=float(loss) if isinstance(loss, (int, float)) and not isinstance(loss, bool) else None,
+                eval_set=record.get("evalSet"), published_at=str(record.get("publishedAt") or ""))
+        rank = (adapters or {}).get("maxRank")
+        return cls(name=str(meta.get("name") or ""), uid=str(meta.get("uid") or ""), model=str(spec.get("model") or ""),
+                   adapters=adapters is not None and serve.get("enabled") is True,
+                   max_rank=rank if isinstance(rank, int) else None, serving_ready=serving_ready(status),
+                   ray_cluster=serving.get("rayCluster"), adapters_root=serving.get("adaptersRoot"),
+                   published=published)
+
+
+@dataclass(frozen=True)
 class AdmissionError:
     kind: str
     name: str
@@ -198,6 +247,15 @@ class Observed:
     # are not Ready or carry a GKE maintenance notice, by name.
     hosts: tuple[PodObs, ...] = ()
     nodes: Mapping[str, NodeObs] = field(default_factory=dict)
+    # spec.publish: the base it names (None: no such TPUFinetune in the namespace); a base: None.
+    base: PeerObs | None = None
+    # The adapters published under the base (a fine-tune's spec.publish.to, or the base itself), other
+    # than this object's own, as their fine-tunes' status.serving says; read only for objects with
+    # spec.publish or spec.serve.adapters.
+    published: tuple[PublishedObs, ...] = ()
+    # A base: the uids of the TPUFinetunes of its namespace that are not being deleted (an adapter whose
+    # fine-tune is gone is unpublished).
+    live_uids: frozenset[str] = frozenset()
 
 
 class Op(str, enum.Enum):
@@ -278,7 +336,7 @@ def _service(found: Found, names: tuple[str | None, ...]) -> ServiceObs | None:
 
 CHILD_KINDS = (
     ChildKind(c.RAYCLUSTER_KIND, c.RAYCLUSTER_PLURAL, ("rayCluster",), "cluster", _cluster),
-    ChildKind(c.RAYJOB_KIND, c.RAYJOB_PLURAL, ("verifyJob", "trainJob"), "jobs", _jobs),
+    ChildKind(c.RAYJOB_KIND, c.RAYJOB_PLURAL, ("verifyJob", "trainJob", "publishJob", "unpublishJob"), "jobs", _jobs),
     ChildKind(c.RAYSERVICE_KIND, c.RAYSERVICE_PLURAL, ("rayService",), "service", _service),
 )
 

@@ -25,7 +25,8 @@ from tpuft.diagnosis import PodObs
 from tpuft.hosts import NodeObs, of_cluster
 from tpuft.kube import Kube, KubeError, Rejected
 from tpuft.ledger import Ledger
-from tpuft.observed import CHILD_KINDS, AdmissionError, Decision, Event, IndexedChild, Observed, Op, live, parse_time
+from tpuft.observed import (CHILD_KINDS, AdmissionError, Decision, Event, IndexedChild, Observed, Op, PeerObs, live,
+                            parse_time)
 from tpuft.settings import Settings
 from tpuft.status import RunStatus, owned
 
@@ -41,6 +42,17 @@ class Snapshot:
     children: Children
     pods: tuple[PodObs, ...] = ()                 # its RayClusters' pods (frozen: no copy needed)
     nodes: Mapping[str, NodeObs] = field(default_factory=dict)   # those pods' nodes that are noteworthy
+    # The other TPUFinetunes of its namespace, not being deleted: read only for a base (spec.serve.adapters)
+    # or a fine-tune that publishes to one (spec.publish); None: not read.
+    peers: tuple[PeerObs, ...] | None = None
+
+
+def shares_a_base(body: Mapping[str, Any]) -> bool:
+    """Whether an object's decision reads the other TPUFinetunes of its namespace: it publishes to a base,
+    or it is one."""
+    spec = body.get("spec") or {}
+    serve = spec.get("serve") if isinstance(spec.get("serve"), Mapping) else {}
+    return spec.get("publish") is not None or serve.get("adapters") is not None
 
 
 @dataclass(frozen=True)
@@ -61,7 +73,12 @@ class Indexes:
         children = {kind: [copy.deepcopy(x) for x in index.get(key, [])] for kind, index in self.children.items()}
         pods = tuple(self.pods.get(key, ()))
         nodes = {p.node: node for p in pods if p.node and (node := next(iter(self.nodes.get(p.node, ())), None))}
-        return Snapshot(copy.deepcopy(body), children, pods, nodes)
+        peers = None
+        if body is not None and shares_a_base(body):
+            peers = tuple(PeerObs.of(other) for k, store in list(self.objects.items())
+                          if k[0] == key[0] and k != key and (other := next(iter(store), None)) is not None
+                          and not (other.get("metadata") or {}).get("deletionTimestamp"))
+        return Snapshot(copy.deepcopy(body), children, pods, nodes, peers)
 
 
 class Reconciler:
@@ -91,7 +108,7 @@ class Reconciler:
 
     # Everything below runs in a worker thread: plain blocking API calls.
     def observe(self, obj: dict, children: Children, pods: tuple[PodObs, ...] = (),
-                nodes: Mapping[str, NodeObs] | None = None) -> Observed:
+                nodes: Mapping[str, NodeObs] | None = None, peers: tuple[PeerObs, ...] | None = None) -> Observed:
         ns, uid = obj["metadata"]["namespace"], obj["metadata"].get("uid")
         # Children we deleted: after a relist (410) kopf's index can keep them forever (it never
         # sees their DELETED event), so they are confirmed with a GET.
@@ -106,6 +123,8 @@ class Reconciler:
                     found[name] = entry
             fields[kind.field] = kind.observe(found, names)
         observed = Observed(**fields)
+        if peers is not None:
+            observed = dataclasses.replace(observed, **neighbours(obj, peers))
         if observed.cluster is not None:
             observed = dataclasses.replace(observed, hosts=of_cluster(pods, observed.cluster.uid),
                                            nodes=dict(nodes or {}))
@@ -194,7 +213,7 @@ class Reconciler:
             return None
         ns, name = key
         now = datetime.now(timezone.utc)
-        observed = self.observe(obj, snap.children, snap.pods, snap.nodes)
+        observed = self.observe(obj, snap.children, snap.pods, snap.nodes, snap.peers)
         decision = phases.decide(obj, observed, now, self.tunables)
         uid = obj["metadata"].get("uid", "")
         decision, done = self._act(key, obj, observed, decision, now)
@@ -288,6 +307,17 @@ class Reconciler:
         replaced = _slice_replacements(status) - _slice_replacements(previous)
         if replaced > 0:
             metrics.SLICE_REPLACEMENTS.inc(replaced)
+
+
+def neighbours(obj: Mapping[str, Any], peers: tuple[PeerObs, ...]) -> dict[str, Any]:
+    """Observed's fields read from the other TPUFinetunes of the namespace: a fine-tune's base and the
+    adapters published to it; a base's adapters and which objects still exist."""
+    spec = obj.get("spec") or {}
+    publish = spec.get("publish") if isinstance(spec.get("publish"), Mapping) else None
+    base_name = str(publish.get("to") or "") if publish is not None else obj["metadata"]["name"]
+    base = next((p for p in peers if p.name == base_name), None) if publish is not None else None
+    published = tuple(p.published for p in peers if p.published is not None and p.published.base == base_name)
+    return {"base": base, "published": published, "live_uids": frozenset(p.uid for p in peers if p.uid)}
 
 
 def _slice_replacements(status: RunStatus) -> int:

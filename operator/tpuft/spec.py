@@ -22,7 +22,8 @@ from tpuft.constants import (API_VERSION, DATASET_COLUMN_KEYS, GKE_MAX_RUN_DURAT
                              LORA_DEFAULT_TARGET_MODULES, RAY_VERSION_PIN,
                              RESERVED_ANNOTATIONS, RESERVED_ENV, RESERVED_LABELS, SERVE_API_KEY_SECRET_KEY,
                              TPU_RESOURCE, DatasetFormat, DatasetType, ImagePullPolicy, Overlong, Reserved,
-                             LearningRateSchedule, Provisioning, ServeEngine, TrainingFramework, TrainingMethod)
+                             LearningRateSchedule, Provisioning, PublishWhen, ServeEngine, TrainingFramework,
+                             TrainingMethod)
 from tpuft.fields import declare
 
 # Children are named "{name}-{suffix}" (longest suffix "-workload", plus "-train-r99" for
@@ -228,7 +229,9 @@ class Training:
                              enum=_values(TrainingFramework), workload=True)
     method: str = declare("full: every weight is trained. lora: low-rank adapters (PEFT) beside the frozen, sharded "
                           "base; gradients, optimizer state and checkpoints hold the adapters only, and the export "
-                          "is a PEFT adapter folder, on either framework.",
+                          "is a PEFT adapter folder, on either framework. none: nothing is trained; spec.model is served as "
+                          "it is (spec.serve enabled, no dataset, no training cluster), e.g. a base for adapters "
+                          "(spec.serve.adapters).",
                           default=TrainingMethod.FULL, enum=_values(TrainingMethod), workload=True)
     lora: Lora | None = declare("LoRA's adapters (with method: lora).")   # set exactly when method is lora
     seed: int = declare("Seeds the model's new weights, the data order and dropout: the same seed and data give "
@@ -327,6 +330,61 @@ def spec_warnings(spec: Spec) -> list[str]:
 WARMUP_RULE = {"rule": "!(has(self.warmupSteps) && has(self.warmupRatio))",
                "message": "warmupSteps and warmupRatio both set: give one", "fieldPath": ".warmupRatio",
                "reason": "FieldValueInvalid"}
+
+
+# vLLM's max_lora_rank accepts these (vllm.config.LoRAConfig); a smaller training rank fits under any of them.
+SERVE_LORA_RANKS = (8, 16, 32, 64, 128, 256, 512)
+MAX_ADAPTER_NAME_LENGTH = 63   # a DNS label: a folder under the adapters root and the model id's suffix
+
+
+@dataclass(frozen=True)
+class ServeAdapters:
+    """spec.serve.adapters: room for LoRA adapters beside the served model (a base for spec.publish)."""
+    max_per_replica: int = declare(
+        "Adapters loaded at once on each replica; the least recently used is evicted for a new one (Ray Serve "
+        "LLM's max_num_adapters_per_replica).", default=8, minimum=1, maximum=64)
+    max_rank: int = declare(
+        "The largest LoRA rank served (vLLM's max_lora_rank); a fine-tune whose training.lora.rank is larger is "
+        "refused before training.", default=64, enum=SERVE_LORA_RANKS)
+
+
+@dataclass(frozen=True)
+class Publish:
+    """spec.publish: where a LoRA fine-tune's adapter is served once training succeeds."""
+    to: str = declare("The TPUFinetune (same namespace) that serves the base with spec.serve.adapters; it must "
+                      "serve the same spec.model.", python_default="", required=True, min_length=1,
+                      max_length=MAX_NAME_LENGTH, pattern=DNS_LABEL.pattern)
+    adapter: str | None = declare("The adapter's name: clients call it as <base>:<name> (default metadata.name).",
+                                  name="as", min_length=1, max_length=MAX_ADAPTER_NAME_LENGTH,
+                                  pattern=DNS_LABEL.pattern)
+    when: str = declare("always: this fine-tune replaces the adapter served under that name. ifBetter: only when "
+                        "its eval loss, on the same eval set, is below the served one's minus margin; else it is "
+                        "kept unpublished (reason NotPromoted, both losses in status.serving).",
+                        default=PublishWhen.IF_BETTER, enum=_values(PublishWhen))
+    margin: float = declare("With ifBetter: how much lower the eval loss must be than the served one's.",
+                            default=0.0, minimum=0, maximum=100)
+
+
+# spec's rules across sections for adapters: the CRD's CEL (tpuft.crd) and the parser give these messages.
+_METHOD = "(has(self.training) && has(self.training.method) ? self.training.method : 'full')"
+ADAPTER_RULES = (
+    {"rule": f"!has(self.publish) || {_METHOD} == 'lora'",
+     "message": "publish serves a LoRA adapter on a base: it needs training.method lora",
+     "fieldPath": ".publish", "reason": "FieldValueInvalid"},
+    {"rule": f"!(has(self.serve) && has(self.serve.adapters)) || {_METHOD} != 'lora'",
+     "message": "serve.adapters makes this object a base for LoRA adapters: it needs training.method none (serve "
+                "spec.model as it is) or full; a LoRA fine-tune publishes to a base with spec.publish instead",
+     "fieldPath": ".serve.adapters", "reason": "FieldValueInvalid"},
+    {"rule": f"{_METHOD} != 'none' || (has(self.serve) && has(self.serve.enabled) && self.serve.enabled)",
+     "message": "training.method none trains nothing and serves spec.model as it is: set serve.enabled true (delete "
+                "the object to stop serving it)", "fieldPath": ".serve", "reason": "FieldValueInvalid"},
+    {"rule": f"has(self.dataset) || {_METHOD} == 'none'",
+     "message": "dataset is required (only training.method none, which trains nothing, goes without)",
+     "fieldPath": ".dataset", "reason": "FieldValueRequired"},
+    {"rule": f"!has(self.evaluation) || {_METHOD} != 'none'",
+     "message": "evaluation needs a run that trains: training.method none serves spec.model as it is",
+     "fieldPath": ".evaluation", "reason": "FieldValueInvalid"},
+)
 
 
 @dataclass(frozen=True)
@@ -507,6 +565,7 @@ class Serve:
     # The API key the serving app requires of clients: the serving pods get it by secretKeyRef only
     # (constants.SERVE_API_KEY_ENV); a client such as `tpuft chat` reads the Secret with its user's credentials.
     api_key_secret: SecretKeyRef | None = None
+    adapters: ServeAdapters | None = None   # a base for LoRA adapters (spec.publish of other objects)
 
 
 @dataclass(frozen=True)
@@ -523,6 +582,10 @@ class ServeSection:
                                            minimum=16, maximum=1_048_576)
     timeout_seconds: int = declare("Fail with ServeFailed when the Serve app is not RUNNING this long after deploying "
                                    "(or after it stops being RUNNING).", default=1800, minimum=10, maximum=86400)
+    adapters: ServeAdapters | None = declare(
+        "Serve LoRA adapters beside the model: fine-tunes with spec.publish naming this object are served as "
+        "<this name>:<adapter>, loaded on first use from <storagePath>/<run>/adapters (with training.method none "
+        "or full).")
 
 
 @dataclass(frozen=True)
@@ -549,7 +612,7 @@ class Spec:
                          **URI_FIELD)
     dataset: Dataset = declare("Training data: records of chat messages, prompt/completion pairs, instructions "
                                "(dolly, alpaca) or plain text, rendered through the model's chat template as serving "
-                               "renders them.", required=True, factory=Dataset)
+                               "renders them. Required unless training.method is none.", factory=Dataset)
     training: Training = declare("Fine-tuning hyperparameters (FSDP2 with Ray Train).", default={}, factory=Training,
                                  rules=(*LORA_RULES, WARMUP_RULE))
     # None: no eval set
@@ -559,6 +622,8 @@ class Spec:
                                      "never deletes them.", required=True, factory=Checkpoint)
     export: Export = declare("What the run exports besides its checkpoints (status.training.exportedModel).",
                              default={}, factory=Export)
+    publish: Publish | None = declare("With training.method lora: serve the adapter on a base TPUFinetune "
+                                      "(spec.serve.adapters) once training succeeds (status.serving).")
     verification: Verification = declare("Collective verification (all-reduce and tensor-parallel parity on every "
                                          "device) before training.", default={}, factory=Verification)
     provisioning_timeout_seconds: int = declare(
@@ -598,27 +663,51 @@ class Spec:
         """Training workers: one per logical device across all slices."""
         return self.slice.devices * self.slices
 
+    @property
+    def trains(self) -> bool:
+        """False for training.method none: spec.model is served as it is, with no training cluster."""
+        return self.training.method != TrainingMethod.NONE.value
+
+    @property
+    def eval_set(self) -> str | None:
+        """The eval set's fingerprint (splits.eval_set_fingerprint); None without spec.evaluation."""
+        ev = self.evaluation
+        if ev is None:
+            return None
+        return splits.eval_set_fingerprint(self.dataset.name, self.dataset.split, ev.fraction, ev.name, ev.split,
+                                           self.training.seed)
+
 
 @dataclass(frozen=True)
 class TPUFinetune:
     meta: ObjectMeta
     spec: Spec
 
+    @property
+    def adapter_name(self) -> str | None:
+        """The name its adapter is published under (spec.publish.as, default metadata.name); None: no spec.publish."""
+        publish = self.spec.publish
+        return None if publish is None else publish.adapter or self.meta.name
+
 
 # The API server's defaults on a bare object, by dotted spec key (what the declarations say, and
 # spec.serve's, whose section has no declarations yet).
 SERVE_DEFAULTS: dict[str, Any] = {**fields.defaults(ServeSection, "serve."), "serve.replicas": 1}
-DEFAULTS: dict[str, Any] = {**fields.defaults(Spec), **SERVE_DEFAULTS}
+# spec.dataset is required unless training.method is none (ADAPTER_RULES): its defaults are a bare object's.
+DEFAULTS: dict[str, Any] = {**fields.defaults(Spec), **fields.defaults(Dataset, "dataset."), **SERVE_DEFAULTS}
 # Defaults inside spec.training.lora, an object the API server defaults only when it is there (its
 # presence asks for LoRA's settings): DEFAULTS stays exactly what a bare object is given.
 LORA_DEFAULTS: dict[str, Any] = fields.defaults(Lora, "training.lora.")
+# The same for the other optional objects with defaults inside (spec.publish, spec.serve.adapters).
+PRESENT_DEFAULTS: dict[str, Any] = {**LORA_DEFAULTS, **fields.defaults(Publish, "publish."),
+                                    **fields.defaults(ServeAdapters, "serve.adapters.")}
 # spec.serve.replicas' bounds (a number or {min, max}: its schema is tpuft.crd's).
 LIMITS: dict[str, tuple[float, float]] = {"serve.replicas": (1, 64)}
 
 
 def default_of(key: str) -> Any:
-    """The API server's default for a dotted spec key: DEFAULTS', else LORA_DEFAULTS' (None: no default)."""
-    return DEFAULTS.get(key, LORA_DEFAULTS.get(key))
+    """The API server's default for a dotted spec key: DEFAULTS', else PRESENT_DEFAULTS' (None: no default)."""
+    return DEFAULTS.get(key, PRESENT_DEFAULTS.get(key))
 
 
 
@@ -778,8 +867,11 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
     spec = r.section(obj, "spec", "spec", required=True)
     slice_shape = _slice(r, spec)
     top = r.declared(Spec, spec, "spec")   # slices, image, model, the timeouts, suspend: checked as declared
-    dataset = _dataset(r, spec)
     training = _training(r, spec, slice_shape is not None and slice_shape.is_tpu)
+    trains = training.method != TrainingMethod.NONE.value
+    dataset = _dataset(r, spec) if trains or spec.get("dataset") is not None else Dataset()
+    if not trains and spec.get("evaluation") is not None:
+        r.fail("spec.evaluation", ADAPTER_RULES[4]["message"])
     evaluation = _evaluation(r, spec, dataset)
     checkpoint = _checkpoint(r, spec)
     export = _export(r, spec, training)
@@ -791,6 +883,8 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
     scheduling = _scheduling(r, spec)
     env = _env(r, spec)
     serve = _serve(r, spec, slice_shape, top.get("image"), top.get("image_pull_policy"), top.get("model"))
+    _serve_adapters_fit(r, spec, training, serve, checkpoint)
+    publish = _publish(r, spec, training, evaluation, meta)
     labels = r.str_map(spec, "labels", "spec.labels", QUALIFIED_NAME, LABEL_VALUE, RESERVED_LABELS)
     annotations = r.str_map(spec, "annotations", "spec.annotations", QUALIFIED_NAME, reserved=RESERVED_ANNOTATIONS)
     account_annotations = r.str_map(spec, "serviceAccountAnnotations", "spec.serviceAccountAnnotations",
@@ -802,7 +896,7 @@ def parse(obj: Mapping[str, Any]) -> TPUFinetune:
     return TPUFinetune(meta=meta, spec=Spec(
         slice=slice_shape, dataset=dataset, training=training, checkpoint=checkpoint, hf_token_secret=hf,
         verification=verification, recovery=recovery, resources=resources, scheduling=scheduling, labels=labels,
-        annotations=annotations, env=env, serve=serve, export=export, evaluation=evaluation,
+        annotations=annotations, env=env, serve=serve, export=export, evaluation=evaluation, publish=publish,
         service_account_annotations=account_annotations, **top))
 
 
@@ -991,11 +1085,55 @@ def _serve(r: _Reader, spec: Mapping, training: catalog.SliceShape | None, image
     replicas = _serve_replicas(r, serve)
     resources = _resources(r, serve, "spec.serve.resources")
     api_key = _secret_ref(r, serve, "apiKeySecret", "spec.serve.apiKeySecret", SERVE_API_KEY_SECRET_KEY)
+    adapters = None
+    if serve.get("adapters") is not None:
+        adapters = ServeAdapters(**r.declared(ServeAdapters, r.section(serve, "adapters", "spec.serve.adapters"),
+                                              "spec.serve.adapters"))
     if not section.enabled or shape is None:
         return None
     return Serve(slice=shape, replicas=replicas, engine=engine, image=section.image or image or "",
                  image_pull_policy=pull if not section.image else None, max_model_length=section.max_model_length,
-                 timeout_seconds=section.timeout_seconds, resources=resources, api_key_secret=api_key)
+                 timeout_seconds=section.timeout_seconds, resources=resources, api_key_secret=api_key,
+                 adapters=adapters)
+
+
+def _serve_adapters_fit(r: _Reader, spec: Mapping, training: Training, serve: Serve | None,
+                        checkpoint: Checkpoint) -> None:
+    """The rules across sections of a base (training.method none, spec.serve.adapters): ADAPTER_RULES'
+    words, and the storage Ray Serve LLM can load adapters from."""
+    raw_serve = spec.get("serve") if isinstance(spec.get("serve"), Mapping) else {}
+    method = training.method
+    if method == TrainingMethod.NONE.value and serve is None:
+        r.fail("spec.serve", ADAPTER_RULES[2]["message"])
+    if raw_serve.get("adapters") is not None and method == TrainingMethod.LORA.value:
+        r.fail("spec.serve.adapters", ADAPTER_RULES[1]["message"])
+    storage = checkpoint.storage_path
+    if (serve is not None and serve.adapters is not None and serve.engine == ServeEngine.VLLM and storage
+            and not storage.startswith("gs://")):
+        r.fail("spec.serve.adapters", f"engine vllm loads adapters from cloud storage only (Ray Serve LLM's "
+               f"dynamic_lora_loading_path), and spec.checkpoint.storagePath is {storage!r}: give a gs:// "
+               "storagePath, or serve with engine transformers")
+
+
+def _publish(r: _Reader, spec: Mapping, training: Training, evaluation: Evaluation | None,
+             meta: ObjectMeta) -> Publish | None:
+    """spec.publish: a LoRA fine-tune's adapter, served by its base. What the base must be (the same
+    model, with spec.serve.adapters) is checked against the base itself, by the reconciler."""
+    if spec.get("publish") is None:
+        return None
+    raw = r.section(spec, "publish", "spec.publish")
+    before = len(r.problems)
+    publish = Publish(**r.declared(Publish, raw, "spec.publish"))
+    if len(r.problems) > before:
+        return publish
+    if training.method != TrainingMethod.LORA.value:
+        r.fail("spec.publish", f"{ADAPTER_RULES[0]['message']} (got {training.method})")
+    if publish.to == meta.name:
+        r.fail("spec.publish.to", f"names this object itself ({meta.name}): name the TPUFinetune that serves the base "
+               "with spec.serve.adapters")
+    if publish.when == PublishWhen.IF_BETTER.value and evaluation is None:
+        r.fail("spec.publish.when", "ifBetter compares eval losses: give spec.evaluation, or set when: always")
+    return publish
 
 
 def _serve_replicas(r: _Reader, serve: Mapping) -> ServeReplicas:

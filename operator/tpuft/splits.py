@@ -11,6 +11,7 @@ disjoint); a name not in this syntax cannot be compared.
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
 import re
 from dataclasses import dataclass
@@ -114,3 +115,22 @@ def complement(split: str) -> str | None:
     if bool(start) == bool(stop):
         return None
     return f"{m['split']}[{stop}:]" if stop else f"{m['split']}[:{start}]"
+
+
+FINGERPRINT_MAX_LENGTH = 96
+
+
+def eval_set_fingerprint(dataset: str, dataset_split: str, fraction: float | None, eval_dataset: str | None,
+                         eval_split: str | None, seed: int) -> str:
+    """A short, stable name for the records an eval set reads, so that two eval losses are compared
+    only when they were measured on the same records (spec.publish). Held out of spec.dataset: the
+    fraction, the seed that chooses it and the split it is held out of; else the eval dataset (default
+    spec.dataset's) and split. Readable when short; a long one keeps its head and a hash of the whole."""
+    if fraction is not None:
+        text = f"heldout:{fraction:g}:seed{seed}:{dataset}[{dataset_split}]"
+    else:
+        text = f"split:{eval_dataset or dataset}[{eval_split or dataset_split}]"
+    if len(text) <= FINGERPRINT_MAX_LENGTH:
+        return text
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    return f"{text[:FINGERPRINT_MAX_LENGTH - 13]}~{digest}"

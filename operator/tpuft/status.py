@@ -180,6 +180,8 @@ class Children:
     ray_cluster: str | None = declare("RayCluster name.")
     verify_job: str | None = declare("Verification RayJob name.")
     train_job: str | None = declare("Current training RayJob name.")
+    publish_job: str | None = declare("The RayJob publishing the adapter on the base's serving cluster (spec.publish).")
+    unpublish_job: str | None = declare("The RayJob removing a deleted fine-tune's adapter (a base).")
     service_account: str | None = declare("The ServiceAccount the Ray pods run as ({name}-workload, or "
                                           "spec.serviceAccountName), bound to a Role that may get and patch only "
                                           "this object's status.")
@@ -187,10 +189,29 @@ class Children:
 
 
 @dataclass(frozen=True)
+class Publication:
+    eval_loss: float | None = declare("The fine-tune's eval loss it was published with (status.training's best, "
+                                      "else its final evalLoss).")
+    eval_set: str | None = declare("The eval set that loss was measured on (a fingerprint of spec.evaluation).")
+    published_at: str | None = declare("When its publish RayJob was seen to succeed.", format="date-time")
+
+
+@dataclass(frozen=True)
 class Serving:
     service: str | None = declare("KubeRay's Service in front of the Serve proxies.")
     port: int | None = declare("Its port.")
-    model: str | None = declare("The model id clients send (the TPUFinetune's name).")
+    model: str | None = declare("The model id clients send: the TPUFinetune's name, or <base>:<adapter> for an "
+                                "adapter published to a base (spec.publish).")
+    base: str | None = declare("spec.publish: the base TPUFinetune that serves the adapter.")
+    adapter: str | None = declare("spec.publish: the adapter's name on the base.")
+    published: Publication | None = declare("spec.publish: what the served adapter was published with; absent while "
+                                            "it is not served.")
+    reason: str | None = declare("spec.publish: Publishing, Published, NotPromoted, Superseded, BaseNotServing or "
+                                 "PublishFailed.")
+    message: str | None = declare("spec.publish: where it is served, or why not (with both eval losses when not "
+                                  "promoted).")
+    ray_cluster: str | None = declare("The RayService's active RayCluster (a base's adapters are published on it).")
+    adapters_root: str | None = declare("A base (spec.serve.adapters): where published adapters are loaded from.")
     url: str | None = declare("In-cluster base URL of the OpenAI-compatible API (/v1/...).")
     engine: str | None = declare("vllm or transformers.")
     model_source: str | None = declare("The Hugging Face export being served.")
@@ -267,6 +288,25 @@ class Goodput:
 
 
 _names_follow(Goodput, [*(k.key for k in GoodputCause), GOODPUT_TOTAL, GOODPUT_RATIO])
+
+
+@dataclass(frozen=True)
+class Adapter:
+    name: str | None = declare("The adapter's name.")
+    model: str | None = declare("The model id clients send: <base>:<name>.")
+    source: str | None = declare("The fine-tune it was published from, namespace/name.")
+    uid: str | None = declare("That fine-tune's metadata.uid (the adapter folder's tpuft-publication.json says it).")
+    eval_loss: float | None = declare("Its eval loss when published.")
+    published_at: str | None = declare("When it was published.", format="date-time")
+    unpublishing: bool | None = declare("Its fine-tune was deleted: the adapter is being removed.")
+
+
+@dataclass(frozen=True)
+class Adapters:
+    count: int | None = declare("Adapters served (kubectl get's ADAPTERS column).")
+    served: tuple[Adapter, ...] | None = declare(
+        "One per adapter name: the fine-tune (spec.publish naming this object) whose status.serving says it is "
+        "published here.", schema=_array_of(Adapter, "A served adapter.", 256))
 
 
 # --- what the workload writes (tpuft_workload.report) ---------------------------------------------------
@@ -391,7 +431,10 @@ class RunStatus:
         schema=_array_of(RunCondition, "A condition, as in metav1.Condition.",   # one per type, as kubectl wait reads
                          extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}))
     children: Children | None = declare("Names of the owned objects.")
-    serving: Serving | None = declare("Where the fine-tuned model is served (spec.serve), while Serving.")
+    serving: Serving | None = declare("Where the fine-tuned model is served (spec.serve), while Serving; with "
+                                      "spec.publish, where its adapter is served, or why not.")
+    adapters: Adapters | None = declare("A base (spec.serve.adapters): the adapters it serves, derived from the "
+                                        "fine-tunes that publish to it.")
     slice: Slice | None = declare("Slice facts derived from accelerator and topology.")
     goodput: Goodput | None = declare("Where the run's wall-clock seconds went, by phase, added each time the phase "
                                       "changes (the phase in progress counts once it ends; Serving is not counted).")

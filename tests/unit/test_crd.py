@@ -8,7 +8,7 @@ from tpuft import catalog, crd
 from tpuft import constants as c
 from tpuft.constants import Phase
 from tpuft.status import OWNED_KEYS
-from tpuft.spec import DEFAULTS, LORA_DEFAULTS, SHELL_SAFE, STORAGE_PATH, UNSAFE
+from tpuft.spec import DEFAULTS, PRESENT_DEFAULTS, SHELL_SAFE, STORAGE_PATH, UNSAFE
 from tpuft_workload.report import TRAINING_KEYS, VERIFICATION_KEYS
 
 
@@ -33,8 +33,9 @@ def test_defaults_in_schema_match_the_parser():
     spec = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     schema_defaults = {p[len("spec."):]: s["default"] for p, s in _walk(spec) if "default" in s and s["default"] != {}}
     # spec.training.lora's own defaults apply once the object is there (the API server defaults
-    # nothing inside an absent object without a default of its own): LORA_DEFAULTS, not DEFAULTS.
-    assert schema_defaults == {**DEFAULTS, **LORA_DEFAULTS}
+    # nothing inside an absent object without a default of its own), as spec.publish's and
+    # spec.serve.adapters': PRESENT_DEFAULTS, not DEFAULTS.
+    assert schema_defaults == {**DEFAULTS, **PRESENT_DEFAULTS}
 
 
 def test_every_generation_has_a_topology_rule_and_every_spelling_is_in_the_enum():
@@ -51,7 +52,7 @@ def test_status_phases_columns_and_short_name():
     assert v["subresources"] == {"status": {}}
     assert v["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]["phase"]["enum"] == [p.value for p in Phase]
     cols = {c["name"] for c in v["additionalPrinterColumns"] if not c.get("priority")}
-    assert cols == {"Phase", "Accelerator", "Topology", "Loss", "Age"}
+    assert cols == {"Phase", "Accelerator", "Topology", "Loss", "Adapters", "Age"}
     wide = {c["name"]: c["jsonPath"] for c in v["additionalPrinterColumns"] if c.get("priority") == 1}
     assert wide["Framework"] == ".spec.training.framework"   # kubectl get -o wide
     assert doc["spec"]["names"]["shortNames"] == ["tft"]
