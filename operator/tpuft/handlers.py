@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Mapping
 from typing import Any
 
 import kopf
@@ -30,7 +29,7 @@ from tpuft import metrics
 from tpuft.diagnosis import PodObs
 from tpuft.hosts import NodeObs
 from tpuft.kube import Kube, new_api_client
-from tpuft.observed import CHILD_KINDS, ChildKind, IndexedChild
+from tpuft.observed import CHILD_KINDS, ChildKind, IndexedChild, section
 from tpuft.reconciler import Indexes, Reconciler
 from tpuft.settings import Settings
 from tpuft.workqueue import WorkQueue
@@ -83,14 +82,12 @@ def sharing_a_base(namespace: str, name: str, body: Any, objects: Any) -> list[t
     """Who else decides on this object's change: the base a fine-tune publishes to (its adapters, an
     unpublish when the fine-tune is deleted), and the fine-tunes that publish to a base (waiting for
     it to serve)."""
-    spec = (body or {}).get("spec") or {}
-    publish = spec.get("publish") if isinstance(spec.get("publish"), Mapping) else None
-    keys = [(namespace, str(publish["to"]))] if publish is not None and publish.get("to") else []
-    serve = spec.get("serve") if isinstance(spec.get("serve"), Mapping) else {}
-    if serve.get("adapters") is not None:
+    spec = section(body, "spec")
+    to = section(spec, "publish").get("to")
+    keys = [(namespace, str(to))] if to else []
+    if section(spec, "serve").get("adapters") is not None:
         for key, store in list(objects.items()):
-            other = next(iter(store), None) or {}
-            to = ((other.get("spec") or {}).get("publish") or {}).get("to")
+            to = section(section(next(iter(store), None), "spec"), "publish").get("to")
             if key[0] == namespace and to == name:
                 keys.append(key)
     return keys

@@ -164,6 +164,12 @@ def booking_lost(workload: str | None, requests: tuple[Mapping[str, Any], ...]) 
     return ""
 
 
+def section(obj: Mapping[str, Any] | None, key: str) -> Mapping[str, Any]:
+    """obj[key] when it is an object, else empty: a peer's spec or status read without trusting its shape."""
+    value = (obj or {}).get(key)
+    return value if isinstance(value, Mapping) else {}
+
+
 @dataclass(frozen=True)
 class PublishedObs:
     """A fine-tune's adapter as its status.serving says it is published (spec.publish)."""
@@ -192,22 +198,21 @@ class PeerObs:
 
     @classmethod
     def of(cls, body: Mapping[str, Any]) -> PeerObs:
-        meta, spec, status = body.get("metadata") or {}, body.get("spec") or {}, body.get("status") or {}
-        serve = spec.get("serve") if isinstance(spec.get("serve"), Mapping) else {}
-        adapters = serve.get("adapters") if isinstance(serve.get("adapters"), Mapping) else None
-        serving = status.get("serving") if isinstance(status.get("serving"), Mapping) else {}
-        record = serving.get("published") if isinstance(serving.get("published"), Mapping) else None
+        meta, spec, status = section(body, "metadata"), section(body, "spec"), section(body, "status")
+        serve, serving = section(spec, "serve"), section(status, "serving")
+        adapters = serve.get("adapters")
+        record = section(serving, "published")
         published = None
-        if record is not None and serving.get("reason") == Reason.PUBLISHED.value and serving.get("base"):
+        if record and serving.get("reason") == Reason.PUBLISHED.value and serving.get("base"):
             loss = record.get("evalLoss")
             published = PublishedObs(
                 source=f"{meta.get('namespace')}/{meta.get('name')}", uid=str(meta.get("uid") or ""),
                 base=str(serving["base"]), adapter=str(serving.get("adapter") or ""),
                 eval_loss=float(loss) if isinstance(loss, (int, float)) and not isinstance(loss, bool) else None,
                 eval_set=record.get("evalSet"), published_at=str(record.get("publishedAt") or ""))
-        rank = (adapters or {}).get("maxRank")
+        rank = section(serve, "adapters").get("maxRank")
         return cls(name=str(meta.get("name") or ""), uid=str(meta.get("uid") or ""), model=str(spec.get("model") or ""),
-                   adapters=adapters is not None and serve.get("enabled") is True,
+                   adapters=isinstance(adapters, Mapping) and serve.get("enabled") is True,
                    max_rank=rank if isinstance(rank, int) else None, serving_ready=serving_ready(status),
                    ray_cluster=serving.get("rayCluster"), adapters_root=serving.get("adaptersRoot"),
                    published=published)

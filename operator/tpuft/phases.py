@@ -1129,8 +1129,8 @@ def _publication(draft: _Draft, tft: TPUFinetune, obs: Observed) -> None:
         draft.status = replace(draft.status, children=replace(draft.children, publish_job=None))
         published = Publication(eval_loss=publishing.eval_loss(tft, draft.status.training), eval_set=tft.spec.eval_set,
                                 published_at=fmt_time(draft.now))
-        say(Reason.PUBLISHED, f"served by {publish.to} as model {serving.model} (RayJob {job.name})",
-            replace(serving, published=published), served=True)
+        say(Reason.PUBLISHED, f"served by {publish.to} as model {serving.model}", replace(serving, published=published),
+            served=True)
         return
     if job is not None and job_failed(job):
         draft.add_action(Op.DELETE, c.RAYJOB_KIND, job.name)

@@ -26,7 +26,7 @@ from tpuft.hosts import NodeObs, of_cluster
 from tpuft.kube import Kube, KubeError, Rejected
 from tpuft.ledger import Ledger
 from tpuft.observed import (CHILD_KINDS, AdmissionError, Decision, Event, IndexedChild, Observed, Op, PeerObs, live,
-                            parse_time)
+                            parse_time, section)
 from tpuft.settings import Settings
 from tpuft.status import RunStatus, owned
 
@@ -50,9 +50,8 @@ class Snapshot:
 def shares_a_base(body: Mapping[str, Any]) -> bool:
     """Whether an object's decision reads the other TPUFinetunes of its namespace: it publishes to a base,
     or it is one."""
-    spec = body.get("spec") or {}
-    serve = spec.get("serve") if isinstance(spec.get("serve"), Mapping) else {}
-    return spec.get("publish") is not None or serve.get("adapters") is not None
+    spec = section(body, "spec")
+    return spec.get("publish") is not None or section(spec, "serve").get("adapters") is not None
 
 
 @dataclass(frozen=True)
@@ -312,10 +311,9 @@ class Reconciler:
 def neighbours(obj: Mapping[str, Any], peers: tuple[PeerObs, ...]) -> dict[str, Any]:
     """Observed's fields read from the other TPUFinetunes of the namespace: a fine-tune's base and the
     adapters published to it; a base's adapters and which objects still exist."""
-    spec = obj.get("spec") or {}
-    publish = spec.get("publish") if isinstance(spec.get("publish"), Mapping) else None
-    base_name = str(publish.get("to") or "") if publish is not None else obj["metadata"]["name"]
-    base = next((p for p in peers if p.name == base_name), None) if publish is not None else None
+    publish = section(section(obj, "spec"), "publish")
+    base_name = str(publish.get("to") or "") if publish else obj["metadata"]["name"]
+    base = next((p for p in peers if p.name == base_name), None) if publish else None
     published = tuple(p.published for p in peers if p.published is not None and p.published.base == base_name)
     return {"base": base, "published": published, "live_uids": frozenset(p.uid for p in peers if p.uid)}
 

@@ -1101,11 +1101,11 @@ def _serve_adapters_fit(r: _Reader, spec: Mapping, training: Training, serve: Se
                         checkpoint: Checkpoint) -> None:
     """The rules across sections of a base (training.method none, spec.serve.adapters): ADAPTER_RULES'
     words, and the storage Ray Serve LLM can load adapters from."""
-    raw_serve = spec.get("serve") if isinstance(spec.get("serve"), Mapping) else {}
+    raw_serve = spec.get("serve")
     method = training.method
     if method == TrainingMethod.NONE.value and serve is None:
         r.fail("spec.serve", ADAPTER_RULES[2]["message"])
-    if raw_serve.get("adapters") is not None and method == TrainingMethod.LORA.value:
+    if isinstance(raw_serve, Mapping) and raw_serve.get("adapters") is not None and method == TrainingMethod.LORA.value:
         r.fail("spec.serve.adapters", ADAPTER_RULES[1]["message"])
     storage = checkpoint.storage_path
     if (serve is not None and serve.adapters is not None and serve.engine == ServeEngine.VLLM and storage

@@ -24,6 +24,15 @@ def render(doc) -> list[dict]:
     return builders.build_children(parse(doc))
 
 
+def example_docs(path) -> list[dict]:
+    """An example's TPUFinetunes: one, or several (a base and the fine-tunes publishing to it)."""
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def render_example(path) -> list[dict]:
+    return [child for doc in example_docs(path) for child in render(doc)]
+
+
 def by_kind(children, kind):
     return [c for c in children if c["kind"] == kind]
 
@@ -38,9 +47,10 @@ def test_golden(path, request):
     """Rendered children are byte-stable; regenerate with TPUFT_UPDATE_GOLDEN=1."""
     import os
 
-    doc = yaml.safe_load(path.read_text())
-    doc["metadata"]["uid"] = GOLDEN_UID
-    out = yaml.safe_dump_all(render(doc), sort_keys=False, width=120)
+    docs = example_docs(path)
+    for doc in docs:
+        doc["metadata"]["uid"] = GOLDEN_UID
+    out = yaml.safe_dump_all([child for doc in docs for child in render(doc)], sort_keys=False, width=120)
     golden = GOLDEN / path.name
     if os.environ.get("TPUFT_UPDATE_GOLDEN"):
         golden.write_text(out)
@@ -70,7 +80,7 @@ def _crd_validator(name):
 def test_children_validate_against_kuberay_v170_schemas(path):
     validators = {"RayCluster": _crd_validator("ray.io_rayclusters.yaml"),
                   "RayJob": _crd_validator("ray.io_rayjobs.yaml")}
-    children = render(yaml.safe_load(path.read_text()))
+    children = render_example(path)
     checked = 0
     for child in children:
         if child["kind"] in validators:
@@ -674,13 +684,14 @@ def test_no_rayservice_without_serve():
 
 
 # --- security: token auth, hardening, the serve API key, the NetworkPolicy --------------------------------
-def _with_serving(path) -> dict:
-    """The example as written, serving enabled when it does not already (so every example renders a
-    RayService too)."""
-    doc = yaml.safe_load(path.read_text())
-    if not (doc["spec"].get("serve") or {}).get("enabled"):
-        doc["spec"]["serve"] = {"enabled": True, "image": "REGISTRY/vllm-tpu:latest"}
-    return doc
+def _with_serving(path) -> list[dict]:
+    """The example's children as written, serving enabled where it is not already (so every example
+    renders a RayService too)."""
+    docs = example_docs(path)
+    for doc in docs:
+        if not (doc["spec"].get("serve") or {}).get("enabled"):
+            doc["spec"]["serve"] = {"enabled": True, "image": "REGISTRY/vllm-tpu:latest"}
+    return [child for doc in docs for child in render(doc)]
 
 
 def _ray_clusters(children) -> list[tuple[str, dict]]:
@@ -697,7 +708,7 @@ def _pod_templates(cluster_spec) -> list[dict]:
 def test_every_ray_cluster_has_token_auth_and_rayjobs_none(path):
     """KubeRay v1.6.2 then makes the token Secret and sets the Ray containers' (and, from the selected
     RayCluster, the submitters') RAY_AUTH_* env; a clusterSelector RayJob needs nothing itself."""
-    children = render(_with_serving(path))
+    children = _with_serving(path)
     clusters = _ray_clusters(children)
     assert {k for k, _ in clusters} == {"RayCluster", "RayService"}
     for kind, spec in clusters:
@@ -708,7 +719,7 @@ def test_every_ray_cluster_has_token_auth_and_rayjobs_none(path):
 
 @pytest.mark.parametrize("path", EXAMPLE_FILES, ids=lambda p: p.name)
 def test_every_ray_pod_is_hardened_and_only_training_pods_keep_the_token(path):
-    children = render(_with_serving(path))
+    children = _with_serving(path)
     for kind, spec in _ray_clusters(children):
         for tmpl in _pod_templates(spec):
             pod = tmpl["spec"]
@@ -732,7 +743,7 @@ def test_training_pods_stop_at_a_checkpoint_within_their_grace_period(path, kind
     from tpuft import constants as c
 
     assert c.PRESTOP_WAIT_SECONDS + 15 == c.TRAINING_TERMINATION_GRACE_SECONDS
-    spec = dict(_ray_clusters(render(_with_serving(path))))[kind]
+    spec = dict(_ray_clusters(_with_serving(path)))[kind]
     for tmpl in _pod_templates(spec):
         pod = tmpl["spec"]
         assert pod.get("terminationGracePeriodSeconds") == grace
@@ -789,8 +800,8 @@ def _policy_errors(policy) -> list[str]:
 
 @pytest.mark.parametrize("path", EXAMPLE_FILES, ids=lambda p: p.name)
 def test_network_policy_validates_against_the_kubernetes_schema(path):
-    policy = by_kind(render(yaml.safe_load(path.read_text())), "NetworkPolicy")
-    assert len(policy) == 1 and _policy_errors(policy[0]) == []
+    policies = by_kind(render_example(path), "NetworkPolicy")
+    assert len(policies) == len(example_docs(path)) and all(_policy_errors(p) == [] for p in policies)
 
 
 def test_network_policy_validator_catches_a_misspelt_field():
@@ -821,7 +832,7 @@ def test_network_policy_admits_the_run_kuberay_prometheus_and_serve_clients_only
 def test_every_pod_the_policy_must_admit_carries_the_runs_label():
     """Ray pods (training and serving) and the RayJobs' submitters: the same-run rule is what lets a
     submitter reach its head's dashboard."""
-    children = render(_with_serving(EXAMPLES / "v6e-4x4.yaml"))
+    children = _with_serving(EXAMPLES / "v6e-4x4.yaml")
     (policy,) = by_kind(children, "NetworkPolicy")
     selector = policy["spec"]["podSelector"]["matchLabels"]
     templates = [t for _, spec in _ray_clusters(children) for t in _pod_templates(spec)]
@@ -837,3 +848,94 @@ def test_submitter_pods_are_hardened_like_the_ray_pods():
         assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
         assert pod["containers"][0]["securityContext"] == {"allowPrivilegeEscalation": False,
                                                            "capabilities": {"drop": ["ALL"]}}
+
+
+# --- adapters on a shared base (spec.serve.adapters, spec.publish) --------------------------------------
+ADAPTERS_EXAMPLE = EXAMPLES / "adapters-on-a-base.yaml"
+
+
+def _adapters_doc(name: str) -> dict:
+    return next(d for d in example_docs(ADAPTERS_EXAMPLE) if d["metadata"]["name"] == name)
+
+
+def test_a_base_renders_no_training_cluster_and_serves_its_model_with_room_for_adapters():
+    base = _adapters_doc("tiny-chat")
+    base["metadata"]["uid"] = GOLDEN_UID
+    children = render(base)
+    assert {c["kind"] for c in children} == {"ServiceAccount", "Role", "RoleBinding", "NetworkPolicy", "RayService"}
+    args = serve_config(by_kind(children, "RayService")[0])["args"]
+    root = f"/tmp/tpuft-checkpoints/default-tiny-chat-{GOLDEN_UID}/adapters"
+    assert args[ServeArg.MODEL_SOURCE.value] == "builtin:tiny-chat"
+    assert args[ServeArg.ADAPTERS_ROOT.value] == root == builders.adapters_root(parse(base))
+    assert args[ServeArg.MAX_ADAPTERS.value] == 4
+
+
+def test_no_adapter_args_without_serve_adapters():
+    args = serve_config(by_kind(render(yaml.safe_load((EXAMPLES / "local-cpu.yaml").read_text())),
+                                "RayService")[0])["args"]
+    assert ServeArg.ADAPTERS_ROOT.value not in args and ServeArg.MAX_ADAPTERS.value not in args
+
+
+def _vllm_base() -> dict:
+    doc = serving("v6e-4x4.yaml", adapters={"maxPerReplica": 16, "maxRank": 32})
+    doc["spec"]["training"] = {"method": "none"}
+    doc["spec"].pop("dataset")
+    doc["metadata"]["uid"] = GOLDEN_UID
+    return doc
+
+
+def test_a_vllm_base_renders_ray_serve_llms_lora_config_and_vllms_lora_engine_kwargs():
+    svc = rayservice(_vllm_base())
+    assert [e.message for e in _crd_validator("ray.io_rayservices.yaml").iter_errors(svc)] == []
+    llm = serve_config(svc)["args"]["llm_configs"][0]
+    root = f"gs://my-bucket/ray_train_torchtpu/default-gemma4-dolly-{GOLDEN_UID}/adapters"
+    assert llm["lora_config"] == {"dynamic_lora_loading_path": root, "max_num_adapters_per_replica": 16}
+    assert llm["engine_kwargs"]["enable_lora"] is True and llm["engine_kwargs"]["max_lora_rank"] == 32
+    assert llm["model_loading_config"] == {"model_id": "gemma4-dolly", "model_source": "google/gemma-4-E2B-it"}
+
+
+def test_the_vllm_lora_config_is_one_rays_llm_config_accepts():
+    """Ray 2.60's own pydantic model (where the test venv has Ray): the field names as Ray spells them."""
+    llm_config = pytest.importorskip("ray.llm._internal.serve.core.configs.llm_config")
+    rendered = serve_config(rayservice(_vllm_base()))["args"]["llm_configs"][0]
+    config = llm_config.LLMConfig(**rendered)
+    assert config.lora_config.dynamic_lora_loading_path == rendered["lora_config"]["dynamic_lora_loading_path"]
+    assert config.lora_config.max_num_adapters_per_replica == 16
+    with pytest.raises(ValueError):   # a misspelt field is refused, so the check above can fail
+        llm_config.LoraConfig(**{**rendered["lora_config"], "max_adapters_per_replica": 16})
+
+
+def _fine_tune() -> object:
+    doc = _adapters_doc("facts-lora")
+    doc["metadata"]["uid"] = "uid-facts"
+    return parse(doc)
+
+
+def test_the_publish_job_runs_on_the_bases_serving_cluster_with_the_contracts_arguments():
+    ft = _fine_tune()
+    job = builders.build_publish_job(ft, "tiny-chat", "tiny-chat-serve-raycluster-abcde", "/ck/base/adapters",
+                                     "/ck/ft/export", 1.25, ft.spec.eval_set)
+    assert [e.message for e in _crd_validator("ray.io_rayjobs.yaml").iter_errors(job)] == []
+    assert job["metadata"]["name"] == "facts-lora-publish"
+    assert job["metadata"]["labels"]["tpufinetune.dev/name"] == "facts-lora"   # the fine-tune's child
+    assert job["spec"]["clusterSelector"] == {"ray.io/cluster": "tiny-chat-serve-raycluster-abcde"}
+    # the submitter reaches the base's head: the base's NetworkPolicy admits its own name label
+    assert job["spec"]["submitterPodTemplate"]["metadata"]["labels"]["tpufinetune.dev/name"] == "tiny-chat"
+    assert shlex.split(job["spec"]["entrypoint"]) == [
+        "python", "-m", "tpuft_workload", "publish", "--export", "/ck/ft/export", "--adapters-root",
+        "/ck/base/adapters", "--name", "facts", "--source", "default/facts-lora", "--uid", "uid-facts",
+        "--eval-set", "split:builtin:made-up-facts[train[24:]]", "--eval-loss", "1.25"]
+
+
+def test_the_unpublish_job_names_the_adapter_and_the_uid_it_may_remove():
+    base = _adapters_doc("tiny-chat")
+    base["metadata"]["uid"] = GOLDEN_UID
+    job = builders.build_unpublish_job(parse(base), "tiny-chat-serve-raycluster-abcde", "facts", "uid-facts")
+    assert [e.message for e in _crd_validator("ray.io_rayjobs.yaml").iter_errors(job)] == []
+    assert job["metadata"]["name"] == builders.unpublish_job_name("tiny-chat", "facts", "uid-facts")
+    assert job["spec"]["clusterSelector"] == {"ray.io/cluster": "tiny-chat-serve-raycluster-abcde"}
+    assert shlex.split(job["spec"]["entrypoint"]) == [
+        "python", "-m", "tpuft_workload", "unpublish", "--adapters-root",
+        f"/tmp/tpuft-checkpoints/default-tiny-chat-{GOLDEN_UID}/adapters", "--name", "facts", "--uid", "uid-facts"]
+    longest = builders.unpublish_job_name("a" * 40, "b" * 63, "u")
+    assert len(longest) <= 63 and longest != builders.unpublish_job_name("a" * 40, "b" * 63, "v")

@@ -415,3 +415,79 @@ def test_an_overlap_the_spec_cannot_decide_is_a_warning_not_a_refusal():
         "spec.evaluation.fraction"]
     assert len(spec_mod.spec_warnings(_evaluated({"name": "d", "split": "train[:50%]"},
                                                  {"split": "train[-100:]"}).spec)) == 1
+
+
+# --- adapters on a shared base: training.method none, spec.serve.adapters, spec.publish ----------------
+def _base(**spec):
+    doc = with_("spec.dataset", DELETE, with_("spec.training", {"method": "none"}))
+    return with_("spec", {**doc["spec"], "serve": {"enabled": True, "image": "vllm:1", "adapters": {}}, **spec},
+                 base=doc)
+
+
+def _lora(**publish):
+    return with_("spec.publish", {"to": "base", **publish},
+                 with_("spec.evaluation", {"fraction": 0.1}, with_("spec.training", {"method": "lora"})))
+
+
+def test_a_base_needs_no_dataset_and_takes_the_adapter_defaults():
+    tft = parse(_base())
+    assert not tft.spec.trains and tft.spec.serve.adapters == spec_mod.ServeAdapters(max_per_replica=8, max_rank=64)
+    assert spec_mod.PRESENT_DEFAULTS["serve.adapters.maxPerReplica"] == 8
+
+
+def test_a_lora_fine_tune_publishes_under_its_name_unless_it_gives_one():
+    tft = parse(_lora())
+    assert tft.spec.publish == spec_mod.Publish(to="base", adapter=None, when="ifBetter", margin=0.0)
+    assert tft.adapter_name == "gemma4-dolly"
+    assert parse(_lora(**{"as": "dolly", "when": "always", "margin": 0.5})).adapter_name == "dolly"
+
+
+ADAPTER_REFUSALS = [
+    (_lora(to="gemma4-dolly"), "spec.publish.to", "names this object itself"),
+    (with_("spec.training", {"method": "full"}, _lora(when="always")), "spec.publish", "needs training.method lora"),
+    (with_("spec.evaluation", DELETE, _lora()), "spec.publish.when", "give spec.evaluation, or set when: always"),
+    (_lora(**{"as": "Not_A_Label"}), "spec.publish.as", "should match"),
+    (_lora(margin=-1), "spec.publish.margin", "greater than or equal to 0"),
+    (_lora(when="sometimes"), "spec.publish.when", "Unsupported value"),
+    (with_("spec.serve", {"enabled": True, "image": "v", "adapters": {}}, _lora()), "spec.serve.adapters",
+     "needs training.method none"),
+    (_base(serve={"enabled": True, "image": "v", "adapters": {"maxPerReplica": 0}}),
+     "spec.serve.adapters.maxPerReplica", "greater than or equal to 1"),
+    (_base(serve={"enabled": True, "image": "v", "adapters": {"maxRank": 48}}), "spec.serve.adapters.maxRank",
+     "Unsupported value"),
+    (_base(serve={"enabled": False}), "spec.serve", "set serve.enabled true"),
+    (_base(evaluation={"fraction": 0.1}), "spec.evaluation", "needs a run that trains"),
+    (_base(checkpoint={"storagePath": "/mnt/ck", "volume": {"hostPath": {"path": "/mnt/ck"}}}),
+     "spec.serve.adapters", "give a gs:// storagePath, or serve with engine transformers"),
+    (with_("spec.dataset", DELETE), "spec.dataset", "is required"),
+]
+
+
+@pytest.mark.parametrize("doc,field,words", ADAPTER_REFUSALS, ids=[f"{r[1]}:{r[2]}"[:60] for r in ADAPTER_REFUSALS])
+def test_adapter_refusals_name_the_field_and_what_to_do(doc, field, words):
+    with pytest.raises(SpecError) as err:
+        parse(doc)
+    found = {p.field: p.message for p in err.value.problems}
+    assert field in found and words in found[field], found
+
+
+def test_the_parsers_adapter_rules_are_the_crds():
+    """The CEL rules on spec and the parser say the same words (one source: spec.ADAPTER_RULES)."""
+    from tpuft import crd
+
+    rules = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
+        "x-kubernetes-validations"]
+    assert all(rule in rules for rule in spec_mod.ADAPTER_RULES)
+    messages = {m for _, _, m in ADAPTER_REFUSALS}
+    for rule in spec_mod.ADAPTER_RULES:   # each rule's refusal is exercised above, in its own words
+        assert any(words in rule["message"] for words in messages), rule["message"]
+
+
+def test_the_eval_set_fingerprint_follows_the_spec():
+    held_out = parse(_lora()).spec.eval_set
+    assert held_out == "heldout:0.1:seed42:databricks/databricks-dolly-15k[train[:1024]]"
+    reseeded = with_("spec.training.seed", 7, _lora())
+    assert parse(reseeded).spec.eval_set != held_out
+    split = with_("spec.evaluation", {"split": "test"}, _lora())
+    assert parse(split).spec.eval_set == "split:databricks/databricks-dolly-15k[test]"
+    assert parse(MINIMUM).spec.eval_set is None

@@ -36,3 +36,15 @@ def test_the_complement_of_a_one_sided_slice_is_the_advice():
     assert splits.complement("train[:10%]") == "train[10%:]"
     assert splits.overlap(splits.complement("train[-200:]"), "train[-200:]") == Overlap.NONE
     assert splits.complement("train[10:20]") is None and splits.complement("train") is None
+
+
+def test_the_eval_set_fingerprint_is_stable_short_and_tells_eval_sets_apart():
+    fp = splits.eval_set_fingerprint
+    assert fp("d", "train", 0.1, None, None, 42) == fp("d", "train", 0.1, None, None, 42) == "heldout:0.1:seed42:d[train]"
+    assert len({fp("d", "train", 0.1, None, None, 42), fp("d", "train", 0.2, None, None, 42),
+                fp("d", "train", 0.1, None, None, 7), fp("d", "train[:100]", 0.1, None, None, 42),
+                fp("d", "train", None, None, "test", 42), fp("d", "train", None, "e", "test", 42)}) == 6
+    assert fp("d", "train", None, None, "test", 1) == fp("d", "x", None, "d", "test", 2) == "split:d[test]"
+    long = "gs://bucket/" + "a" * 300
+    a, b = fp(long + "1", "train", 0.1, None, None, 42), fp(long + "2", "train", 0.1, None, None, 42)
+    assert a != b and len(a) == len(b) == splits.FINGERPRINT_MAX_LENGTH
