@@ -1106,7 +1106,7 @@ def _publication(draft: _Draft, tft: TPUFinetune, obs: Observed) -> None:
     def say(reason: Reason, message: str, now: Serving = serving, served: bool = False) -> None:
         draft.status = replace(draft.status, serving=replace(now, reason=reason.value, message=message))
         draft.set_condition(Condition.SERVING, ConditionStatus.of(served), reason, message)
-        if previous.reason != reason.value:
+        if previous.reason != reason.value and reason != Reason.PUBLISHING:   # its event says why, once
             draft.add_event(EventType.WARNING if reason in (Reason.PUBLISH_FAILED, Reason.BASE_MISMATCH)
                             else EventType.NORMAL, reason, message)
         draft.move_to(Phase.SUCCEEDED, reason, message)
@@ -1140,7 +1140,7 @@ def _publication(draft: _Draft, tft: TPUFinetune, obs: Observed) -> None:
         return
     if job is not None:
         draft.requeue_after(PUBLISH_POLL_SECONDS)
-        say(Reason.PUBLISHING, f"publishing the adapter to {publish.to} as {serving.model} (RayJob {job.name})")
+        say(Reason.PUBLISHING, _publishing_says(publish.to, serving, job.name))
         return
     base = obs.base
     if base is None or not base.serving_ready or not base.ray_cluster or not base.adapters_root:
@@ -1165,8 +1165,14 @@ def _publication(draft: _Draft, tft: TPUFinetune, obs: Observed) -> None:
     draft.add_action(Op.CREATE, c.RAYJOB_KIND, names.publish_job, body)
     draft.status = replace(draft.status, children=replace(draft.children, publish_job=names.publish_job))
     draft.requeue_after(PUBLISH_POLL_SECONDS)
-    say(Reason.PUBLISHING, f"publishing the adapter to {publish.to} as {serving.model} ({verdict.message}; "
-                           f"RayJob {names.publish_job} on RayCluster {base.ray_cluster})")
+    draft.add_event(EventType.NORMAL, Reason.PUBLISHING, f"publishing to {publish.to} as {serving.model}: "
+                    f"{verdict.message} (RayJob {names.publish_job} on RayCluster {base.ray_cluster})")
+    say(Reason.PUBLISHING, _publishing_says(publish.to, serving, names.publish_job))
+
+
+def _publishing_says(base: str, serving: Serving, job: str) -> str:
+    """The same words while the publish RayJob runs: one status write for the whole of it."""
+    return f"publishing the adapter to {base} as model {serving.model} (RayJob {job})"
 
 
 def _base_adapters(draft: _Draft, tft: TPUFinetune, obs: Observed, serving: Serving) -> Serving:

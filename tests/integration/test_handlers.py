@@ -552,3 +552,87 @@ def test_deletion_removes_children(operator, tft, kuberay, kubectl, namespace):
                                check=True).stdout.strip()]
             return not left
         wait_until(gone, 30, "garbage collection of the children", interval=0.5)
+
+
+# --- adapters on a shared base (spec.serve.adapters, spec.publish) -----------------------------------
+BASE = "tiny"
+
+
+def test_lora_fine_tunes_publish_to_a_served_base_gated_on_eval_loss(operator, kuberay, kubectl, kube_api,
+                                                                     namespace):
+    """A base (training.method none) serves from the start; a LoRA fine-tune whose training succeeds is
+    published by a RayJob on the base's serving RayCluster, and the base lists it; a second one of the
+    same adapter name with a worse eval loss stays unpublished with both figures; deleting the published
+    one has the base remove its adapter."""
+    api = client.CustomObjectsApi(kube_api)
+
+    def status(name: str) -> dict:
+        return api.get_namespaced_custom_object("tpufinetune.dev", "v1alpha1", namespace, "tpufinetunes",
+                                                name).get("status") or {}
+
+    def apply(doc: dict) -> None:
+        kubectl("apply", "-f", "-", input=yaml.safe_dump(doc), check=True)
+
+    def rayjob(name: str) -> dict:
+        return api.get_namespaced_custom_object("ray.io", "v1", namespace, "rayjobs", name)
+
+    def fine_tune(name: str, eval_loss: float) -> str:
+        """Applies a LoRA fine-tune publishing as `chat`, runs its training to success with `eval_loss`
+        reported; returns its uid."""
+        apply(small_object(name, namespace, accelerator="cpu", topology="2", verification={"enabled": False},
+                           training={"method": "lora"}, evaluation={"fraction": 0.1},
+                           publish={"to": BASE, "as": "chat"}))
+        wait_until(lambda: status(name).get("phase") == "Provisioning", 30, f"{name} Provisioning")
+        kuberay.cluster_ready(f"{name}-ray")
+        wait_until(lambda: status(name).get("phase") == "Training", 30, f"{name} Training")
+        kubectl("patch", f"tpufinetunes.tpufinetune.dev/{name}", "-n", namespace, "--subresource=status",
+                "--type=merge", "-p", json.dumps({"status": {"training": {
+                    "evalLoss": eval_loss, "exportedModel": f"/ck/{name}/export"}}}), check=True)
+        kuberay.job_succeeded(f"{name}-train")
+        wait_until(lambda: status(name).get("phase") == "Succeeded", 30, f"{name} Succeeded")
+        return api.get_namespaced_custom_object("tpufinetune.dev", "v1alpha1", namespace, "tpufinetunes",
+                                                name)["metadata"]["uid"]
+
+    base = small_object(BASE, namespace, accelerator="cpu", topology="1", training={"method": "none"},
+                        serve={"enabled": True, "adapters": {"maxPerReplica": 2}})
+    base["spec"].pop("dataset")
+    with operator():
+        apply(base)
+        wait_until(lambda: status(BASE).get("reason") == "Deploying", 30, "the base deploying")
+        assert kubectl("get", "rayclusters", "-n", namespace, "-o", "name", check=True).stdout.strip() == ""
+        kuberay.service_status(f"{BASE}-serve", "RUNNING", ready=True, side="activeServiceStatus")
+        wait_until(lambda: status(BASE).get("reason") == "Serving", 30, "the base serving")
+        cluster = f"{BASE}-serve-raycluster-abcde"   # what the stand-in, as KubeRay, names its RayCluster
+        assert status(BASE)["serving"]["rayCluster"] == cluster and status(BASE)["adapters"] == {"count": 0}
+
+        first_uid = fine_tune("ft-a", 1.0)
+        wait_until(lambda: status("ft-a").get("reason") == "Publishing", 30, "ft-a publishing")
+        job = rayjob("ft-a-publish")
+        assert job["spec"]["clusterSelector"] == {"ray.io/cluster": cluster}
+        argv = job["spec"]["entrypoint"].split()
+        assert argv[3] == "publish" and argv[argv.index("--name") + 1] == "chat"
+        assert argv[argv.index("--adapters-root") + 1] == status(BASE)["serving"]["adaptersRoot"]
+        assert argv[argv.index("--uid") + 1] == first_uid and argv[argv.index("--eval-loss") + 1] == "1.0"
+        kuberay.job_succeeded("ft-a-publish")
+        wait_until(lambda: status("ft-a").get("reason") == "Published", 30, "ft-a published")
+        served = status("ft-a")["serving"]
+        assert served["model"] == f"{BASE}:chat" and served["published"]["evalLoss"] == 1.0
+        wait_until(lambda: (status(BASE).get("adapters") or {}).get("count") == 1, 30, "the base listing ft-a")
+        assert status(BASE)["adapters"]["served"][0]["source"] == f"{namespace}/ft-a"
+        table = kubectl("get", "tft", BASE, "-n", namespace, check=True).stdout.splitlines()
+        assert table[1][table[0].index("ADAPTERS"):].split()[0] == "1"   # by position: the LOSS cell is empty
+
+        fine_tune("ft-b", 1.5)
+        wait_until(lambda: status("ft-b").get("reason") == "NotPromoted", 30, "ft-b kept unpublished")
+        message = status("ft-b")["serving"]["message"]
+        assert "1.5000" in message and "1.0000" in message and f"{namespace}/ft-a" in message
+        assert "published" not in status("ft-b")["serving"]
+
+        kubectl("delete", "tft", "ft-a", "-n", namespace, "--wait=true", "--timeout=20s", check=True)
+        wait_until(lambda: (status(BASE).get("children") or {}).get("unpublishJob"), 30, "the base unpublishing")
+        unpublish = rayjob(status(BASE)["children"]["unpublishJob"])
+        argv = unpublish["spec"]["entrypoint"].split()
+        assert argv[3] == "unpublish" and argv[argv.index("--uid") + 1] == first_uid
+        assert unpublish["spec"]["clusterSelector"] == {"ray.io/cluster": cluster}
+        kuberay.job_succeeded(unpublish["metadata"]["name"])
+        wait_until(lambda: not (status(BASE).get("adapters") or {}).get("served"), 30, "the adapter dropped")
