@@ -4,8 +4,8 @@
   generation x every offered topology, every accelerator spelling, int quantities, env valueFrom, ...)
   are accepted by a server-side create, and tpuft.spec.parse accepts what the server stored and
   derives the same Spec as from the local document (the server applies tpuft.spec.DEFAULTS exactly).
-- INVALID: 263 invalid TPUFinetunes (test_table_counts checks these numbers and prints them).
-  261 are rejected at admission (HTTP 422) with an error naming the field, and tpuft.spec.parse
+- INVALID: 273 invalid TPUFinetunes (test_table_counts checks these numbers and prints them).
+  271 are rejected at admission (HTTP 422) with an error naming the field, and tpuft.spec.parse
   rejects each of them with the same field too (server and parser agree row by row).
   2 rows are PARSER-ONLY, marked PARSER_ONLY in the table: the CRD cannot express them because the
   API server refuses the request before schema validation (HTTP 400: a wrong apiVersion; metadata
@@ -342,6 +342,29 @@ INVALID = [
     row("lora-target-twice", ("spec.training", {"method": "lora", "lora": {"targetModules": ["q_proj", "q_proj"]}}),
         "spec.training.lora.targetModules"),
     row("export-merge-without-lora", ("spec.export.merge", True), "spec.export.merge"),
+    # --- adapters on a shared base (training.method none, spec.serve.adapters, spec.publish) ---
+    row("publish-without-lora", ("spec.publish", {"to": "base", "when": "always"}), "spec.publish"),
+    row("publish-to-missing", [("spec.training.method", "lora"), ("spec.publish", {"when": "always"})],
+        "spec.publish.to"),
+    row("publish-as-not-a-label", [("spec.training.method", "lora"),
+                                   ("spec.publish", {"to": "base", "as": "Chat_1", "when": "always"})],
+        "spec.publish.as"),
+    row("publish-when-unknown", [("spec.training.method", "lora"), ("spec.publish", {"to": "base", "when": "never"})],
+        "spec.publish.when"),
+    row("publish-margin-negative", [("spec.training.method", "lora"),
+                                    ("spec.publish", {"to": "base", "when": "always", "margin": -0.5})],
+        "spec.publish.margin"),
+    row("adapters-on-lora", [("spec.training.method", "lora"),
+                             ("spec.serve", {"enabled": True, "image": "v:1", "adapters": {}})], "spec.serve.adapters"),
+    row("adapters-max-per-replica-65", ("spec.serve", {"enabled": True, "image": "v:1",
+                                                       "adapters": {"maxPerReplica": 65}}),
+        "spec.serve.adapters.maxPerReplica"),
+    row("adapters-max-rank-48", ("spec.serve", {"enabled": True, "image": "v:1", "adapters": {"maxRank": 48}}),
+        "spec.serve.adapters.maxRank"),
+    row("method-none-without-serve", [("spec.training.method", "none"), ("spec.dataset", DELETE)], "spec.serve"),
+    row("method-none-with-evaluation", [("spec.training.method", "none"), ("spec.dataset", DELETE),
+                                        ("spec.serve", {"enabled": True, "image": "v:1"}),
+                                        ("spec.evaluation", {"fraction": 0.1})], "spec.evaluation"),
     # --- parser-only: the server refuses these before schema validation (HTTP 400) ---
     row("api-version-v1", ("apiVersion", "tpufinetune.dev/v1"), "apiVersion", PARSER_ONLY),
     row("metadata-list", ("metadata", ["gemma4-dolly"]), "metadata", PARSER_ONLY),
@@ -357,7 +380,7 @@ COUNTS = {
     "admission": sum(1 for p in INVALID if p.values[2] == ADMISSION),
     "parser_only": sum(1 for p in INVALID if p.values[2] == PARSER_ONLY),
 }
-DOCUMENTED_COUNTS = {"total": 263, "admission": 261, "parser_only": 2}  # as the module docstring says
+DOCUMENTED_COUNTS = {"total": 273, "admission": 271, "parser_only": 2}  # as the module docstring says
 
 
 # --- helpers ------------------------------------------------------------------------------------
@@ -437,11 +460,11 @@ def test_minimum_spec_is_accepted_and_parses_the_same(objects, ns):
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_every_example_is_accepted_and_parses_the_same(objects, ns, path):
-    doc = yaml.safe_load(path.read_text())
-    stored = create(objects, ns, doc)
-    assert stored["metadata"]["name"] == doc["metadata"]["name"]
-    _spec_equal_modulo_defaults(doc, stored)
-    objects.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, doc["metadata"]["name"])
+    for doc in yaml.safe_load_all(path.read_text()):   # one TPUFinetune, or a base and its fine-tunes
+        stored = create(objects, ns, doc)
+        assert stored["metadata"]["name"] == doc["metadata"]["name"]
+        _spec_equal_modulo_defaults(doc, stored)
+        objects.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, doc["metadata"]["name"])
 
 
 def test_the_server_applies_exactly_the_documented_defaults(objects, ns):
@@ -601,18 +624,19 @@ def test_kubectl_get_printer_columns_and_short_name(objects, ns, kubectl):
     status = {"status": {"phase": "Serving", "reason": "Serving", "slice": {"hosts": 4, "devices": 16},
                          "training": {"epoch": 2, "loss": 1.25, "evalLoss": 1.5, "tokensPerSecond": 1234.5,
                                       "mfu": 0.5},
-                         "goodput": {"ratio": 0.75},
+                         "goodput": {"ratio": 0.75}, "adapters": {"count": 3},
                          "serving": {"url": "http://x-serve-serve-svc.ns.svc:8000"}}}
     kubectl("patch", "tft", name, "-n", ns, "--subresource=status", "--type=merge", "-p", json.dumps(status),
             check=True)
     out = kubectl("get", "tft", name, "-n", ns, check=True).stdout.splitlines()
-    assert out[0].split() == ["NAME", "PHASE", "ACCELERATOR", "TOPOLOGY", "LOSS", "AGE"], out
-    assert out[1].split()[:5] == [name, "Serving", "v6e", "4x4", "1.25"], out
+    assert out[0].split() == ["NAME", "PHASE", "ACCELERATOR", "TOPOLOGY", "LOSS", "ADAPTERS", "AGE"], out
+    assert out[1].split()[:6] == [name, "Serving", "v6e", "4x4", "1.25", "3"], out
     wide = kubectl("get", "tft", name, "-n", ns, "-o", "wide", check=True).stdout.splitlines()
     assert wide[0].split() == ["NAME", "PHASE", "ACCELERATOR", "TOPOLOGY", "LOSS", "EVAL-LOSS", "EPOCH", "TOKENS/S",
-                               "FRAMEWORK", "HOSTS", "DEVICES", "REASON", "ENDPOINT", "MFU", "GOODPUT", "AGE"], wide
-    assert wide[1].split()[:15] == [name, "Serving", "v6e", "4x4", "1.25", "1.5", "2", "1234.5", "torch", "4", "16",
-                                    "Serving", "http://x-serve-serve-svc.ns.svc:8000", "0.5", "0.75"]
+                               "FRAMEWORK", "HOSTS", "DEVICES", "REASON", "ENDPOINT", "MFU", "GOODPUT", "ADAPTERS",
+                               "AGE"], wide
+    assert wide[1].split()[:16] == [name, "Serving", "v6e", "4x4", "1.25", "1.5", "2", "1234.5", "torch", "4", "16",
+                                    "Serving", "http://x-serve-serve-svc.ns.svc:8000", "0.5", "0.75", "3"]
     # Plural, singular, short name and kind all resolve to the same object.
     for resource in ("tpufinetunes", "tpufinetune", "tft", "TPUFinetune", f"tpufinetunes.{GROUP}"):
         res = kubectl("get", resource, name, "-n", ns, "-o", "name", check=True)
@@ -642,7 +666,8 @@ def test_rendered_children_pass_a_server_side_dry_run(kubectl, ns, path):
     assert rendered.returncode == 0, rendered.stderr
     docs = [d for d in yaml.safe_load_all(rendered.stdout) if d]
     # spec.serviceAccountName: the user's account, bound but never created
-    own = set() if "serviceAccountName" in yaml.safe_load(path.read_text())["spec"] else {"ServiceAccount"}
+    own = set() if any("serviceAccountName" in d["spec"] for d in yaml.safe_load_all(path.read_text())) \
+        else {"ServiceAccount"}
     assert {d["kind"] for d in docs} >= {"RayCluster", "RayJob", "Role", "RoleBinding", "NetworkPolicy", *own}
     assert all(d["metadata"]["namespace"] == ns for d in docs)
     res = kubectl("apply", "--dry-run=server", "--validate=strict", "-o", "json", "-f", "-", input=rendered.stdout)

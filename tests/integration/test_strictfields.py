@@ -60,8 +60,10 @@ def test_server_and_offline_refuse_the_same_unknown_field(objects, ns, doc, path
     MINIMUM,
     with_("spec.env", [{"name": "A", "value": "1", "extra": True}]),
     with_("spec.resources", {"head": {"requests": {"example.com/widget": "1"}}}),
-    *[yaml.safe_load(p.read_text()) for p in sorted(EXAMPLES.glob("*.yaml"))],
-], ids=["minimum", "env-item-extra", "resource-names", *[p.name for p in sorted(EXAMPLES.glob("*.yaml"))]])
+    *[d for p in sorted(EXAMPLES.glob("*.yaml")) for d in yaml.safe_load_all(p.read_text())],
+], ids=["minimum", "env-item-extra", "resource-names",
+        *[f"{p.name}:{d['metadata']['name']}" for p in sorted(EXAMPLES.glob("*.yaml"))
+          for d in yaml.safe_load_all(p.read_text())]])
 def test_server_and_offline_accept_the_same_documents(objects, ns, doc):
     assert server_unknown(objects, ns, doc) == []
     assert strictfields.unknown_fields(doc) == []
