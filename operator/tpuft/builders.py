@@ -443,8 +443,8 @@ def train_entrypoint(tft: TPUFinetune, slices: int | None = None, after_verifica
 
 def merges(tft: TPUFinetune) -> bool:
     """Whether a LoRA run also exports merged weights: asked for (spec.export.merge), or needed by
-    vLLM, which serves them (one model per object; Ray Serve LLM's per-request adapters are
-    `base:adapter` ids beside the base's own, not wired here: docs/lora.md)."""
+    vLLM, which serves them when the object serves itself (adapters served on a shared base are
+    spec.publish's: docs/serving.md)."""
     sv = tft.spec.serve
     return tft.spec.training.lora is not None and (
         tft.spec.export.merge or (sv is not None and sv.engine == c.ServeEngine.VLLM))

@@ -1103,23 +1103,27 @@ def _publication(draft: _Draft, tft: TPUFinetune, obs: Observed) -> None:
     previous = draft.status.serving or Serving()
     serving = replace(previous, base=publish.to, adapter=adapter, model=f"{publish.to}:{adapter}")
 
-    def say(reason: Reason, message: str, now: Serving = serving, served: bool = False) -> None:
-        draft.status = replace(draft.status, serving=replace(now, reason=reason.value, message=message))
+    def say(reason: Reason, message: str, now: Serving | None = None, served: bool = False) -> None:
+        draft.status = replace(draft.status, serving=replace(now or serving, reason=reason.value, message=message))
         draft.set_condition(Condition.SERVING, ConditionStatus.of(served), reason, message)
         if previous.reason != reason.value and reason != Reason.PUBLISHING:   # its event says why, once
             draft.add_event(EventType.WARNING if reason in (Reason.PUBLISH_FAILED, Reason.BASE_MISMATCH)
                             else EventType.NORMAL, reason, message)
         draft.move_to(Phase.SUCCEEDED, reason, message)
 
-    record = serving.published
+    record, base = serving.published, obs.base
     if serving.reason == Reason.PUBLISHED.value and record is not None:
         later = publishing.newer(obs.published, adapter, tft.meta.uid, record.published_at or "", tft.meta.ref)
         if later is not None:
             say(Reason.SUPERSEDED, f"superseded by {later.source} (published as {serving.model} at "
                                    f"{later.published_at}); this adapter is no longer served", replace(serving, published=None))
-        else:
+            return
+        # A base recreated under the same name has a new run directory: its adapters root is empty.
+        moved = base is not None and base.adapters_root not in (None, serving.adapters_root)
+        if base is not None and base.serving_ready and not moved:
             say(Reason.PUBLISHED, f"served by {publish.to} as model {serving.model}", served=True)
-        return
+            return
+        serving = replace(serving, published=None, adapters_root=None)   # published again below, once it serves
     if serving.reason in PUBLISH_SETTLED:
         return
     job_name = draft.children.publish_job
@@ -1129,8 +1133,8 @@ def _publication(draft: _Draft, tft: TPUFinetune, obs: Observed) -> None:
         draft.status = replace(draft.status, children=replace(draft.children, publish_job=None))
         published = Publication(eval_loss=publishing.eval_loss(tft, draft.status.training), eval_set=tft.spec.eval_set,
                                 published_at=fmt_time(draft.now))
-        say(Reason.PUBLISHED, f"served by {publish.to} as model {serving.model}", replace(serving, published=published),
-            served=True)
+        say(Reason.PUBLISHED, f"served by {publish.to} as model {serving.model}",
+            replace(serving, published=published, adapters_root=base.adapters_root if base else None), served=True)
         return
     if job is not None and job_failed(job):
         draft.add_action(Op.DELETE, c.RAYJOB_KIND, job.name)
@@ -1142,7 +1146,6 @@ def _publication(draft: _Draft, tft: TPUFinetune, obs: Observed) -> None:
         draft.requeue_after(PUBLISH_POLL_SECONDS)
         say(Reason.PUBLISHING, _publishing_says(publish.to, serving, job.name))
         return
-    base = obs.base
     if base is None or not base.serving_ready or not base.ray_cluster or not base.adapters_root:
         what = "does not exist" if base is None else "is not Serving"
         draft.requeue_after(BASE_POLL_SECONDS)

@@ -211,7 +211,8 @@ class Serving:
     message: str | None = declare("spec.publish: where it is served, or why not (with both eval losses when not "
                                   "promoted).")
     ray_cluster: str | None = declare("The RayService's active RayCluster (a base's adapters are published on it).")
-    adapters_root: str | None = declare("A base (spec.serve.adapters): where published adapters are loaded from.")
+    adapters_root: str | None = declare("A base (spec.serve.adapters): where published adapters are loaded from; a "
+                                        "published fine-tune: the base's adapters root it was published under.")
     url: str | None = declare("In-cluster base URL of the OpenAI-compatible API (/v1/...).")
     engine: str | None = declare("vllm or transformers.")
     model_source: str | None = declare("The Hugging Face export being served.")

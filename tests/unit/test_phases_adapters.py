@@ -260,3 +260,21 @@ def test_a_newer_publication_of_the_same_name_supersedes_the_published_one():
     d = phases.decide(o, Observed(base=base_peer(), published=(newer,)), at(300), TUN)
     assert d.status["reason"] == "Superseded" and f"{NS}/ft-v2" in d.status["serving"]["message"]
     assert "published" not in d.status["serving"] and d.actions == ()
+
+
+def test_a_published_adapter_whose_base_goes_is_published_again_once_a_base_serves():
+    o = apply(fine_tune(), succeed(fine_tune(), base=base_peer()))
+    name = f"{FT}-publish"
+    o = apply(o, phases.decide(o, Observed(base=base_peer(), jobs={name: job(name, "SUCCEEDED", "Complete")}),
+                               at(200), TUN))
+    assert o["status"]["serving"]["adaptersRoot"] == BASE_ROOT
+    gone = phases.decide(o, Observed(base=None), at(300), TUN)
+    assert gone.status["reason"] == "BaseNotServing" and "published" not in gone.status["serving"]
+    assert observed.PeerObs.of(apply(o, gone)).published is None   # the base no longer lists it
+    recreated = base_peer(uid="u-base-2", adapters_root=f"gs://bucket/ck/{NS}-{BASE}-u-base-2/adapters")
+    d = phases.decide(apply(o, gone), Observed(base=recreated), at(400), TUN)
+    assert d.status["reason"] == "Publishing" and kinds(d) == [("create", "RayJob", name)]
+    argv = shlex.split(d.actions[0].body["spec"]["entrypoint"])
+    assert argv[argv.index("--adapters-root") + 1] == recreated.adapters_root
+    # a base recreated while nobody looked: its adapters root moved, so the adapter is published there
+    assert phases.decide(o, Observed(base=recreated), at(300), TUN).status["reason"] == "Publishing"
