@@ -56,3 +56,12 @@ def test_operator_state_lives_in_kopfs_memo():
     assert handlers.probe(memo=memo) == {"queued": 2, "busy": 0} and queue.queued == {(NS, NAME), (NS, "other")}
     asyncio.run(handlers.cleanup(memo=memo))
     assert handlers.QUEUE not in memo
+
+
+def test_a_fine_tunes_change_queues_its_base_and_a_bases_change_queues_its_fine_tunes():
+    base = {"spec": {"serve": {"enabled": True, "adapters": {}}}}
+    objects = {(NS, "base"): [base], (NS, "ft"): [{"spec": {"publish": {"to": "base"}}}],
+               ("other", "ft"): [{"spec": {"publish": {"to": "base"}}}], (NS, "plain"): [{"spec": {}}]}
+    assert handlers.sharing_a_base(NS, "ft", {"spec": {"publish": {"to": "base"}}}, objects) == [(NS, "base")]
+    assert handlers.sharing_a_base(NS, "base", base, objects) == [(NS, "ft")]
+    assert handlers.sharing_a_base(NS, "plain", {"spec": {}}, objects) == []

@@ -323,3 +323,35 @@ def test_node_pools_are_read_only_for_an_unschedulable_slice_and_shared(monkeypa
     assert len(kube.ops("node_pools")) == 1   # one list serves POOLS_CACHE_SECONDS
     msg = kube.objects[("TPUFinetune", NAME)]["status"]["message"]
     assert "the scheduler says" in msg and "the tpu-v6e-slice 4x4 pool exists" in msg, msg
+
+
+# --- adapters on a shared base: the other TPUFinetunes of the namespace, from the index -------------
+def _published(name: str, uid: str, base: str = "base") -> dict:
+    return {"metadata": {"name": name, "namespace": NS, "uid": uid}, "spec": {"publish": {"to": base}},
+            "status": {"serving": {"base": base, "adapter": "chat", "reason": "Published",
+                                   "published": {"evalLoss": 1.0, "evalSet": "s", "publishedAt": "2026-01-01T00:00:00Z"}}}}
+
+
+def test_a_base_and_its_fine_tunes_read_each_other_from_the_index_and_nothing_else_does():
+    from tpuft.reconciler import Indexes, neighbours
+
+    base = {"metadata": {"name": "base", "namespace": NS, "uid": "u-base"},
+            "spec": {"model": "m", "serve": {"enabled": True, "adapters": {"maxRank": 32}}},
+            "status": {"phase": "Serving", "conditions": [{"type": "Ready", "status": "True"}],
+                       "serving": {"rayCluster": "base-serve-raycluster-x", "adaptersRoot": "gs://b/r/adapters"}}}
+    ft, other_ns = _published("ft", "u-ft"), {**_published("ft", "u-x"), "metadata": {"name": "ft", "namespace": "x"}}
+    deleting = _published("gone", "u-gone")
+    deleting["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    plain = {"metadata": {"name": "plain", "namespace": NS, "uid": "u-p"}, "spec": {}}
+    objects = {(NS, "base"): [base], (NS, "ft"): [ft], ("x", "ft"): [other_ns], (NS, "gone"): [deleting],
+               (NS, "plain"): [plain]}
+    indexes = Indexes(objects, Indexes.empty().children)
+    assert indexes.snapshot((NS, "plain")).peers is None   # neither a base nor publishing: no peers read
+    peers = indexes.snapshot((NS, "base")).peers
+    assert sorted(p.name for p in peers) == ["ft", "plain"]   # same namespace, not deleting, not itself
+    seen = neighbours(base, peers)
+    assert seen["base"] is None and [p.source for p in seen["published"]] == [f"{NS}/ft"]
+    assert seen["live_uids"] == {"u-ft", "u-p"}
+    seen = neighbours(ft, indexes.snapshot((NS, "ft")).peers)
+    assert seen["base"].name == "base" and seen["base"].serving_ready and seen["base"].max_rank == 32
+    assert seen["base"].ray_cluster == "base-serve-raycluster-x" and seen["published"] == ()
