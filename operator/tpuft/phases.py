@@ -43,6 +43,13 @@ Rules worth knowing (see also docs/concepts.md):
     change. Retries and slice replacements count as for any failure; a run that ends, ends
     OutOfMemory. A RayJob's message reaches status without colour codes or Ray's log tail
     (observed.job_message): the log stays in `tpuft logs`.
+  * Adapters on a shared base (docs/serving.md): training.method none goes from Pending straight to
+    Serving (no RayCluster, no RayJobs). A LoRA fine-tune with spec.publish is refused (BaseMismatch)
+    before anything is created when its base is known to be wrong; once Succeeded, its reason follows
+    the publication (tpuft.publishing judges, _publication acts): BaseNotServing, NotPromoted,
+    Publishing (a RayJob on the base's serving RayCluster), Published, Superseded, PublishFailed. A
+    base derives status.adapters from its fine-tunes' status.serving and unpublishes a deleted one's
+    adapter itself: no object writes another's status, and no finalizer is needed.
   * status.goodput (tpuft.goodput): each time phaseTransitionTime moves, the seconds since the
     previous one go to the cause they were spent on (provisioning, verification, training,
     recovery, suspended); ratio = training / total.
