@@ -579,6 +579,8 @@ class ServeArg(str, enum.Enum):
     MAX_MODEL_LEN = "max_model_len"            # optional int: prompt + completion tokens at most
     MAX_TOKENS_DEFAULT = "max_tokens_default"  # optional int: completion tokens when a request gives none
     MAX_BATCH_SIZE = "max_batch_size"          # optional int: requests generated together (1: one at a time)
+    ADAPTERS_ROOT = "adapters_root"            # optional: the folder (or gs:// URI) of published LoRA adapters
+    MAX_ADAPTERS = "max_adapters"              # optional int: adapters a replica holds at once (LRU)
 
 
 # --- spec.labels / spec.annotations keys that are not the user's ---------------------------------------
