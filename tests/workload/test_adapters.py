@@ -309,3 +309,37 @@ def test_requests_for_different_adapters_never_share_a_batch_and_each_gets_its_t
     assert [a.text for a in answers] == [_ask(engine, m) for m in models]   # as each alone
     groups = engine.process.stats()["groups"][before:]
     assert {"a", "b", None} <= set(groups)
+
+
+def test_a_republished_adapter_is_reloaded_at_its_new_version(base, exports, engine, served_root, monkeypatch):
+    """The same name published again (a new uid, other weights): the replica serves the new weights."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setattr(adapters, "MARKER_TTL_S", 0.0)   # re-read the marker on every request
+    tok = AutoTokenizer.from_pretrained(base)
+    stops = engine.process.ready.stop_ids
+    _ask(engine, f"{BASE_ID}:b")
+    adapters.publish(exports["c"], str(served_root), "b", "ns/ft-b2", "uid-b2", "fp-1", 0.4)
+    try:
+        assert _ask(engine, f"{BASE_ID}:b") == _greedy(merged(base, exports["c"]), tok, stops)
+    finally:
+        _publish(exports, served_root, "b")
+
+
+def test_a_corrupt_adapter_is_refused_naming_it_and_the_others_keep_serving(exports, engine, served_root):
+    import shutil
+
+    bad = Path(served_root.parent / "bad-export")
+    answers = {m: _ask(engine, m) for m in (f"{BASE_ID}:a", BASE_ID)}
+    shutil.copytree(exports["a"], bad)
+    (bad / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    adapters.publish(str(bad), str(served_root), "broken", "ns/ft-broken", "uid-broken", "fp-1", None)
+    try:
+        status, body = _http(engine, "POST", SERVE_CHAT_PATH, {"model": f"{BASE_ID}:broken", "messages": HELLO,
+                                                               "max_tokens": MAX_TOKENS, "temperature": 0})
+        assert status == 500 and f"adapter broken could not be loaded from {served_root / 'broken'}" in (
+            body["error"]["message"])
+        assert {m: _ask(engine, m) for m in answers} == answers
+        assert "broken" not in engine.process.stats()["adapters"]
+    finally:
+        adapters.unpublish(str(served_root), "broken", "uid-broken")

@@ -105,7 +105,7 @@ class PeftAdapters:
         if load:
             try:
                 self._load(ref.path, key)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - any load failure: this adapter is refused, the others serve
                 self.lru.forget(ref.name)
                 raise RuntimeError(f"adapter {ref.name} could not be loaded from {ref.path}: "
                                    f"{type(e).__name__}: {e}") from None
