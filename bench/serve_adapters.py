@@ -2,7 +2,7 @@
 with adapters_root, its model in tpuft_workload.engine_process): the same closed-loop traffic sent to
 the base alone, to one adapter, and to a mix of 4 adapters, in the same run.
 
-    .venv/bin/python bench/serve_adapters.py --clients 8 --requests 96 --repeats 3 --out bench/results/serve_adapters.json
+    .venv/bin/python bench/serve_adapters.py --clients 8 --requests 32 --max-tokens 16 --repeats 3 --out bench/results/serve_adapters.json
 
 The base is the builtin tiny model (hidden 64, 2 layers; --hidden/--layers for a bigger one), written
 by checkpoint.export_hf into a temporary folder; 4 adapters (rank 8 on q/k/v/o and the MLP, lora_B

@@ -186,6 +186,18 @@ def test_waiting_jobs_are_grouped_by_adapter_and_the_oldest_group_goes_first():
     assert waiting.oldest_group() is None and len(waiting) == 2   # the base (seq 3) before b's second
 
 
+def test_an_adapters_stop_ids_are_its_generation_configs_turn_end_included(tmp_path):
+    """Issue 59's rule per adapter: its folder's generation_config.json (the export puts the chat
+    template's turn end there) decides where its answers stop; without one, its tokenizer's EOS."""
+    from transformers import GenerationConfig
+
+    tok = tiny.build_tokenizer()
+    GenerationConfig(eos_token_id=[tok.eos_token_id, 7]).save_pretrained(str(tmp_path / "with"))
+    assert adapters.stop_ids(str(tmp_path / "with"), tok, frozenset({99})) == {tok.eos_token_id, 7}
+    (tmp_path / "without").mkdir()
+    assert adapters.stop_ids(str(tmp_path / "without"), tok, frozenset({99})) == {tok.eos_token_id}
+
+
 # --- the engine: numerics in process, then serve.Engine over its engine process ------------------
 
 def _prompt(tokenizer) -> list[int]:

@@ -36,6 +36,7 @@ dashboard's health routes.
 """
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations (Request)
 # at runtime, so they must be real classes, not strings.
+import asyncio
 import json
 import os
 from dataclasses import dataclass
@@ -206,11 +207,12 @@ class Engine:
         ref, tokenizer = found
         return tokenizer, ref
 
-    def submit(self, req: chat_api.GenerationRequest) -> batching.Generation:
-        """Queue one request (call it on the event loop that reads the answer); ApiError 404 for a model
-        not served here, 400 when its prompt leaves no room for a completion or the chat template
-        refuses its messages."""
-        tokenizer, adapter = self.resolve(req.model)
+    def submit(self, req: chat_api.GenerationRequest,
+               resolved: tuple[object, adapters.AdapterRef | None] | None = None) -> batching.Generation:
+        """Queue one request (call it on the event loop that reads the answer), with what `resolve`
+        gave for its model id (resolved here when None); ApiError 404 for a model not served here,
+        400 when its prompt leaves no room for a completion or the chat template refuses its messages."""
+        tokenizer, adapter = resolved or self.resolve(req.model)
         ids = chat_api.request_ids(tokenizer, req)
         budget = chat_api.completion_budget(len(ids), req.requested_tokens(self.max_tokens_default),
                                             self.max_model_len,
@@ -283,7 +285,9 @@ def make_api(engine: Engine, args: ServeArgs, api_key: str) -> FastAPI:
             return _error(chat_api.ApiError(400, f"the request body is not JSON ({e})", "invalid_json"))
         try:
             req = chat_api.parse_request(body, model)
-            generation = engine.submit(req)   # the model and the prompt are checked here, before any answer starts
+            # an adapter may be listed, downloaded or its tokenizer read first: off the event loop
+            resolved = await asyncio.to_thread(engine.resolve, req.model) if req.model != args.model_id else None
+            generation = engine.submit(req, resolved)   # the prompt is checked here, before any answer starts
             if req.stream:
                 return StreamingResponse(_events(generation, chat_api.Chunks(endpoint, req.model,
                                                                             req.include_usage)),
