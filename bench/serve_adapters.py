@@ -13,7 +13,7 @@ adapter stays loaded: the mix measures batching per adapter, not reloading) and 
 Traffic: --clients client coroutines, each sending its next request when its answer comes back,
 --requests requests in all per scenario after one warm-up round of --clients requests. A request is
 one user message (a dolly-mini instruction, in order), max_tokens --max-tokens, temperature 0, not
-streamed. Scenarios, run back to back in this order in every repeat:
+streamed. Scenarios, run back to back in every repeat (the order rotated by one each repeat):
   base     every request to the base model id
   one      every request to <base>:a1
   mix4     client i to <base>:a<1 + i mod 4> (requests for 4 adapters interleave all the time)
@@ -40,6 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BASE_ID = "tiny-base"
 ADAPTERS = ("a1", "a2", "a3", "a4")
+SCENARIOS = ("base", "one", "mix4")
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -151,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for repeat in range(a.repeats):
                 round_: dict = {}
-                for scenario in ("base", "one", "mix4"):
+                order = SCENARIOS[repeat % 3:] + SCENARIOS[:repeat % 3]   # rotated: no scenario always first
+                for scenario in order:
                     asyncio.run(drive(engine, scenario, a.clients, a.clients, a.max_tokens, prompts))   # warm-up
                     round_[scenario] = asyncio.run(drive(engine, scenario, a.clients, a.requests, a.max_tokens,
                                                          prompts[a.clients:]))
@@ -162,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     reps = results["repeats"]
     results["scenarios"] = {s: {k: statistics.median(r[s][k] for r in reps)
                                 for k in ("completionTokensPerSecond", "p50Ms", "meanBatchRows")}
-                            for s in ("base", "one", "mix4")}
+                            for s in SCENARIOS}
 
     def ratio(x: str, y: str) -> float:
         return round(statistics.median(r[x]["completionTokensPerSecond"] / r[y]["completionTokensPerSecond"]
