@@ -38,6 +38,7 @@ def _peft(base: str, seed: int):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    torch.manual_seed(seed)   # lora_A's initialisation
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=4, lora_alpha=8,
                                                                                  target_modules=TARGETS))
     gen = torch.Generator().manual_seed(seed)
@@ -142,7 +143,8 @@ def test_bad_names_and_exports_are_refused_naming_them(exports, tmp_path):
     assert done.returncode == 2 and "--source" in done.stderr
 
 
-def test_publish_and_unpublish_on_gcs(gcs, exports):
+def test_publish_and_unpublish_on_gcs(gcs, exports, tmp_path, monkeypatch):
+    monkeypatch.setenv("TPUFT_MODEL_CACHE", str(tmp_path / "cache"))   # the replica's copies of gs:// adapters
     root = gcs.path("runs", "base", "adapters")
     written = adapters.publish(exports["a"], root, "a", "ns/ft-a", "u-1", "fp-1", None)
     assert written["published"] == f"{root}/a"
