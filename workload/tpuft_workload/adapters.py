@@ -13,6 +13,7 @@ replica evicts. Both are pure of torch.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -118,7 +119,8 @@ def _delete_tree(uri: str) -> None:
     """`uri` and everything under it; nothing when it does not exist."""
     fs, path = storage.filesystem(uri)
     if not storage.is_remote(uri):
-        shutil.rmtree(path, ignore_errors=False) if os.path.isdir(path) else None
+        if os.path.isdir(path):
+            shutil.rmtree(path)
         return
     for rel in _files(uri):
         fs.delete_file(f"{path.rstrip('/')}/{rel}")
@@ -156,17 +158,15 @@ def read_publication(folder_uri: str) -> Publication | None:
     return Publication.parse(doc, uri)
 
 
+@contextlib.contextmanager
 def _failing(uri: str, doing: str):
-    """A context that turns a storage failure into PublishError naming `uri`."""
-    class _Wrap:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, kind, exc, tb):
-            if exc is None or isinstance(exc, (PublishError, ValueError)):
-                return False
-            raise PublishError(storage.failure(uri, doing, exc)) from None
-    return _Wrap()
+    """A storage failure inside becomes PublishError naming `uri`, the pod's identity and what to grant."""
+    try:
+        yield
+    except (PublishError, ValueError):
+        raise
+    except Exception as e:  # noqa: BLE001 - pyarrow raises OSError, ArrowException, PermissionError...
+        raise PublishError(storage.failure(uri, doing, e)) from None
 
 
 # ---- publish / unpublish -----------------------------------------------------------------------
