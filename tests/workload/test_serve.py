@@ -261,6 +261,7 @@ def _modelless_engine(tokenizer, max_tokens_default: int | None = None, max_mode
     """An Engine without a model: its submit returns (prompt tokens, completion budget) it would queue."""
     engine = serveapp.Engine.__new__(serveapp.Engine)
     engine.tokenizer, engine.max_model_len, engine.max_tokens_default = tokenizer, max_model_len, max_tokens_default
+    engine.model_id, engine.adapters = MODEL_ID, None
     engine.process = SimpleNamespace(submit=lambda ids, budget, *rest: (len(ids), budget))
     return engine
 

@@ -1,8 +1,10 @@
-"""`python -m tpuft_workload verify|train ...`: the entrypoints the operator's RayJobs run.
+"""`python -m tpuft_workload verify|train|publish|unpublish ...`: the entrypoints the operator's RayJobs run.
 
 The operator passes the run as one JSON document (`--spec`, tpuft.spec.workload_document), read
 here with the parser the operator uses (tpuft.spec.parse_run). By hand, each of the document's
 fields is also a flag, made from the same declarations (tpuft.spec; a flag overrides --spec).
+publish/unpublish put a LoRA export into a served base's adapters root and take it out
+(tpuft_workload.adapters); they print one JSON line saying what they did.
 Exit codes: 0 passed, 1 failed, 2 bad arguments, 3 timeout (verify).
 """
 from __future__ import annotations
@@ -114,7 +116,47 @@ def build_parser() -> argparse.ArgumentParser:
                         "False, or not within the verification's timeout: exit failed")
     for section, cls in _FLAG_SECTIONS:
         _add_declared(t, section, cls)
+    _add_adapter_commands(sub)
     return parser
+
+
+ADAPTER_COMMANDS = ("publish", "unpublish")
+
+
+def _add_adapter_commands(sub) -> None:
+    root_help = "the served base's adapters root: <its storage root for the run>/adapters (a folder or gs:// URI)"
+    name_help = "the adapter's name (a DNS-1123 label); clients ask for <base model id>:<name>"
+    p = sub.add_parser("publish", help="copy a LoRA export into a served base's adapters root, its marker written last")
+    p.add_argument("--export", required=True, help="the LoRA adapter export folder (status.training.exportedModel)")
+    p.add_argument("--adapters-root", required=True, help=root_help)
+    p.add_argument("--name", required=True, help=name_help)
+    p.add_argument("--source", required=True, help="namespace/name of the fine-tune that trained it")
+    p.add_argument("--uid", required=True, help="the fine-tune's metadata.uid (unpublish deletes only its own)")
+    p.add_argument("--eval-set", required=True, help="the eval set's fingerprint (the eval loss was measured on it)")
+    p.add_argument("--eval-loss", type=float, default=None, help="the fine-tune's eval loss (none: not evaluated)")
+    u = sub.add_parser("unpublish", help="remove an adapter from a served base's adapters root, if --uid published it")
+    u.add_argument("--adapters-root", required=True, help=root_help)
+    u.add_argument("--name", required=True, help=name_help)
+    u.add_argument("--uid", required=True, help="the fine-tune's metadata.uid: another uid's publication is left alone")
+
+
+def _adapter_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """publish or unpublish: one JSON line of what was done; 1 with the storage's failure, 2 for a bad name."""
+    from tpuft_workload import adapters
+
+    try:
+        if args.command == "publish":
+            done = adapters.publish(args.export, args.adapters_root, args.name, args.source, args.uid,
+                                    args.eval_set, args.eval_loss)
+        else:
+            done = adapters.unpublish(args.adapters_root, args.name, args.uid)
+    except ValueError as e:
+        parser.error(str(e))
+    except (adapters.PublishError, FileNotFoundError) as e:
+        print(f"error: {args.command} {args.name}: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(done, sort_keys=True), flush=True)
+    return 0
 
 
 def _document(args: argparse.Namespace) -> dict[str, Any]:
@@ -176,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     # The driver never needs torch_tpu (workers import it explicitly on the TPU path); keep
     # `import torch` on a TPU image's CPU-only head pod from auto-loading it.
     os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command in ADAPTER_COMMANDS:
+        return _adapter_command(parser, args)
     command, target = parse_args(argv)
     from tpuft_workload import driver_log
 

@@ -16,17 +16,27 @@ token, decodes it when the row streams or has stop sequences, sends the text tha
 ends the row on EOS, a stop sequence, its own token budget or its client going away. The continuous
 loop picks tokens the same way and feeds them to the same `advance`.
 
+With LoRA adapters on the base (tpuft_workload.adapters), a forward step applies one adapter to
+every row (PEFT's active adapter), so requests are batched per adapter: the running batch serves
+one adapter (or the base alone); a request for another waits in its adapter's queue. Once another
+adapter has a request waiting, the running batch admits no more rows and drains; the next batch is
+the adapter whose oldest request came first. So no adapter waits longer than one batch's drain per
+adapter ahead of it, however busy the others are.
+
 Greedy rows are deterministic: the same prompt alone gives the same tokens every time, and in a
 batch the same tokens up to float rounding in the padded attention.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 from tpuft_workload import chat_api, rolling
 
@@ -63,6 +73,57 @@ class Job:
     shown: str = ""
     finish: str | None = None
     generator: object = None                # a sampled row's torch.Generator, once it runs
+    adapter: object = None                  # tpuft_workload.adapters.AdapterRef, None: the base alone
+    seq: int = 0                            # arrival order (set by Batcher.put)
+
+    @property
+    def group(self) -> tuple[str, str] | None:
+        """What may share a forward step with it: the same adapter at the same version."""
+        return None if self.adapter is None else (self.adapter.name, self.adapter.uid)
+
+
+class Adapters(Protocol):
+    """What the batcher needs of the adapters on its model (tpuft_workload.engine_process.PeftAdapters)."""
+    model: object
+
+    def begin(self, adapter) -> None:
+        """Load (if needed) and activate `adapter` (None: the base) for the batch about to start."""
+
+    def forward_context(self, adapter) -> contextlib.AbstractContextManager:
+        """Held around each forward of that batch (the base: adapters disabled)."""
+
+
+class Waiting:
+    """Queued jobs by group, each group in arrival order (pure: only the batcher's thread uses it)."""
+
+    def __init__(self):
+        self._groups: dict[object, deque[Job]] = {}
+
+    def add(self, job: Job) -> None:
+        self._groups.setdefault(job.group, deque()).append(job)
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._groups.values())
+
+    def count(self, group) -> int:
+        return len(self._groups.get(group, ()))
+
+    def oldest_group(self):
+        """The group whose first job arrived first (its turn comes next)."""
+        return min(self._groups, key=lambda g: self._groups[g][0].seq)
+
+    def others_waiting(self, group) -> bool:
+        return any(g != group for g in self._groups)
+
+    def take(self, group, n: int) -> list[Job]:
+        """Up to `n` of the group's jobs, oldest first."""
+        q = self._groups.get(group)
+        jobs = []
+        while q and len(jobs) < n:
+            jobs.append(q.popleft())
+        if q is not None and not q:
+            del self._groups[group]
+        return jobs
 
 
 class Generation:
@@ -111,10 +172,14 @@ class Batcher:
     """Owns the model: only its worker thread calls it, on up to `max_batch_size` requests at a time."""
 
     def __init__(self, model, tokenizer, stop_ids: set[int], pad_id: int, max_batch_size: int,
-                 wait_s: float = BATCH_WAIT_S):
+                 wait_s: float = BATCH_WAIT_S, adapters: Adapters | None = None):
         self.model, self.tokenizer, self.stop_ids, self.pad_id = model, tokenizer, stop_ids, pad_id
-        self.max_batch_size, self.wait_s = max_batch_size, wait_s
+        self.max_batch_size, self.wait_s, self.adapters = max_batch_size, wait_s, adapters
         self._queue: queue.Queue[Job] = queue.Queue()
+        self._waiting = Waiting()
+        self._seq = itertools.count()
+        self._group = None   # the running batch's group
+        self.groups: list[object] = []   # each batch's group as it started, for tests and benchmarks
         self._last = 1   # the last batch's size
         self.batch_sizes: list[int] = []   # rows running after each admission, for tests and benchmarks
         self.continuous = rolling.supported(model)
@@ -130,7 +195,42 @@ class Batcher:
 
     def put(self, job: Job) -> None:
         """Queue a job whose events go where its `emit` sends them (any thread may call it)."""
+        job.seq = next(self._seq)
         self._queue.put(job)
+
+    def _collect(self, block: bool, timeout: float | None = None) -> None:
+        """Move what is queued into the per-group waiting lines (waiting for one when `block`)."""
+        if block:
+            try:
+                self._waiting.add(self._queue.get(timeout=timeout))
+            except queue.Empty:
+                return
+        while True:
+            try:
+                self._waiting.add(self._queue.get_nowait())
+            except queue.Empty:
+                return
+
+    def _start(self, jobs: list[Job]) -> list[Job]:
+        """Activate the jobs' adapter for a new batch; on failure they get the error, [] is returned."""
+        self.groups.append(jobs[0].group)
+        if self.adapters is None:
+            return jobs
+        try:
+            self.adapters.begin(jobs[0].adapter)
+        except Exception as e:  # noqa: BLE001 - this adapter's clients get why; the others keep being served
+            for j in jobs:
+                j.finish = "error"
+                j.emit(e)
+            return []
+        self.model = self.adapters.model
+        return jobs
+
+    def _forward(self, job: Job):
+        return contextlib.nullcontext() if self.adapters is None else self.adapters.forward_context(job.adapter)
+
+    def stop_ids_of(self, job: Job) -> set[int]:
+        return set(job.adapter.stop_ids) if job.adapter is not None else self.stop_ids
 
     def _work(self) -> None:
         if self.continuous:
@@ -143,25 +243,22 @@ class Batcher:
     def _take(self) -> list[Job]:
         """The next static batch: whatever is queued (at most max_batch_size), waiting up to wait_s for
         as many requests as the last batch had."""
-        jobs = [self._queue.get()]
+        self._collect(block=not len(self._waiting))
+        group = self._waiting.oldest_group()
         deadline = time.monotonic() + self.wait_s
-        while len(jobs) < self.max_batch_size:
-            try:
-                jobs.append(self._queue.get_nowait())
-                continue
-            except queue.Empty:
-                pass
+        while True:
+            self._collect(block=False)
+            queued = self._waiting.count(group)
             left = deadline - time.monotonic()
-            if len(jobs) >= self._last or left <= 0:
+            if queued >= min(self._last, self.max_batch_size) or left <= 0:
                 break
-            try:
-                jobs.append(self._queue.get(timeout=left))
-            except queue.Empty:
-                break
+            self._collect(block=True, timeout=left)
+        jobs = self._waiting.take(group, self.max_batch_size)
         live = [j for j in jobs if not j.cancelled.is_set()]
         if live:
             self._last = len(live)
             self.batch_sizes.append(len(live))
+            live = self._start(live)
         return live
 
     def _run(self, jobs: list[Job]) -> None:
@@ -173,10 +270,11 @@ class Batcher:
         ids = torch.tensor([[self.pad_id] * (width - len(j.ids)) + j.ids for j in jobs], device=device)
         mask = torch.tensor([[0] * (width - len(j.ids)) + [1] * len(j.ids) for j in jobs], device=device)
         # do_sample stays off: _Sampler picks the sampled rows' tokens, generate's argmax keeps them
+        stops = set().union(*(self.stop_ids_of(j) for j in jobs))
         config = GenerationConfig(max_new_tokens=max(j.budget for j in jobs), do_sample=False, use_cache=True,
-                                  eos_token_id=sorted(self.stop_ids), pad_token_id=self.pad_id)
+                                  eos_token_id=sorted(stops), pad_token_id=self.pad_id)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._forward(jobs[0]):
                 self.model.generate(ids, attention_mask=mask, generation_config=config,
                                     logits_processor=LogitsProcessorList([_Sampler(jobs, device)]),
                                     stopping_criteria=StoppingCriteriaList([_Rows(self, jobs)]))
@@ -205,14 +303,19 @@ class Batcher:
         while True:
             joining = self._admit(len(jobs), block=not jobs)
             try:
+                if joining and not jobs:
+                    joining = self._start(joining)
                 if joining:
-                    new_rows, logits = rolling.prefill(self.model, [j.ids for j in joining], self.pad_id)
+                    with self._forward(joining[0]):
+                        new_rows, logits = rolling.prefill(self.model, [j.ids for j in joining], self.pad_id)
                     self._feed(joining, logits)
                     rows, jobs = (new_rows, joining) if rows is None else (rolling.join(rows, new_rows), jobs + joining)
                     self.batch_sizes.append(len(jobs))
                     rows, jobs = self._drop_ended(rows, jobs)
                 if jobs:
-                    self._feed(jobs, rolling.step(self.model, rows, [j.tokens[-1] for j in jobs]))
+                    with self._forward(jobs[0]):
+                        logits = rolling.step(self.model, rows, [j.tokens[-1] for j in jobs])
+                    self._feed(jobs, logits)
                     rows, jobs = self._drop_ended(rows, jobs)
             except Exception as e:  # noqa: BLE001 - every running client gets the failure, the worker lives on
                 for j in jobs + joining:
@@ -222,13 +325,17 @@ class Batcher:
                 rows, jobs = None, []
 
     def _admit(self, running: int, block: bool) -> list[Job]:
-        """Queued requests that fit beside `running` rows (waiting for the first one when `block`)."""
-        jobs = [self._queue.get()] if block else []
-        while running + len(jobs) < self.max_batch_size:
-            try:
-                jobs.append(self._queue.get_nowait())
-            except queue.Empty:
-                break
+        """Queued requests of the running batch's group that fit beside its `running` rows (waiting
+        for the first one when `block`); none while another group waits (the batch drains for it).
+        With no rows running, the group whose oldest request came first starts the next batch."""
+        self._collect(block=block and not len(self._waiting))
+        if not len(self._waiting):
+            return []
+        if running == 0:
+            self._group = self._waiting.oldest_group()
+        elif self._waiting.others_waiting(self._group):
+            return []
+        jobs = self._waiting.take(self._group, self.max_batch_size - running)
         return [j for j in jobs if not j.cancelled.is_set()]
 
     def _feed(self, jobs: list[Job], logits) -> None:
@@ -257,7 +364,7 @@ class Batcher:
             job.finish = "cancelled"
             return
         job.tokens.append(token)
-        ended = token in self.stop_ids
+        ended = token in self.stop_ids_of(job)
         out_of_budget = len(job.tokens) >= job.budget
         hit = False
         if job.incremental:

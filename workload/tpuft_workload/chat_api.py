@@ -189,14 +189,34 @@ def check_api_key(authorization: str | None, api_key: str) -> None:
         raise ApiError(401, INCORRECT_KEY, "invalid_api_key")
 
 
+ADAPTER_SEPARATOR = ":"   # Ray Serve LLM's model id of an adapter: base_model_id:adapter_name
+
+
+def adapter_model_id(base_id: str, adapter: str) -> str:
+    return f"{base_id}{ADAPTER_SEPARATOR}{adapter}"
+
+
+def adapter_of(requested: str, base_id: str) -> str | None:
+    """The adapter name a request's model id asks for on `base_id` (None: not an adapter id of it)."""
+    prefix = adapter_model_id(base_id, "")
+    return requested[len(prefix):] if requested.startswith(prefix) else None
+
+
+def model_not_found(requested: str, served: list[str]) -> ApiError:
+    listed = ", ".join(f"'{m}'" for m in served)
+    return ApiError(404, f"the model '{requested}' does not exist here; this server serves {listed} "
+                         "(GET /v1/models lists them)", "model_not_found", "model")
+
+
 def check_model(requested: str, served: str) -> None:
     if requested != served:
-        raise ApiError(404, f"the model '{requested}' does not exist here; this server serves '{served}' "
-                            "(GET /v1/models lists it)", "model_not_found", "model")
+        raise model_not_found(requested, [served])
 
 
-def models_list(model_id: str) -> dict:
-    return {"object": "list", "data": [{"id": model_id, "object": "model", "owned_by": OWNED_BY}]}
+def models_list(model_id: str, adapters: list[str] = ()) -> dict:
+    """/v1/models: the base, then `<base>:<adapter>` for each adapter served on it."""
+    ids = [model_id, *(adapter_model_id(model_id, a) for a in adapters)]
+    return {"object": "list", "data": [{"id": i, "object": "model", "owned_by": OWNED_BY} for i in ids]}
 
 
 def fallback_prompt(messages: list[Message]) -> str:

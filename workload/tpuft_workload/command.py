@@ -8,7 +8,7 @@ from tpuft.spec import Run
 
 @dataclass(frozen=True)
 class Command:
-    name: str                       # verify or train
+    name: str                       # verify or train (publish and unpublish need no run: __main__)
     run: Run
     run_name: str = ""              # the run's directory under checkpoint.storagePath (verify: checked only)
     log_file: str | None = None

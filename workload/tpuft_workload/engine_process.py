@@ -8,14 +8,19 @@ concurrent clients on the 2-core dev machine the replica's process ran at 94% of
 Serve's own work per request (receiving it, asking the proxy for its body, sending the answer back),
 and every request waited behind the others' share (docs/performance.md). Apart, each side has a core.
 
-Messages. Parent to child: (SUBMIT, id, ids, budget, sampling, stops, incremental), (CANCEL, id),
+With --max-adapters N the model is a base that LoRA adapters are applied to per request
+(PeftAdapters: loaded on first use, at most N, least recently used out); the parent resolves each
+adapter to a local folder (tpuft_workload.adapters.Registry) and sends its AdapterRef with the request.
+
+Messages. Parent to child: (SUBMIT, id, ids, budget, sampling, stops, incremental, adapter), (CANCEL, id),
 (STATS, id). Child to parent: (None, Ready) or (None, EngineError) once the model is loaded, then
-(id, event): a str delta, a batching.Finished, an EngineError, or (STATS) the batch sizes so far.
+(id, event): a str delta, a batching.Finished, an EngineError, or (STATS) a dict of the batches so far.
 The child exits when the parent's end of its pipe closes, so it never outlives the replica.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
 import subprocess
@@ -24,7 +29,7 @@ import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from tpuft_workload import batching
+from tpuft_workload import adapters as adapterslib, batching
 
 SUBMIT, CANCEL, STATS = "submit", "cancel", "stats"
 # The child's decoding thread shares its GIL with the thread that reads the pipe: at Python's default
@@ -78,6 +83,63 @@ def load_causal_lm(path: str, dtype):
     return model
 
 
+class PeftAdapters:
+    """LoRA adapters on one base, by PEFT name (one per adapter version): loaded on first use, at most
+    `capacity` held (adapters.Lru; a new one is loaded before the one it evicts is deleted, so PEFT
+    never holds zero), one active per forward; the base alone runs with adapters disabled."""
+
+    def __init__(self, model, capacity: int):
+        self.model, self.lru = model, adapterslib.Lru(capacity)
+        self._keys: dict[str, str] = {}   # adapter name -> its PEFT adapter name
+        self._active: str | None = None
+
+    @staticmethod
+    def _key(ref: adapterslib.AdapterRef) -> str:
+        return f"{ref.name}__{ref.uid}".replace(".", "_")   # PEFT names are module keys: no '.'
+
+    def begin(self, ref: adapterslib.AdapterRef | None) -> None:
+        if ref is None:
+            return
+        key = self._key(ref)
+        load, out = self.lru.use(ref.name, ref.uid)
+        if load:
+            try:
+                self._load(ref.path, key)
+            except Exception as e:  # noqa: BLE001 - any load failure: this adapter is refused, the others serve
+                self.lru.forget(ref.name)
+                raise RuntimeError(f"adapter {ref.name} could not be loaded from {ref.path}: "
+                                   f"{type(e).__name__}: {e}") from None
+        for name in out:
+            old = self._keys.pop(name, None)
+            if old is not None and old != key:
+                self.model.delete_adapter(old)
+                self._active = None if self._active == old else self._active
+        self._keys[ref.name] = key
+        if self._active != key:
+            self.model.set_adapter(key)
+            self._active = key
+
+    def _load(self, path: str, key: str) -> None:
+        from peft import PeftModel
+
+        if isinstance(self.model, PeftModel):
+            self.model.load_adapter(path, adapter_name=key)
+        else:   # the first adapter wraps the base in place (its layers get LoRA branches)
+            self.model = PeftModel.from_pretrained(self.model, path, adapter_name=key)
+        self.model.eval()
+        self._active = None
+
+    def forward_context(self, ref: adapterslib.AdapterRef | None):
+        if ref is None and self._keys:
+            return self.model.disable_adapter()
+        return contextlib.nullcontext()
+
+    @property
+    def loaded(self) -> list[str]:
+        """Adapter names held, least recently used first."""
+        return self.lru.names
+
+
 def load(path: str) -> Loaded:
     """Tokenizer and model from a local export, in eval mode: CPU fp32 without a GPU, bf16 on CUDA."""
     import torch
@@ -98,13 +160,14 @@ class EngineProcess:
     """The parent's side: starts the child, waits until its model is loaded (RuntimeError naming the
     child's failure otherwise), then submits requests to it from any event loop."""
 
-    def __init__(self, path: str, max_batch_size: int):
+    def __init__(self, path: str, max_batch_size: int, max_adapters: int = 0):
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "tpuft_workload.engine_process", "--path", path,
-             "--max-batch-size", str(max_batch_size), "--requests-fd", str(to_child_r),
+             "--max-batch-size", str(max_batch_size), "--max-adapters", str(max_adapters),
+             "--requests-fd", str(to_child_r),
              "--events-fd", str(from_child_w)],
             pass_fds=(to_child_r, from_child_w), env=env)
         os.close(to_child_r)     # the child's ends: closed here, so either side reads EOF when the other goes
@@ -141,17 +204,25 @@ class EngineProcess:
         return self.ready.continuous
 
     def submit(self, ids: list[int], budget: int, sampling: batching.Sampling, stops: tuple[str, ...],
-               stream: bool) -> batching.Generation:
-        """Queue one request in the child; call from the event loop its client awaits on."""
+               stream: bool, adapter: adapterslib.AdapterRef | None = None) -> batching.Generation:
+        """Queue one request in the child (with `adapter` on the base, None: the base alone); call
+        from the event loop its client awaits on."""
         emit, events = batching.event_queue()
         rid = next(self._ids)
         with self._lock:
             self._pending[rid] = emit
-        self._send((SUBMIT, rid, ids, budget, sampling, stops, stream or bool(stops)))
+        self._send((SUBMIT, rid, ids, budget, sampling, stops, stream or bool(stops), adapter))
         return batching.Generation(lambda: self._cancel(rid), events, len(ids))
 
     def batch_sizes(self) -> list[int]:
         """The child batcher's batch_sizes so far (for tests and benchmarks)."""
+        return self._stats()["batch_sizes"]
+
+    def stats(self) -> dict:
+        """The child's batch_sizes, each batch's adapter name (None: the base) and the adapters it holds."""
+        return self._stats()
+
+    def _stats(self) -> dict:
         done, got = threading.Event(), []
         rid = next(self._ids)
         with self._lock:
@@ -196,7 +267,7 @@ class EngineProcess:
                 rid, event = self._events.recv()
             except (EOFError, OSError):
                 break
-            done = isinstance(event, (batching.Finished, EngineError, list))
+            done = isinstance(event, (batching.Finished, EngineError, dict))
             with self._lock:
                 emit = self._pending.pop(rid, None) if done else self._pending.get(rid)
             if emit is not None:
@@ -208,7 +279,8 @@ class EngineProcess:
             emit(RuntimeError(self.failure))
 
 
-def serve_child(path: str, max_batch_size: int, requests: Connection, events: Connection) -> int:
+def serve_child(path: str, max_batch_size: int, requests: Connection, events: Connection,
+                max_adapters: int = 0) -> int:
     """The child's side: load the model, then feed the parent's requests to one Batcher until the
     parent's pipe closes."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
@@ -219,7 +291,9 @@ def serve_child(path: str, max_batch_size: int, requests: Connection, events: Co
             events.send((rid, event))
     try:
         loaded = load(path)
-        batcher = batching.Batcher(loaded.model, loaded.tokenizer, loaded.stop_ids, loaded.pad_id, max_batch_size)
+        peft = PeftAdapters(loaded.model, max_adapters) if max_adapters else None
+        batcher = batching.Batcher(loaded.model, loaded.tokenizer, loaded.stop_ids, loaded.pad_id, max_batch_size,
+                                   adapters=peft)
     except Exception as e:  # noqa: BLE001 - the parent raises it, naming the export
         send(None, EngineError(f"{type(e).__name__}: {e}"))
         return 1
@@ -231,13 +305,16 @@ def serve_child(path: str, max_batch_size: int, requests: Connection, events: Co
         except EOFError:   # the replica closed its end or died
             return 0
         if kind == SUBMIT:
-            ids, budget, sampling, stops, incremental = rest
-            jobs[rid] = batching.Job(ids, budget, sampling, stops, incremental, _emitter(rid, jobs, send))
+            ids, budget, sampling, stops, incremental, adapter = rest
+            jobs[rid] = batching.Job(ids, budget, sampling, stops, incremental, _emitter(rid, jobs, send),
+                                     adapter=adapter)
             batcher.put(jobs[rid])
         elif kind == CANCEL and rid in jobs:
             jobs.pop(rid).cancelled.set()
         elif kind == STATS:
-            send(rid, list(batcher.batch_sizes))
+            send(rid, {"batch_sizes": list(batcher.batch_sizes),
+                       "groups": [g[0] if g else None for g in batcher.groups],
+                       "adapters": peft.loaded if peft else []})
 
 
 def _emitter(rid: int, jobs: dict, send):
@@ -254,11 +331,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="the transformers engine's model process (started by the Serve replica)")
     ap.add_argument("--path", required=True)
     ap.add_argument("--max-batch-size", type=int, required=True)
+    ap.add_argument("--max-adapters", type=int, default=0,
+                    help="LoRA adapters held on the base at once (0: no adapters; the model as it is)")
     ap.add_argument("--requests-fd", type=int, required=True)
     ap.add_argument("--events-fd", type=int, required=True)
     a = ap.parse_args(argv)
     return serve_child(a.path, a.max_batch_size, Connection(a.requests_fd, writable=False),
-                       Connection(a.events_fd, readable=False))
+                       Connection(a.events_fd, readable=False), a.max_adapters)
 
 
 if __name__ == "__main__":

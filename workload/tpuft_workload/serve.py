@@ -10,6 +10,14 @@ The RayService's serveConfigV2 names it by import path and passes `args` (tpuft.
       route_prefix: /                             # SERVE_ROUTE_PREFIX
       args: {model_source: /path/to/export, model_id: my-model, max_model_len: 2048, max_batch_size: 16}
 
+With adapters_root (a folder or gs:// URI of published LoRA adapters, tpuft_workload.adapters) the
+model is a base that serves adapters side by side: /v1/models lists `model_id` and
+`model_id:<adapter>` for every published adapter (the root is listed again on each /v1/models call
+and whenever an unknown adapter is asked for, so a newly published one answers at once), and a
+request whose model is `model_id:<adapter>` is generated with that adapter (loaded on first use, at
+most max_adapters per replica, default MAX_ADAPTERS_DEFAULT; the least recently used goes), rendered
+with the adapter folder's tokenizer and stopped at its generation config's stop ids.
+
 Optional max_tokens_default caps the completion of a request that gives neither max_tokens nor
 max_completion_tokens; without it such a request gets the rest of max_model_len, as OpenAI and vLLM do.
 
@@ -28,6 +36,7 @@ dashboard's health routes.
 """
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations (Request)
 # at runtime, so they must be real classes, not strings.
+import asyncio
 import json
 import os
 from dataclasses import dataclass
@@ -39,7 +48,7 @@ from ray import serve
 
 from tpuft.constants import (SERVE_API_KEY_ENV, SERVE_CHAT_PATH, SERVE_COMPLETIONS_PATH, SERVE_DEPLOYMENT_NAME,
                              SERVE_MODELS_PATH, SERVE_ROUTE_PREFIX, SERVE_TRANSFORMERS_IMPORT_PATH, ServeArg)
-from tpuft_workload import batching, chat_api, engine_process, lora
+from tpuft_workload import adapters, batching, chat_api, engine_process, lora
 
 DEPLOYMENT_NAME = SERVE_DEPLOYMENT_NAME
 ROUTE_PREFIX = SERVE_ROUTE_PREFIX
@@ -48,6 +57,8 @@ MAX_BATCH_SIZE_DEFAULT = 16   # bench/serve_latency.py measures it beside max_ba
 # Requests a replica accepts at once (Ray Serve's default is 5): above max_batch_size, so the next
 # batch is already queued in the replica when one ends.
 MAX_ONGOING_REQUESTS = 64
+MAX_ADAPTERS_DEFAULT = 8      # spec.serve.adapters.maxPerReplica's default
+MAX_ADAPTERS_LIMIT = 64
 KEYED_PREFIX = "/v1/"   # the OpenAI routes, behind the API key when one is set
 EXPORT_HINT = ("it must be the Hugging Face export a TPUFinetune's training wrote (status.training.exportedModel): "
                "check that training succeeded and exported there")
@@ -64,6 +75,8 @@ class ServeArgs:
     max_model_len: int | None   # None: the model config's max_position_embeddings
     max_tokens_default: int | None = None   # None: a request without max_tokens gets the rest of the context
     max_batch_size: int = MAX_BATCH_SIZE_DEFAULT
+    adapters_root: str | None = None   # None: the model alone, no adapters
+    max_adapters: int = MAX_ADAPTERS_DEFAULT
 
 
 def _positive_int(args: dict, key: ServeArg, default: int | None, most: int | None = None) -> int | None:
@@ -122,11 +135,21 @@ def parse_args(args: dict) -> ServeArgs:
         if not isinstance(value, str) or not value.strip():
             raise ServeArgsError(f"serve arg {key.value} is required (a non-empty string), got {value!r}")
     _check_export(args[ServeArg.MODEL_SOURCE.value])
+    root = args.get(ServeArg.ADAPTERS_ROOT.value)
+    if root is not None and (not isinstance(root, str) or not root.strip()):
+        raise ServeArgsError(f"serve arg {ServeArg.ADAPTERS_ROOT.value} must be a folder or gs:// URI, got {root!r}")
+    if root and lora.is_adapter_folder(args[ServeArg.MODEL_SOURCE.value]):
+        raise ServeArgsError(f"serve arg {ServeArg.ADAPTERS_ROOT.value}: adapters are served on a full model, but "
+                             f"{ServeArg.MODEL_SOURCE.value} {args[ServeArg.MODEL_SOURCE.value]} is a LoRA adapter "
+                             "folder; serve its base (spec.training.method none or full) instead")
     return ServeArgs(model_source=args[ServeArg.MODEL_SOURCE.value], model_id=args[ServeArg.MODEL_ID.value],
                      max_model_len=_positive_int(args, ServeArg.MAX_MODEL_LEN, None),
                      max_tokens_default=_positive_int(args, ServeArg.MAX_TOKENS_DEFAULT, None),
                      max_batch_size=_positive_int(args, ServeArg.MAX_BATCH_SIZE, MAX_BATCH_SIZE_DEFAULT,
-                                                  most=MAX_ONGOING_REQUESTS))
+                                                  most=MAX_ONGOING_REQUESTS),
+                     adapters_root=root or None,
+                     max_adapters=_positive_int(args, ServeArg.MAX_ADAPTERS, MAX_ADAPTERS_DEFAULT,
+                                                most=MAX_ADAPTERS_LIMIT))
 
 
 def model_len(requested: int | None, config) -> int:
@@ -144,8 +167,9 @@ def model_len(requested: int | None, config) -> int:
 
 
 class Engine:
-    """The tokenizer here, the model (a LoRA export: its base with the adapters merged) in its own
-    process (tpuft_workload.engine_process), which generates requests in batches."""
+    """The tokenizer here, the model (a LoRA export: its base with the adapters merged; with
+    adapters_root: the base, adapters applied per request) in its own process
+    (tpuft_workload.engine_process), which generates requests in batches."""
 
     def __init__(self, args: ServeArgs):
         from transformers import AutoTokenizer
@@ -154,20 +178,47 @@ class Engine:
 
         path = _local_copy(args.model_source)   # gs://... -> a local copy, once per host
         _check_export(path)                     # the replica's host may not be the one build_app ran on
+        self.model_id = args.model_id
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.process = engine_process.EngineProcess(path, args.max_batch_size)
+        self.process = engine_process.EngineProcess(path, args.max_batch_size,
+                                                    args.max_adapters if args.adapters_root else 0)
         self.max_model_len = model_len(args.max_model_len, self.process.ready.config)
         self.max_tokens_default = args.max_tokens_default
+        self.adapters = (adapters.Registry(args.adapters_root, self.tokenizer, self.process.ready.stop_ids)
+                         if args.adapters_root else None)
 
-    def submit(self, req: chat_api.GenerationRequest) -> batching.Generation:
-        """Queue one request (call it on the event loop that reads the answer); ApiError 400 when its
-        prompt leaves no room for a completion or the chat template refuses its messages."""
-        ids = chat_api.request_ids(self.tokenizer, req)
+    def adapter_names(self) -> list[str]:
+        """The published adapters (the adapters root listed now); [] without adapters."""
+        return self.adapters.refresh() if self.adapters else []
+
+    def model_ids(self) -> list[str]:
+        """The base's id, then each published adapter's."""
+        return [self.model_id, *(chat_api.adapter_model_id(self.model_id, n) for n in self.adapter_names())]
+
+    def resolve(self, requested: str) -> tuple[object, adapters.AdapterRef | None]:
+        """(the tokenizer, the adapter or None for the base) a request's model id asks for; ApiError 404
+        model_not_found when this server does not serve it."""
+        if requested == self.model_id:
+            return self.tokenizer, None
+        name = chat_api.adapter_of(requested, self.model_id) if self.adapters else None
+        found = self.adapters.resolve(name) if name else None
+        if found is None:
+            raise chat_api.model_not_found(requested, self.model_ids())
+        ref, tokenizer = found
+        return tokenizer, ref
+
+    def submit(self, req: chat_api.GenerationRequest,
+               resolved: tuple[object, adapters.AdapterRef | None] | None = None) -> batching.Generation:
+        """Queue one request (call it on the event loop that reads the answer), with what `resolve`
+        gave for its model id (resolved here when None); ApiError 404 for a model not served here,
+        400 when its prompt leaves no room for a completion or the chat template refuses its messages."""
+        tokenizer, adapter = resolved or self.resolve(req.model)
+        ids = chat_api.request_ids(tokenizer, req)
         budget = chat_api.completion_budget(len(ids), req.requested_tokens(self.max_tokens_default),
                                             self.max_model_len,
                                             "messages" if isinstance(req, chat_api.ChatRequest) else "prompt")
         return self.process.submit(ids, budget, batching.Sampling(req.temperature, req.top_p, req.seed), req.stop,
-                                   req.stream)
+                                   req.stream, adapter)
 
     async def answer(self, req: chat_api.GenerationRequest) -> chat_api.Answer:
         """The whole answer to one request."""
@@ -220,7 +271,7 @@ def make_api(engine: Engine, args: ServeArgs, api_key: str) -> FastAPI:
 
     @api.get(SERVE_MODELS_PATH)
     def models() -> dict:
-        return chat_api.models_list(args.model_id)
+        return chat_api.models_list(args.model_id, engine.adapter_names())
 
     @api.get("/healthz")
     def healthz() -> dict:
@@ -234,10 +285,11 @@ def make_api(engine: Engine, args: ServeArgs, api_key: str) -> FastAPI:
             return _error(chat_api.ApiError(400, f"the request body is not JSON ({e})", "invalid_json"))
         try:
             req = chat_api.parse_request(body, model)
-            chat_api.check_model(req.model, args.model_id)
-            generation = engine.submit(req)   # the prompt is checked here, before any answer starts
+            # an adapter may be listed, downloaded or its tokenizer read first: off the event loop
+            resolved = await asyncio.to_thread(engine.resolve, req.model) if req.model != args.model_id else None
+            generation = engine.submit(req, resolved)   # the prompt is checked here, before any answer starts
             if req.stream:
-                return StreamingResponse(_events(generation, chat_api.Chunks(endpoint, args.model_id,
+                return StreamingResponse(_events(generation, chat_api.Chunks(endpoint, req.model,
                                                                             req.include_usage)),
                                          media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             answer = await generation.answer()
@@ -245,7 +297,7 @@ def make_api(engine: Engine, args: ServeArgs, api_key: str) -> FastAPI:
             return _error(e)
         except Exception as e:  # noqa: BLE001 - the engine failed: OpenAI's 500 body, not a bare one
             return _error(chat_api.ApiError(500, f"generation failed: {e}", None))
-        return JSONResponse(chat_api.response(endpoint, args.model_id, answer))
+        return JSONResponse(chat_api.response(endpoint, req.model, answer))
 
     @api.post(SERVE_CHAT_PATH)
     async def chat_completions(request: Request):
