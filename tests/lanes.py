@@ -106,7 +106,8 @@ WORKLOAD_WITHOUT_RAY = ("tests/workload/test_jax_model.py", "tests/workload/test
                         "tests/workload/test_lora.py", "tests/workload/test_engine_process.py",
                         "tests/workload/test_render.py", "tests/workload/test_learning.py",
                         "tests/workload/test_sharded_load.py", "tests/workload/test_elastic.py",
-                        "tests/workload/test_checkpoint_request.py", "tests/workload/test_object_store.py")
+                        "tests/workload/test_checkpoint_request.py", "tests/workload/test_object_store.py",
+                        "tests/workload/test_adapters.py")
 LANES: dict[str, list[Tier]] = {
     "cluster": [LEFTOVERS, _pytest("real node", *REAL_NODE, *REAL_NODE_FILES, exclusive=CPU_HEAVY)],
     "simulated": [_pytest("cluster (simulated)", "-m", "cluster and not real_node", "tests/cluster", *WITHOUT_DOWN,

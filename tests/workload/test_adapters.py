@@ -16,6 +16,7 @@ import pytest
 from tpuft.constants import SERVE_CHAT_PATH, SERVE_MODELS_PATH
 from tpuft_workload import adapters, batching, chat_api, checkpoint, engine_process, serve as serveapp, tiny
 
+REPO = Path(__file__).resolve().parents[2]
 BASE_ID = "tiny-base"
 HELLO = [{"role": "user", "content": "What is a dog?"}]
 MAX_TOKENS = 8
@@ -132,6 +133,39 @@ def test_unpublish_by_another_uid_deletes_nothing_and_says_whose_it_is(exports, 
     assert (root / "a" / adapters.PUBLICATION).is_file()
     assert adapters.unpublish(str(root), "a", "u-1")["unpublished"] is True
     assert not (root / "a").exists() and adapters.list_published(str(root)) == {}
+
+
+def test_the_rayjobs_the_operator_renders_publish_then_unpublish_through_these_commands(exports, tmp_path):
+    """The operator's publish and unpublish RayJobs (builders, from examples/adapters-on-a-base.yaml)
+    run exactly these commands: their entrypoints, run here, publish the fine-tune's export under the
+    base's adapters root with its eval figures, then remove it by the fine-tune's uid."""
+    import shlex
+
+    import yaml
+
+    from tpuft import builders
+    from tpuft.spec import parse
+
+    docs = {d["metadata"]["name"]: d for d in yaml.safe_load_all((REPO / "examples/adapters-on-a-base.yaml").read_text())}
+    for doc in docs.values():
+        doc["metadata"].update(namespace="team-a", uid=f"uid-{doc['metadata']['name']}")
+        doc["spec"]["checkpoint"]["storagePath"] = str(tmp_path / "ck")
+    base, fine_tune = parse(docs["tiny-chat"]), parse(docs["facts-lora"])
+    root = builders.adapters_root(base)
+    job = builders.build_publish_job(fine_tune, base.meta.name, "tiny-chat-serve-raycluster-x", root, exports["a"],
+                                     0.75, fine_tune.spec.eval_set)
+    assert job["spec"]["clusterSelector"] == {"ray.io/cluster": "tiny-chat-serve-raycluster-x"}
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert argv[:3] == ["python", "-m", "tpuft_workload"]
+    done = _cli(*argv[3:])
+    assert done.returncode == 0, done.stderr
+    marker = json.loads((Path(root) / "facts" / adapters.PUBLICATION).read_text())
+    assert (marker["source"], marker["uid"], marker["evalLoss"]) == ("team-a/facts-lora", "uid-facts-lora", 0.75)
+    assert marker["evalSet"] == fine_tune.spec.eval_set
+    unpublish = builders.build_unpublish_job(base, "tiny-chat-serve-raycluster-x", "facts", "uid-facts-lora")
+    done = _cli(*shlex.split(unpublish["spec"]["entrypoint"])[3:])
+    assert done.returncode == 0 and json.loads(done.stdout.strip().splitlines()[-1])["unpublished"] is True
+    assert adapters.list_published(root) == {}
 
 
 def test_bad_names_and_exports_are_refused_naming_them(exports, tmp_path):
