@@ -6,7 +6,8 @@ Two gloo ranks (torch.multiprocessing, spawned), a small Llama saved as several 
 sharded load equals the one gathered after from_pretrained; the buffers (rotary tables) are equal;
 each rank read about half of the bytes; a LoRA-wrapped base fills the same and its adapters get
 PEFT's initialisation (B zero); with bf16 compute, the frozen base is stored in bf16 and the
-adapters in fp32."""
+adapters in fp32; with activation checkpointing (each layer wrapped before sharding) it fills the
+same."""
 from __future__ import annotations
 
 import dataclasses
@@ -66,7 +67,7 @@ def _rank(rank: int, rendezvous: str, folders: dict, out: str) -> None:
             empty = get_peft_model(empty, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
         # LoRA as on an accelerator (bf16 compute): the frozen base is stored in bf16
         platform = MIXED_CPU if lora else CPU
-        modellib.shard(empty, mesh, platform, torch.device("cpu"))
+        modellib.shard(empty, mesh, platform, torch.device("cpu"), activation_checkpointing=case.endswith("recompute"))
         stats = sharded_load.fill(empty, folder)
         result[case] = {"full": _gathered(full), "sharded": _gathered(empty), "bytes": stats["bytes"],
                         "tied": full.lm_head.weight is full.model.embed_tokens.weight,
@@ -97,7 +98,7 @@ def loaded(tmp_path_factory) -> dict:
         folder = root / ("tied" if tied else "untied")
         _save(folder, tied)
         folders["tied" if tied else "untied"] = str(folder)
-    folders["untied-lora"] = folders["untied"]
+    folders["untied-lora"] = folders["untied-recompute"] = folders["untied"]
     out = str(root / "result.pt")
     rendezvous = file_rendezvous(root)
     mp.start_processes(_rank, args=(rendezvous, folders, out), nprocs=WORLD, start_method="spawn")
@@ -124,6 +125,15 @@ def test_each_rank_reads_about_its_half(loaded, case):
     file_bytes = loaded["bytes"][case]
     assert sum(per_rank) <= file_bytes   # no tensor read twice (a tied one once), nothing read whole by both
     assert max(per_rank) <= 0.6 * file_bytes, per_rank
+
+
+def test_a_base_whose_layers_are_recomputed_fills_the_same(loaded):
+    got = loaded["untied-recompute"]["sharded"]
+    assert any(sharded_load.CHECKPOINT_WRAPPED in name for name in got)   # the wrapper is in the names
+    unwrapped = {name.replace(sharded_load.CHECKPOINT_WRAPPED, "."): tensor for name, tensor in got.items()}
+    assert unwrapped.keys() == loaded["untied"]["full"].keys()
+    for name, tensor in loaded["untied"]["full"].items():
+        assert torch.equal(tensor, unwrapped[name]), name
 
 
 def test_a_lora_base_fills_the_same_and_its_adapters_start_at_peft_s_init(loaded):

@@ -139,10 +139,15 @@ def _is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name or ".lora_embedding_" in name
 
 
+# torch's activation checkpointing wrapper (model.checkpoint_layers) holds the layer under this name
+CHECKPOINT_WRAPPED = "._checkpoint_wrapped_module."
+
+
 def _checkpoint_name(name: str) -> str:
-    """A parameter's name in a Hugging Face checkpoint: PEFT's wrapping (base_model.model., base_layer.) taken off."""
+    """A parameter's name in a Hugging Face checkpoint: PEFT's wrapping (base_model.model., base_layer.)
+    and activation checkpointing's (a layer's _checkpoint_wrapped_module.) taken off."""
     name = name.removeprefix("base_model.model.")
-    return name.replace(".base_layer.", ".")
+    return name.replace(".base_layer.", ".").replace(CHECKPOINT_WRAPPED, ".")
 
 
 def _reset_adapters(model, seed: int) -> None:
