@@ -9,7 +9,11 @@ Per worker: peak RSS (VmHWM) once loaded and, for --step-workers, after the firs
 step (AdamW, one sequence of 32 tokens: on CPU the shard's gradients and moments are host memory
 too, 12 bytes a parameter, where a TPU holds them in HBM), the seconds to each, and the bytes of
 tensor data read; where the process may make cgroup v1 memory groups (root), each rank runs in its own
-and its usage, the kubelet's working set and Ray's "used" are sampled per phase (PodMemory).
+and its usage, the kubelet's working set and Ray's "used" are sampled per phase (PodMemory), the
+first forward is traced layer by layer, and tpuft.model_sizes' prediction of the step's peak is
+printed beside the measured one. `--limit-mib 4096` limits each rank's cgroup as a 4Gi pod's is;
+`--activation-checkpointing` and `--steps` as spec.training's; the workers give freed tensors
+back to the kernel as train.py's do (sharded_load.unmap_freed_tensors; not with --glibc-default).
 
     .venv/bin/python bench/sharded_load.py [--workers 2,4] [--step-workers 2] [--hidden 2048 --layers 22]
 
@@ -350,8 +354,10 @@ def predicted(hidden: int, layers: int, world: int, method: str, tokens: int, re
 
 def forward_steps(workers: list[dict]) -> dict | None:
     """The worst rank's first forward in MiB of Ray's used: the median rise per decoder layer (the
-    activations it keeps), the output layer's rise (the logits) and the loss's (from the logits to
-    the forward's end); None without cgroups."""
+    activations it keeps), all layers' rise over the loaded rank (with the first layer's gathering
+    of the root unit), the rise across the output layer (`logits`: the logits, less the output
+    layer's gathered weight where model.embedding_units made it a unit freed at its forward's end)
+    and the loss's (from the output layer to the forward's end); None without cgroups."""
     if not all(w["layers"] and w["layers"]["after_layer"] for w in workers):
         return None
 

@@ -190,8 +190,8 @@ def unmap_freed_tensors() -> bool:
     """Have glibc's malloc give every allocation of MMAP_THRESHOLD_BYTES or more its own mapping,
     returned to the kernel when freed. By default glibc raises that threshold (up to 32 MiB) after
     the first such free, and FSDP2's gathered weights (a layer's, freed after its forward) then come
-    from the heap, where freed chunks stay charged to the pod: measured, 35 to 40 MiB more a layer
-    of a 0.15B Llama's first forward, with or without activation checkpointing
+    from the heap, where freed chunks stay charged to the pod: measured, up to 41 MiB more a
+    layer of a 0.15B Llama's first forward, with or without activation checkpointing
     (bench/sharded_load.py). A fixed threshold also turns glibc's adjustment off. Call it before the
     model is built; True where it took effect (glibc only)."""
     import ctypes
