@@ -419,8 +419,18 @@ def main(argv: list[str] | None = None) -> int:
     stepping = {int(w) for w in args.step_workers.split(",") if w}
     for world in (int(w) for w in args.workers.split(",")):
         for path in args.paths.split(","):
-            workers = run(folder, world, path, world in stepping, args.method, args.batch, args.seq, env,
-                          args.activation_checkpointing, args.steps, args.limit_mib, args.glibc_default)
+            try:
+                workers = run(folder, world, path, world in stepping, args.method, args.batch, args.seq, env,
+                              args.activation_checkpointing, args.steps, args.limit_mib, args.glibc_default)
+            except RuntimeError as failed:   # e.g. a rank killed at --limit-mib: recorded, with the prediction
+                rows.append({"workers": world, "path": path, "method": args.method, "batch": args.batch,
+                             "seq": args.seq, "activation_checkpointing": args.activation_checkpointing,
+                             "limit_mib": args.limit_mib, "failed": str(failed),
+                             "predicted_mib": predicted(args.hidden, args.layers, world, args.method,
+                                                        args.batch * args.seq, args.activation_checkpointing, None)})
+                print(f"{world} workers {path}: {failed}; predicted (MiB, beside the loaded rank): "
+                      f"{rows[-1]['predicted_mib']}", flush=True)
+                continue
 
             def gib(key: str, pick=statistics.median) -> float:
                 return round(pick(w[key] for w in workers) / 2**30, 2)
