@@ -145,3 +145,24 @@ def test_validate_counts_the_spec_s_tokens_and_activation_checkpointing():
     recomputed = [w for w in cli_core.fit_warnings(spec.parse(small_object("one", "default", **doc)))
                   if "in training" in w]
     assert all("activationCheckpointing" not in w for w in recomputed)
+
+
+@pytest.mark.parametrize("results, hidden, layers", [
+    ("sharded_load_0.15b_lora_step.json", 1024, 8), ("sharded_load_0.15b_lora_step_ac.json", 1024, 8),
+    ("sharded_load_1b_lora_4gi.json", 2048, 22)])
+def test_the_step_prediction_is_the_bench_s_and_covers_what_it_measured(results, hidden, layers):
+    """bench/sharded_load.py's runs (2 CPU ranks, each in its own cgroup): the StepMemory terms it
+    recorded are what step_memory gives now, and the predicted peak of Ray's used is at most 15%
+    above the measured one, never below it."""
+    (row,) = json.loads((REPO / "bench" / "results" / results).read_text())["rows"]
+    shape = model_sizes.ModelShape("bench", 32000, hidden, int(hidden * 2.75), layers, hidden // 64,
+                                   max(1, hidden // 512), 64, False)
+    step = model_sizes.step_memory(shape, Run(method=LORA, rank=8, tokens=row["batch"] * row["seq"],
+                                              activation_checkpointing=row["activation_checkpointing"]))
+    predicted = row["predicted_mib"]
+    assert [predicted[k] for k in ("output", "layer", "kept", "logits")] == [
+        round(getattr(step, k) / 2**20) for k in ("output", "layer", "kept", "logits")]
+    measured = max(row["pod_mib"][phase]["ray_used"] for phase in ("forward", "backward", "step"))
+    assert measured <= predicted["peak"] <= 1.15 * measured
+    if row["limit_mib"]:
+        assert measured < 0.95 * row["limit_mib"]   # below Ray's memory monitor's threshold
