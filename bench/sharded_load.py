@@ -9,7 +9,11 @@ Per worker: peak RSS (VmHWM) once loaded and, for --step-workers, after the firs
 step (AdamW, one sequence of 32 tokens: on CPU the shard's gradients and moments are host memory
 too, 12 bytes a parameter, where a TPU holds them in HBM), the seconds to each, and the bytes of
 tensor data read; where the process may make cgroup v1 memory groups (root), each rank runs in its own
-and its usage, the kubelet's working set and Ray's "used" are sampled per phase (PodMemory).
+and its usage, the kubelet's working set and Ray's "used" are sampled per phase (PodMemory), the
+first forward is traced layer by layer, and tpuft.model_sizes' prediction of the step's peak is
+printed beside the measured one. `--limit-mib 4096` limits each rank's cgroup as a 4Gi pod's is;
+`--activation-checkpointing` and `--steps` as spec.training's; the workers give freed tensors
+back to the kernel as train.py's do (sharded_load.unmap_freed_tensors; not with --glibc-default).
 
     .venv/bin/python bench/sharded_load.py [--workers 2,4] [--step-workers 2] [--hidden 2048 --layers 22]
 
@@ -109,17 +113,21 @@ class PodMemory:
     def close(self) -> dict:
         self._stop.set()
         self._thread.join(timeout=5)
+        self._note(self.read())
         max_usage = int((self.folder / "memory.max_usage_in_bytes").read_text())
         return {"max_usage": max_usage, "at_end_of": self.marks, "peak_in": self.peaks}
 
 
-def _cgroup(rank: int) -> Path | None:
-    """A fresh memory cgroup for one rank (root and cgroup v1 needed; None without them)."""
+def _cgroup(rank: int, limit_mib: int | None = None) -> Path | None:
+    """A fresh memory cgroup for one rank (root and cgroup v1 needed; None without them), limited
+    to `limit_mib` as a pod's memory limit is (the kernel kills the rank above it)."""
     folder = CGROUP_ROOT / f"tpuft-bench-rank{rank}"
     try:
         if folder.exists():
             folder.rmdir()
         folder.mkdir()
+        if limit_mib:
+            (folder / "memory.limit_in_bytes").write_text(str(limit_mib * 2**20))
     except OSError:
         return None
     return folder
@@ -157,8 +165,13 @@ def _lora():
 
 
 def _worker(rank: int, world: int, port: int, folder: str, path: str, out: str, step: bool, method: str = "full",
-            batch: int = 1, seq: int = 32, cgroup: str | None = None) -> None:
+            batch: int = 1, seq: int = 32, cgroup: str | None = None, recompute: bool = False, steps: int = 1,
+            glibc_default: bool = False) -> None:
     t0 = time.perf_counter()
+    if not glibc_default:   # as train.py's workers
+        from tpuft_workload.sharded_load import unmap_freed_tensors
+
+        unmap_freed_tensors()
     pod = PodMemory(Path(cgroup)) if cgroup else None
     import torch
     import torch.distributed as dist
@@ -180,40 +193,74 @@ def _worker(rank: int, world: int, port: int, folder: str, path: str, out: str, 
         read = sum(p.numel() * p.element_size() for p in model.parameters())   # every tensor of the files
         read = read if folder.endswith("float32") else read // 2
         model = loralib.wrap(model, _lora()) if method == "lora" else model
-        params = modellib.shard(model, mesh, cpu, torch.device("cpu"))
+        params = modellib.shard(model, mesh, cpu, torch.device("cpu"), recompute)
     else:
         with sharded_load.parameters_on_meta():
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
         model = loralib.wrap(model, _lora()) if method == "lora" else model   # as train.py: before sharding
-        params = modellib.shard(model, mesh, cpu, torch.device("cpu"))
+        params = modellib.shard(model, mesh, cpu, torch.device("cpu"), recompute)
         read = sharded_load.fill(model, folder)["bytes"]
     loaded = time.perf_counter() - t0
     at_load = sharded_load.peak_rss_bytes()
     first_step = None
     if pod:
         pod.mark("load", "forward")
+    layers = _trace_layers(model, pod) if pod else None
     if step:   # full: the step adds the shard's gradients and AdamW's moments (12 bytes a parameter) on CPU
         opt = torch.optim.AdamW(modellib.decay_groups(model, 0.0), lr=1e-5)
         model.train()
-        ids = torch.randint(0, 32000, (batch, seq), generator=torch.Generator().manual_seed(0))
-        loss = model(input_ids=ids, labels=ids).loss   # one micro-batch of model.token_mean_loss
-        if pod:
-            pod.mark("forward", "backward")
-        (loss * world).backward()
-        if pod:
-            pod.mark("backward", "step")
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        first_step = round(time.perf_counter() - t0, 2)
+        for i in range(steps):
+            ids = torch.randint(0, 32000, (batch, seq), generator=torch.Generator().manual_seed(i))
+            # one micro-batch as model.token_mean_loss takes it: divided by the global labelled tokens
+            total = modellib.labelled_tokens(ids) * world
+            loss = model(input_ids=ids, labels=ids, num_items_in_batch=total).loss
+            if pod and i == 0:
+                pod.mark("forward", "backward")
+            (loss * world).backward()
+            if pod and i == 0:
+                pod.mark("backward", "step")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if pod and i == 0 and steps > 1:
+                pod.mark("step", "later_steps")
+            first_step = first_step or round(time.perf_counter() - t0, 2)
     memory = pod.close() if pod else None
     result = {"rank": rank, "peak_rss_bytes_at_load": at_load, "peak_rss_bytes": sharded_load.peak_rss_bytes(),
               "seconds_to_load": round(loaded, 2), "seconds_to_first_step": first_step, "bytes_read": read,
-              "trained": sum(p.numel() for p in params), "cgroup": memory}
+              "trained": sum(p.numel() for p in params), "cgroup": memory, "layers": layers}
     gathered = [None] * world
     dist.all_gather_object(gathered, result)
     if rank == 0:
         Path(out).write_text(json.dumps(gathered))
     dist.destroy_process_group()
+
+
+def _trace_layers(model, pod: PodMemory) -> dict:
+    """Ray's used after each decoder layer's first forward, and at the output layer's input and
+    output: the steps of the first forward, to tell activations (a rise per layer) from the
+    logits and the loss. Filled as the forward runs; a recomputed layer (activation
+    checkpointing, in the backward pass) is not recorded."""
+    trace: dict = {"after_layer": [], "before_lm_head": None, "after_lm_head": None}
+
+    def after_layer(module, args, output) -> None:
+        if pod.phase == "forward":
+            trace["after_layer"].append(pod.read()["ray_used"])
+
+    def before_head(module, args) -> None:
+        if pod.phase == "forward" and trace["before_lm_head"] is None:
+            trace["before_lm_head"] = pod.read()["ray_used"]
+
+    def after_head(module, args, output) -> None:
+        if pod.phase == "forward" and trace["after_lm_head"] is None:
+            trace["after_lm_head"] = pod.read()["ray_used"]
+
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith("DecoderLayer"):
+            module.register_forward_hook(after_layer)
+        elif name.endswith("lm_head"):
+            module.register_forward_pre_hook(before_head)
+            module.register_forward_hook(after_head)
+    return trace
 
 
 def _join(cgroup: Path | None):
@@ -227,8 +274,10 @@ def _join(cgroup: Path | None):
 
 
 def run(folder: Path, world: int, path: str, step: bool, method: str = "full", batch: int = 1, seq: int = 32,
-        env: dict[str, str] | None = None) -> list[dict]:
-    """N ranks, each a process of its own (in its own memory cgroup where one can be made)."""
+        env: dict[str, str] | None = None, recompute: bool = False, steps: int = 1,
+        limit_mib: int | None = None, glibc_default: bool = False) -> list[dict]:
+    """N ranks, each a process of its own (in its own memory cgroup where one can be made, limited
+    to `limit_mib`)."""
     import os
     import subprocess
     import tempfile
@@ -237,13 +286,13 @@ def run(folder: Path, world: int, path: str, step: bool, method: str = "full", b
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     _drop_file_cache(folder)
-    cgroups = [_cgroup(rank) for rank in range(world)]
+    cgroups = [_cgroup(rank, limit_mib) for rank in range(world)]
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         procs = []
         try:
             for rank in range(world):
                 args = [rank, world, port, str(folder), path, out.name, step, method, batch, seq,
-                        str(cgroups[rank]) if cgroups[rank] else None]
+                        str(cgroups[rank]) if cgroups[rank] else None, recompute, steps, glibc_default]
                 code = f"import sys; sys.path.insert(0, {str(REPO / 'bench')!r}); import sharded_load as b; " \
                        f"b._worker(*__import__('json').loads(sys.argv[1]))"
                 procs.append(subprocess.Popen([sys.executable, "-c", code, json.dumps(args)],
@@ -258,7 +307,8 @@ def run(folder: Path, world: int, path: str, step: bool, method: str = "full", b
                 if cgroup is not None:
                     _remove_cgroup(cgroup)
         if any(codes):
-            raise RuntimeError(f"a rank failed: exit codes {codes}")
+            raise RuntimeError(f"a rank failed: exit codes {codes}" + (
+                f" (-9: killed, e.g. by the kernel at the {limit_mib} MiB limit)" if limit_mib else ""))
         return json.loads(Path(out.name).read_text())
 
 
@@ -277,6 +327,57 @@ def pod_figures(workers: list[dict]) -> dict | None:
                        for key in ("usage", "working_set", "ray_used", "rss", "cache")} for phase in phases}}
 
 
+def predicted(hidden: int, layers: int, world: int, method: str, tokens: int, recompute: bool,
+              loaded_mib: int | None) -> dict:
+    """tpuft.model_sizes' figures for this shape and step, in MiB: its StepMemory terms, the
+    trained parameters' gradients and AdamW moments (12 bytes each, this rank's shard), and the
+    step's peak predicted from the measured loaded rank (`loaded_mib`: Ray's used at the end of the
+    load, the shard and this process's runtime) plus both."""
+    from tpuft import model_sizes
+
+    cfg = _config(hidden, layers)
+    shape = model_sizes.ModelShape("bench", cfg.vocab_size, hidden, cfg.intermediate_size, layers,
+                                   cfg.num_attention_heads, cfg.num_key_value_heads, hidden // cfg.num_attention_heads,
+                                   False)
+    lora = _lora()
+    run = model_sizes.Run(method=method, rank=lora.rank, targets=lora.target_modules, tokens=tokens,
+                          activation_checkpointing=recompute)
+    step = model_sizes.step_memory(shape, run)
+    trained = shape.lora_parameters(lora.rank, lora.target_modules) if method == "lora" else shape.parameters()
+    optimizer = 12 * trained / world
+    out = {"output": _mib(step.output), "layer": _mib(step.layer), "kept": _mib(step.kept), "logits": _mib(step.logits),
+           "gradients_and_moments": _mib(optimizer)}
+    if loaded_mib is not None:
+        out["peak"] = loaded_mib + _mib(step.total + optimizer)
+    return out
+
+
+def forward_steps(workers: list[dict]) -> dict | None:
+    """The worst rank's first forward in MiB of Ray's used: the median rise per decoder layer (the
+    activations it keeps), all layers' rise over the loaded rank (with the first layer's gathering
+    of the root unit), the rise across the output layer (`logits`: the logits, less the output
+    layer's gathered weight where model.embedding_units made it a unit freed at its forward's end)
+    and the loss's (from the output layer to the forward's end); None without cgroups."""
+    if not all(w["layers"] and w["layers"]["after_layer"] for w in workers):
+        return None
+
+    def one(w: dict) -> dict:
+        trace, marks = w["layers"], w["cgroup"]["at_end_of"]
+        after = trace["after_layer"]
+        return {"per_layer": _mib(statistics.median(b - a for a, b in zip(after, after[1:]))) if len(after) > 1 else None,
+                "layers_total": _mib(after[-1] - marks["load"]["ray_used"]),
+                "logits": _mib(trace["after_lm_head"] - trace["before_lm_head"]),
+                "loss": _mib(marks["forward"]["ray_used"] - trace["after_lm_head"])}
+    return max((one(w) for w in workers), key=lambda f: f["layers_total"])
+
+
+def _loaded_mib(workers: list[dict]) -> int | None:
+    """The worst rank's Ray's used at the end of the load; None without cgroups."""
+    if not all(w["cgroup"] for w in workers):
+        return None
+    return max(_mib(w["cgroup"]["at_end_of"]["load"]["ray_used"]) for w in workers)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workers", default="2,4", help="comma-separated worker counts (default 2,4)")
@@ -292,6 +393,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="the saved files' dtype (default bfloat16, as the Hub's checkpoints are)")
     p.add_argument("--batch", type=int, default=1, help="sequences in the first step (default 1)")
     p.add_argument("--seq", type=int, default=32, help="tokens a sequence in the first step (default 32)")
+    p.add_argument("--steps", type=int, default=1, help="optimizer steps the stepping workers take (default 1)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="each decoder layer's activations recomputed in the backward pass "
+                        "(spec.training.activationCheckpointing: model.shard's)")
+    p.add_argument("--limit-mib", type=int, default=None,
+                   help="each rank's cgroup memory limit, as a pod's (e.g. 4096 for 4Gi): the kernel kills a rank "
+                        "above it, Ray's memory monitor at 95%% of it (Ray's used)")
+    p.add_argument("--glibc-default", action="store_true",
+                   help="leave glibc's malloc as it starts (no sharded_load.unmap_freed_tensors): freed gathered "
+                        "weights stay charged to the rank")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable for the ranks (e.g. MALLOC_ARENA_MAX=2); repeatable")
     p.add_argument("--cache", type=Path, default=Path("/tmp/tpuft-bench-sharded-model"),
@@ -308,13 +419,29 @@ def main(argv: list[str] | None = None) -> int:
     stepping = {int(w) for w in args.step_workers.split(",") if w}
     for world in (int(w) for w in args.workers.split(",")):
         for path in args.paths.split(","):
-            workers = run(folder, world, path, world in stepping, args.method, args.batch, args.seq, env)
+            try:
+                workers = run(folder, world, path, world in stepping, args.method, args.batch, args.seq, env,
+                              args.activation_checkpointing, args.steps, args.limit_mib, args.glibc_default)
+            except RuntimeError as failed:   # e.g. a rank killed at --limit-mib: recorded, with the prediction
+                rows.append({"workers": world, "path": path, "method": args.method, "batch": args.batch,
+                             "seq": args.seq, "activation_checkpointing": args.activation_checkpointing,
+                             "limit_mib": args.limit_mib, "failed": str(failed),
+                             "predicted_mib": predicted(args.hidden, args.layers, world, args.method,
+                                                        args.batch * args.seq, args.activation_checkpointing, None)})
+                print(f"{world} workers {path}: {failed}; predicted (MiB, beside the loaded rank): "
+                      f"{rows[-1]['predicted_mib']}", flush=True)
+                continue
 
             def gib(key: str, pick=statistics.median) -> float:
                 return round(pick(w[key] for w in workers) / 2**30, 2)
 
             row = {"workers": world, "path": path, "method": args.method, "file_dtype": args.file_dtype,
-                   "batch": args.batch, "seq": args.seq, "env": env,
+                   "batch": args.batch, "seq": args.seq, "env": env, "steps": args.steps,
+                   "activation_checkpointing": args.activation_checkpointing, "limit_mib": args.limit_mib,
+                   "glibc_default": args.glibc_default,
+                   "first_forward_mib": forward_steps(workers),
+                   "predicted_mib": predicted(args.hidden, args.layers, world, args.method, args.batch * args.seq,
+                                              args.activation_checkpointing, _loaded_mib(workers)),
                    "peak_rss_gib_at_load_median": gib("peak_rss_bytes_at_load"),
                    "peak_rss_gib_at_load_max": gib("peak_rss_bytes_at_load", max),
                    "peak_rss_gib_after_first_step_median": gib("peak_rss_bytes") if world in stepping else None,
@@ -336,8 +463,14 @@ def main(argv: list[str] | None = None) -> int:
                       f"max_usage {row['pod_mib']['max_usage_mib']}", flush=True)
                 for phase, f in row["pod_mib"].items():
                     if phase != "max_usage_mib":
-                        print(f"    {phase:9s} {f['usage']:6d} / {f['working_set']:6d} / {f['ray_used']:6d} / "
+                        print(f"    {phase:11s} {f['usage']:6d} / {f['working_set']:6d} / {f['ray_used']:6d} / "
                               f"{f['rss']:6d} / {f['cache']:6d}", flush=True)
+                stepped_peak = max(f["ray_used"] for phase, f in row["pod_mib"].items()
+                                   if phase not in ("max_usage_mib", "runtime", "load"))
+                print(f"  first forward (MiB of Ray's used): {row['first_forward_mib']}", flush=True)
+                print(f"  predicted (tpuft.model_sizes, MiB): {row['predicted_mib']}; measured step peak of Ray's "
+                      f"used {stepped_peak}" + (f", limit {args.limit_mib} (Ray kills at "
+                                                f"{int(0.95 * args.limit_mib)})" if args.limit_mib else ""), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"parameters": parameters, "fp32_bytes": model_bytes, "rows": rows,
                                     "machine": {"python": sys.version.split()[0], "cpu": _platform.processor() or

@@ -109,14 +109,17 @@ def run_validate(args: argparse.Namespace) -> int:
 
 def fit_warnings(tft: TPUFinetune) -> list[str]:
     """Where spec.model is a model whose shape tpuft.model_sizes knows: a line for each figure (HBM
-    per chip, a worker pod's memory at load, in training, at export) that does not fit the slice."""
+    per chip, a worker pod's memory at load, in training (on CPU with a step of the spec's tokens), at
+    export) that does not fit the slice."""
     shape = model_sizes.known(tft.spec.model)
     if shape is None:
         return []
     training, lora = tft.spec.training, tft.spec.training.lora
     run = model_sizes.Run(method=training.method, rank=lora.rank if lora else 0,
                           targets=lora.target_modules if lora else (), framework=training.framework,
-                          merged=builders.merges(tft), pod_memory=_worker_memory(tft))
+                          merged=builders.merges(tft), pod_memory=_worker_memory(tft),
+                          tokens=training.batch_size_per_device * training.max_seq_length,
+                          activation_checkpointing=bool(training.activation_checkpointing))
     fit = model_sizes.fit(shape, tft.spec.slice, run)
     return model_sizes.warnings(tft.spec.model, fit)
 

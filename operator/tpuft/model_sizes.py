@@ -18,6 +18,7 @@ shards inside a slice, and more slices are replicas (HSDP), so they do not lower
                  into HBM, so this is an upper bound). JAX reads each of its host's devices' shards
                  of the files the same way (jax_model.open_hf_dir): the host's share too.
     in training  the overhead only: weights, gradients and AdamW's moments are in HBM.
+                 On CPU the pod holds them, and a step's working memory (`StepMemory`) too.
     at export    rank 0's pod, where the whole model is gathered: full 4 (fp32) + 2 (its bf16
                  copy); lora merged 2 (the bf16 base) + 2 (the copies the adapters are merged
                  into); lora not merged: the adapters only.
@@ -29,7 +30,7 @@ HBM_RESERVE of each chip is left to activations, the gathered layer and XLA's wo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tpuft import catalog
 from tpuft.constants import LORA_DEFAULT_TARGET_MODULES
@@ -45,6 +46,17 @@ HBM_RESERVE = 0.3
 RANK_OVERHEAD_GIB = 1.1
 
 FULL, LORA = "full", "lora"
+# A CPU step's working memory (StepMemory), in fp32 (4 bytes a value):
+# Values a token keeps per decoder layer for the backward pass, as (x hidden, x intermediate, x the
+# k/v projections' width): counted with torch's saved-tensor hooks (parameters left out) on Llama
+# layers of 5 shapes (hidden 512 to 2048), within 0.2%; lora: tpuft_workload.lora's adapters, with
+# dropout, on the 7 default projections (each dropout keeps its own copy of the input).
+SAVED_PER_TOKEN = {FULL: (8, 4, 2), LORA: (16, 5, 2)}
+# A decoder layer gathered: FSDP2's all-gather output and the unsharded parameters it is copied into.
+GATHERED_LAYER_COPIES = 2
+# fp32 logits over the vocabulary per token at the loss: the logits, cross-entropy's log-softmax
+# kept for the backward pass and the logits' gradient.
+LOGITS_COPIES = 3
 TPU_BYTES = {"state": {FULL: 16, "frozen": 2, "adapter": 16}, "weights": {FULL: 4, "frozen": 2, "adapter": 4}}
 CPU_BYTES = {"state": {FULL: 16, "frozen": 4, "adapter": 16}, "weights": {FULL: 4, "frozen": 4, "adapter": 4}}
 # Bytes per parameter on rank 0's pod at export (the whole model gathered there), (TPU, CPU).
@@ -153,8 +165,45 @@ class Run:
     framework: str = "torch"
     merged: bool = False                 # LoRA: the merged weights exported too
     pod_memory: str | None = None        # the worker pod's memory (a quantity); None: the catalog's
+    tokens: int = 0                      # a micro-batch's tokens per device (batch x sequence); 0: not counted
+    activation_checkpointing: bool = False
     reserve: float = HBM_RESERVE
     rank_overhead_gib: float = RANK_OVERHEAD_GIB
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """What one torch rank holds on CPU for a training step beyond its shard of the state and the
+    runtime, in bytes, at the step's peak (the loss, with every layer's activations kept):
+      output   the output layer gathered whole for the loss and its backward (beside this rank's
+               shard, which stays: a gathered unit is a copy of its own; model.embedding_units
+               makes it a unit of its own, so the input embedding is not gathered with it);
+      layer    one decoder layer gathered (GATHERED_LAYER_COPIES);
+      kept     every layer's activations (SAVED_PER_TOKEN per token), or with activation
+               checkpointing each layer's input plus one layer's activations, recomputed;
+      logits   LOGITS_COPIES of the fp32 logits."""
+    output: float
+    layer: float
+    kept: float
+    logits: float
+
+    @property
+    def total(self) -> float:
+        return self.output + self.layer + self.kept + self.logits
+
+
+def step_memory(model: ModelShape, run: Run) -> StepMemory:
+    """A CPU rank's StepMemory for `run.tokens` tokens a micro-batch (whatever the ranks: gathered
+    weights are whole, activations and logits are this rank's tokens')."""
+    h, i = model.hidden, model.intermediate
+    kv = model.kv_heads * model.head_dim
+    per_hidden, per_intermediate, per_kv = SAVED_PER_TOKEN[run.method]
+    layer_values = run.tokens * (per_hidden * h + per_intermediate * i + per_kv * kv)
+    kept = (model.layers * run.tokens * h + layer_values if run.activation_checkpointing
+            else model.layers * layer_values)
+    layer_parameters = sum(a * b for a, b in model.projections().values()) + 2 * h
+    return StepMemory(output=4 * model.vocab * h, layer=4 * GATHERED_LAYER_COPIES * layer_parameters,
+                      kept=4 * kept, logits=4 * LOGITS_COPIES * run.tokens * model.vocab)
 
 
 @dataclass(frozen=True)
@@ -163,6 +212,7 @@ class Fit:
     shape: catalog.SliceShape
     run: Run
     hbm: Figure | None   # None on CPU: the pod holds it
+    step: StepMemory | None   # None on a TPU: a step's working memory is in HBM
     load: Figure
     training: Figure
     export: Figure
@@ -193,15 +243,18 @@ def fit(model: ModelShape, shape: catalog.SliceShape, run: Run = Run()) -> Fit:
     pod = quantity_bytes(run.pod_memory or shape.worker_pod.memory) / GIB
     weights = total("weights") * shape.devices_per_host / shape.devices   # the host's share, either framework
     kept = 0 if shape.is_tpu else ranks * total("state") / shape.devices   # the pod holds the state on CPU
+    step = None if shape.is_tpu else step_memory(model, run)
     export_kind = FULL if run.method == FULL else "merged" if run.merged else "adapter"
     exported = EXPORT_BYTES[export_kind][0 if shape.is_tpu else 1] * (a if export_kind == "adapter" else p)
     hbm = None
     if shape.is_tpu:
         budget = catalog.generation(shape.generation).hbm_gb * (1 - run.reserve)
         hbm = Figure("HBM", "HBM per chip", total("state") / shape.chips / GB, budget, "GB")
-    return Fit(model, shape, run, hbm,
+    working = ranks * step.total if step else 0
+    return Fit(model, shape, run, hbm, step,
                load=Figure("load", "memory per worker pod at load", (weights + overhead) / GIB, pod, "GiB"),
-               training=Figure("training", "memory per worker pod in training", (kept + overhead) / GIB, pod, "GiB"),
+               training=Figure("training", "memory per worker pod in training", (kept + working + overhead) / GIB,
+                               pod, "GiB"),
                export=Figure("export", "memory in worker pod 0 at export", (exported + kept + overhead) / GIB, pod,
                              "GiB"))
 
@@ -227,11 +280,28 @@ def _advice(f: Fit, figure: Figure) -> str:
             advice += (", or export the adapters only: no spec.export.merge, and spec.serve.engine transformers "
                        "(vllm serves the merged weights)")
         return advice
+    if figure.name == "training" and f.step is not None:
+        return _step_advice(f, memory)
     bigger = smallest_topology(f, figure.name) if f.shape.is_tpu else None
     larger = f"a topology of at least {bigger}" if bigger else "a larger topology"
     if figure.name == "HBM":
         return f"use method lora or {larger}" if f.run.method == FULL else f"use {larger}"
     return f"{memory} or use {larger} (more hosts, each holding a smaller share)"
+
+
+def _step_advice(f: Fit, memory: str) -> str:
+    """A CPU step that does not fit: activation checkpointing first where it is off (it keeps one
+    layer's activations instead of every layer's), with what the pod then needs."""
+    step = f.step
+    assert step is not None
+    held = (f"of which the step's working memory {step.total / GIB:.3g} GiB: activations {step.kept / GIB:.3g}, "
+            f"logits {step.logits / GIB:.3g}, gathered weights {(step.output + step.layer) / GIB:.3g}")
+    ways = [memory]
+    if not f.run.activation_checkpointing:
+        recomputed = fit(f.model, f.shape, replace(f.run, activation_checkpointing=True)).training
+        ways.insert(0, f"set spec.training.activationCheckpointing: true (then about {recomputed.need:.3g} GiB)")
+    ways.append("a smaller spec.training.batchSizePerDevice or maxSeqLength")
+    return f"{held}; {', '.join(ways[:-1])} or {ways[-1]}"
 
 
 def warnings(model_ref: str, f: Fit) -> list[str]:

@@ -1,5 +1,6 @@
 """tpuft.model_sizes: the arithmetic of what fits, and that the fit table (bench/lora_fit.py) and
 `tpuft validate` give the same numbers."""
+import dataclasses
 import importlib.util
 import json
 
@@ -48,7 +49,8 @@ def test_lora_holds_the_frozen_base_in_bf16_on_a_tpu_and_in_fp32_on_cpu():
     assert tpu.hbm.need == pytest.approx((2 * p + 16 * a) / 16 / GB)
     cpu = model_sizes.fit(m, catalog.resolve_slice("cpu", "2"), Run(method=LORA))
     assert cpu.hbm is None   # the pod holds the state: fp32 base, adapters with their moments
-    assert cpu.training.need == pytest.approx((4 * p + 16 * a) / 2 / GIB + model_sizes.RANK_OVERHEAD_GIB)
+    assert cpu.training.need == pytest.approx((4 * p + 16 * a + 2 * cpu.step.total) / 2 / GIB
+                                              + model_sizes.RANK_OVERHEAD_GIB)
 
 
 def test_each_rank_loads_only_its_shard_so_more_hosts_hold_less_each():
@@ -89,3 +91,78 @@ def test_the_fit_table_and_validate_use_the_same_numbers():
     (warning,) = cli_core.fit_warnings(tft)
     assert f"needs about {merged['hostGibExport']:.3g} GiB of memory in worker pod 0 at export" in warning
     assert row["fits"]["v6e 4x4"]["verdict"] == "LoRA, not merged (full: HBM, export; merged: export)"
+
+
+# TinyLlama's shape, as bench/sharded_load.py builds it by default; examples/local-cpu-lora.yaml's step: 4 x 128 tokens
+BENCH_1B = model_sizes.ModelShape("bench 1.1B", 32000, 2048, 5632, 22, 32, 4, 64, False)
+DEMO_TOKENS = 4 * 128
+
+
+def test_a_cpu_step_keeps_every_layer_s_activations_unless_they_are_recomputed():
+    kept = model_sizes.step_memory(BENCH_1B, Run(method=LORA, tokens=DEMO_TOKENS)).kept
+    recomputed = model_sizes.step_memory(BENCH_1B, Run(method=LORA, tokens=DEMO_TOKENS,
+                                                       activation_checkpointing=True)).kept
+    per_layer = DEMO_TOKENS * 4 * (16 * 2048 + 5 * 5632 + 2 * 256)   # LoRA: each projection's dropout keeps a copy
+    assert kept == 22 * per_layer
+    assert recomputed == 22 * DEMO_TOKENS * 4 * 2048 + per_layer   # each layer's input, and one layer at a time
+    full = model_sizes.step_memory(BENCH_1B, Run(tokens=DEMO_TOKENS)).kept
+    assert full == 22 * DEMO_TOKENS * 4 * (8 * 2048 + 4 * 5632 + 2 * 256)
+    twice = model_sizes.step_memory(BENCH_1B, Run(method=LORA, tokens=2 * DEMO_TOKENS)).kept
+    assert twice == 2 * kept
+
+
+def test_a_cpu_step_holds_the_logits_and_the_gathered_weights():
+    step = model_sizes.step_memory(BENCH_1B, Run(method=LORA, tokens=DEMO_TOKENS))
+    assert step.logits == 3 * DEMO_TOKENS * 32000 * 4   # fp32: logits, log-softmax, their gradient
+    assert step.output == 32000 * 2048 * 4   # the output layer whole, a copy beside the rank's shard
+    layer = 2048 * 2048 * 2 + 2 * 2048 * 256 + 3 * 2048 * 5632 + 2 * 2048
+    assert step.layer == 2 * 4 * layer   # one layer gathered: all-gather output and its copy
+    tied = model_sizes.step_memory(model_sizes.LLAMA_3_2_1B, Run(method=LORA))
+    assert tied.output == 128256 * 2048 * 4 and tied.kept == tied.logits == 0
+
+
+def test_a_1b_lora_step_on_two_4gi_cpu_workers_is_told_to_recompute_activations():
+    """The held-out run of issue 59: a 1.1B fp32 Llama, LoRA, 2 CPU workers of 4Gi, 4 x 128 tokens a step."""
+    shape = catalog.resolve_slice("cpu", "2")
+    run = Run(method=LORA, rank=8, pod_memory="4Gi", tokens=DEMO_TOKENS)
+    kept = model_sizes.fit(BENCH_1B, shape, run)
+    assert not kept.training.fits
+    recomputed = model_sizes.fit(BENCH_1B, shape, dataclasses.replace(run, activation_checkpointing=True))
+    assert recomputed.training.need < kept.training.need - 2   # 22 layers' activations against one's
+    (warning,) = model_sizes.warnings("/models/tinyllama", kept)
+    assert "memory per worker pod in training" in warning
+    assert f"set spec.training.activationCheckpointing: true (then about {recomputed.training.need:.3g} GiB)" in warning
+    assert "a smaller spec.training.batchSizePerDevice or maxSeqLength" in warning
+
+
+def test_validate_counts_the_spec_s_tokens_and_activation_checkpointing():
+    doc = dict(accelerator="cpu", topology="2", model="meta-llama/Llama-3.2-1B",
+               training={"method": "lora", "batchSizePerDevice": 4, "maxSeqLength": 128})
+    kept = spec.parse(small_object("one", "default", **doc))
+    (warning,) = [w for w in cli_core.fit_warnings(kept) if "in training" in w]
+    assert "set spec.training.activationCheckpointing: true" in warning
+    doc["training"] = {**doc["training"], "activationCheckpointing": True}
+    recomputed = [w for w in cli_core.fit_warnings(spec.parse(small_object("one", "default", **doc)))
+                  if "in training" in w]
+    assert all("activationCheckpointing" not in w for w in recomputed)
+
+
+@pytest.mark.parametrize("results, hidden, layers", [
+    ("sharded_load_0.15b_lora_step.json", 1024, 8), ("sharded_load_0.15b_lora_step_ac.json", 1024, 8),
+    ("sharded_load_1b_lora_4gi.json", 2048, 22)])
+def test_the_step_prediction_is_the_bench_s_and_covers_what_it_measured(results, hidden, layers):
+    """bench/sharded_load.py's runs (2 CPU ranks, each in its own cgroup): the StepMemory terms it
+    recorded are what step_memory gives now, and the predicted peak of Ray's used is at most 15%
+    above the measured one, never below it."""
+    (row,) = json.loads((REPO / "bench" / "results" / results).read_text())["rows"]
+    shape = model_sizes.ModelShape("bench", 32000, hidden, int(hidden * 2.75), layers, hidden // 64,
+                                   max(1, hidden // 512), 64, False)
+    step = model_sizes.step_memory(shape, Run(method=LORA, rank=8, tokens=row["batch"] * row["seq"],
+                                              activation_checkpointing=row["activation_checkpointing"]))
+    predicted = row["predicted_mib"]
+    assert [predicted[k] for k in ("output", "layer", "kept", "logits")] == [
+        round(getattr(step, k) / 2**20) for k in ("output", "layer", "kept", "logits")]
+    measured = max(row["pod_mib"][phase]["ray_used"] for phase in ("forward", "backward", "step"))
+    assert measured <= predicted["peak"] <= 1.15 * measured
+    if row["limit_mib"]:
+        assert measured < 0.95 * row["limit_mib"]   # below Ray's memory monitor's threshold

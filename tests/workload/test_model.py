@@ -259,3 +259,32 @@ def test_activation_checkpointing_keeps_the_loss_and_gradients_and_keeps_less(wo
     assert grads_on.keys() == grads_off.keys()
     assert max((grads_on[n] - grads_off[n]).abs().max().item() for n in grads_on) < 1e-6
     assert kept_on < kept_off / 2, (kept_on, kept_off)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_untied_embeddings_are_units_of_their_own_and_train_the_same(world_of_one, tied):
+    """Untied, the input and the output embedding are FSDP2 units of their own (gathered for their
+    own forward and backward only, not from the first layer to the last as the root is); tied, the
+    root holds the one matrix. The loss and gradients are an unsharded model's either way."""
+    import copy
+
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied, use_cache=False)
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM(config)
+    sharded = copy.deepcopy(plain)
+    modellib.shard(sharded, world_of_one, CPU, torch.device("cpu"))
+    units = [isinstance(m, FSDPModule) for m in (sharded.model.embed_tokens, sharded.lm_head)]
+    assert units == [not tied, not tied]
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for model in (plain, sharded):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    for (name, p), q in zip(plain.named_parameters(), sharded.parameters()):
+        assert torch.allclose(p.grad, q.grad.full_tensor(), atol=1e-6), name

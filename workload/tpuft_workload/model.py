@@ -324,6 +324,18 @@ def checkpoint_layers(model, layers: list) -> list:
     return wrapped
 
 
+def embedding_units(model) -> list:
+    """The input and the output embedding, each an FSDP2 unit of its own when they share no
+    weight: gathered for their own forward (and the output layer again for its backward), not
+    from the first layer's forward to the last layer's backward as the root's parameters are
+    (FSDP2 keeps the root gathered between the two): a vocabulary-by-hidden matrix less at the
+    step's peak (bench/sharded_load.py). Tied, they stay in the root."""
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    if inputs is None or outputs is None or inputs.weight is outputs.weight:
+        return []
+    return [inputs, outputs]
+
+
 MESH_DIMS = ("replicate", "shard")  # HSDP's (across slices, inside a slice)
 
 
@@ -344,7 +356,8 @@ def device_mesh(platform: Platform, world: int, slices: int = 1):
 
 def shard(model, mesh, platform: Platform, device, activation_checkpointing: bool = False):
     """fully_shard every decoder layer (with `activation_checkpointing`, wrapped first:
-    `checkpoint_layers`), then the root. Returns the trainable parameters."""
+    `checkpoint_layers`), the input and the output embedding when they are not tied
+    (`embedding_units`), then the root. Returns the trainable parameters."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dtypes = train_dtypes(platform)
@@ -366,7 +379,7 @@ def shard(model, mesh, platform: Platform, device, activation_checkpointing: boo
                            "(looked for _no_split_modules and *DecoderLayer)")
     if activation_checkpointing:
         layers = checkpoint_layers(model, layers)
-    for layer in layers:
+    for layer in layers + embedding_units(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored or None)
     if any(p.is_meta for p in model.parameters()):   # built to be filled shard by shard (sharded_load)

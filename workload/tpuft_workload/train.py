@@ -117,6 +117,9 @@ class _Torch:
         from tpuft_workload import model as modellib
 
         cfg = self.cfg
+        from tpuft_workload.sharded_load import unmap_freed_tensors
+
+        unmap_freed_tensors()   # each layer's gathered weights given back to the pod after use
         # A saved model is built on the meta device and each rank reads only its shards, below
         # (sharded_load): no rank ever holds the whole model. The builtin is built whole.
         # (the builtin is built whole: it is tiny)
