@@ -22,7 +22,6 @@ import json
 import os
 import platform as _platform
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -38,7 +37,7 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _worker(_: int, port: int, on: bool, args: argparse.Namespace, out: str) -> None:
+def _worker(_: int, init_method: str, on: bool, args: argparse.Namespace, out: str) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -48,7 +47,7 @@ def _worker(_: int, port: int, on: bool, args: argparse.Namespace, out: str) -> 
     from tpuft_workload.platform import PLATFORMS
 
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=1)
     vocab = len(tiny.build_tokenizer())
     model = tiny.build_model(vocab, seed=0, hidden=args.hidden, layers=args.layers)
     model.config.max_position_embeddings = max(model.config.max_position_embeddings, args.seq_len)
@@ -90,12 +89,9 @@ def _worker(_: int, port: int, on: bool, args: argparse.Namespace, out: str) -> 
 
 
 def run(on: bool, args: argparse.Namespace, out: str) -> dict:
-    import torch.multiprocessing as mp
+    from tests.ranks import spawn_ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, on, args, out), nprocs=1, join=True)
+    spawn_ranks(_worker, 1, on, args, out)
     return json.loads(Path(out, f"{int(on)}.json").read_text())
 
 

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))   # tests.ranks
 OUT = REPO / "bench" / "results" / "gcs_model_load.json"
 BUCKET = "models"
 WORLD = 2
@@ -237,9 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     model_bytes = save_model(args.data / BUCKET / name, args.hidden, args.layers)
     uri = f"gs://{BUCKET}/{name}"
     print(f"model: {model_bytes / 2**30:.2f} GiB of safetensors at {uri}", flush=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from tests.ranks import free_port
+
+    port = free_port()
     log = open(args.data.parent / "tpuft-bench-gcs-server.log", "w")
     if args.server is None:
         from tpuft_local import gcs

@@ -19,7 +19,6 @@ import json
 import os
 import platform as _platform
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -36,7 +35,7 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _worker(rank: int, port: int, method: str, args: argparse.Namespace, out: str) -> None:
+def _worker(rank: int, init_method: str, method: str, args: argparse.Namespace, out: str) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -48,7 +47,7 @@ def _worker(rank: int, port: int, method: str, args: argparse.Namespace, out: st
     from tpuft_workload.platform import PLATFORMS
 
     torch.set_num_threads(1)   # the 2 workers share the 2 cores, as the tests' do
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
     tok = tiny.build_tokenizer()
     model = tiny.build_model(len(tok), seed=0, hidden=args.hidden, layers=args.layers)
     if method == "lora":
@@ -86,12 +85,9 @@ def _worker(rank: int, port: int, method: str, args: argparse.Namespace, out: st
 
 
 def run(method: str, args: argparse.Namespace, out: str) -> dict:
-    import torch.multiprocessing as mp
+    from tests.ranks import spawn_ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, method, args, out), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, WORLD, method, args, out)
     ranks = [json.loads(Path(out, f"{method}-{r}.json").read_text()) for r in range(WORLD)]
     first = ranks[0]
     return {"method": method, "trainableParameters": first["trainable"], "totalParameters": first["total"],

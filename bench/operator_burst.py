@@ -33,7 +33,6 @@ import json
 import os
 import re
 import signal
-import socket
 import ssl
 import statistics
 import subprocess
@@ -57,6 +56,7 @@ from kubernetes import client, config, watch  # noqa: E402
 
 from tpuft_local.controlplane import ControlPlane, default_crd_paths  # noqa: E402
 from tpuft_local import toolchain  # noqa: E402
+from tests.ranks import free_port  # noqa: E402
 
 PEER_VERSION = toolchain.KUBERAY_VERSION  # v1.7.0 is not served by the Go module proxy (403); see hack/kuberay/go.mod
 PEER_MODULE = "github.com/ray-project/kuberay/ray-operator"
@@ -94,12 +94,6 @@ def pct(values: list[float], q: float) -> float | None:
 def med(values: list[float | None]) -> float | None:
     xs = [v for v in values if v is not None]
     return statistics.median(xs) if xs else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- the control plane and its request counters --------------------------------------------------

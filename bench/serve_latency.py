@@ -42,7 +42,6 @@ import json
 import math
 import os
 import secrets
-import socket
 import statistics
 import sys
 import tempfile
@@ -52,6 +51,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))   # tests.ranks
+from tests.ranks import free_port  # noqa: E402
+
 RAY_LOCK = "/tmp/tpuft-ray.lock"
 MODEL_ID = "tiny-bench"
 UNBATCHED = "unbatched"
@@ -87,12 +89,6 @@ def instructions(n: int) -> list[str]:
     with open(dolly_mini_path()) as f:
         texts = [json.loads(line)["instruction"] for line in f]
     return [texts[i % len(texts)] for i in range(n)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform as _platform
-import socket
 import statistics
 import sys
 import time
@@ -164,7 +163,7 @@ def _lora():
     return LoraSettings(rank=8, alpha=16, dropout=0.05, target_modules=tuple(LORA_DEFAULT_TARGET_MODULES["llama"]))
 
 
-def _worker(rank: int, world: int, port: int, folder: str, path: str, out: str, step: bool, method: str = "full",
+def _worker(rank: int, world: int, init_method: str, folder: str, path: str, out: str, step: bool, method: str = "full",
             batch: int = 1, seq: int = 32, cgroup: str | None = None, recompute: bool = False, steps: int = 1,
             glibc_default: bool = False) -> None:
     t0 = time.perf_counter()
@@ -183,7 +182,7 @@ def _worker(rank: int, world: int, port: int, folder: str, path: str, out: str, 
     from tpuft_workload.platform import PLATFORMS
 
     cpu = PLATFORMS["cpu"]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     mesh = modellib.device_mesh(cpu, world)
     if pod:
         pod.mark("runtime", "load")
@@ -282,16 +281,17 @@ def run(folder: Path, world: int, path: str, step: bool, method: str = "full", b
     import subprocess
     import tempfile
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    sys.path.insert(0, str(REPO))
+    from tests.ranks import file_rendezvous
+
     _drop_file_cache(folder)
     cgroups = [_cgroup(rank, limit_mib) for rank in range(world)]
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out, tempfile.TemporaryDirectory() as meeting:
+        rendezvous = file_rendezvous(meeting)
         procs = []
         try:
             for rank in range(world):
-                args = [rank, world, port, str(folder), path, out.name, step, method, batch, seq,
+                args = [rank, world, rendezvous, str(folder), path, out.name, step, method, batch, seq,
                         str(cgroups[rank]) if cgroups[rank] else None, recompute, steps, glibc_default]
                 code = f"import sys; sys.path.insert(0, {str(REPO / 'bench')!r}); import sharded_load as b; " \
                        f"b._worker(*__import__('json').loads(sys.argv[1]))"

@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.workload.rendezvous import file_rendezvous
+from tests.ranks import file_rendezvous
 from tests.factories import TINY_CKPT_EVERY, TINY_STEPS_PER_EPOCH, tiny_train_argv
 from tests.http_stub import QuietHandler, serving
 

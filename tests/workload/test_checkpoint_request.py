@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.workload.rendezvous import file_rendezvous
+from tests.ranks import file_rendezvous
 from tests.factories import merge_patch
 from tests.workload.test_elastic import no_ray_torch, without_ray
 from tpuft.constants import TrainingStatus

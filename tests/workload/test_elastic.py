@@ -43,7 +43,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.workload.rendezvous import file_rendezvous
+from tests.ranks import file_rendezvous
 from tpuft_workload import checkpoint as ckptlib
 from tpuft_workload import data as datalib
 from tpuft_workload import loop, pipeline, tiny

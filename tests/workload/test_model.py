@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.workload.rendezvous import file_rendezvous
+from tests.ranks import file_rendezvous
 from tests.factories import tiny_batch
 from tests.workload.inprocess_data import build_blocks, collate, load_records
 from tpuft_workload import checkpoint, model as modellib, tiny

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from tests.workload.rendezvous import file_rendezvous
+from tests.ranks import file_rendezvous
 from tests.workload.inprocess_data import build_blocks, collate, load_records  # noqa: E402
 from tpuft_workload import loop, tiny  # noqa: E402
 from tpuft_workload import model as modellib  # noqa: E402

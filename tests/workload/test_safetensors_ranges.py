@@ -20,7 +20,7 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from tests.workload.rendezvous import file_rendezvous
+from tests.ranks import file_rendezvous
 from tpuft_workload import model as modellib
 from tpuft_workload import safetensors_ranges, sharded_load
 from tpuft_workload.platform import PLATFORMS

@@ -8,13 +8,13 @@ import asyncio
 import json
 import os
 import signal
-import socket
 from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from tests.paths import EXAMPLES
+from tests.ranks import free_port
 from tpuft import builders, chat
 from tpuft.constants import (SERVE_API_KEY_ENV, SERVE_APP_NAME, SERVE_CHAT_PATH, SERVE_COMPLETIONS_PATH,
                              SERVE_DEPLOYMENT_NAME, SERVE_MODELS_PATH, SERVE_TRANSFORMERS_IMPORT_PATH, ServeArg)
@@ -597,19 +597,13 @@ def test_a_dead_engine_process_fails_its_requests_with_a_500_and_the_health_chec
 
 # --- end to end under local Ray Serve --------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(ray_cluster, export):
     """The app under SERVE_APP_NAME at route prefix "/", Serve's proxy on 127.0.0.1:<free port>; its
     replica has the API key in its environment, as the operator puts it on a serving pod."""
     from ray import serve
 
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = serveapp.parse_args({"model_source": export, "model_id": MODEL_ID, "max_tokens_default": 16})
     keyed = serveapp.ChatDeployment.options(

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from tests.workload.rendezvous import file_rendezvous
+from tests.ranks import file_rendezvous
 from tpuft_workload import model as modellib
 from tpuft_workload import sharded_load
 from tpuft_workload.platform import PLATFORMS
