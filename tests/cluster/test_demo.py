@@ -14,11 +14,13 @@ Healthy once Serving, and never OutOfSync while the operator writes its status
 With the demo's model served, a second served model and a third run share the node (issue 34).
 Both fine-tune with LoRA through training.framework jax (issue 60: JaxTrainer's 2 CPU workers, one
 2-process JAX program), each a current family built here from its transformers config class with
-its family's chat template and read from the bucket: the second a tiny Qwen 3, its PEFT adapter
-served; the third a tiny Gemma 3, short and without serving (Orbax checkpoints on the demo's
-claim), its adapter loaded here by PEFT. Each one's loss falls over its steps. The torch path's
-LoRA trains on the real Ray in tests/workload/test_lora_train.py and its base read from gs:// by
-byte ranges on the real node in tests/cluster/test_lifecycle.py. A re-created object training from step 0 (issue 19) is
+its family's chat template and read from the bucket, its Orbax checkpoints and export on the
+demo's claim: the second a tiny Qwen 3, its PEFT adapter served; the third a tiny Gemma 3, short
+and without serving, its adapter loaded here by PEFT. Each one's loss falls over its steps. The
+torch path's LoRA trains on the real Ray in tests/workload/test_lora_train.py; a run that keeps
+everything in the bucket (its base read by byte ranges, its storagePath gs://) is
+tests/cluster/test_lifecycle.py's: the JAX path stages a gs:// checkpoint on one host, and a CPU
+run's 2 workers are 2 pods. A re-created object training from step 0 (issue 19) is
 tests/unit/test_builders.py's (run names by UID) and tests/workload/test_train.py's (a run resumes
 only its own directory, or resumeFrom): a second demo run here cost the node a whole RayCluster.
 """
@@ -374,10 +376,10 @@ def _check_a_third_run_beside_two_served_models(kubectl, tmp_path: Path, bucket:
     to Succeeded on the real node (it fits: docs/troubleshooting.md#how-many-runs-the-local-node-holds), never
     failing inside Ray because the node was overcommitted. The second is examples/local-cpu-lora.yaml
     (issue 30) on a tiny Qwen 3 with framework jax (issue 60): its adapters trained over the frozen
-    base, served on it, answering as its own model. Issue 58: the second keeps everything in a
-    bucket (the cluster's GCS stand-in): its base model read from gs://, its dataset and
-    storagePath gs://, and the server loads its export from there. The third is the same LoRA on
-    a tiny Gemma 3, its checkpoints on the demo's claim."""
+    base, served on it, answering as its own model. Issue 58: its base model and dataset are read
+    from a bucket (the cluster's GCS stand-in), and the server loads that base from there. The
+    third is the same LoRA on a tiny Gemma 3. Both keep their checkpoints and export on the
+    demo's claim (module docstring: why not gs://)."""
     def phase(name: str) -> dict:
         st = json.loads(kubectl("get", "tft", name, "-n", DEMO_NS, "-o", "json", check=True).stdout).get("status") or {}
         assert st.get("phase") != "Failed", (name, st)
@@ -386,7 +388,7 @@ def _check_a_third_run_beside_two_served_models(kubectl, tmp_path: Path, bucket:
     checkpoint = json.loads(kubectl("get", "tft", "local-cpu", "-n", DEMO_NS, "-o", "json",
                                     check=True).stdout)["spec"]["checkpoint"]
     example = tmp_path / "second.yaml"
-    second = _short_run("second", {"storagePath": f"{bucket}/runs"}, serve=True, split=JAX_SPLIT,
+    second = _short_run("second", checkpoint, serve=True, split=JAX_SPLIT,
                         model=family_model(bucket, "qwen3", tmp_path), example="local-cpu-lora.yaml", **JAX_LORA)
     second["spec"]["dataset"] = {"name": f"{bucket}/data/dolly-mini.jsonl", "split": JAX_SPLIT}
     example.write_text(yaml.safe_dump(second))
@@ -442,20 +444,18 @@ def _check_argo_cd_calls_it_healthy(kubectl, seen: dict) -> None:
 
 
 def _check_lora(status: dict) -> None:
-    """The LoRA run: the adapters only trained, its export a PEFT adapter folder, and the served
-    model (its base with the adapter applied) answering under the object's name."""
+    """The LoRA run: the adapters only trained, its export a PEFT adapter folder over its base in
+    the bucket, and the served model (that base with the adapter applied) answering under the
+    object's name."""
     from tpuft import chat_cli
     from tpuft_local.toolchain import tool_path
 
-    from tpuft import object_store
-
     training = status["training"]
     assert 0 < training["trainableParameters"] < training["totalParameters"] / 5, training
-    export = training["exportedModel"]
-    assert export.startswith("gs://"), export
-    assert {"adapter_config.json", "adapter_model.safetensors"} <= {
-        f.rsplit("/", 1)[-1] for f in object_store.list_files(export)}, export
-    assert status["serving"]["modelSource"] == export
+    export = Path(training["exportedModel"])
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(export)), export
+    assert json.loads((export / "adapter_config.json").read_text())["base_model_name_or_path"].startswith("gs://")
+    assert status["serving"]["modelSource"] == str(export)
     model, answer = chat_cli.ask(tool_path("kubectl"), DEMO_NS, "second", "What is Ray Serve?", max_tokens=8)
     assert model == "second" and answer.strip(), answer
 
