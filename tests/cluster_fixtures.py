@@ -10,6 +10,9 @@ Fixtures:
   cluster_ns     function a fresh namespace, deleted after the test (and its pods gone)
   cluster_bucket function gs://BUCKET on the cluster's GCS stand-in with a model and a dataset in it;
                  this process's env (and its children's) reaches it and the cluster
+  family_model(bucket, family, tmp_path)  a tiny model of a family tests/workload/jax_families
+                 builds (e.g. gemma3-text, qwen3), with the built-in tokenizer speaking that family's
+                 chat turns, uploaded to BUCKET/models/tiny-FAMILY; its gs:// URI
   clear_namespace(kubectl, ns)  delete what a test left in a namespace and wait for its pods to go,
                  so the next test finds the node's CPUs and the simulated TPU hosts free
   drop_namespace(kubectl, ns)  clear_namespace, then the namespace deleted (not waited for)
@@ -109,6 +112,47 @@ def cluster_bucket(local_cluster, tmp_path, monkeypatch) -> str:
     tokenizer.save_pretrained(model)
     checkpoint.upload_dir(str(model), f"{uri}/models/tiny-llama")
     checkpoint.write_bytes(f"{uri}/data/dolly-mini.jsonl", tiny.dolly_mini_path().read_bytes())
+    return uri
+
+
+# Each family's documented turn format (the chat template shipped with its instruct checkpoints,
+# less tool calls and Qwen 3's thinking switch), and the turn markers its tokenizer holds as
+# special tokens, and its role names (words dolly-mini's vocabulary lacks). Gemma 3 folds a system message into the first user turn; Qwen 3 is ChatML with no
+# default system prompt.
+FAMILY_CHAT = {
+    "gemma3-text": (
+        "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set first = messages[0]['content'] + '\n\n' %}"
+        "{% set turns = messages[1:] %}{% else %}{% set first = '' %}{% set turns = messages %}{% endif %}"
+        "{% for m in turns %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+        "<start_of_turn>{{ role }}\n{{ (first if loop.first else '') + m['content'] | trim }}<end_of_turn>\n"
+        "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}",
+        ("<start_of_turn>", "<end_of_turn>"), ("user", "model")),
+    "qwen3": (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+        ("<|im_start|>", "<|im_end|>"), ("system", "user", "assistant")),
+}
+
+
+def family_model(bucket: str, family: str, tmp_path) -> str:
+    """tests/workload/jax_families' tiny `family` model (transformers' own config class, random
+    weights) over the built-in tokenizer (it covers builtin:dolly-mini's words) with the family's
+    chat template, turn markers and role names, saved as safetensors and uploaded to BUCKET/models/tiny-FAMILY
+    (cluster_bucket's environment reaches the bucket). Returns its gs:// URI."""
+    from tests.workload import jax_families
+    from tpuft_workload import checkpoint, tiny
+
+    from tokenizers import AddedToken
+
+    template, markers, roles = FAMILY_CHAT[family]
+    tokenizer = tiny.build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": list(markers)})
+    tokenizer.add_tokens([AddedToken(role, single_word=True) for role in roles])
+    tokenizer.chat_template = template
+    folder = tmp_path / f"tiny-{family}"
+    jax_families.save(family, str(folder), tokenizer=tokenizer)
+    uri = f"{bucket}/models/tiny-{family}"
+    checkpoint.upload_dir(str(folder), uri)
     return uri
 
 

@@ -221,6 +221,24 @@ def load_weights(model_ref: str, tokenizer, seed: int):
     return jm.open_hf_dir(modellib.weights_dir(model_ref))   # read shard by shard as the parameters are placed
 
 
+def write_export(full: dict, hf_config: dict, model_ref: str, tokenizer, dest_uri: str, dtype=None) -> str:
+    """A full fine-tune's export from its gathered params (host arrays under Hugging Face's names):
+    the from_pretrained() folder at dest_uri with the base's generation config, the chat template's
+    turn end among its stop ids (the model learnt to end its answers there, and the serving engine
+    stops at those ids), and the tokenizer. Returns dest_uri."""
+    from transformers import PretrainedConfig
+
+    from tpuft_workload import model as modellib
+
+    base = modellib.base_generation(model_ref, PretrainedConfig(**hf_config))
+    with tempfile.TemporaryDirectory() as tmp:
+        jm.save_hf(full, hf_config, tmp, dtype=dtype)
+        ckptlib.serving_generation(base, tokenizer).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        ckptlib.upload_dir(tmp, dest_uri)
+    return dest_uri
+
+
 # ---- worker: the backend ----------------------------------------------------------------------
 
 def train_loop(config: dict) -> None:
@@ -417,15 +435,6 @@ class _Jax:
         self.params, self.opt_state = state["params"], state["opt_state"]
         return train_state
 
-    def _generation(self):
-        """The base's generation config, with the chat template's turn end among its stop ids."""
-        from transformers import PretrainedConfig
-
-        from tpuft_workload import model as modellib
-
-        base = modellib.base_generation(self.cfg.model, PretrainedConfig(**self.hf_config))
-        return ckptlib.serving_generation(base, self.tokenizer)
-
     def export(self) -> str | None:
         """Collective: the full weights gathered to every host; rank 0 writes the from_pretrained()
         folder (bf16 on accelerators, the dtype the model trained in; float32 on CPU). LoRA: the
@@ -442,12 +451,7 @@ class _Jax:
             import ml_dtypes
 
             dtype = ml_dtypes.bfloat16
-        with tempfile.TemporaryDirectory() as tmp:
-            jm.save_hf(full, self.hf_config, tmp, dtype=dtype)
-            self._generation().save_pretrained(tmp)
-            self.tokenizer.save_pretrained(tmp)
-            ckptlib.upload_dir(tmp, self.cfg.export_uri)
-        return self.cfg.export_uri
+        return write_export(full, self.hf_config, self.cfg.model, self.tokenizer, self.cfg.export_uri, dtype)
 
     def _export_adapters(self) -> str | None:
         """Collective: the adapters (and the base, where the built-in model or spec.export.merge needs
