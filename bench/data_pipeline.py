@@ -121,7 +121,7 @@ def per_rank(path: Path, workers: int) -> dict:
 def ray_data(path: Path, workers: int) -> dict:
     import ray
 
-    from tpuft.spec import Dataset
+    from tpuft.api.spec import Dataset
     from tpuft_workload import pipeline
 
     @ray.remote(num_cpus=1)

@@ -160,7 +160,8 @@ def manual(cl: Cluster, i: int) -> float:
 def check_same_commands() -> None:
     """The hand-written commands run what our operator renders for the example (run name aside): the
     workload's own CLI reads both (flags by hand, the --spec document rendered) into the same command."""
-    from tpuft import builders, spec
+    from tpuft.controller import builders
+    from tpuft.api import spec
     from tpuft_workload import __main__ as workload_cli
     tft = spec.parse({**yaml.safe_load((REPO / "examples" / "local-cpu.yaml").read_text()),
                       "metadata": {"name": "local-cpu", "namespace": NAMESPACE, "uid": "u"}})

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from tpuft import constants as c
+from tpuft.api import constants as c
 from tpuft_local import kueue as localkueue
 
 REPO = Path(__file__).resolve().parents[1]

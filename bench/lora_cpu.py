@@ -41,7 +41,7 @@ def _worker(rank: int, init_method: str, method: str, args: argparse.Namespace, 
     from torch.distributed.device_mesh import init_device_mesh
 
     from tests.workload.inprocess_data import build_blocks, collate, load_records
-    from tpuft.constants import LORA_DEFAULT_TARGET_MODULES
+    from tpuft.api.constants import LORA_DEFAULT_TARGET_MODULES
     from tpuft_workload import checkpoint, lora, tiny
     from tpuft_workload import model as modellib
     from tpuft_workload.platform import PLATFORMS

@@ -1,9 +1,9 @@
 """Which Gemma and Llama sizes fit a slice: HBM per chip and memory per worker pod, full vs LoRA.
 
-Arithmetic, not a measurement (tpuft.model_sizes, which `tpuft validate` warns from too): parameter
+Arithmetic, not a measurement (tpuft.api.model_sizes, which `tpuft validate` warns from too): parameter
 counts from each model's published config (embeddings, attention with grouped KV heads, gated MLP,
 norms; the text model only), HBM per chip and the worker pod's memory from the catalog
-(tpuft.catalog.Generation.hbm_gb and .worker, the default spec.resources.worker raises), the
+(tpuft.api.catalog.Generation.hbm_gb and .worker, the default spec.resources.worker raises), the
 weights sharded evenly over one slice's devices (FSDP2), one torch rank per device.
 
 Bytes per parameter, as tpuft_workload trains:
@@ -36,8 +36,8 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from tpuft import catalog, model_sizes
-from tpuft.model_sizes import LORA
+from tpuft.api import catalog, model_sizes
+from tpuft.api.model_sizes import LORA
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "bench" / "results" / "lora_fit.json"

@@ -6,7 +6,7 @@
 
 What it does, per run (a fresh namespace each, operators run one at a time, never together):
 
-  ours  `kopf run --standalone -m tpuft.handlers --namespace=NS` as a subprocess (production defaults:
+  ours  `kopf run --standalone -m tpuft.controller.handlers --namespace=NS` as a subprocess (production defaults:
         TPUFT_RESYNC_SECONDS=5, TPUFT_WORKERS=4). After a warm-up object, N TPUFinetunes (v6e 4x4, so
         nothing executes) are created by 8 client threads; per object, from t0 (its create call returned
         or the harness's watch saw it ADDED, whichever came first) -> the harness's watch sees phase
@@ -424,7 +424,7 @@ def scrape_operator_metrics(port: int) -> dict:
 def operator_argv(namespace: str) -> list[str]:
     """Our operator on `namespace`, through this interpreter: a clone's venv holds only the clone's own
     scripts, and kopf's `kopf` script is in the shared dependency venv (hack/venv.sh)."""
-    return [sys.executable, "-m", "kopf", "run", "--standalone", "-m", "tpuft.handlers", f"--namespace={namespace}"]
+    return [sys.executable, "-m", "kopf", "run", "--standalone", "-m", "tpuft.controller.handlers", f"--namespace={namespace}"]
 
 
 def run_ours(cl: Cluster, n: int, tag: str, idle_s: float, lifecycle: bool, workdir: Path) -> dict:
@@ -653,8 +653,8 @@ def code_state() -> dict:
 
     def git(*a):
         return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    files = ["operator/tpuft/handlers.py", "operator/tpuft/reconciler.py", "operator/tpuft/workqueue.py",
-             "operator/tpuft/kube.py", "operator/tpuft/phases.py"]
+    files = ["operator/tpuft/controller/handlers.py", "operator/tpuft/controller/reconciler.py", "operator/tpuft/controller/workqueue.py",
+             "operator/tpuft/controller/kube.py", "operator/tpuft/controller/phases.py"]
     return {"head": git("rev-parse", "--short", "HEAD"),
             "uncommitted": git("status", "--porcelain", "--", "operator/tpuft").splitlines(),
             "sha256": {f: hashlib.sha256((REPO / f).read_bytes()).hexdigest()[:12] for f in files}}

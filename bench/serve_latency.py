@@ -173,7 +173,7 @@ def run_apps(export: str, engines: dict[str, int], replicas: int, port: int) -> 
     """One application per engine (name -> max_batch_size) behind one proxy; name -> its chat URL."""
     from ray import serve
 
-    from tpuft.constants import SERVE_CHAT_PATH
+    from tpuft.api.constants import SERVE_CHAT_PATH
     from tpuft_workload import serve as serveapp
 
     serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -10,7 +10,7 @@ step (AdamW, one sequence of 32 tokens: on CPU the shard's gradients and moments
 too, 12 bytes a parameter, where a TPU holds them in HBM), the seconds to each, and the bytes of
 tensor data read; where the process may make cgroup v1 memory groups (root), each rank runs in its own
 and its usage, the kubelet's working set and Ray's "used" are sampled per phase (PodMemory), the
-first forward is traced layer by layer, and tpuft.model_sizes' prediction of the step's peak is
+first forward is traced layer by layer, and tpuft.api.model_sizes' prediction of the step's peak is
 printed beside the measured one. `--limit-mib 4096` limits each rank's cgroup as a 4Gi pod's is;
 `--activation-checkpointing` and `--steps` as spec.training's; the workers give freed tensors
 back to the kernel as train.py's do (sharded_load.unmap_freed_tensors; not with --glibc-default).
@@ -157,7 +157,7 @@ def _drop_file_cache(folder: Path) -> None:
 
 def _lora():
     """examples/local-cpu-lora.yaml's adapters (rank 8, alpha 16, the CRD's dropout) on Llama's default targets."""
-    from tpuft.constants import LORA_DEFAULT_TARGET_MODULES
+    from tpuft.api.constants import LORA_DEFAULT_TARGET_MODULES
     from tpuft_workload.lora import LoraSettings
 
     return LoraSettings(rank=8, alpha=16, dropout=0.05, target_modules=tuple(LORA_DEFAULT_TARGET_MODULES["llama"]))
@@ -329,11 +329,11 @@ def pod_figures(workers: list[dict]) -> dict | None:
 
 def predicted(hidden: int, layers: int, world: int, method: str, tokens: int, recompute: bool,
               loaded_mib: int | None) -> dict:
-    """tpuft.model_sizes' figures for this shape and step, in MiB: its StepMemory terms, the
+    """tpuft.api.model_sizes' figures for this shape and step, in MiB: its StepMemory terms, the
     trained parameters' gradients and AdamW moments (12 bytes each, this rank's shard), and the
     step's peak predicted from the measured loaded rank (`loaded_mib`: Ray's used at the end of the
     load, the shard and this process's runtime) plus both."""
-    from tpuft import model_sizes
+    from tpuft.api import model_sizes
 
     cfg = _config(hidden, layers)
     shape = model_sizes.ModelShape("bench", cfg.vocab_size, hidden, cfg.intermediate_size, layers,
@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
                 stepped_peak = max(f["ray_used"] for phase, f in row["pod_mib"].items()
                                    if phase not in ("max_usage_mib", "runtime", "load"))
                 print(f"  first forward (MiB of Ray's used): {row['first_forward_mib']}", flush=True)
-                print(f"  predicted (tpuft.model_sizes, MiB): {row['predicted_mib']}; measured step peak of Ray's "
+                print(f"  predicted (tpuft.api.model_sizes, MiB): {row['predicted_mib']}; measured step peak of Ray's "
                       f"used {stepped_peak}" + (f", limit {args.limit_mib} (Ray kills at "
                                                 f"{int(0.95 * args.limit_mib)})" if args.limit_mib else ""), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

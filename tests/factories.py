@@ -8,12 +8,12 @@ import uuid
 
 import yaml
 
-from tpuft import observed
-from tpuft.constants import API_VERSION, KIND
-from tpuft.diagnosis import PodObs
-from tpuft.reconciler import Reconciler, Snapshot
-from tpuft.settings import Settings
-from tpuft.spec import DEFAULTS
+from tpuft.controller import observed
+from tpuft.api.constants import API_VERSION, KIND
+from tpuft.controller.diagnosis import PodObs
+from tpuft.controller.reconciler import Reconciler, Snapshot
+from tpuft.controller.settings import Settings
+from tpuft.api.spec import DEFAULTS
 
 # The issue's minimum spec, as written.
 MINIMUM = yaml.safe_load("""
@@ -94,7 +94,7 @@ def with_unknown(parent: str, key: str, value, base=MINIMUM) -> dict:
     return doc
 
 
-# --- a fake API for tpuft.reconciler (tests/unit/test_reconciler.py; the fault tests' pinned bug) ---------
+# --- a fake API for tpuft.controller.reconciler (tests/unit/test_reconciler.py; the fault tests' pinned bug) ---------
 NS, NAME = "team-a", "ft"
 
 
@@ -249,7 +249,7 @@ class _FakeCustomObjects:
 
 
 class Lifecycle:
-    """One TPUFinetune driven by tpuft.reconciler against a FakeCluster, with KubeRay's part
+    """One TPUFinetune driven by tpuft.controller.reconciler against a FakeCluster, with KubeRay's part
     played by tests/kuberay_standin.py: the integration tests' vocabulary (apply, wait, children,
     events), for rules that need no API server."""
 

@@ -3,7 +3,7 @@ RayJob status exactly as KubeRay's controllers would (ray-project/kuberay v1.7.0
 ray-operator/apis/ray/v1/raycluster_types.go and rayjob_types.go), and pod status as the kubelet
 would; the messages Ray 2.60 writes for a failed job, which KubeRay copies. Not KubeRay.
 
-Field names and values are spelled here literally, not imported from tpuft.constants, so a
+Field names and values are spelled here literally, not imported from tpuft.api.constants, so a
 wrong constant in the operator fails the tests instead of agreeing with itself.
 """
 from __future__ import annotations

@@ -43,7 +43,7 @@ def _pdeathsig() -> None:
 
 
 class OperatorProcess:
-    """`kopf run --standalone -m tpuft.handlers --namespace=NS`; output appended to `log`."""
+    """`kopf run --standalone -m tpuft.controller.handlers --namespace=NS`; output appended to `log`."""
 
     def __init__(self, kubeconfig: str | Path, namespace: str, log: Path, *kopf_args: str, **env: str):
         self.log, self.namespace, self.kopf_args = log, namespace, kopf_args
@@ -59,7 +59,7 @@ class OperatorProcess:
             fh.write(f"\n==== start {self.starts + 1} at {time.time():.3f}\n".encode())
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kopf", "run", "--standalone", f"--namespace={self.namespace}",
-                 *self.kopf_args, "-m", "tpuft.handlers"], env=self.env, stdout=fh, stderr=subprocess.STDOUT,
+                 *self.kopf_args, "-m", "tpuft.controller.handlers"], env=self.env, stdout=fh, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_pdeathsig)
         self.starts += 1
 

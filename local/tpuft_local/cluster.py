@@ -501,7 +501,7 @@ class LocalCluster:
         port = free_port()
         env = dict(os.environ, KUBECONFIG=str(kubeconfig), TPUFT_METRICS_PORT="0")
         self._start("tpufinetune-operator", [
-            sys.executable, "-m", "kopf", "run", "--standalone", "-m", "tpuft.handlers", "--all-namespaces",
+            sys.executable, "-m", "kopf", "run", "--standalone", "-m", "tpuft.controller.handlers", "--all-namespaces",
             f"--liveness=http://127.0.0.1:{port}/healthz", "--log-format=plain"],
             lambda: procs.http_ok(f"http://127.0.0.1:{port}/healthz"), timeout=90, env=env)
 

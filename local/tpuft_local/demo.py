@@ -39,8 +39,8 @@ from pathlib import Path
 
 import yaml
 
-from tpuft import constants as c
-from tpuft.observed import parse_time, serving_ready
+from tpuft.api import constants as c
+from tpuft.controller.observed import parse_time, serving_ready
 from tpuft_local.demo_objects import DEMO_NAMESPACE, PSA_LABELS, DemoError, delete_previous
 
 REPO = Path(__file__).resolve().parents[2]
@@ -219,9 +219,9 @@ def _chat(obj: dict, kubeconfig: str, clock: Clock, questions: list[tuple[str, s
           before: dict[str, str] | None, no_before: str) -> dict:
     """The questions asked of the served model as `tpuft chat` asks (kubectl port-forward +
     /v1/chat/completions, one forward for all), printed beside the base's answers and what was taught."""
-    from tpuft import chat as chatlib
-    from tpuft import chat_cli
-    from tpuft.kubectl import port_forward
+    from tpuft.cli import chat as chatlib
+    from tpuft.cli import chat_cli
+    from tpuft.cli.kubectl import port_forward
     from tpuft_local.toolchain import tool_path
 
     os.environ["KUBECONFIG"] = kubeconfig   # for the kubectl calls below
@@ -655,7 +655,7 @@ def judge_rehearsal(status: dict, placed: dict[str, dict], workers: int, flex_st
 def _rehearsal_summary(obj: dict, placement: Placement, flex_start: bool, nodes_released: bool | None,
                        clock: Clock) -> int:
     """The rehearsal's verdict (judge_rehearsal) printed; its exit code."""
-    from tpuft.spec import parse
+    from tpuft.api.spec import parse
 
     spec = parse(obj).spec
     verdict = judge_rehearsal(obj.get("status") or {}, placement.placed, spec.slice.hosts * spec.slices,

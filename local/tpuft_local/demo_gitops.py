@@ -15,8 +15,8 @@ from datetime import datetime
 
 import yaml
 
-from tpuft import constants as c
-from tpuft.observed import parse_time
+from tpuft.api import constants as c
+from tpuft.controller.observed import parse_time
 from tpuft_local import argocd
 from tpuft_local.demo_objects import delete_previous
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from tpuft import constants as c
+from tpuft.api import constants as c
 
 # A namespace the demo creates refuses privileged pods (Pod Security Admission, baseline) and warns
 # about what `restricted` would refuse: the run's pods must not need more (issue 25).

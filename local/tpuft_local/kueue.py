@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from tpuft import constants as c
+from tpuft.api import constants as c
 from tpuft_local import pools as poolslib
 
 USER = "tpuft:kueue"
@@ -246,7 +246,7 @@ TAS = "tas"   # the ClusterQueue and LocalQueue placing slices by Kueue Topology
 def tas_objects(pool, local_queue_namespace: str | None = None) -> list[dict]:
     """Kueue Topology Aware Scheduling on a static TPU pool: the Topology, a flavor with the pool's
     labels and topologyName, and a ClusterQueue `tas` with quota for all of the pool's slices (a
-    `slices: N` run's N x hosts pods placed slice by slice on node pools; tpuft.builders' pod-set
+    `slices: N` run's N x hosts pods placed slice by slice on node pools; tpuft.controller.builders' pod-set
     annotations ask for it with scheduling.topologyAware)."""
     name = f"{pool.name}-{TAS}"
     flavor = _flavor(name, dict(pool.slice.node_selector), tpu=True)

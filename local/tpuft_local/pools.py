@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from tpuft import constants as c
-from tpuft.catalog import CatalogError, resolve_slice
+from tpuft.api import constants as c
+from tpuft.api.catalog import CatalogError, resolve_slice
 
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"  # KWOK manages only Nodes carrying it (--manage-nodes-with-annotation-selector)
 POOL_LABEL = "cloud.google.com/gke-nodepool"

@@ -37,12 +37,12 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
 from typing import Any
 
-from tpuft.catalog import CatalogError, resolve_slice
+from tpuft.api.catalog import CatalogError, resolve_slice
 
 log = logging.getLogger("tpuft_local.queued_provisioning")
 
 # The real API's words (k8s.io/autoscaler/cluster-autoscaler/apis provisioningrequest v1), spelled
-# here rather than imported from tpuft.constants, so that a wrong constant in the operator fails a test.
+# here rather than imported from tpuft.api.constants, so that a wrong constant in the operator fails a test.
 GROUP, VERSION, PLURAL = "autoscaling.x-k8s.io", "v1", "provisioningrequests"
 CLASS = "queued-provisioning.gke.io"
 ACCEPTED, PROVISIONED, FAILED = "Accepted", "Provisioned", "Failed"
@@ -80,7 +80,7 @@ class Settings:
 @dataclasses.dataclass(frozen=True)
 class Slices:
     """What a request asks for, read from its pod sets' PodTemplates: whole slices of one shape."""
-    shape: Any            # tpuft.catalog.SliceShape
+    shape: Any            # tpuft.api.catalog.SliceShape
     slices: int
 
 

@@ -33,7 +33,7 @@ Left out: sub-slice affinity discovery from Node topology labels (needs a node i
 GCE topology labels KWOK nodes do not have), the Kueue/dynamic-slicing bypass of that check,
 and the informer cache; siblings are listed live under one lock instead.
 
-The webhook's own strings are spelled here, not imported from `tpuft.constants`, so that a
+The webhook's own strings are spelled here, not imported from `tpuft.api.constants`, so that a
 wrong constant in the operator fails a test instead of agreeing with itself.
 """
 from __future__ import annotations

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from tests.chart.helmlib import CHART, REPO, run_health
-from tpuft.constants import Condition
+from tpuft.api.constants import Condition
 
 
 FIXTURES = sorted((Path(__file__).parent / "fixtures" / "argocd").glob("*.yaml"))

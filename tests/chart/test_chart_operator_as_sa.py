@@ -33,7 +33,7 @@ import yaml
 from tests.chart.helmlib import CHART, run_health
 from tests.images.dockerfile_lib import REPO, operator_image_venv, parse
 
-pytest.importorskip("tpuft.handlers", reason="the operator's handlers are not in this checkout yet")
+pytest.importorskip("tpuft.controller.handlers", reason="the operator's handlers are not in this checkout yet")
 from tests.factories import small_object  # noqa: E402
 from tests.kuberay_standin import KubeRay  # noqa: E402
 from tests.waiting import wait_until  # noqa: E402

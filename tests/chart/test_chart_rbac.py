@@ -23,8 +23,8 @@ APPLICATION = {
     ("ray.io", "rayservices"): {"get", "list", "watch", "create", "delete"},
     # events from kopf (core v1) and the handlers (either API)
     ("", "events"): {"create", "patch"},
-    # a RayCluster's pods while its slice comes up (tpuft.diagnosis; leftovers of a deleted object)
-    ("", "pods"): {"list", "watch"},   # and watched: a lost host seen at once (tpuft.hosts)
+    # a RayCluster's pods while its slice comes up (tpuft.controller.diagnosis; leftovers of a deleted object)
+    ("", "pods"): {"list", "watch"},   # and watched: a lost host seen at once (tpuft.controller.hosts)
     ("events.k8s.io", "events"): {"create", "patch"},
     # per-CR workload identity (ServiceAccount + Role + RoleBinding)
     ("", "serviceaccounts"): {"get", "list", "watch", "create", "patch"},
@@ -138,10 +138,10 @@ def test_bindings_point_at_the_operator_service_account(render):
 
 
 def test_every_child_kind_the_operator_watches_is_granted_what_the_reconciler_does(render):
-    """A child kind added to tpuft.observed.CHILD_KINDS (a table row plus its builder) needs its RBAC
+    """A child kind added to tpuft.controller.observed.CHILD_KINDS (a table row plus its builder) needs its RBAC
     row too: kopf lists and watches it for the index, the reconciler GETs what the index lacks,
     creates it and deletes it."""
-    from tpuft.observed import CHILD_KINDS
+    from tpuft.controller.observed import CHILD_KINDS
 
     granted = flatten(rbac_rules(render())[("ClusterRole", FULLNAME, "")])
     for kind in CHILD_KINDS:

@@ -24,7 +24,7 @@ import yaml
 
 from tests.paths import EXAMPLES
 from tests.waiting import wait_until
-from tpuft import constants as c
+from tpuft.api import constants as c
 from tpuft_local import argocd
 
 APP = "gitops"

@@ -40,7 +40,7 @@ from tests.chart.helmlib import run_health
 from tests.cluster_fixtures import assert_nothing_left_failed, demo_command, drop_namespace, family_model
 from tests.paths import EXAMPLES, REPO
 from tests.waiting import wait_until
-from tpuft.observed import serving_ready
+from tpuft.controller.observed import serving_ready
 from tpuft_local import argocd, demo_gitops, node
 
 def phases_in_order(epochs: int, verified: bool, served: bool) -> list[str]:
@@ -262,7 +262,7 @@ def test_the_two_slice_example_trains_what_it_serves_through_the_demo(local_clus
     import openai
 
     from tests.factories import HABIT, QA_PAIRS, habit_tokenizer, taught
-    from tpuft import chat_cli
+    from tpuft.cli import chat_cli
     from tpuft_local.toolchain import tool_path
 
     storage = tmp_path / "checkpoints"
@@ -299,7 +299,7 @@ def _check_chat_and_models():
     same answer), then the official `openai` SDK and the 401s through one port-forward."""
     import openai
 
-    from tpuft import chat, chat_cli
+    from tpuft.cli import chat, chat_cli
     from tpuft_local.toolchain import tool_path
 
     kubectl = tool_path("kubectl")
@@ -448,7 +448,7 @@ def _check_lora(status: dict) -> None:
     """The LoRA run: the adapters only trained, its export a PEFT adapter folder over its base in
     the bucket, and the served model (that base with the adapter applied) answering under the
     object's name."""
-    from tpuft import chat_cli
+    from tpuft.cli import chat_cli
     from tpuft_local.toolchain import tool_path
 
     training = status["training"]

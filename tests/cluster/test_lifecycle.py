@@ -38,7 +38,7 @@ import yaml
 from tests.cluster_fixtures import assert_nothing_left_failed
 from tests.paths import EXAMPLES
 from tests.waiting import wait_until
-from tpuft import constants as c
+from tpuft.api import constants as c
 from tpuft_local import chart, node
 
 ONE_RUN_CPU = "1"   # local-cpu.yaml's pods ask 0.6 CPU (head 100m, two workers 250m): one run fits, two do not

@@ -64,7 +64,7 @@ def test_operator_serves_metrics_in_the_pod(local_cluster, operator_pod):
     ("get", "secrets", False),
     ("list", "pods", True),     # a RayCluster's pods while its slice comes up
     ("get", "pods", False),
-    ("watch", "pods", True),    # and watched: a lost host seen at once (tpuft.hosts)
+    ("watch", "pods", True),    # and watched: a lost host seen at once (tpuft.controller.hosts)
     ("create", "pods", False),
     ("delete", "pods", False),
     ("create", "pods/exec", False),

@@ -71,7 +71,7 @@ def test_operator_runs_as_numeric_non_root_user():
 
 def test_operator_entrypoint_is_kopf_standalone():
     ep = OPERATOR.final.all("ENTRYPOINT")[-1].json_args
-    assert ep == ["kopf", "run", "--standalone", "--liveness=http://0.0.0.0:8080/healthz", "-m", "tpuft.handlers"]
+    assert ep == ["kopf", "run", "--standalone", "--liveness=http://0.0.0.0:8080/healthz", "-m", "tpuft.controller.handlers"]
     # the namespace scope comes from the chart's args; CMD is only the `docker run` default
     cmd = OPERATOR.final.all("CMD")
     assert not cmd or cmd[-1].json_args == ["--all-namespaces"]

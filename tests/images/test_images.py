@@ -75,7 +75,7 @@ def test_operator_image_runs_as_65532_and_its_entrypoint_is_kopf(built_images):
     assert config["Cmd"] == ["--all-namespaces"]
     assert _ok(images.run_in_image(ref, ["id", "-u"])).strip() == "65532"
     # the ENTRYPOINT's program and module, as that user
-    _ok(images.run_in_image(ref, ["python", "-c", "import kopf, kubernetes, yaml, tpuft.handlers"]))
+    _ok(images.run_in_image(ref, ["python", "-c", "import kopf, kubernetes, yaml, tpuft.controller.handlers"]))
     out = _ok(images.run_in_image(ref, ["kopf", "run", "--help"]))
     assert "--standalone" in out and "--liveness" in out
 
@@ -83,7 +83,7 @@ def test_operator_image_runs_as_65532_and_its_entrypoint_is_kopf(built_images):
 def test_workload_image_imports_ray_transformers_and_the_workload(built_images):
     ref = built_images["workload"].ref
     out = _ok(images.run_in_image(ref, [*NO_TORCH_AUTOLOAD, "python", "-c",
-                                        "import ray, transformers, datasets, tpuft_workload, tpuft.catalog; "
+                                        "import ray, transformers, datasets, tpuft_workload, tpuft.api.catalog; "
                                         "print(ray.__version__, transformers.__version__)"]))
     ray_version, transformers_version = out.split()
     assert ray_version.startswith("2.60.") and transformers_version.startswith("5.")

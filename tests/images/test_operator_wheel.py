@@ -66,9 +66,9 @@ def test_wheel_requires_only_the_base_dependencies(operator_venv):
 def test_operator_modules_import_and_heavy_ones_do_not(operator_venv):
     venv, _ = operator_venv
     py = str(venv / "bin" / "python")
-    _ok(_run([py, "-c", "import kopf, kubernetes, yaml, tpuft, tpuft.catalog, tpuft.constants"], cwd="/"))
-    # the module the image's ENTRYPOINT loads (`kopf run ... -m tpuft.handlers`)
-    _ok(_run([py, "-c", "import tpuft.handlers"], cwd="/"))
+    _ok(_run([py, "-c", "import kopf, kubernetes, yaml, tpuft, tpuft.api.catalog, tpuft.api.constants"], cwd="/"))
+    # the module the image's ENTRYPOINT loads (`kopf run ... -m tpuft.controller.handlers`)
+    _ok(_run([py, "-c", "import tpuft.controller.handlers"], cwd="/"))
     for mod in ("torch", "ray", "transformers"):
         proc = _run([py, "-c", f"import {mod}"], cwd="/")
         assert proc.returncode != 0 and "ModuleNotFoundError" in proc.stderr, f"{mod} importable in the operator env"

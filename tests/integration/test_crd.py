@@ -2,14 +2,14 @@
 
 - The issue's MINIMUM spec, every file in examples/ and a set of edge-but-valid specs (every
   generation x every offered topology, every accelerator spelling, int quantities, env valueFrom, ...)
-  are accepted by a server-side create, and tpuft.spec.parse accepts what the server stored and
-  derives the same Spec as from the local document (the server applies tpuft.spec.DEFAULTS exactly).
+  are accepted by a server-side create, and tpuft.api.spec.parse accepts what the server stored and
+  derives the same Spec as from the local document (the server applies tpuft.api.spec.DEFAULTS exactly).
 - INVALID: 273 invalid TPUFinetunes (test_table_counts checks these numbers and prints them).
-  271 are rejected at admission (HTTP 422) with an error naming the field, and tpuft.spec.parse
+  271 are rejected at admission (HTTP 422) with an error naming the field, and tpuft.api.spec.parse
   rejects each of them with the same field too (server and parser agree row by row).
   2 rows are PARSER-ONLY, marked PARSER_ONLY in the table: the CRD cannot express them because the
   API server refuses the request before schema validation (HTTP 400: a wrong apiVersion; metadata
-  that cannot be decoded as ObjectMeta), so they never reach the operator and only tpuft.spec.parse
+  that cannot be decoded as ObjectMeta), so they never reach the operator and only tpuft.api.spec.parse
   (`tpuft validate`, `tpuft render`) names the field. Such a row must get a 400 from the server, so
   the marking stays honest.
 - `kubectl get tft` printer columns (and -o wide), `kubectl explain`, the short name.
@@ -35,9 +35,10 @@ from kubernetes import client
 
 from tests.factories import DELETE, MINIMUM, with_
 from tests.waiting import wait_until
-from tpuft import builders, catalog, crd
-from tpuft.constants import GROUP, PLURAL, VERSION
-from tpuft.spec import DEFAULTS, SpecError, parse
+from tpuft.controller import builders
+from tpuft.api import catalog, crd
+from tpuft.api.constants import GROUP, PLURAL, VERSION
+from tpuft.api.spec import DEFAULTS, SpecError, parse
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -279,7 +280,7 @@ INVALID = [
     row("annotations-string", ("spec.annotations", "x"), "spec.annotations"),
     row("annotations-key-two-slashes", ("spec.annotations", {"a/b/c": "x"}), "spec.annotations"),
     row("annotations-key-injection", ("spec.annotations", {"$(curl x)": "x"}), "spec.annotations"),
-    # reserved keys (tpuft.constants.RESERVED_LABELS / RESERVED_ANNOTATIONS: the CEL rule and the parser)
+    # reserved keys (tpuft.api.constants.RESERVED_LABELS / RESERVED_ANNOTATIONS: the CEL rule and the parser)
     row("labels-reserved-ours", ("spec.labels", {"tpufinetune.dev/name": "spoof"}), "spec.labels"),
     row("labels-reserved-ray-prefix", ("spec.labels", {"ray.io/node-type": "head"}), "spec.labels"),
     row("labels-reserved-kuberay-name", ("spec.labels", {"team": "ml", "app.kubernetes.io/name": "x"}), "spec.labels"),
@@ -433,7 +434,7 @@ def parser_fields(doc) -> list[str]:
     return [p.field for p in parser_problems(doc)]
 
 
-# How the API server's schema validation begins its messages (tpuft.fields.check words them so).
+# How the API server's schema validation begins its messages (tpuft.api.fields.check words them so).
 SERVER_WORDED = ("Invalid value: ", "Unsupported value: ", "Required value", "Too long: ")
 
 

@@ -40,7 +40,7 @@ def operator(kubeconfig, namespace, monkeypatch):
 
     @contextlib.contextmanager
     def start():
-        args = ["run", "--standalone", f"--namespace={namespace}", "-m", "tpuft.handlers"]
+        args = ["run", "--standalone", f"--namespace={namespace}", "-m", "tpuft.controller.handlers"]
         with KopfRunner(args, timeout=60) as runner:
             yield runner
         assert runner.exit_code == 0, runner.output
@@ -162,7 +162,7 @@ def test_full_lifecycle_to_succeeded(operator, tft, kuberay, kubectl, namespace)
         assert reason in reasons, reasons
     from prometheus_client import generate_latest
 
-    from tpuft import metrics
+    from tpuft.controller import metrics
     text = generate_latest(metrics.REGISTRY).decode()
     assert 'tpuft_reconcile_total{result="ok"}' in text and "tpuft_phase_duration_seconds_bucket" in text
 

@@ -260,7 +260,7 @@ def test_lost_status_write_response_never_regresses():
     write phase Pending over the Provisioning the server already has (it did, before
     the reconciler re-read the object after a failed status write)."""
     from tests.factories import NAME as UNAME, NS as UNS, FakeKube, indexed, reconciler, snap, tft
-    from tpuft.kube import KubeError
+    from tpuft.controller.kube import KubeError
 
     class LostResponse(FakeKube):
         lose_next = True

@@ -8,9 +8,9 @@ from datetime import datetime, timezone
 from kubernetes import client
 
 from tests.factories import MINIMUM, with_
-from tpuft import observed, phases
-from tpuft.constants import GROUP, PLURAL, VERSION, TrainingStatus, VerificationStatus
-from tpuft.status import owned
+from tpuft.controller import observed, phases
+from tpuft.api.constants import GROUP, PLURAL, VERSION, TrainingStatus, VerificationStatus
+from tpuft.api.status import owned
 from tpuft_workload.report import TRAINING_KEYS, VERIFICATION_KEYS, StatusReporter
 
 # One value of the schema's type for each key.

@@ -11,8 +11,8 @@ from kubernetes import client
 
 from tests.factories import MINIMUM, UNKNOWN_FIELDS, with_, with_unknown
 from tests.paths import EXAMPLES
-from tpuft import strictfields
-from tpuft.constants import GROUP, PLURAL, VERSION
+from tpuft.cli import strictfields
+from tpuft.api.constants import GROUP, PLURAL, VERSION
 
 
 @pytest.fixture(scope="module")

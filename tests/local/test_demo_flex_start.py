@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from tpuft import constants as c
-from tpuft.spec import parse
+from tpuft.api import constants as c
+from tpuft.api.spec import parse
 from tpuft_local import demo
 from tpuft_local.demo_objects import DemoError
 from tpuft_local.kueue import FLEX_START

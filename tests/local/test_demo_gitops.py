@@ -9,7 +9,7 @@ import pytest
 import yaml
 from kubernetes.client.rest import ApiException
 
-from tpuft import constants as c
+from tpuft.api import constants as c
 from tpuft_local import argocd, demo_gitops
 
 MANIFEST = {"apiVersion": f"{c.GROUP}/{c.VERSION}", "kind": c.KIND, "metadata": {"name": "m", "namespace": "ns"},

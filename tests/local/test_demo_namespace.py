@@ -9,7 +9,7 @@ import argparse
 import pytest
 from kubernetes.client.rest import ApiException
 
-from tpuft import constants as c
+from tpuft.api import constants as c
 from tpuft_local import demo, kueue, pools
 from tpuft_local.demo_objects import DEMO_NAMESPACE, DemoError
 

@@ -7,7 +7,7 @@ import base64
 
 import yaml
 
-from tpuft import constants as c
+from tpuft.api import constants as c
 from tpuft_local import kueue, pools
 
 

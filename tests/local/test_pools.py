@@ -1,7 +1,7 @@
 """Simulated GKE node pools: shapes from the catalog, GKE's allocatable, the TPU taint."""
 import pytest
 
-from tpuft import catalog
+from tpuft.api import catalog
 from tpuft_local import pools
 
 

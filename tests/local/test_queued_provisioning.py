@@ -7,7 +7,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from tpuft.catalog import resolve_slice
+from tpuft.api.catalog import resolve_slice
 from tpuft_local import pools
 from tpuft_local import queued_provisioning as qp
 

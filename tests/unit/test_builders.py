@@ -13,9 +13,10 @@ import yaml
 from tests.paths import EXAMPLES, GOLDEN, NETWORK_POLICY_OPENAPI, kuberay_crd
 from tests.gke_tutorial import missing_from, tutorial_rayclusters
 from tests.factories import MINIMUM, with_
-from tpuft import builders, catalog
-from tpuft.constants import SERVE_API_KEY_ENV, SERVE_DEPLOYMENT_NAME, ServeArg
-from tpuft.spec import parse
+from tpuft.controller import builders
+from tpuft.api import catalog
+from tpuft.api.constants import SERVE_API_KEY_ENV, SERVE_DEPLOYMENT_NAME, ServeArg
+from tpuft.api.spec import parse
 
 EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml"))
 
@@ -740,7 +741,7 @@ PRESTOP = ["python", "-m", "tpuft_workload.preemption", "--timeout-seconds", "28
 def test_training_pods_stop_at_a_checkpoint_within_their_grace_period(path, kind, hook, grace):
     """Training head and workers: a preStop hook that SIGTERMs the pod's Ray Train workers and waits,
     15 s inside the pod's grace period (then the runtime signals `ray start`). Serving: neither."""
-    from tpuft import constants as c
+    from tpuft.api import constants as c
 
     assert c.PRESTOP_WAIT_SECONDS + 15 == c.TRAINING_TERMINATION_GRACE_SECONDS
     spec = dict(_ray_clusters(_with_serving(path)))[kind]

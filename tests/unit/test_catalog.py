@@ -1,7 +1,7 @@
 """The TPU catalog: every generation's facts, valid and invalid shapes (table-driven)."""
 import pytest
 
-from tpuft import catalog
+from tpuft.api import catalog
 
 VALID = [
     # accelerator, topology, generation, hosts, chips/host, devices/host, devices, machine, ray type, per-chip, torch topo

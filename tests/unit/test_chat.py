@@ -1,4 +1,4 @@
-"""tpuft.chat against a small local http.server on 127.0.0.1 (no Ray): the body it sends, the reply
+"""tpuft.cli.chat against a small local http.server on 127.0.0.1 (no Ray): the body it sends, the reply
 it returns (whole, or streamed as server-sent events), and a ChatError carrying the status and the
 server's message for every way it fails."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import threading
 import pytest
 
 from tests.http_stub import QuietHandler, serving
-from tpuft import chat
-from tpuft.constants import SERVE_CHAT_PATH, SERVE_MODELS_PATH
+from tpuft.cli import chat
+from tpuft.api.constants import SERVE_CHAT_PATH, SERVE_MODELS_PATH
 
 
 @contextlib.contextmanager

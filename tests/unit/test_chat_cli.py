@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from tests.http_stub import QuietHandler, serving
-from tpuft import chat_cli
-from tpuft import constants as c
+from tpuft.cli import chat_cli
+from tpuft.api import constants as c
 
 
 def _obj(phase, ready="False", serving=None, serve_enabled=True):

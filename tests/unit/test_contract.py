@@ -1,14 +1,14 @@
 """One source for each fact the operator and the workload share: the workload CLI's defaults are
 the spec's, and the status keys the workload writes, the CRD's status schema and what the demo
-reads are one list (tpuft.constants.TrainingStatus / VerificationStatus)."""
+reads are one list (tpuft.api.constants.TrainingStatus / VerificationStatus)."""
 from __future__ import annotations
 
 import ast
 import inspect
 
-from tpuft import crd, fields
-from tpuft.constants import TrainingStatus, VerificationStatus
-from tpuft.spec import DEFAULTS, LORA_DEFAULTS
+from tpuft.api import crd, fields
+from tpuft.api.constants import TrainingStatus, VerificationStatus
+from tpuft.api.spec import DEFAULTS, LORA_DEFAULTS
 from tpuft_local import demo
 from tpuft_workload import __main__ as workload_cli
 from tpuft_workload.report import TRAINING_KEYS, VERIFICATION_KEYS
@@ -16,7 +16,7 @@ from tpuft_workload.verify_result import VerifyResult
 
 def test_workload_cli_defaults_are_the_spec_defaults():
     """The workload's flags have no defaults of their own: what is left out means what the field
-    left out means (the declarations' defaults, through tpuft.spec.parse_run)."""
+    left out means (the declarations' defaults, through tpuft.api.spec.parse_run)."""
     command, _ = workload_cli.parse_args(["train", "--accelerator", "cpu", "--topology", "2", "--model", "m",
                                           "--dataset", "d", "--storage-path", "/tmp/x", "--run-name", "r"])
     run = command.run
@@ -70,7 +70,7 @@ def _demo_lookups() -> tuple[set[str], list[str]]:
 
 def test_the_demo_reads_only_keys_the_workload_writes():
     members, literals = _demo_lookups()
-    assert literals == [], f"spell status keys through tpuft.constants: {literals}"
+    assert literals == [], f"spell status keys through tpuft.api.constants: {literals}"
     known = {f"TR.{m.name}" for m in TrainingStatus} | {f"VER.{m.name}" for m in VerificationStatus}
     assert members and members <= known, sorted(members - known)
     line = demo._training_line({"epoch": 2, "epochs": 3, "step": 20, "totalSteps": 30, "loss": 1.23456,
@@ -80,7 +80,7 @@ def test_the_demo_reads_only_keys_the_workload_writes():
 
 def test_dataset_formats_are_one_list():
     """spec.dataset.format's CRD enum, the parser's and the workload's --dataset-format choices."""
-    from tpuft.constants import DatasetFormat
+    from tpuft.api.constants import DatasetFormat
 
     spec = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
     values = [f.value for f in DatasetFormat]
@@ -92,8 +92,8 @@ def test_dataset_formats_are_one_list():
 
 def test_training_frameworks_are_one_list():
     """spec.training.framework's CRD enum and default, the parser's and the workload's --framework."""
-    from tpuft.constants import TrainingFramework
-    from tpuft.spec import DEFAULTS
+    from tpuft.api.constants import TrainingFramework
+    from tpuft.api.spec import DEFAULTS
 
     spec = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
     values = [f.value for f in TrainingFramework]

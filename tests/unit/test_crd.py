@@ -4,17 +4,17 @@ import yaml
 from tests.paths import REPO
 import pytest
 
-from tpuft import catalog, crd
-from tpuft import constants as c
-from tpuft.constants import Phase
-from tpuft.status import OWNED_KEYS
-from tpuft.spec import DEFAULTS, PRESENT_DEFAULTS, SHELL_SAFE, STORAGE_PATH, UNSAFE
+from tpuft.api import catalog, crd
+from tpuft.api import constants as c
+from tpuft.api.constants import Phase
+from tpuft.api.status import OWNED_KEYS
+from tpuft.api.spec import DEFAULTS, PRESENT_DEFAULTS, SHELL_SAFE, STORAGE_PATH, UNSAFE
 from tpuft_workload.report import TRAINING_KEYS, VERIFICATION_KEYS
 
 
 def test_committed_crd_matches_the_generator():
     committed = (REPO / "crds" / "tpufinetune.yaml").read_text()
-    assert committed == crd.render(), "crds/tpufinetune.yaml is stale: python -m tpuft.crd > crds/tpufinetune.yaml"
+    assert committed == crd.render(), "crds/tpufinetune.yaml is stale: python -m tpuft.api.crd > crds/tpufinetune.yaml"
 
 
 def _walk(schema, path="spec"):
@@ -79,7 +79,7 @@ def _spec_properties() -> dict:
 
 @pytest.mark.parametrize("field,reserved", [("labels", c.RESERVED_LABELS), ("annotations", c.RESERVED_ANNOTATIONS)])
 def test_reserved_keys_admission_rule_is_the_parsers_list(field, reserved):
-    """The CEL rule refuses exactly the keys and prefixes tpuft.spec refuses (one list, tpuft.constants)."""
+    """The CEL rule refuses exactly the keys and prefixes tpuft.api.spec refuses (one list, tpuft.api.constants)."""
     rules = _spec_properties()[field]["x-kubernetes-validations"]
     (rule,) = [r["rule"] for r in rules if "startsWith" in r["rule"]]
     keys = ", ".join(repr(k) for k, _ in reserved.keys)

@@ -2,14 +2,14 @@
 import re
 
 from tests.paths import REPO
-from tpuft import crd, crd_reference
+from tpuft.api import crd, crd_reference
 
 PAGE = REPO / "docs" / "reference" / "api.md"
 
 
 def test_committed_reference_matches_the_generator():
     assert PAGE.read_text() == crd_reference.render(), \
-        "docs/reference/api.md is stale: python -m tpuft.crd_reference > docs/reference/api.md"
+        "docs/reference/api.md is stale: python -m tpuft.api.crd_reference > docs/reference/api.md"
 
 
 def _fields(schema: dict) -> int:

@@ -1,6 +1,6 @@
 """The chart's Grafana dashboard (charts/tpufinetune-operator/dashboards/tpufinetune.json) and its
 PodMonitor: valid JSON that a JSON Schema of the Grafana dashboard model's parts we use accepts,
-a panel with a unit per workload gauge (tpuft.constants.TrainMetric, as Ray exports it), panels
+a panel with a unit per workload gauge (tpuft.api.constants.TrainMetric, as Ray exports it), panels
 that do not overlap, and a PodMonitor template that selects by the labels and port the operator
 and KubeRay give Ray pods (one source: the constants). Rendering is tests/chart's (helm)."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from tests.paths import REPO
-from tpuft import constants as c
+from tpuft.api import constants as c
 from tpuft_workload import metrics_log
 
 CHART = REPO / "charts" / "tpufinetune-operator"

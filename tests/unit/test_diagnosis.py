@@ -1,10 +1,10 @@
-"""tpuft.diagnosis, pure: a pod's status as the kubelet and the scheduler write it -> the one
+"""tpuft.controller.diagnosis, pure: a pod's status as the kubelet and the scheduler write it -> the one
 cause a user should read first."""
 from __future__ import annotations
 
 import pytest
 
-from tpuft.diagnosis import MAX_DETAIL, OomKilled, PodObs, blocking_cause, host_of, leftovers, pool_hint
+from tpuft.controller.diagnosis import MAX_DETAIL, OomKilled, PodObs, blocking_cause, host_of, leftovers, pool_hint
 
 
 def pod(name: str = "ft-ray-worker-a", *, waiting: dict | None = None, last: dict | None = None,

@@ -1,4 +1,4 @@
-"""tpuft.goodput, pure: which cause each phase's seconds count for, how an interval is added, and
+"""tpuft.controller.goodput, pure: which cause each phase's seconds count for, how an interval is added, and
 status.goodput over a whole run driven through phases.decide with a fixed clock (provisioning,
 verification, training, a lost host's replacement, a suspend and its resume)."""
 from __future__ import annotations
@@ -9,13 +9,13 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from tests.factories import merge_patch
-from tpuft import goodput, observed, phases
-from tpuft import constants as c
-from tpuft.constants import GoodputCause as G
-from tpuft.constants import Phase, Reason
-from tpuft.fields import to_json
-from tpuft.observed import ClusterObs, JobObs, Observed
-from tpuft.status import Goodput
+from tpuft.controller import goodput, observed, phases
+from tpuft.api import constants as c
+from tpuft.api.constants import GoodputCause as G
+from tpuft.api.constants import Phase, Reason
+from tpuft.api.fields import to_json
+from tpuft.controller.observed import ClusterObs, JobObs, Observed
+from tpuft.api.status import Goodput
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 

@@ -1,4 +1,4 @@
-"""tpuft.handlers, the kopf wiring, without kopf running: one index and one event handler per
+"""tpuft.controller.handlers, the kopf wiring, without kopf running: one index and one event handler per
 child kind (observed.CHILD_KINDS), and the work queue kept in kopf's memo."""
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import kopf
 from kopf._core.intents.registries import get_default_registry
 
 from tests.factories import NAME, NS, FakeKube, tft
-from tpuft import constants as c
-from tpuft import handlers
-from tpuft.observed import CHILD_KINDS, IndexedChild
-from tpuft.reconciler import Indexes
-from tpuft.settings import Settings
+from tpuft.api import constants as c
+from tpuft.controller import handlers
+from tpuft.controller.observed import CHILD_KINDS, IndexedChild
+from tpuft.controller.reconciler import Indexes
+from tpuft.controller.settings import Settings
 
 
 def test_each_child_kind_has_an_index_and_an_event_handler_filtered_by_owner():

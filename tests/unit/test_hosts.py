@@ -1,4 +1,4 @@
-"""A running slice's hosts as the pod watch shows them (tpuft.hosts) and what phases.decide does with
+"""A running slice's hosts as the pod watch shows them (tpuft.controller.hosts) and what phases.decide does with
 them: a loss seen however fast KubeRay replaced the pod, counted once; a pod told to stop keeps its
 job until the stop checkpoint is saved; GKE's maintenance notice asks for a checkpoint; with
 spec.recovery.elastic, training goes on with the whole slices and comes back to all of them."""
@@ -10,11 +10,11 @@ import shlex
 import pytest
 
 from tests.unit.test_phases import NAME, TUN, apply, at, cluster, job, kinds, make, names
-from tpuft import hosts, observed, phases
-from tpuft.constants import Phase
-from tpuft.diagnosis import PodObs
-from tpuft.hosts import NodeObs
-from tpuft.observed import Observed
+from tpuft.controller import hosts, observed, phases
+from tpuft.api.constants import Phase
+from tpuft.controller.diagnosis import PodObs
+from tpuft.controller.hosts import NodeObs
+from tpuft.controller.observed import Observed
 
 
 def pod(name: str, uid: str, *, head: bool = False, replica: int | None = 0, phase: str = "Running",
@@ -53,7 +53,7 @@ def train_with_pods(slices: int = 1, **spec) -> tuple[dict, tuple[PodObs, ...]]:
     return o, whole
 
 
-# --- tpuft.hosts, pure ----------------------------------------------------------------------------------
+# --- tpuft.controller.hosts, pure ----------------------------------------------------------------------------------
 def test_the_node_keeps_only_what_is_noteworthy():
     ready = {"metadata": {"name": "n"}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
     assert not NodeObs.of(ready).noteworthy
@@ -256,7 +256,7 @@ def test_two_nodes_with_notices_are_one_request_until_the_set_changes():
     (1, 2, 0, 0, None),
 ])
 def test_elastic_keeps_the_global_batch(accumulation, slices, whole, train_on, new_accumulation):
-    from tpuft.builders import elastic_accumulation, elastic_slices
+    from tpuft.controller.builders import elastic_accumulation, elastic_slices
     assert elastic_slices(accumulation, slices, whole) == train_on
     if train_on:
         assert elastic_accumulation(accumulation, slices, train_on) == new_accumulation

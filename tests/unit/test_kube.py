@@ -1,16 +1,16 @@
-"""tpuft.kube: the API I/O module takes its types from tpuft.observed, not from the decision module."""
+"""tpuft.controller.kube: the API I/O module takes its types from tpuft.controller.observed, not from the decision module."""
 import ast
 from pathlib import Path
 
-from tpuft import kube
-from tpuft.observed import Action, Op
+from tpuft.controller import kube
+from tpuft.controller.observed import Action, Op
 
 
 def test_kube_does_not_import_the_decision_module():
     tree = ast.parse(Path(kube.__file__).read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert "tpuft.phases" not in imported and "tpuft.observed" in imported
+    assert "tpuft.controller.phases" not in imported and "tpuft.controller.observed" in imported
 
 
 class _Custom:

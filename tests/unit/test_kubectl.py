@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from tpuft import cli, kubectl
+from tpuft import cli
+from tpuft.cli import kubectl
 
 # What kubectl 1.35 prints without KUBECONFIG or ~/.kube/config (recorded: five API group lookups, then one line)
 UNCONFIGURED = "\n".join(

@@ -1,8 +1,8 @@
-"""tpuft.ledger: what the reconciler keeps per TPUFinetune between reconciles (the last error
+"""tpuft.controller.ledger: what the reconciler keeps per TPUFinetune between reconciles (the last error
 posted, and what bridges kopf's index lagging the API server)."""
 from __future__ import annotations
 
-from tpuft.ledger import Ledger
+from tpuft.controller.ledger import Ledger
 
 K = ("team-a", "ft")
 OTHER = ("team-a", "other")

@@ -17,9 +17,10 @@ import pytest
 
 from tests.factories import MINIMUM
 from tests.http_stub import QuietHandler, serving
-from tpuft import builders, logs_cli, ray_jobs
-from tpuft import constants as c
-from tpuft.spec import parse
+from tpuft.controller import builders
+from tpuft.cli import logs_cli, ray_jobs
+from tpuft.api import constants as c
+from tpuft.api.spec import parse
 
 TOKEN = "ray-token-from-the-secret"
 JOB_ID = "ft-train-abc12"

@@ -1,4 +1,4 @@
-"""tpuft.model_sizes: the arithmetic of what fits, and that the fit table (bench/lora_fit.py) and
+"""tpuft.api.model_sizes: the arithmetic of what fits, and that the fit table (bench/lora_fit.py) and
 `tpuft validate` give the same numbers."""
 import dataclasses
 import importlib.util
@@ -8,8 +8,9 @@ import pytest
 
 from tests.factories import small_object
 from tests.paths import REPO
-from tpuft import catalog, cli_core, model_sizes, spec
-from tpuft.model_sizes import GB, GIB, LORA, Run
+from tpuft.api import catalog, model_sizes, spec
+from tpuft.cli import cli_core
+from tpuft.api.model_sizes import GB, GIB, LORA, Run
 
 
 def _bench():

@@ -1,4 +1,4 @@
-"""tpuft.observed's table of child kinds (CHILD_KINDS): each row's field is an Observed field,
+"""tpuft.controller.observed's table of child kinds (CHILD_KINDS): each row's field is an Observed field,
 the status.children keys it reads are in the CRD's status schema, and the liveness rule; a failed
 RayJob's message as status shows it, and a pod killed for memory (observed.memory_kill)."""
 from __future__ import annotations
@@ -9,11 +9,11 @@ from datetime import datetime, timezone
 import pytest
 
 from tests.kuberay_standin import entrypoint_failed, memory_monitor_kill, train_controller_log
-from tpuft import constants as c
-from tpuft import crd
-from tpuft.diagnosis import OomKilled, PodObs
-from tpuft.kube import CUSTOM
-from tpuft.observed import (CHILD_KINDS, MAX_JOB_MESSAGE, ClusterObs, IndexedChild, JobObs, Killer, MemoryKill, QueueObs,
+from tpuft.api import constants as c
+from tpuft.api import crd
+from tpuft.controller.diagnosis import OomKilled, PodObs
+from tpuft.controller.kube import CUSTOM
+from tpuft.controller.observed import (CHILD_KINDS, MAX_JOB_MESSAGE, ClusterObs, IndexedChild, JobObs, Killer, MemoryKill, QueueObs,
                             Observed, RayMemoryKill, ServiceObs, job_failure_detail, job_message, live, memory_kill)
 
 

@@ -1,4 +1,4 @@
-"""tpuft.phases.decide, pure: every transition and failure reason, timeouts at the bound,
+"""tpuft.controller.phases.decide, pure: every transition and failure reason, timeouts at the bound,
 condition stability, no-change -> no write, spec changes recorded and never half-applied."""
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import pytest
 
 from tests.factories import merge_patch, small_object
 from tests.kuberay_standin import entrypoint_failed, memory_monitor_kill, train_controller_log
-from tpuft import builders, observed, phases
-from tpuft import constants as c
-from tpuft.constants import Phase
-from tpuft.diagnosis import OomKilled, PodObs, Waiting
-from tpuft.observed import AdmissionError, ClusterObs, JobObs, Observed, Op
-from tpuft.spec import parse
+from tpuft.controller import builders, observed, phases
+from tpuft.api import constants as c
+from tpuft.api.constants import Phase
+from tpuft.controller.diagnosis import OomKilled, PodObs, Waiting
+from tpuft.controller.observed import AdmissionError, ClusterObs, JobObs, Observed, Op
+from tpuft.api.spec import parse
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 TUN = observed.Tunables(verify_grace_seconds=60)

@@ -1,4 +1,4 @@
-"""tpuft.phases.decide for adapters on a shared base, pure and on a fixed clock: a base (training.method
+"""tpuft.controller.phases.decide for adapters on a shared base, pure and on a fixed clock: a base (training.method
 none) serves from its first reconcile; a LoRA fine-tune (spec.publish) is refused against the wrong base
 before training, publishes on the base's serving cluster once it succeeds, is kept unpublished with both
 figures when not better, and is superseded by a newer publication; a base lists its adapters and removes
@@ -10,10 +10,10 @@ import shlex
 from datetime import datetime, timedelta, timezone
 
 from tests.factories import merge_patch, small_object
-from tpuft import builders, observed, phases
-from tpuft import constants as c
-from tpuft.observed import ClusterObs, JobObs, Observed, PeerObs, PublishedObs, ServiceObs
-from tpuft.spec import parse
+from tpuft.controller import builders, observed, phases
+from tpuft.api import constants as c
+from tpuft.controller.observed import ClusterObs, JobObs, Observed, PeerObs, PublishedObs, ServiceObs
+from tpuft.api.spec import parse
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 TUN = observed.Tunables(verify_grace_seconds=60)

@@ -16,9 +16,10 @@ import sys
 import pytest
 
 from tests.factories import MINIMUM
-from tpuft import builders, plot_cli
-from tpuft.plot_cli import NoPlot, Source
-from tpuft.spec import parse
+from tpuft.controller import builders
+from tpuft.cli import plot_cli
+from tpuft.cli.plot_cli import NoPlot, Source
+from tpuft.api.spec import parse
 from tpuft_workload import metrics_log
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tpuft.constants import TRAIN_METRIC_TAG, TrainMetric
+from tpuft.api.constants import TRAIN_METRIC_TAG, TrainMetric
 from tpuft_workload.metrics_log import Prometheus
 
 

@@ -1,11 +1,11 @@
-"""tpuft.publishing, pure: which adapter a base serves under a name, and the gate a new fine-tune
+"""tpuft.controller.publishing, pure: which adapter a base serves under a name, and the gate a new fine-tune
 passes to replace it (ifBetter with a margin, never across eval sets; always)."""
 from __future__ import annotations
 
 import pytest
 
-from tpuft import publishing
-from tpuft.observed import PublishedObs
+from tpuft.controller import publishing
+from tpuft.controller.observed import PublishedObs
 
 SET = "split:d[test]"
 

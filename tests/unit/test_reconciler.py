@@ -1,4 +1,4 @@
-"""tpuft.reconciler.Reconciler with a fake API: actions before the single status write,
+"""tpuft.controller.reconciler.Reconciler with a fake API: actions before the single status write,
 admission rejections, transient errors, index misses confirmed with a GET."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 import dataclasses
 
 from tests.factories import NAME, NS, FakeKube, Lifecycle, indexed, kids, reconciler, snap, tft
-from tpuft.kube import KubeError, Rejected
-from tpuft.observed import IndexedChild
-from tpuft.settings import Settings
+from tpuft.controller.kube import KubeError, Rejected
+from tpuft.controller.observed import IndexedChild
+from tpuft.controller.settings import Settings
 
 def test_first_reconcile_acts_then_writes_status_once():
     kube = FakeKube(tft())
@@ -294,7 +294,7 @@ def test_a_listed_slice_is_reused_for_the_interval_then_listed_again(monkeypatch
     kube = FakeKube(tft())
     ctl = reconciler(kube)
     clock = [100.0]
-    monkeypatch.setattr("tpuft.reconciler.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("tpuft.controller.reconciler.time.monotonic", lambda: clock[0])
     ctl.reconcile((NS, NAME), snap(indexed(kube)))
     cluster = IndexedChild(f"{NAME}-ray", {}, uid="rc-1")
     kube.pods = [pod(f"{NAME}-ray-worker-a", "rc-1", **UNSCHEDULABLE)]
@@ -333,7 +333,7 @@ def _published(name: str, uid: str, base: str = "base") -> dict:
 
 
 def test_a_base_and_its_fine_tunes_read_each_other_from_the_index_and_nothing_else_does():
-    from tpuft.reconciler import Indexes, neighbours
+    from tpuft.controller.reconciler import Indexes, neighbours
 
     base = {"metadata": {"name": "base", "namespace": NS, "uid": "u-base"},
             "spec": {"model": "m", "serve": {"enabled": True, "adapters": {"maxRank": 32}}},

@@ -1,12 +1,12 @@
-"""tpuft.records: every record type users hold reads into one conversation shape; a record
+"""tpuft.api.records: every record type users hold reads into one conversation shape; a record
 that does not fit is named by its number, its field and what was expected."""
 from __future__ import annotations
 
 import pytest
 
-from tpuft.constants import DatasetType
-from tpuft import records
-from tpuft.records import RecordError, Turn
+from tpuft.api.constants import DatasetType
+from tpuft.api import records
+from tpuft.api.records import RecordError, Turn
 
 
 @pytest.mark.parametrize("columns, kind", [

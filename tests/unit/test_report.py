@@ -1,5 +1,5 @@
 """tpuft_workload.report's pure parts: status.training.history stays bounded, evenly spaced and ends
-at the latest report (and its largest JSON is the budget tpuft.constants states); MFU from the
+at the latest report (and its largest JSON is the budget tpuft.api.constants states); MFU from the
 model's FLOPs per token (PaLM's formula), the throughput and the slice's (or GPUs') catalog peak;
 and a merge patch replaces the history wholly (RFC 7386), so each one sent is the whole curve."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import json
 import pytest
 
 from tests.factories import merge_patch
-from tpuft import catalog
-from tpuft.constants import HISTORY_MAX_POINTS
+from tpuft.api import catalog
+from tpuft.api.constants import HISTORY_MAX_POINTS
 from tpuft_workload.report import add_point, flops_per_token, gpu_slice_peak, mfu
 
 
@@ -53,7 +53,7 @@ def test_a_long_run_keeps_the_first_the_latest_and_one_spacing():
 
 
 def test_the_largest_history_is_the_stated_budget_far_below_etcds_limit():
-    """tpuft.constants.HISTORY_MAX_POINTS' comment states this size: 7-digit steps, 8-digit tokens/s."""
+    """tpuft.api.constants.HISTORY_MAX_POINTS' comment states this size: 7-digit steps, 8-digit tokens/s."""
     history = [_point(9_999_000 + i, 12.34567, 12_345_678.9) for i in range(HISTORY_MAX_POINTS)]
     assert len(json.dumps(history)) == 4352 < 1.5 * 2**20 / 100
 

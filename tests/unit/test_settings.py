@@ -1,4 +1,4 @@
-"""tpuft.settings: every runtime knob is one Settings field and one TPUFT_ variable, read at
+"""tpuft.controller.settings: every runtime knob is one Settings field and one TPUFT_ variable, read at
 startup; docs/reference/settings.md's table is generated from the fields."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import re
 import pytest
 
 from tests.paths import REPO
-from tpuft.observed import Tunables
-from tpuft.settings import Settings, SettingsError, env_name, environment_table
+from tpuft.controller.observed import Tunables
+from tpuft.controller.settings import Settings, SettingsError, env_name, environment_table
 
 OPERATOR = REPO / "operator" / "tpuft"
 
@@ -58,7 +58,7 @@ def test_the_docstring_lists_every_variable():
 def test_the_docs_table_is_generated_from_the_fields():
     page = (REPO / "docs" / "reference" / "settings.md").read_text()
     assert environment_table() in page, "docs/reference/settings.md's table of TPUFT_ variables is stale: paste " \
-                                        "`.venv/bin/python -m tpuft.settings` over it"
+                                        "`.venv/bin/python -m tpuft.controller.settings` over it"
 
 
 def test_the_environment_is_read_only_in_tpuft_settings():
@@ -73,4 +73,4 @@ def test_the_environment_is_read_only_in_tpuft_settings():
         calls = [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Attribute) and n.attr == "environ"]
         if env and calls:
             readers[path.name] = sorted(env)
-    assert readers == {}, f"read these through tpuft.settings.Settings instead: {readers}"
+    assert readers == {}, f"read these through tpuft.controller.settings.Settings instead: {readers}"

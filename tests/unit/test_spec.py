@@ -3,9 +3,9 @@ import pytest
 import yaml
 
 from tests.factories import DELETE, MINIMUM, with_
-from tpuft import constants as c
-from tpuft import spec as spec_mod
-from tpuft.spec import MAX_NAME_LENGTH, Lora, ServeReplicas, SpecError, parse
+from tpuft.api import constants as c
+from tpuft.api import spec as spec_mod
+from tpuft.api.spec import MAX_NAME_LENGTH, Lora, ServeReplicas, SpecError, parse
 
 
 def test_minimum_spec_is_accepted_exactly_as_written():
@@ -206,7 +206,7 @@ def test_all_problems_are_reported_in_one_pass_with_where():
     assert str(err.value).startswith("team-a/gemma4-dolly: ")
 
 
-# Every field that takes a gs:// URI (tpuft.spec.URI_FIELD); a query would be read as client options
+# Every field that takes a gs:// URI (tpuft.api.spec.URI_FIELD); a query would be read as client options
 # and the run's directory appended after it.
 URI_FIELDS = ("spec.checkpoint.storagePath", "spec.checkpoint.resumeFrom", "spec.model", "spec.dataset.name",
               "spec.evaluation.name")
@@ -329,7 +329,8 @@ def test_max_model_length_is_checked_against_a_builtin_models_context():
 
 def test_every_rayservice_name_fits_kuberays_limit():
     """metadata.name is capped so that "{name}-serve" always fits KubeRay's 47 characters."""
-    from tpuft import builders, constants
+    from tpuft.controller import builders
+    from tpuft.api import constants
     longest = parse(with_("metadata.name", "x" * MAX_NAME_LENGTH, with_("spec.serve", {"enabled": True, "image": "v:1"})))
     assert len(builders.names(longest).service) <= constants.RAYSERVICE_MAX_NAME_LENGTH
 
@@ -345,7 +346,7 @@ def test_serve_api_key_secret_is_parsed_with_its_default_key():
     assert other.spec.serve.api_key_secret == spec_mod.SecretKeyRef("chat-key", "token")
 
 
-# Every reserved key and prefix (tpuft.constants, also the CRD's CEL rule: tests/unit/test_crd.py), with
+# Every reserved key and prefix (tpuft.api.constants, also the CRD's CEL rule: tests/unit/test_crd.py), with
 # the map it is refused in. A prefix is tried with a name under it.
 RESERVED = ([("labels", k) for k, _ in c.RESERVED_LABELS.keys]
             + [("labels", p + "x") for p, _ in c.RESERVED_LABELS.prefixes]
@@ -473,7 +474,7 @@ def test_adapter_refusals_name_the_field_and_what_to_do(doc, field, words):
 
 def test_the_parsers_adapter_rules_are_the_crds():
     """The CEL rules on spec and the parser say the same words (one source: spec.ADAPTER_RULES)."""
-    from tpuft import crd
+    from tpuft.api import crd
 
     rules = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
         "x-kubernetes-validations"]

@@ -1,7 +1,7 @@
 """Property tests over the parser, the catalog and the builders (hypothesis).
 
 Whatever document arrives (arbitrary JSON-like values, or the issue's MINIMUM spec with fields
-deleted, retyped or replaced by random strings and numbers), `tpuft.spec.parse` either returns a
+deleted, retyped or replaced by random strings and numbers), `tpuft.api.spec.parse` either returns a
 TPUFinetune or raises SpecError naming each fault by a dotted field path; nothing else escapes
 (the operator turns SpecError into phase Failed/InvalidSpec, any other exception would crash the
 handler in a retry loop). `resolve_slice` on random input only ever raises CatalogError. Every valid
@@ -17,9 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.factories import MINIMUM
-from tpuft import builders, catalog, crd
-from tpuft import constants as c
-from tpuft.spec import MAX_NAME_LENGTH, SpecError, TPUFinetune, parse
+from tpuft.controller import builders
+from tpuft.api import catalog, crd
+from tpuft.api import constants as c
+from tpuft.api.spec import MAX_NAME_LENGTH, SpecError, TPUFinetune, parse
 
 # derandomize: the same 200 examples on every run, so CI never fails on a draw a rerun would not
 # repeat (to explore new draws locally, set derandomize=False).

@@ -1,11 +1,11 @@
-"""tpuft.splits: whether two splits of one dataset, in datasets' slicing syntax, share records,
+"""tpuft.api.splits: whether two splits of one dataset, in datasets' slicing syntax, share records,
 decided from the spec alone (the split's size unknown)."""
 from __future__ import annotations
 
 import pytest
 
-from tpuft import splits
-from tpuft.splits import Overlap
+from tpuft.api import splits
+from tpuft.api.splits import Overlap
 
 
 @pytest.mark.parametrize("train, held, expected", [

@@ -1,5 +1,5 @@
-"""tpuft.status: the typed status reads and writes the JSON the API server stores (every field
-round-trips), its methods make the edits tpuft.phases makes, the merge patch between two of them
+"""tpuft.api.status: the typed status reads and writes the JSON the API server stores (every field
+round-trips), its methods make the edits tpuft.controller.phases makes, the merge patch between two of them
 is what the status write sends, and the CRD's status schema is generated from the same types."""
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import typing
 import pytest
 
 from tests.factories import merge_patch
-from tpuft import constants as c
-from tpuft import crd, phases
-from tpuft import status as run_status
-from tpuft.constants import ConditionStatus, GoodputCause, Phase
-from tpuft.fields import declared, to_json
-from tpuft.status import (Goodput, IgnoredSpecChange, LostSlice, LostSubmission, Preemption, Recovery, Resubmit,
+from tpuft.api import constants as c
+from tpuft.api import crd
+from tpuft.controller import phases
+from tpuft.api import status as run_status
+from tpuft.api.constants import ConditionStatus, GoodputCause, Phase
+from tpuft.api.fields import declared, to_json
+from tpuft.api.status import (Goodput, IgnoredSpecChange, LostSlice, LostSubmission, Preemption, Recovery, Resubmit,
                           RunStatus, Serving)
 
 T = "2026-01-01T12:00:00Z"

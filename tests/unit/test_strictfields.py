@@ -10,8 +10,9 @@ import yaml
 
 from tests.factories import MINIMUM, UNKNOWN_FIELDS, with_, with_unknown
 from tests.paths import EXAMPLES, REPO
-from tpuft import crd, strictfields
-from tpuft.spec import SpecError
+from tpuft.api import crd
+from tpuft.cli import strictfields
+from tpuft.api.spec import SpecError
 
 
 @pytest.mark.parametrize("parent,key,value,near", [p[1:] for p in UNKNOWN_FIELDS], ids=[p[0] for p in UNKNOWN_FIELDS])

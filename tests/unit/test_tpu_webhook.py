@@ -15,8 +15,9 @@ import pytest
 import yaml
 
 from tests.paths import EXAMPLES
-from tpuft import builders, catalog
-from tpuft.spec import parse
+from tpuft.controller import builders
+from tpuft.api import catalog
+from tpuft.api.spec import parse
 from tpuft_local import kubepki
 from tpuft_local import tpu_webhook as w
 

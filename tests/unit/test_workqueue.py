@@ -1,10 +1,10 @@
-"""tpuft.workqueue: one run per key at a time, a key kicked while running runs once more, the
+"""tpuft.controller.workqueue: one run per key at a time, a key kicked while running runs once more, the
 resync schedule (a fake clock), the backoff after failures, and the ticker."""
 from __future__ import annotations
 
 import asyncio
 
-from tpuft.workqueue import BACKOFF_MAX, WorkQueue, backoff
+from tpuft.controller.workqueue import BACKOFF_MAX, WorkQueue, backoff
 
 K = ("team-a", "ft")
 OTHER = ("team-a", "other")

@@ -6,8 +6,8 @@ tpuft_workload.pipeline; what is here only saves a test a Ray cluster.
 """
 from __future__ import annotations
 
-from tpuft import records as recordslib
-from tpuft.constants import Overlong
+from tpuft.api import records as recordslib
+from tpuft.api.constants import Overlong
 from tpuft_workload import data as datalib
 from tpuft_workload.data import Block
 

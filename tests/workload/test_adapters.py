@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tpuft.constants import SERVE_CHAT_PATH, SERVE_MODELS_PATH
+from tpuft.api.constants import SERVE_CHAT_PATH, SERVE_MODELS_PATH
 from tpuft_workload import adapters, batching, chat_api, checkpoint, engine_process, serve as serveapp, tiny
 
 REPO = Path(__file__).resolve().parents[2]
@@ -143,8 +143,8 @@ def test_the_rayjobs_the_operator_renders_publish_then_unpublish_through_these_c
 
     import yaml
 
-    from tpuft import builders
-    from tpuft.spec import parse
+    from tpuft.controller import builders
+    from tpuft.api.spec import parse
 
     docs = {d["metadata"]["name"]: d for d in yaml.safe_load_all((REPO / "examples/adapters-on-a-base.yaml").read_text())}
     for doc in docs.values():

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from tests.ranks import file_rendezvous
 from tests.factories import merge_patch
 from tests.workload.test_elastic import no_ray_torch, without_ray
-from tpuft.constants import TrainingStatus
+from tpuft.api.constants import TrainingStatus
 from tpuft_workload import checkpoint as ckptlib
 from tpuft_workload import loop, pipeline, report, tiny
 

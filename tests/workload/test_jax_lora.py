@@ -14,7 +14,7 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from tests.workload import jax_families  # noqa: E402
-from tpuft.constants import LORA_DEFAULT_TARGET_MODULES  # noqa: E402
+from tpuft.api.constants import LORA_DEFAULT_TARGET_MODULES  # noqa: E402
 from tpuft_workload import jax_lora, jax_model  # noqa: E402
 from tpuft_workload.lora import LoraSettings  # noqa: E402
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from tests.factories import assert_export_generates, tiny_batch, tiny_train_argv
-from tpuft.constants import LORA_DEFAULT_TARGET_MODULES
-from tpuft.spec import DEFAULTS, LORA_DEFAULTS
+from tpuft.api.constants import LORA_DEFAULT_TARGET_MODULES
+from tpuft.api.spec import DEFAULTS, LORA_DEFAULTS
 from tpuft_workload import __main__ as cli
 from tpuft_workload import checkpoint, lora, model as modellib, tiny, train
 from tpuft_workload.platform import PLATFORMS

@@ -1,4 +1,4 @@
-"""The laptop CLI reads a gs:// run's files (tpuft.object_store) against a real GCS API
+"""The laptop CLI reads a gs:// run's files (tpuft.cli.object_store) against a real GCS API
 (fake-gcs-server) with the token from the GKE metadata server's path (tests/gcs_fixtures.py):
 `tpuft logs` prints the driver's log from the bucket once the head is gone, `tpuft plot` draws the
 event files the workload's own TensorBoard writer uploaded, and a laptop without credentials is
@@ -14,10 +14,11 @@ import time
 import pytest
 
 from tests.factories import MINIMUM
-from tpuft import builders, logs_cli, object_store, plot_cli
-from tpuft import constants as c
-from tpuft.plot_cli import Source
-from tpuft.spec import parse
+from tpuft.controller import builders
+from tpuft.cli import logs_cli, object_store, plot_cli
+from tpuft.api import constants as c
+from tpuft.cli.plot_cli import Source
+from tpuft.api.spec import parse
 from tpuft_workload import driver_log, metrics_log
 
 

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from tests.workload.inprocess_data import build_blocks, load_records
-from tpuft.spec import Dataset
+from tpuft.api.spec import Dataset
 from tpuft_workload import model as modellib
 from tpuft_workload import pipeline
 from tpuft_workload.tiny import BUILTIN_DATASET, BUILTIN_MODEL, dolly_mini_path
@@ -134,7 +134,7 @@ def test_resolve_reads_the_suffix_or_the_format():
 
 
 def test_a_record_the_template_refuses_or_cannot_label_fails_naming_its_number(ray_cluster, tmp_path):
-    """A record the chat template refuses (Gemma's "System role not supported", which tpuft.records
+    """A record the chat template refuses (Gemma's "System role not supported", which tpuft.api.records
     accepts) or whose labels cannot be found as serving builds the prompt (a template rewriting
     earlier turns): the run fails on the driver, before any worker, with a DataError naming the
     record's number and the template's words (train.run_training puts it in status.training)."""
@@ -170,7 +170,7 @@ def test_an_eval_set_is_held_out_with_the_seed_or_read_from_its_own_split(ray_cl
     """spec.evaluation.fraction: that share of the records, chosen by the seed, packed apart and left
     out of training (the two sets' rows together are the records' rows, as without an eval set);
     split: its own records, read and packed like the training ones."""
-    from tpuft.spec import Evaluation
+    from tpuft.api.spec import Evaluation
 
     spec = Dataset(BUILTIN_DATASET, "train[:60]")
     whole = pipeline.build(spec, BUILTIN_MODEL, MAX_LEN, False)
@@ -188,7 +188,7 @@ def test_an_eval_set_is_held_out_with_the_seed_or_read_from_its_own_split(ray_cl
 def test_a_resumed_attempt_loads_the_packed_rows_the_first_kept(tmp_path):
     """build_once: the first attempt packs and keeps the rows (and the eval set's) in the run's
     directory; the next loads exactly them; another shape packs anew."""
-    from tpuft.spec import Evaluation
+    from tpuft.api.spec import Evaluation
 
     spec, held = Dataset(BUILTIN_DATASET, "train[:60]"), Evaluation(fraction=0.25)
     first, kept = pipeline.build_once(str(tmp_path), spec, BUILTIN_MODEL, MAX_LEN, True, held, seed=3)

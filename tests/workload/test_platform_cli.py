@@ -136,7 +136,7 @@ def test_status_reporter_writes_status_subresource(kubeconfig, namespace, kube_a
 
     from kubernetes import client
 
-    from tpuft.constants import GROUP, PLURAL, VERSION
+    from tpuft.api.constants import GROUP, PLURAL, VERSION
 
     api = client.CustomObjectsApi(kube_api)
     example = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "local-cpu.yaml").read_text())
@@ -213,7 +213,8 @@ def test_tpu_scaling_config_passes_ray_validation(acc, topo, slices, workers, ra
 def _storage_cli(command: str, storage: str, env: dict) -> tuple[subprocess.CompletedProcess, dict]:
     """`python -m tpuft_workload <command>` as the operator's RayJob runs it, with an unwritable storage path."""
     from tests.factories import MINIMUM
-    from tpuft import builders, spec as speclib
+    from tpuft.controller import builders
+    from tpuft.api import spec as speclib
 
     doc = {**MINIMUM, "metadata": {"name": "st", "namespace": "storage", "uid": "u"},
            "spec": {**MINIMUM["spec"], "accelerator": "cpu", "topology": "2", "model": "builtin:tiny-llama",

@@ -13,7 +13,7 @@ import random
 import pytest
 
 from tpuft_workload import chat_api, data, render
-from tpuft.records import Turn
+from tpuft.api.records import Turn
 
 GEMMA = (  # Gemma 1/2: no system role (the template raises), turns end with <end_of_turn>
     "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"

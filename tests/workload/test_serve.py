@@ -1,7 +1,7 @@
 """tpuft_workload.serve and tpuft_workload.chat_api on the tiny model's Hugging Face export (written by
 checkpoint.export_hf, as training writes it): the pure rules, the engine and the HTTP app without Ray
 (streamed and whole answers, every bad input a 4xx), then the application end to end under a local
-Ray Serve on 127.0.0.1 (requests in the official SDK's shape, and tpuft.chat as the client)."""
+Ray Serve on 127.0.0.1 (requests in the official SDK's shape, and tpuft.cli.chat as the client)."""
 from __future__ import annotations
 
 import asyncio
@@ -15,10 +15,11 @@ import yaml
 
 from tests.paths import EXAMPLES
 from tests.ranks import free_port
-from tpuft import builders, chat
-from tpuft.constants import (SERVE_API_KEY_ENV, SERVE_APP_NAME, SERVE_CHAT_PATH, SERVE_COMPLETIONS_PATH,
+from tpuft.controller import builders
+from tpuft.cli import chat
+from tpuft.api.constants import (SERVE_API_KEY_ENV, SERVE_APP_NAME, SERVE_CHAT_PATH, SERVE_COMPLETIONS_PATH,
                              SERVE_DEPLOYMENT_NAME, SERVE_MODELS_PATH, SERVE_TRANSFORMERS_IMPORT_PATH, ServeArg)
-from tpuft.spec import parse
+from tpuft.api.spec import parse
 from tpuft_workload import chat_api, checkpoint, data, engine_process, render, serve as serveapp, tiny
 
 MODEL_ID = "tiny-finetuned"
@@ -74,7 +75,7 @@ def test_the_import_path_the_operator_writes_builds_the_app(export):
 
 
 def test_the_operators_serve_config_is_what_build_app_accepts(export):
-    """tpuft.builders' transformers application (the local CPU example serves): its args parse here
+    """tpuft.controller.builders' transformers application (the local CPU example serves): its args parse here
     (the export path swapped for this test's) and its deployment is this one."""
     doc = yaml.safe_load((EXAMPLES / "local-cpu.yaml").read_text())
     doc["metadata"]["uid"] = "u-1"

@@ -5,8 +5,8 @@ import pytest
 import yaml
 
 from tests.factories import MINIMUM, with_
-from tpuft import builders
-from tpuft.spec import parse
+from tpuft.controller import builders
+from tpuft.api.spec import parse
 
 pytestmark = pytest.mark.slow
 

@@ -29,8 +29,8 @@ import pytest
 
 from tests.factories import (TINY_CKPT_EVERY, TINY_EPOCHS, TINY_STEPS_PER_EPOCH, assert_export_generates,
                              tensorboard_scalars, tiny_train_argv)
-from tpuft import plot_cli
-from tpuft.constants import HISTORY_MAX_POINTS
+from tpuft.cli import plot_cli
+from tpuft.api.constants import HISTORY_MAX_POINTS
 from tpuft_workload import __main__ as cli
 from tpuft_workload import checkpoint, train
 
@@ -73,7 +73,7 @@ def test_a_killed_worker_is_restarted_from_the_last_checkpoint(killed_run):
 
 
 def test_a_sigterm_to_one_rank_saves_the_next_step_on_every_rank(first_object):
-    from tpuft.constants import EXIT_STOPPED
+    from tpuft.api.constants import EXIT_STOPPED
 
     signalled_after = SIGTERM_STEP - 1   # the last step rank 1 had finished when it got the SIGTERM
     rc, body = first_object["stopped"].rc, first_object["stopped"].body
@@ -216,7 +216,7 @@ def test_rank_0s_gauges_reach_rays_metrics_endpoint(ray_cluster):
 
     import ray
 
-    from tpuft.constants import TrainMetric
+    from tpuft.api.constants import TrainMetric
     from tpuft_workload.metrics_log import Prometheus
 
     @ray.remote(num_cpus=0)
@@ -293,7 +293,7 @@ def test_the_driver_reports_rays_memory_kill_with_the_figures_the_operator_reads
     """Ray Train's error for a worker Ray's memory monitor killed ends with its last line only; the
     result line (and status.training.message) keep the kill's report, which the operator parses."""
     from tests.kuberay_standin import memory_monitor_kill
-    from tpuft.observed import RayMemoryKill
+    from tpuft.controller.observed import RayMemoryKill
 
     error = RuntimeError("Training failed due to worker errors:\n[Rank 1]\n" + memory_monitor_kill("10.4.1.7"))
     line = train.failure_message(error)

@@ -1,8 +1,8 @@
 """`python -m tpuft_workload verify|train|publish|unpublish ...`: the entrypoints the operator's RayJobs run.
 
-The operator passes the run as one JSON document (`--spec`, tpuft.spec.workload_document), read
-here with the parser the operator uses (tpuft.spec.parse_run). By hand, each of the document's
-fields is also a flag, made from the same declarations (tpuft.spec; a flag overrides --spec).
+The operator passes the run as one JSON document (`--spec`, tpuft.api.spec.workload_document), read
+here with the parser the operator uses (tpuft.api.spec.parse_run). By hand, each of the document's
+fields is also a flag, made from the same declarations (tpuft.api.spec; a flag overrides --spec).
 publish/unpublish put a LoRA export into a served base's adapters root and take it out
 (tpuft_workload.adapters); they print one JSON line saying what they did.
 Exit codes: 0 passed, 1 failed, 2 bad arguments, 3 timeout (verify).
@@ -16,9 +16,9 @@ import os
 import sys
 from typing import Any
 
-from tpuft import fields, records, spec as speclib
-from tpuft.catalog import CatalogError
-from tpuft.constants import TrainingFramework
+from tpuft.api import fields, records, spec as speclib
+from tpuft.api.catalog import CatalogError
+from tpuft.api.constants import TrainingFramework
 from tpuft_workload.command import Command
 from tpuft_workload.platform import Target, resolve_target
 
@@ -75,7 +75,7 @@ def _add_declared(p: argparse.ArgumentParser, section: str, cls: type) -> None:
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", default=None, metavar="JSON",
-                   help="the run as one JSON document (what the operator passes: tpuft.spec.workload_document)")
+                   help="the run as one JSON document (what the operator passes: tpuft.api.spec.workload_document)")
     p.add_argument("--accelerator", dest="accelerator", default=None,
                    help="TPU generation (v4, v5e, v5p, v6e, tpu7x; Ray/GKE spellings accepted), gpu or cpu")
     p.add_argument("--topology", dest="topology", default=None,

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpuft.spec import DNS_LABEL, MAX_LABEL_LENGTH
+from tpuft.api.spec import DNS_LABEL, MAX_LABEL_LENGTH
 from tpuft_workload import checkpoint, storage
 
 PUBLICATION = "tpuft-publication.json"

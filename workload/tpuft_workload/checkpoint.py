@@ -16,7 +16,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from tpuft.constants import EXPORT_DIR  # noqa: F401  (one source: the operator's RayService serves it)
+from tpuft.api.constants import EXPORT_DIR  # noqa: F401  (one source: the operator's RayService serves it)
 from tpuft_workload import storage
 
 TRAIN_STATE = "train_state.json"

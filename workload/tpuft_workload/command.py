@@ -1,9 +1,9 @@
-"""What a workload command runs: the run's document parsed (tpuft.spec.Run) and what only the job knows."""
+"""What a workload command runs: the run's document parsed (tpuft.api.spec.Run) and what only the job knows."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tpuft.spec import Run
+from tpuft.api.spec import Run
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from tpuft.constants import Overlong
-from tpuft import records as recordslib
+from tpuft.api.constants import Overlong
+from tpuft.api import records as recordslib
 from tpuft_workload.render import IGNORE, Example, render, render_text
 
 __all__ = ["IGNORE", "Example"]

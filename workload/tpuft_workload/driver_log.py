@@ -1,6 +1,6 @@
 """The driver's log, kept beside the run: everything the verify or train driver writes to stdout
 and stderr (its own lines, and the workers' lines Ray forwards to it) also goes to --log-file,
-{storagePath}/{run}/logs/{verify,train}.log (tpuft.builders.log_path), so `tpuft logs` can still
+{storagePath}/{run}/logs/{verify,train}.log (tpuft.controller.builders.log_path), so `tpuft logs` can still
 show it once the head is gone.
 
 A local path is appended to line by line (a retried job's attempts follow each other in one

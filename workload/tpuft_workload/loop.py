@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
-from tpuft.constants import HistoryPoint, TrainingStatus
+from tpuft.api.constants import HistoryPoint, TrainingStatus
 from tpuft_workload import checkpoint as ckptlib
 from tpuft_workload import faults as faultlib
 from tpuft_workload import preemption
@@ -70,7 +70,7 @@ class TrainConfig:
     cr_namespace: str
     cr_name: str
     status_every_s: float
-    peak_flops: float | None      # the TPU slice's peak FLOP/s (tpuft.catalog; MFU's denominator), None off TPU
+    peak_flops: float | None      # the TPU slice's peak FLOP/s (tpuft.api.catalog; MFU's denominator), None off TPU
     slices: int = 1               # > 1: HSDP, parameters replicated across slices (tpuft_workload.model.device_mesh)
     lora: LoraSettings | None = None   # spec.training.method: lora, resolved by the driver (None: full)
     merge_export: bool = False    # spec.export.merge: LoRA's merged full weights beside the adapter export
@@ -87,7 +87,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     gradient_accumulation_steps: int = 1   # micro-batches per optimizer step
     max_steps: int = 0            # 0: epochs decide; else the run's optimizer steps
-    activation_checkpointing: bool = False   # resolved per platform by tpuft.spec
+    activation_checkpointing: bool = False   # resolved per platform by tpuft.api.spec
     # spec.evaluation: the eval set (packed like the rows), when to evaluate, what to keep
     eval_rows: int = 0            # 0: no eval set
     eval_rows_ref: Any = None     # ray.ObjectRef of the eval rows

@@ -2,7 +2,7 @@
 
 The driver resolves and checks the adapters' settings on the meta model (no weight read) before
 any worker starts: the target modules (spec.training.lora.targetModules, else the default for the
-model's Hugging Face model_type, tpuft.constants.LORA_DEFAULT_TARGET_MODULES) must be linear layers
+model's Hugging Face model_type, tpuft.api.constants.LORA_DEFAULT_TARGET_MODULES) must be linear layers
 of the model, and the rank must fit each of them. A worker wraps the base with peft.get_peft_model
 before tpuft_workload.model.shard, so FSDP2 shards the frozen base and the adapters alike and
 AdamW holds state for the adapters only. Checkpoints hold the adapters and their optimizer state
@@ -17,7 +17,7 @@ import json
 import tempfile
 from dataclasses import dataclass
 
-from tpuft.constants import EXPORT_MERGED_DIR, LORA_DEFAULT_TARGET_MODULES, TrainingMethod
+from tpuft.api.constants import EXPORT_MERGED_DIR, LORA_DEFAULT_TARGET_MODULES, TrainingMethod
 from tpuft_workload import checkpoint as ckptlib
 from tpuft_workload.tiny import BUILTIN_MODEL
 
@@ -25,7 +25,7 @@ TARGETS_FIELD = "spec.training.lora.targetModules"
 RANK_FIELD = "spec.training.lora.rank"
 METHOD_FIELD = "spec.training.method"
 LORA_FIELD = "spec.training.lora"
-# Beside {run}/export (tpuft.constants.EXPORT_DIR, the adapter folder): the frozen base of a model
+# Beside {run}/export (tpuft.api.constants.EXPORT_DIR, the adapter folder): the frozen base of a model
 # built in code (builtin:tiny-llama has no folder to point adapter_config.json at), and the merged
 # full weights (spec.export.merge).
 BASE_DIR = "base"

@@ -1,5 +1,5 @@
 """Rank 0's metrics: as TensorBoard event files, {storagePath}/{run}/tensorboard
-(tpuft.constants.TENSORBOARD_DIR), one point per metric per report, for `tensorboard --logdir`;
+(tpuft.api.constants.TENSORBOARD_DIR), one point per metric per report, for `tensorboard --logdir`;
 and as Prometheus gauges (`Prometheus`, below) while the run lives.
 
 Written with tensorboardX (Ray Train's own dependency; torch.utils.tensorboard would need the
@@ -18,7 +18,7 @@ import os
 import tempfile
 import time
 
-from tpuft.constants import TENSORBOARD_DIR, TRAIN_METRIC_TAG, TrainMetric
+from tpuft.api.constants import TENSORBOARD_DIR, TRAIN_METRIC_TAG, TrainMetric
 
 log = logging.getLogger(__name__)
 SYNC_EVERY_S = 60.0
@@ -139,7 +139,7 @@ DESCRIPTIONS = {
 
 class Prometheus:
     """Rank 0's gauges through ray.util.metrics: Ray's metrics agent on the worker's node exports
-    them (as ray_<name>, tpuft.constants.TrainMetric.exported) on the pod's metrics port, where the
+    them (as ray_<name>, tpuft.api.constants.TrainMetric.exported) on the pod's metrics port, where the
     chart's PodMonitor scrapes them. A no-op unless `enabled`; a failure logs once and turns it off.
     `gauge` makes one (tests pass a stand-in)."""
 

@@ -8,7 +8,7 @@ Stages (driver, `build`):
              are read by Ray Data itself (streamed, never whole on the driver); split slicing
              ("train[:1024]") and hub datasets go through `datasets` first, except on gs://,
              where the file is read through tpuft_workload.storage and the slice cut here.
-  check      the layout (tpuft.records: spec.dataset.type, or detected from the columns,
+  check      the layout (tpuft.api.records: spec.dataset.type, or detected from the columns,
              through spec.dataset.columns) and then every record, streamed through the driver:
              DataError naming spec.dataset.name, the path and the first record that does not fit,
              before any worker exists.
@@ -40,9 +40,9 @@ import random
 import re
 from dataclasses import dataclass
 
-from tpuft.constants import DatasetFormat as Format
-from tpuft import records as recordslib
-from tpuft.spec import Dataset, Evaluation
+from tpuft.api.constants import DatasetFormat as Format
+from tpuft.api import records as recordslib
+from tpuft.api.spec import Dataset, Evaluation
 from tpuft_workload import data as datalib
 from tpuft_workload.render import IGNORE, RenderError
 

@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
-from tpuft.catalog import CatalogError, SliceShape, resolve_slice
-from tpuft.constants import CPU_ACCELERATOR
+from tpuft.api.catalog import CatalogError, SliceShape, resolve_slice
+from tpuft.api.constants import CPU_ACCELERATOR
 
 GPU_ACCELERATOR = "gpu"
 

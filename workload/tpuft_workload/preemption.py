@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 
-from tpuft.constants import PRESTOP_WAIT_SECONDS, RAY_TRAIN_WORKER_PROCESS_TITLE, STOP_MARKER_DIR
+from tpuft.api.constants import PRESTOP_WAIT_SECONDS, RAY_TRAIN_WORKER_PROCESS_TITLE, STOP_MARKER_DIR
 
 REASON = "SIGTERM"
 # After a worker's marker appears, how long the hook still waits for its process to end (Ray Train's

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import date
 
-from tpuft.records import Turn
+from tpuft.api.records import Turn
 
 IGNORE = -100
 

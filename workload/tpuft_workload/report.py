@@ -23,18 +23,18 @@ import time
 from dataclasses import dataclass
 from typing import Mapping
 
-from tpuft.catalog import gpu_peak_flops
-from tpuft.constants import (ENV_CR_NAME, ENV_CR_NAMESPACE, GROUP, HISTORY_MAX_POINTS, PLURAL, VERSION, HistoryPoint,
+from tpuft.api.catalog import gpu_peak_flops
+from tpuft.api.constants import (ENV_CR_NAME, ENV_CR_NAMESPACE, GROUP, HISTORY_MAX_POINTS, PLURAL, VERSION, HistoryPoint,
                              TrainingStatus, VerificationStatus)
 
-# status.recovery's key the operator writes to ask for a checkpoint (tpuft.status.Recovery's field)
+# status.recovery's key the operator writes to ask for a checkpoint (tpuft.api.status.Recovery's field)
 RECOVERY_CHECKPOINT_REQUESTED_AT = "checkpointRequestedAt"
 # Without a patch for this long, rank 0's reporter reads the status once for a checkpoint request
 REQUEST_POLL_S = 60.0
 
 log = logging.getLogger(__name__)
 
-# The one list of keys (tpuft.constants, which the CRD's status schema is built from too).
+# The one list of keys (tpuft.api.constants, which the CRD's status schema is built from too).
 TRAINING_KEYS = tuple(k.value for k in TrainingStatus)
 VERIFICATION_KEYS = tuple(k.value for k in VerificationStatus)
 
@@ -70,7 +70,7 @@ def flops_per_token(parameters: int, config: Mapping, seq_len: int) -> float:
 
 
 def gpu_slice_peak(device_name: str, devices: int) -> float | None:
-    """Peak bf16 FLOP/s of `devices` GPUs named `device_name` (tpuft.catalog's table; one model
+    """Peak bf16 FLOP/s of `devices` GPUs named `device_name` (tpuft.api.catalog's table; one model
     across the run); None for a GPU it does not list, so no MFU is reported."""
     per_device = gpu_peak_flops(device_name)
     return per_device * devices if per_device else None
@@ -78,7 +78,7 @@ def gpu_slice_peak(device_name: str, devices: int) -> float | None:
 
 def mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float | None) -> float | None:
     """Model FLOPs utilisation: the model FLOP/s achieved (flops_per_token x real tokens/s; padding
-    does not count) over the slice's peak bf16 FLOP/s (tpuft.catalog), to 4 significant digits.
+    does not count) over the slice's peak bf16 FLOP/s (tpuft.api.catalog), to 4 significant digits.
     None without a peak (CPU, a GPU the catalog does not list): never an invented figure."""
     if not peak_flops or peak_flops <= 0:
         return None

@@ -2,7 +2,7 @@
 behind an OpenAI-compatible `/v1/models`, `/v1/chat/completions` and `/v1/completions`, streamed as
 server-sent events on `"stream": true` (tpuft_workload.chat_api).
 
-The RayService's serveConfigV2 names it by import path and passes `args` (tpuft.constants.ServeArg):
+The RayService's serveConfigV2 names it by import path and passes `args` (tpuft.api.constants.ServeArg):
 
     applications:
     - name: llm                                   # SERVE_APP_NAME
@@ -46,7 +46,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
-from tpuft.constants import (SERVE_API_KEY_ENV, SERVE_CHAT_PATH, SERVE_COMPLETIONS_PATH, SERVE_DEPLOYMENT_NAME,
+from tpuft.api.constants import (SERVE_API_KEY_ENV, SERVE_CHAT_PATH, SERVE_COMPLETIONS_PATH, SERVE_DEPLOYMENT_NAME,
                              SERVE_MODELS_PATH, SERVE_ROUTE_PREFIX, SERVE_TRANSFORMERS_IMPORT_PATH, ServeArg)
 from tpuft_workload import adapters, batching, chat_api, engine_process, lora
 

@@ -20,7 +20,7 @@ import re
 import urllib.request
 from dataclasses import dataclass
 
-from tpuft import constants as c
+from tpuft.api import constants as c
 
 # Transient errors are retried this long at run time (a checkpoint upload during a GCS blip); the
 # probe before Ray starts gives up sooner, so a missing credential or bucket fails in seconds.

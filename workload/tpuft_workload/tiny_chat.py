@@ -115,7 +115,7 @@ def pretrain(tokenizer=None, steps: int | None = None):
 
     from tpuft_workload import data as datalib
     from tpuft_workload import tiny
-    from tpuft.records import detect
+    from tpuft.api.records import detect
 
     tok = tokenizer or build_tokenizer()
     r = RECIPE

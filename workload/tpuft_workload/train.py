@@ -40,8 +40,8 @@ from tpuft_workload import data as datalib
 from tpuft_workload import lora as loralib
 from tpuft_workload import loop, pipeline, preemption
 from tpuft_workload.loop import SUMMARY, TrainConfig
-from tpuft.constants import RAY_MEMORY_KILL_SIGN
-from tpuft.spec import Lora, Run
+from tpuft.api.constants import RAY_MEMORY_KILL_SIGN
+from tpuft.api.spec import Lora, Run
 from tpuft_workload.command import Command
 from tpuft_workload.platform import PLATFORMS, Target, load_backend
 from tpuft_workload.report import StatusReporter, flops_per_token, gpu_slice_peak
@@ -277,7 +277,7 @@ def scaling_config(target: Target, per_host: bool = False):
     """Ray Train's workers on TPU (with the slice's topology), GPU or CPU: one per device (torch),
     or with per_host one per host, each holding all of its host's TPU resources (JAX)."""
     from ray.train import ScalingConfig
-    from tpuft.constants import RAY_TPU_RESOURCE_PER_CHIP_ENV
+    from tpuft.api.constants import RAY_TPU_RESOURCE_PER_CHIP_ENV
 
     shape, plat = target.shape, target.platform
     workers = target.jax_workers if per_host else target.world_size
@@ -297,7 +297,7 @@ def prepare(command: Command, target: Target, fault_spec: str = "") -> tuple[str
     """What any trainer needs, before any worker starts: (storage path, the packed dataset, the
     workers' TrainConfig as a dict). ResumeError / DataError / LoraError for a resume point, data or
     LoRA settings that cannot be used."""
-    from tpuft.constants import ENV_CR_NAME, ENV_CR_NAMESPACE
+    from tpuft.api.constants import ENV_CR_NAME, ENV_CR_NAMESPACE
 
     run, training = command.run, command.run.training
     given = run.checkpoint.storage_path
@@ -373,7 +373,7 @@ def _model_checks(run: Run, resume_from: str, resume_manifest: dict) -> loralib.
     the field; both frameworks), and the resume point written for spec.model's architecture
     (torch; the JAX path checks it on its workers) and for this method (ResumeError). The workers
     check the resume point again."""
-    from tpuft.constants import TrainingFramework, TrainingMethod
+    from tpuft.api.constants import TrainingFramework, TrainingMethod
 
     training = run.training
     lora = training.method == TrainingMethod.LORA.value
@@ -431,7 +431,7 @@ def wait_for_verification(reporter: StatusReporter, timeout_s: float, poll_s: fl
     """--after-verification: wait until the object's CollectivesVerified condition is True (the
     operator resets it to Unknown when it submits this job beside the verification). None when it
     is; the reason otherwise (False: the verification failed; or no answer within timeout_s)."""
-    from tpuft.constants import Condition
+    from tpuft.api.constants import Condition
 
     if not reporter.enabled:
         return None   # by hand, outside the operator: nothing to wait for
@@ -520,7 +520,7 @@ def stopped_early(metrics: dict) -> bool:
 def _stopped_result(cfg: dict, metrics: dict, seconds: float) -> int:
     """A run that stopped on request: not succeeded (no export, no summary), a checkpoint of its
     last step, EXIT_STOPPED. A resubmitted RayJob resumes from that checkpoint."""
-    from tpuft.constants import EXIT_STOPPED
+    from tpuft.api.constants import EXIT_STOPPED
 
     step = int(metrics["step"])
     body = {"succeeded": False, "stopped": metrics["stopped"], "seconds": seconds, "step": step,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from tpuft.constants import VerificationStatus
+from tpuft.api.constants import VerificationStatus
 
 RESULT_PREFIX = "TPUFT_VERIFY_RESULT"
 EXIT_PASSED = 0

@@ -33,7 +33,7 @@ exact set).
 # serving cluster's (by our labels) until its app runs: the scheduler's and the kubelet's reason
 # for a stall goes into status, and a re-created object waits for the deleted one's pods to go.
 # Watched too (our labels and ray.io/cluster): a lost host is seen the moment its pod is told to
-# stop, fails or is replaced (tpuft.hosts). Read only; nothing else on pods.
+# stop, fails or is replaced (tpuft.controller.hosts). Read only; nothing else on pods.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch"]
