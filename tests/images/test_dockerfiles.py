@@ -150,8 +150,8 @@ def test_workload_image_covers_every_workload_import():
 
     first_party = {"tpuft", "tpuft_workload"}
     imported: dict[str, str] = {}
-    for path in sorted((REPO / "workload").rglob("*.py")) + [REPO / "operator" / "tpuft" / "catalog.py",
-                                                           REPO / "operator" / "tpuft" / "constants.py"]:
+    for path in sorted((REPO / "workload").rglob("*.py")) + [REPO / "operator" / "tpuft" / "api" / "catalog.py",
+                                                           REPO / "operator" / "tpuft" / "api" / "constants.py"]:
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
             if isinstance(node, ast.Import):

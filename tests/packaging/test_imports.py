@@ -39,7 +39,7 @@ IMPORT_ALL = """
 import importlib, pkgutil, sys, traceback
 pkg = importlib.import_module(sys.argv[1])
 failed = []
-for m in sorted(pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".")):
+for m in sorted(pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."), key=lambda m: m.name):
     try:
         importlib.import_module(m.name)
     except Exception as e:

@@ -62,11 +62,11 @@ def test_the_docs_table_is_generated_from_the_fields():
 
 
 def test_the_environment_is_read_only_in_tpuft_settings():
-    """No other operator module reads a TPUFT_ variable (the CLIs' TPUFT_KUBECTL aside: the
-    user's machine, not the operator)."""
+    """No other operator module reads a TPUFT_ variable (the CLI's TPUFT_KUBECTL aside, in
+    tpuft.cli.kubectl only: the user's machine, not the operator)."""
     readers = {}
-    for path in sorted(OPERATOR.glob("*.py")):
-        if path.name in ("settings.py", "chat_cli.py", "logs_cli.py", "plot_cli.py"):
+    for path in sorted(OPERATOR.rglob("*.py")):
+        if path.name in ("settings.py", "kubectl.py"):
             continue
         names = set(re.findall(r"\bTPUFT_[A-Z_]+", path.read_text()))
         env = {n for n in names if n in {env_name(f) for f in dataclasses.fields(Settings)}}

@@ -1,5 +1,8 @@
-"""`tpuft`: the command line. Each subcommand lives in the module that owns the concept;
-this file only wires argparse to them, importing only the module of the command that runs."""
+"""`tpuft`: the command line, run on a user's laptop (the `tpuft` console script, `python -m tpuft.cli`).
+
+It uses tpuft.api (and the controller's pure builders for `tpuft render`), and the user's own kubectl.
+Each subcommand lives in the module that owns the concept; this file only wires argparse to them,
+importing only the module of the command that runs."""
 from __future__ import annotations
 
 import argparse

@@ -12,13 +12,13 @@ import argparse
 import base64
 import binascii
 import json
-import os
 import subprocess
 import sys
 from typing import Callable
 
 from tpuft.cli import chat as chatlib
 from tpuft.api import constants as c
+from tpuft.cli import kubectl
 from tpuft.cli.kubectl import NO_CLUSTER, KubectlError, port_forward, unconfigured
 from tpuft.controller.observed import serving_ready
 
@@ -39,8 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--stream", action="store_true",
                    help="print the answer's text as the model generates it (server-sent events)")
-    p.add_argument("--kubectl", default=os.environ.get("TPUFT_KUBECTL") or "kubectl",
-                   help="kubectl binary (default: kubectl on PATH; KUBECONFIG as set)")
+    kubectl.add_argument(p)
 
 
 def endpoint(obj: dict) -> dict:

@@ -3,7 +3,9 @@ tells not-found from forbidden, and a local port forwarded to a Service for as l
 runs. Their rights are the user's: nothing here reads a kubeconfig or a token itself."""
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -13,6 +15,17 @@ from typing import Iterator
 
 FORWARD_WAIT_SECONDS = 30
 FORWARDING = re.compile(r"Forwarding from 127\.0\.0\.1:(\d+) ->")
+
+
+# The laptop's kubectl, for every `tpuft` command that runs one (the local cluster's `tpuft cluster
+# env` exports it): read here only.
+KUBECTL_ENV = "TPUFT_KUBECTL"
+
+
+def add_argument(parser: argparse.ArgumentParser) -> None:
+    """`--kubectl BIN` (default: $TPUFT_KUBECTL, else kubectl on PATH)."""
+    parser.add_argument("--kubectl", default=os.environ.get(KUBECTL_ENV) or "kubectl",
+                        help=f"kubectl binary (default: ${KUBECTL_ENV}, else kubectl on PATH; KUBECONFIG as set)")
 
 
 class KubectlError(RuntimeError):

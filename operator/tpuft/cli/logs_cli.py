@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
-import os
 import subprocess
 import sys
 import time
@@ -52,8 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="whose driver log: verify or train (default: train once it has started, else verify); "
                         "the file keeps every attempt's, the head only the current RayJob's")
     p.add_argument("--interval", type=float, default=POLL_SECONDS, help=argparse.SUPPRESS)   # -f's poll (tests)
-    p.add_argument("--kubectl", default=os.environ.get("TPUFT_KUBECTL") or "kubectl",
-                   help="kubectl binary (default: kubectl on PATH; KUBECONFIG as set)")
+    kubectl.add_argument(p)
 
 
 @dataclass(frozen=True)

@@ -239,8 +239,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="status: status.training.history (downsampled); tensorboard: the event files under "
                         "storagePath (every report; a gs:// bucket, or a folder readable here); auto: those "
                         "when they can be read, else status")
-    p.add_argument("--kubectl", default=os.environ.get("TPUFT_KUBECTL") or "kubectl",
-                   help="kubectl binary (default: kubectl on PATH; KUBECONFIG as set)")
+    kubectl.add_argument(p)
 
 
 def series_for(obj: dict, source: Source, warn: Callable[[str], object] = lambda message: None) -> Series:

@@ -1,4 +1,4 @@
-"""The operator: kopf handlers, the reconciler and its pure phase logic.
+"""The operator: kopf's handlers, the reconciler and its pure phase logic.
 
-Run in the operator's pod (`kopf run -m tpuft.controller.handlers`); uses tpuft.api only.
-Never imported by the workload or the CLI's laptop-only modules' callers at import time."""
+Run in the operator's pod (`kopf run -m tpuft.controller.handlers`, the chart's Deployment).
+It uses tpuft.api; neither the API nor the workload imports it."""
