@@ -654,7 +654,7 @@ def code_state() -> dict:
     def git(*a):
         return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
     files = ["operator/tpuft/controller/handlers.py", "operator/tpuft/controller/reconciler.py", "operator/tpuft/controller/workqueue.py",
-             "operator/tpuft/controller/kube.py", "operator/tpuft/controller/phases.py"]
+             "operator/tpuft/controller/kube.py", "operator/tpuft/controller/phases/"]
     return {"head": git("rev-parse", "--short", "HEAD"),
             "uncommitted": git("status", "--porcelain", "--", "operator/tpuft").splitlines(),
             "sha256": {f: hashlib.sha256((REPO / f).read_bytes()).hexdigest()[:12] for f in files}}

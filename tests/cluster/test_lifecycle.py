@@ -17,7 +17,7 @@ Kueue, so that the node trains it once instead of once per disruption:
    hang "DEPLOYING forever", caught and named; the happy path is tests/cluster/test_demo.py).
 
 Verification is off: it would run after each of the three starts and prove nothing asserted here
-(re-verification after a resume or replacement is tests/unit/test_phases.py's and
+(re-verification after a resume or replacement is tests/unit/phases/'s and
 tests/integration/test_handlers.py's; the demo verifies on the real cluster). A user's spec.suspend
 is tests/integration/test_handlers.py's.
 
@@ -235,7 +235,7 @@ def test_preemption_host_loss_operator_restart_then_a_missing_serving_image(clus
     assert_nothing_left_failed(kubectl, ns)
 
     # 4. The kubelet's pull error, in status while still Serving; then ServeFailed naming it. (The
-    # bound itself is the operator's, counted from status.serving.notReadySince: tests/unit/test_phases.py.)
+    # bound itself is the operator's, counted from status.serving.notReadySince: tests/unit/phases/.)
     blocked = wait_until(lambda: "cannot be pulled" in ((s := _status(kubectl, ns, "life")).get("message") or "")
                          and s, timeout=3 * SERVE_TIMEOUT, interval=2, what="the pull error in status")
     assert blocked["phase"] == "Serving" and "serving:does-not-exist" in blocked["message"], blocked

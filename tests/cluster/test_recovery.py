@@ -2,7 +2,7 @@
 are replaced, on a spare node of its own pool (at once: the pod watch still counts the loss, once), the
 run is verified again, and a second loss past spec.recovery.maxSliceReplacements ends SliceLost. (A host lost mid-training on the real node,
 resumed from its checkpoint, is in tests/cluster/test_lifecycle.py's one run through every
-disruption; the resume after a replacement, whatever the slice count, is tests/unit/test_phases.py's.)"""
+disruption; the resume after a replacement, whatever the slice count, is tests/unit/phases/'s.)"""
 from __future__ import annotations
 
 import json

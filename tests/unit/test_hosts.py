@@ -9,9 +9,8 @@ import shlex
 
 import pytest
 
-from tests.unit.test_phases import NAME, TUN, apply, at, cluster, job, kinds, make, names
+from tests.unit.phases.clock import NAME, TUN, apply, at, cluster, job, kinds, make, names
 from tpuft.controller import hosts, observed, phases
-from tpuft.api.constants import Phase
 from tpuft.controller.diagnosis import PodObs
 from tpuft.controller.hosts import NodeObs
 from tpuft.controller.observed import Observed
@@ -236,7 +235,6 @@ def test_without_elastic_a_lost_slice_is_waited_for():
                                at(100), TUN))
     d = phases.decide(o, Observed(cluster(4, 8, provisioned=True), hosts=lost), at(1000), TUN)
     assert d.phase == "Provisioning" and d.actions == () and d.status["reason"] == "ReplacingSlice"
-    assert phases.Phase.PROVISIONING == Phase.PROVISIONING
 
 
 def test_two_nodes_with_notices_are_one_request_until_the_set_changes():

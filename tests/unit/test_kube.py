@@ -23,7 +23,7 @@ class _Custom:
 
 def test_a_rayjob_is_deleted_in_the_foreground_other_children_in_the_background():
     """Foreground: the RayJob is gone only once its submitter Job and pods are, so the RayCluster
-    deleted after it cannot fail a submitter still following the job (phases._release)."""
+    deleted after it cannot fail a submitter still following the job (phases.jobs._release)."""
     k = kube.Kube.__new__(kube.Kube)
     k.custom, k.timeout = _Custom(), 30.0
     for kind, name in (("RayJob", "ft-train"), ("RayCluster", "ft-ray"), ("RayService", "ft-serve")):

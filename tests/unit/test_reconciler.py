@@ -103,7 +103,7 @@ def test_a_previous_objects_children_are_not_taken_for_its_own():
 
 def test_rayjobs_on_their_way_out_are_confirmed_with_a_get_while_there_is_a_cluster():
     """A RayJob being deleted (KubeRay's finalizer, its submitter Job going) still holds its
-    RayCluster (phases._release); the index may keep one forever after a re-list, so each is
+    RayCluster (phases.jobs._release); the index may keep one forever after a re-list, so each is
     confirmed with a GET, and only while there is a RayCluster it could hold."""
     kube = FakeKube(tft())
     ctl = reconciler(kube)

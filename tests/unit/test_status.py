@@ -215,7 +215,7 @@ def test_goodput_has_every_cause_the_total_and_the_ratio():
 
 # --- the merge patch between two statuses ------------------------------------------------------------
 def _patch(before: RunStatus, after: RunStatus) -> dict | None:
-    return phases._merge_patch(before.owned_json(), after.owned_json())
+    return phases.draft._merge_patch(before.owned_json(), after.owned_json())
 
 
 def test_no_change_is_no_patch():

@@ -161,7 +161,7 @@ RAY_DASHBOARD_PORT = 8265   # job submission and status: KubeRay's operator and 
 RAY_PORTS = (("gcs", 6379), ("dashboard", RAY_DASHBOARD_PORT), ("client", 10001))
 
 # Environment the workload reads to report progress into its own TPUFinetune.
-# How often a new object re-checks that an earlier one of its name has gone (phases._wait_for_previous):
+# How often a new object re-checks that an earlier one of its name has gone (phases.provisioning._wait_for_previous):
 # the garbage collector removes a RayCluster's pods within seconds of its owner.
 LEFTOVER_POLL_SECONDS = 2.0
 # How long one list of a provisioning slice's pods is reused (tpuft.controller.ledger): a stall's cause shows
@@ -173,12 +173,12 @@ RECOVERY_HISTORY_MAX = 10   # status.recovery.history keeps the latest this many
 # only once its submitter, still following the job's logs, has exited: seconds, normally. Its
 # RayCluster stays until then, for at most this long; past it the RayJob is deleted first, and a
 # deleted RayJob holds its RayCluster (deleted or suspended) for at most this long again
-# (phases._release; TPUFT_RAYJOB_GRACE_SECONDS).
+# (phases.jobs._release; TPUFT_RAYJOB_GRACE_SECONDS).
 RAYJOB_FINISH_GRACE_SECONDS = 60.0
 # A RayJob KubeRay failed because its submitter completed while the dashboard did not know its Ray
 # job (observed.job_lost) is resubmitted as a new RayJob at most this many times per run (training
 # and verification together), not counted against training.maxJobRetries: no user code failed. The
-# first waits this long, each later one twice the one before (phases._resubmission_due;
+# first waits this long, each later one twice the one before (phases.jobs._resubmission_due;
 # TPUFT_RESUBMIT_BACKOFF_SECONDS).
 LOST_SUBMISSION_RETRIES = 3
 LOST_SUBMISSION_BACKOFF_SECONDS = 10.0

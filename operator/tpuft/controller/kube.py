@@ -223,7 +223,7 @@ class Kube:
     def delete(self, kind: str, ns: str, name: str) -> None:
         g, v, p = CUSTOM[kind]
         # A RayJob goes in the foreground: it is gone only once KubeRay's submitter Job and its pods
-        # are, so its RayCluster, deleted or suspended after it (phases._release), cannot fail a
+        # are, so its RayCluster, deleted or suspended after it (phases.jobs._release), cannot fail a
         # submitter still following its job, and a new RayJob of the same name never finds the old
         # submitter Job (KubeRay reuses a Job of the RayJob's name).
         policy = "Foreground" if kind == c.RAYJOB_KIND else "Background"

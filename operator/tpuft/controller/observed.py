@@ -231,7 +231,7 @@ class Observed:
     cluster: ClusterObs | None = None
     jobs: Mapping[str, JobObs] = field(default_factory=dict)
     # RayJobs of ours on their way out (KubeRay's finalizer, the garbage collector removing their
-    # submitter Job and pods): they still hold the RayCluster (phases._release). Read only while
+    # submitter Job and pods): they still hold the RayCluster (phases.jobs._release). Read only while
     # there is a RayCluster.
     jobs_deleting: tuple[str, ...] = ()
     service: ServiceObs | None = None

@@ -9,11 +9,12 @@ import copy
 import shlex
 from datetime import datetime, timedelta, timezone
 
-from tests.factories import merge_patch, small_object
-from tpuft.controller import builders, observed, phases
 from tpuft.api import constants as c
-from tpuft.controller.observed import ClusterObs, JobObs, Observed, PeerObs, PublishedObs, ServiceObs
 from tpuft.api.spec import parse
+from tpuft.controller import builders, observed, phases
+from tpuft.controller.observed import ClusterObs, JobObs, Observed, PeerObs, PublishedObs, ServiceObs
+
+from tests.factories import merge_patch, small_object
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 TUN = observed.Tunables(verify_grace_seconds=60)
