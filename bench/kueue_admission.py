@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from tpuft.api import constants as c
+from tpuft.api import kueue
 from tpuft_local import kueue as localkueue
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,9 +67,9 @@ def doc(name: str, queued: bool, priority: str | None = None, epochs: int = 3,
     d["spec"]["checkpoint"]["everySteps"] = 5
     d["metadata"] = {"name": name, "labels": {}}
     if queued:
-        d["metadata"]["labels"][c.KUEUE_QUEUE_LABEL] = queue
+        d["metadata"]["labels"][kueue.KUEUE_QUEUE_LABEL] = queue
     if priority:
-        d["metadata"]["labels"][c.KUEUE_PRIORITY_LABEL] = priority
+        d["metadata"]["labels"][kueue.KUEUE_PRIORITY_LABEL] = priority
     return d
 
 
@@ -111,7 +111,7 @@ def _trained(name: str, steps: int) -> bool:
 
 
 def steps_lost() -> dict:
-    api = f"{c.KUEUE_GROUP}/{c.KUEUE_VERSION}"
+    api = f"{kueue.KUEUE_GROUP}/{kueue.KUEUE_VERSION}"
     kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [
         *[{"apiVersion": api, "kind": "WorkloadPriorityClass", "metadata": {"name": n}, "value": v}
           for n, v in PRIORITIES],

@@ -40,6 +40,9 @@ from pathlib import Path
 import yaml
 
 from tpuft.api import constants as c
+from tpuft.api import gke
+from tpuft.api import kuberay
+from tpuft.api import kueue as kueue_names
 from tpuft.controller.observed import parse_time, serving_ready
 from tpuft_local.demo_objects import DEMO_NAMESPACE, PSA_LABELS, DemoError, delete_previous
 
@@ -283,11 +286,11 @@ def _ensure_local_queue(custom, manifest: dict, namespace: str, clock: Clock, lo
 
     from tpuft_local import kueue
 
-    queue = ((manifest.get("metadata") or {}).get("labels") or {}).get(c.KUEUE_QUEUE_LABEL)
+    queue = ((manifest.get("metadata") or {}).get("labels") or {}).get(kueue_names.KUEUE_QUEUE_LABEL)
     if not queue:
         return
-    where = f"LocalQueue {namespace}/{queue} (the object's label {c.KUEUE_QUEUE_LABEL})"
-    api = (c.KUEUE_GROUP, c.KUEUE_VERSION, namespace, "localqueues")
+    where = f"LocalQueue {namespace}/{queue} (the object's label {kueue_names.KUEUE_QUEUE_LABEL})"
+    api = (kueue_names.KUEUE_GROUP, kueue_names.KUEUE_VERSION, namespace, "localqueues")
     make = local_cluster and queue in kueue.DEMO_LOCAL_QUEUES
     try:
         if make:
@@ -413,7 +416,7 @@ def _manifest(args) -> dict:
         if not args.rehearse_tpu:
             raise DemoError("--flex-start needs --rehearse-tpu: flex-start provisions a TPU slice (simulated here)")
         from tpuft_local.kueue import FLEX_START
-        manifest.setdefault("metadata", {}).setdefault("labels", {})[c.KUEUE_QUEUE_LABEL] = FLEX_START
+        manifest.setdefault("metadata", {}).setdefault("labels", {})[kueue_names.KUEUE_QUEUE_LABEL] = FLEX_START
         spec.setdefault("scheduling", {})["provisioning"] = c.Provisioning.FLEX_START.value
     return manifest
 
@@ -473,12 +476,12 @@ class Placement:
                 annotations, labels = meta.annotations or {}, meta.labels or {}
             except Exception:  # noqa: BLE001  (a node we may not read is shown as real)
                 annotations, labels = {}, {}
-            self._nodes[node] = (KWOK_ANNOTATION in annotations, labels.get(c.GKE_FLEX_START_SELECTOR) == "true")
+            self._nodes[node] = (KWOK_ANNOTATION in annotations, labels.get(gke.GKE_FLEX_START_SELECTOR) == "true")
         return self._nodes[node]
 
     def poll(self) -> None:
         try:
-            pods = self.core.list_namespaced_pod(self.namespace, label_selector=c.RAY_NODE_TYPE_LABEL).items
+            pods = self.core.list_namespaced_pod(self.namespace, label_selector=kuberay.RAY_NODE_TYPE_LABEL).items
         except Exception:  # noqa: BLE001  (best effort: the phase stream is what matters)
             return
         for pod in pods:
@@ -488,7 +491,7 @@ class Placement:
             simulated, flex_start = self._node(pod.spec.node_name)
             self.placed[pod.metadata.name] = {"node": pod.spec.node_name, "simulated": simulated,
                                               "flexStart": flex_start,
-                                              "role": (pod.metadata.labels or {}).get(c.RAY_NODE_TYPE_LABEL)}
+                                              "role": (pod.metadata.labels or {}).get(kuberay.RAY_NODE_TYPE_LABEL)}
             kind = "SIMULATED host (KWOK): nothing executes there" if simulated else "real node"
             print(f"{self.clock.stamp()}   KubeRay pod {pod.metadata.name} -> {pod.spec.node_name} ({kind})",
                   flush=True)

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import yaml
 
-from tpuft.api import constants as c
+from tpuft.api import gke
+from tpuft.api import kueue
 from tpuft_local import pools as poolslib
 
 USER = "tpuft:kueue"
@@ -109,8 +110,8 @@ def rbac(rbac_dir: Path) -> list[dict]:
 def _flavor(name: str, node_labels: dict, tpu: bool) -> dict:
     spec: dict = {"nodeLabels": dict(node_labels)} if node_labels else {}
     if tpu:   # the pools' taint; Kueue adds the toleration to what it admits on this flavor
-        spec["tolerations"] = [{"key": c.TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
-    return {"apiVersion": f"{c.KUEUE_GROUP}/{c.KUEUE_VERSION}", "kind": "ResourceFlavor",
+        spec["tolerations"] = [{"key": gke.TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+    return {"apiVersion": f"{kueue.KUEUE_GROUP}/{kueue.KUEUE_VERSION}", "kind": "ResourceFlavor",
             "metadata": {"name": name, "labels": MANAGED}, "spec": spec}
 
 
@@ -119,7 +120,7 @@ def _cpu_quota() -> dict:
     ClusterQueue, so a head takes it and a TPU worker the next flavor whose chips fit."""
     return {"name": CPU_FLAVOR, "resources": [
         {"name": "cpu", "nominalQuota": CPU_QUOTA[0]}, {"name": "memory", "nominalQuota": CPU_QUOTA[1]},
-        {"name": c.TPU_RESOURCE, "nominalQuota": 0}]}
+        {"name": gke.TPU_RESOURCE, "nominalQuota": 0}]}
 
 
 def _tpu_quota(flavor: str, pool, slices: int) -> dict:
@@ -129,15 +130,15 @@ def _tpu_quota(flavor: str, pool, slices: int) -> dict:
     return {"name": flavor, "resources": [
         {"name": "cpu", "nominalQuota": _times(node["cpu"], hosts)},
         {"name": "memory", "nominalQuota": _times(node["memory"], hosts)},
-        {"name": c.TPU_RESOURCE, "nominalQuota": s.chips_per_host * hosts}]}
+        {"name": gke.TPU_RESOURCE, "nominalQuota": s.chips_per_host * hosts}]}
 
 
 def _cluster_queue(name: str, flavors: list[dict], **spec) -> dict:
     """A ClusterQueue for every namespace with one resource group (CPU, memory, chips) over `flavors`."""
-    return {"apiVersion": f"{c.KUEUE_GROUP}/{c.KUEUE_VERSION}", "kind": "ClusterQueue",
+    return {"apiVersion": f"{kueue.KUEUE_GROUP}/{kueue.KUEUE_VERSION}", "kind": "ClusterQueue",
             "metadata": {"name": name, "labels": MANAGED},
             "spec": {"namespaceSelector": {}, **spec,
-                     "resourceGroups": [{"coveredResources": ["cpu", "memory", c.TPU_RESOURCE], "flavors": flavors}]}}
+                     "resourceGroups": [{"coveredResources": ["cpu", "memory", gke.TPU_RESOURCE], "flavors": flavors}]}}
 
 
 def queue_objects(tpu_pools, local_queue_namespace: str | None = None,
@@ -160,7 +161,7 @@ def queue_objects(tpu_pools, local_queue_namespace: str | None = None,
 
 
 def local_queue(namespace: str, cluster_queue: str = CLUSTER_QUEUE, name: str = LOCAL_QUEUE) -> dict:
-    return {"apiVersion": f"{c.KUEUE_GROUP}/{c.KUEUE_VERSION}", "kind": "LocalQueue",
+    return {"apiVersion": f"{kueue.KUEUE_GROUP}/{kueue.KUEUE_VERSION}", "kind": "LocalQueue",
             "metadata": {"name": name, "namespace": namespace, "labels": MANAGED},
             "spec": {"clusterQueue": cluster_queue}}
 
@@ -191,17 +192,17 @@ def flex_start_objects(pool, local_queue_namespace: str | None = None, slices: i
     AdmissionCheck using it, a ClusterQueue `flex-start` with the check on that flavor (quota for
     `slices` slices: the nodes do not exist until provisioned) and a LocalQueue. The chart's
     kueue/gke-flex-start.yaml is the same shape (tests/local/test_kueue.py)."""
-    s, api = pool.slice, f"{c.KUEUE_GROUP}/{c.KUEUE_VERSION}"
+    s, api = pool.slice, f"{kueue.KUEUE_GROUP}/{kueue.KUEUE_VERSION}"
     flavor = {"apiVersion": api, "kind": "ResourceFlavor",
               "metadata": {"name": flex_start_flavor_name(pool), "labels": MANAGED},
-              "spec": {"nodeLabels": {**dict(s.node_selector), c.GKE_FLEX_START_SELECTOR: "true"},
-                       "tolerations": [{"key": c.TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"},
-                                       {"key": c.GKE_QUEUED_TAINT, "operator": "Exists", "effect": "NoSchedule"}]}}
+              "spec": {"nodeLabels": {**dict(s.node_selector), gke.GKE_FLEX_START_SELECTOR: "true"},
+                       "tolerations": [{"key": gke.TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"},
+                                       {"key": gke.GKE_QUEUED_TAINT, "operator": "Exists", "effect": "NoSchedule"}]}}
     config = {"apiVersion": api, "kind": "ProvisioningRequestConfig", "metadata": {"name": FLEX_START, "labels": MANAGED},
-              "spec": {"provisioningClassName": QUEUED_PROVISIONING_CLASS, "managedResources": [c.TPU_RESOURCE]}}
+              "spec": {"provisioningClassName": QUEUED_PROVISIONING_CLASS, "managedResources": [gke.TPU_RESOURCE]}}
     check = {"apiVersion": api, "kind": "AdmissionCheck", "metadata": {"name": FLEX_START, "labels": MANAGED},
              "spec": {"controllerName": PROVISIONING_CONTROLLER,
-                      "parameters": {"apiGroup": c.KUEUE_GROUP, "kind": "ProvisioningRequestConfig", "name": FLEX_START}}}
+                      "parameters": {"apiGroup": kueue.KUEUE_GROUP, "kind": "ProvisioningRequestConfig", "name": FLEX_START}}}
     cq = _cluster_queue(FLEX_START, [_cpu_quota(), _tpu_quota(flex_start_flavor_name(pool), pool, slices)],
                         admissionChecksStrategy=_flex_start_check(pool))
     out = [flavor, config, check, cq]
@@ -235,9 +236,9 @@ def fallback_objects(pool, local_queue_namespace: str | None = None, cluster_que
 
 def topology() -> dict:
     """Kueue's Topology for TPU slices by GKE's labels: a node pool (one multi-host slice), its nodes."""
-    return {"apiVersion": f"{c.KUEUE_GROUP}/{c.KUEUE_VERSION}", "kind": "Topology",
+    return {"apiVersion": f"{kueue.KUEUE_GROUP}/{kueue.KUEUE_VERSION}", "kind": "Topology",
             "metadata": {"name": TOPOLOGY, "labels": MANAGED},
-            "spec": {"levels": [{"nodeLabel": c.GKE_NODEPOOL_LABEL}, {"nodeLabel": "kubernetes.io/hostname"}]}}
+            "spec": {"levels": [{"nodeLabel": gke.GKE_NODEPOOL_LABEL}, {"nodeLabel": "kubernetes.io/hostname"}]}}
 
 
 TAS = "tas"   # the ClusterQueue and LocalQueue placing slices by Kueue Topology Aware Scheduling

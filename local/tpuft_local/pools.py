@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tpuft.api import constants as c
+from tpuft.api import gke
 from tpuft.api.catalog import CatalogError, resolve_slice
 
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"  # KWOK manages only Nodes carrying it (--manage-nodes-with-annotation-selector)
@@ -106,9 +106,9 @@ def tpu_nodes(pool: TpuPool) -> list[dict]:
     if s.machine_type not in MACHINES:
         raise ValueError(f"--tpu-pool {pool.accelerator}:{pool.topology}: no machine shape for {s.machine_type}; "
                          f"known: {', '.join(sorted(MACHINES))}")
-    taint = [{"key": c.TPU_RESOURCE, "value": "present", "effect": "NoSchedule"}]
+    taint = [{"key": gke.TPU_RESOURCE, "value": "present", "effect": "NoSchedule"}]
     return [_node(f"gke-{pool.name}-{i}-{h}", f"{pool.name}-{i}", s.machine_type, dict(s.node_selector), taint,
-                  {c.TPU_RESOURCE: str(s.chips_per_host)})
+                  {gke.TPU_RESOURCE: str(s.chips_per_host)})
             for i in range(pool.slices) for h in range(s.hosts)]
 
 
@@ -126,17 +126,17 @@ def cpu_node() -> dict:
 
 # GKE flex-start with queued provisioning: the nodes of such a pool carry these labels and this taint
 # (besides the TPU ones); tpuft_local.queued_provisioning makes them on request.
-FLEX_START_LABELS = {c.GKE_FLEX_START_SELECTOR: "true", c.GKE_QUEUED_TAINT: "true"}
-QUEUED_TAINT = {"key": c.GKE_QUEUED_TAINT, "value": "true", "effect": "NoSchedule"}
+FLEX_START_LABELS = {gke.GKE_FLEX_START_SELECTOR: "true", gke.GKE_QUEUED_TAINT: "true"}
+QUEUED_TAINT = {"key": gke.GKE_QUEUED_TAINT, "value": "true", "effect": "NoSchedule"}
 
 
 def flex_start_nodes(slice_shape, pool: str, slices: int, extra_labels: dict) -> list[dict]:
     """The KWOK nodes of a flex-start node pool holding `slices` slices of `slice_shape` (one GKE node
     pool per slice: `{pool}-{i}`), as GKE's queued provisioning makes them for a ProvisioningRequest."""
-    taints = [{"key": c.TPU_RESOURCE, "value": "present", "effect": "NoSchedule"}, QUEUED_TAINT]
+    taints = [{"key": gke.TPU_RESOURCE, "value": "present", "effect": "NoSchedule"}, QUEUED_TAINT]
     labels = {**dict(slice_shape.node_selector), **FLEX_START_LABELS, **extra_labels}
     return [_node(f"gke-{pool}-{i}-{h}", f"{pool}-{i}", slice_shape.machine_type, labels, taints,
-                  {c.TPU_RESOURCE: str(slice_shape.chips_per_host)})
+                  {gke.TPU_RESOURCE: str(slice_shape.chips_per_host)})
             for i in range(slices) for h in range(slice_shape.hosts)]
 
 

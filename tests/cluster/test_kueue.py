@@ -16,7 +16,8 @@ import yaml
 
 from tests.paths import EXAMPLES
 from tests.waiting import wait_until
-from tpuft.api import constants as c
+from tpuft.api import gke
+from tpuft.api import kueue as kueue_names
 from tpuft_local import kueue, pools
 from tpuft_local import queued_provisioning as qp
 
@@ -44,7 +45,7 @@ def queue(cluster_kubectl, cluster_ns):
     name = f"cq-{cluster_ns}"
     objs = [o for o in kueue.queue_objects([V6E], cluster_queue=name) if o["kind"] == "ClusterQueue"]
     objs.append(kueue.local_queue(cluster_ns, name, "lq"))
-    prios = [{"apiVersion": f"{c.KUEUE_GROUP}/{c.KUEUE_VERSION}", "kind": "WorkloadPriorityClass",
+    prios = [{"apiVersion": f"{kueue_names.KUEUE_GROUP}/{kueue_names.KUEUE_VERSION}", "kind": "WorkloadPriorityClass",
               "metadata": {"name": f"{p}-{cluster_ns}"}, "value": v, "description": f"{p} (test)"}
              for p, v in (("low", 100), ("high", 1000))]
     _apply(cluster_kubectl, *objs, *prios)
@@ -58,8 +59,8 @@ def queue(cluster_kubectl, cluster_ns):
 
 def _slice(name: str, queue: str, priority: str | None = None, **spec) -> dict:
     doc = yaml.safe_load((EXAMPLES / "v6e-4x4.yaml").read_text())
-    doc["metadata"] = {"name": name, "labels": {c.KUEUE_QUEUE_LABEL: queue,
-                                                **({c.KUEUE_PRIORITY_LABEL: priority} if priority else {})}}
+    doc["metadata"] = {"name": name, "labels": {kueue_names.KUEUE_QUEUE_LABEL: queue,
+                                                **({kueue_names.KUEUE_PRIORITY_LABEL: priority} if priority else {})}}
     doc["spec"]["verification"]["timeoutSeconds"] = 900   # stays VerifyingCollectives (KWOK runs nothing)
     doc["spec"]["provisioningTimeoutSeconds"] = 300
     doc["spec"].update(spec)
@@ -84,7 +85,7 @@ def test_a_second_slice_waits_queued_in_kueues_words_past_its_provisioning_timeo
     st = wait_until(lambda: "insufficient" in (s := _status(cluster_kubectl, ns, "second")).get("message", "") and s,
                     timeout=60, interval=1, what="Kueue's quota words in second's status")
     assert st["phase"] == "Queued" and st["reason"] == "Queued", st
-    assert c.TPU_RESOURCE in st["message"] and V6E.name in st["message"], st["message"]
+    assert gke.TPU_RESOURCE in st["message"] and V6E.name in st["message"], st["message"]
     assert _cond(st, "Admitted")["status"] == "False"
     rc = _get(cluster_kubectl, "raycluster", "second-ray", "-n", ns)
     assert rc["spec"]["suspend"] is True                      # Kueue's webhook suspended it at creation
@@ -142,7 +143,7 @@ def test_a_missing_local_queue_and_a_shape_past_the_whole_quota_are_said_and_not
     assert st["phase"] == "Queued" and "no-such-queue" in st["message"], st
     st = wait_until(lambda: "insufficient" in (s := _status(cluster_kubectl, ns, "two")).get("message", "") and s,
                     timeout=60, interval=1, what="Kueue's quota words in two's status")
-    assert st["phase"] == "Queued" and c.TPU_RESOURCE in st["message"], st
+    assert st["phase"] == "Queued" and gke.TPU_RESOURCE in st["message"], st
     (wl,) = [w for w in _get(cluster_kubectl, "workloads", "-n", ns)["items"]
              if any(o["name"] == "two-ray" for o in w["metadata"].get("ownerReferences") or [])]
     assert sorted(p["count"] for p in wl["spec"]["podSets"]) == [1, 8], wl["spec"]["podSets"]   # head; 2 x 4 hosts
@@ -161,7 +162,7 @@ def _standin_settings(kubectl, provision_after: str) -> None:
 
 
 def _flex_nodes(kubectl) -> list[dict]:
-    return _get(kubectl, "nodes", "-l", f"{qp.OWNER_LABEL},{c.GKE_FLEX_START_SELECTOR}=true").get("items") or []
+    return _get(kubectl, "nodes", "-l", f"{qp.OWNER_LABEL},{gke.GKE_FLEX_START_SELECTOR}=true").get("items") or []
 
 
 def _requests(kubectl, ns: str) -> list[dict]:
@@ -198,7 +199,7 @@ def test_flex_start_waits_for_capacity_in_the_provisioning_requests_words_provis
     assert (st["phase"], st["reason"]) == ("Queued", "WaitingForCapacity") and "stand-in" in st["message"], st
     (pr,) = _requests(kubectl, ns)
     assert pr["spec"]["provisioningClassName"] == kueue.QUEUED_PROVISIONING_CLASS
-    assert pr["spec"]["parameters"][c.GKE_MAX_RUN_DURATION_PARAMETER] == "3600"   # from the RayCluster's annotation
+    assert pr["spec"]["parameters"][gke.GKE_MAX_RUN_DURATION_PARAMETER] == "3600"   # from the RayCluster's annotation
     assert _cond(pr["status"], "Accepted")["status"] == "True" and _cond(pr["status"], "Provisioned")["status"] == "False"
     assert not _flex_nodes(kubectl) and not _get(kubectl, "pods", "-n", ns, "-l", "ray.io/cluster=flex-ray").get("items")
     # 2./3. the stand-in provisions: a flex-start node pool appears, the run provisions and verifies on it

@@ -38,7 +38,7 @@ import yaml
 from tests.cluster_fixtures import assert_nothing_left_failed
 from tests.paths import EXAMPLES
 from tests.waiting import wait_until
-from tpuft.api import constants as c
+from tpuft.api import kueue
 from tpuft_local import chart, node
 
 ONE_RUN_CPU = "1"   # local-cpu.yaml's pods ask 0.6 CPU (head 100m, two workers 250m): one run fits, two do not
@@ -75,7 +75,7 @@ def _kill_a_worker(kubectl, ns: str, name: str) -> str:
 def _queue(kubectl, ns: str) -> tuple[str, list[str]]:
     """A ClusterQueue with CPU for one run (preempting lower priority), its LocalQueue and two
     priorities; returns (LocalQueue, [priority class low, high])."""
-    api = f"{c.KUEUE_GROUP}/{c.KUEUE_VERSION}"
+    api = f"{kueue.KUEUE_GROUP}/{kueue.KUEUE_VERSION}"
     prios = [f"low-{ns}", f"high-{ns}"]
     docs = [{"apiVersion": api, "kind": "ClusterQueue", "metadata": {"name": f"cq-{ns}"},
              "spec": {"namespaceSelector": {}, "preemption": {"withinClusterQueue": "LowerPriority"},
@@ -114,7 +114,7 @@ def _bucket_listing(uri: str) -> list[str]:
 
 def _run(name: str, bucket: str, queue: str, priority: str, epochs: int, serve: bool) -> dict:
     doc = yaml.safe_load((EXAMPLES / "local-cpu.yaml").read_text())
-    doc["metadata"] = {"name": name, "labels": {c.KUEUE_QUEUE_LABEL: queue, c.KUEUE_PRIORITY_LABEL: priority}}
+    doc["metadata"] = {"name": name, "labels": {kueue.KUEUE_QUEUE_LABEL: queue, kueue.KUEUE_PRIORITY_LABEL: priority}}
     doc["spec"]["model"] = f"{bucket}/models/tiny-llama"
     doc["spec"]["dataset"] = {"name": f"{bucket}/data/dolly-mini.jsonl", "split": SPLIT}
     doc["spec"].pop("evaluation", None)

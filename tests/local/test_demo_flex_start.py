@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from tpuft.api import constants as c
+from tpuft.api import kueue
 from tpuft.api.spec import parse
 from tpuft_local import demo
 from tpuft_local.demo_objects import DemoError
@@ -21,7 +21,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 def test_flex_start_rehearsal_queues_the_v6e_slice_for_a_provisioning_request():
     manifest = demo._manifest(_args("--rehearse-tpu", "--flex-start"))
-    assert manifest["metadata"]["labels"][c.KUEUE_QUEUE_LABEL] == FLEX_START
+    assert manifest["metadata"]["labels"][kueue.KUEUE_QUEUE_LABEL] == FLEX_START
     tft = parse({**manifest, "metadata": {**manifest["metadata"], "namespace": "tpuft-demo"}})
     assert tft.spec.scheduling.flex_start and tft.spec.slice.topology == "4x4" and tft.spec.slice.hosts == 4
     assert "labels" not in (demo._manifest(_args("--rehearse-tpu")).get("metadata") or {})

@@ -9,7 +9,7 @@ import argparse
 import pytest
 from kubernetes.client.rest import ApiException
 
-from tpuft.api import constants as c
+from tpuft.api import kueue as kueue_names
 from tpuft_local import demo, kueue, pools
 from tpuft_local.demo_objects import DEMO_NAMESPACE, DemoError
 
@@ -22,13 +22,13 @@ class LocalQueues:
         self.answer, self.created, self.read = answer, [], []
 
     def create_namespaced_custom_object(self, group, version, namespace, plural, body):
-        assert (group, version, plural) == (c.KUEUE_GROUP, c.KUEUE_VERSION, "localqueues")
+        assert (group, version, plural) == (kueue_names.KUEUE_GROUP, kueue_names.KUEUE_VERSION, "localqueues")
         self.created.append((namespace, body))
         if self.answer:
             raise ApiException(status=self.answer, reason="Conflict" if self.answer == 409 else "NotFound")
 
     def get_namespaced_custom_object(self, group, version, namespace, plural, name):
-        assert (group, version, plural) == (c.KUEUE_GROUP, c.KUEUE_VERSION, "localqueues")
+        assert (group, version, plural) == (kueue_names.KUEUE_GROUP, kueue_names.KUEUE_VERSION, "localqueues")
         self.read.append((namespace, name))
         if self.answer:
             raise ApiException(status=self.answer, reason="Forbidden" if self.answer == 403 else "NotFound")
@@ -97,7 +97,7 @@ def test_another_clusters_missing_local_queue_is_refused_with_the_reason():
 
 def test_a_queue_the_local_cluster_does_not_make_is_looked_up_and_the_local_ones_named():
     manifest = _flex_start_manifest()
-    manifest["metadata"]["labels"][c.KUEUE_QUEUE_LABEL] = "team-a"
+    manifest["metadata"]["labels"][kueue_names.KUEUE_QUEUE_LABEL] = "team-a"
     api = LocalQueues(answer=404)
     with pytest.raises(DemoError, match=r"the local cluster's queues: local, flex-start, tas"):
         demo._ensure_local_queue(api, manifest, "bars-flex", demo.Clock(), local_cluster=True)

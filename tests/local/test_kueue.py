@@ -7,7 +7,7 @@ import base64
 
 import yaml
 
-from tpuft.api import constants as c
+from tpuft.api import gke
 from tpuft_local import kueue, pools
 
 
@@ -64,14 +64,14 @@ def test_the_cluster_queue_holds_exactly_one_slice_of_each_tpu_pool():
     cq = by_kind["ClusterQueue"][0]
     assert cq["metadata"]["name"] == "local" and cq["spec"]["preemption"] == {"withinClusterQueue": "LowerPriority"}
     group = cq["spec"]["resourceGroups"][0]
-    tpu = {f["name"]: next(r["nominalQuota"] for r in f["resources"] if r["name"] == c.TPU_RESOURCE)
+    tpu = {f["name"]: next(r["nominalQuota"] for r in f["resources"] if r["name"] == gke.TPU_RESOURCE)
            for f in group["flavors"]}
     assert tpu == {"cpu": 0, "v6e-4x4": 16, "tpu7x-2x2x2": 8}
     assert [f["name"] for f in group["flavors"]][0] == "cpu"   # a head (no chips) takes the CPU flavor first
     flavors = {f["metadata"]["name"]: f["spec"] for f in by_kind["ResourceFlavor"]}
     for pool in pools.DEFAULT_POOLS:
         assert flavors[pool.name]["nodeLabels"] == dict(pool.slice.node_selector)   # one source: the catalog
-        assert flavors[pool.name]["tolerations"][0]["key"] == c.TPU_RESOURCE
+        assert flavors[pool.name]["tolerations"][0]["key"] == gke.TPU_RESOURCE
     assert flavors["cpu"] == {}   # no node labels: CPU pods are placed as without Kueue
     lq = by_kind["LocalQueue"][0]
     assert (lq["metadata"]["namespace"], lq["spec"]["clusterQueue"]) == ("tpuft-demo", "local")
@@ -99,7 +99,7 @@ def test_the_charts_gke_example_has_the_local_queues_shape_and_the_catalogs_labe
     assert group["coveredResources"] == local_group["coveredResources"]
     assert [f["name"] for f in group["flavors"]] == [f["name"] for f in local_group["flavors"]]
     assert cq["spec"]["preemption"] == local["ClusterQueue"]["spec"]["preemption"]
-    chips = next(r for r in group["flavors"][1]["resources"] if r["name"] == c.TPU_RESOURCE)["nominalQuota"]
+    chips = next(r for r in group["flavors"][1]["resources"] if r["name"] == gke.TPU_RESOURCE)["nominalQuota"]
     assert chips == pools.DEFAULT_POOLS[0].slice.chips_per_host * pools.DEFAULT_POOLS[0].slice.hosts   # one slice
 
 
@@ -176,6 +176,6 @@ def test_the_tas_queue_places_all_of_a_pools_slices_by_node_pool():
     assert flavor["topologyName"] == objs["Topology"][0]["metadata"]["name"]
     assert flavor["nodeLabels"] == dict(pool.slice.node_selector)
     tpu = next(r["nominalQuota"] for r in objs["ClusterQueue"][0]["spec"]["resourceGroups"][0]["flavors"][1]["resources"]
-               if r["name"] == c.TPU_RESOURCE)
+               if r["name"] == gke.TPU_RESOURCE)
     assert tpu == pool.slice.chips_per_host * pool.slice.hosts * pool.slices
     assert {n["metadata"]["labels"][pools.POOL_LABEL] for n in pools.tpu_nodes(pool)} == {"v6e-4x4-0", "v6e-4x4-1"}

@@ -13,6 +13,7 @@ import pytest
 
 from tests.paths import REPO
 from tpuft.api import constants as c
+from tpuft.api import kuberay
 from tpuft_workload import metrics_log
 
 CHART = REPO / "charts" / "tpufinetune-operator"
@@ -96,6 +97,6 @@ def test_every_gauge_the_workload_sets_is_on_the_dashboard(dashboard):
 def test_the_pod_monitor_selects_ray_pods_of_a_tpufinetune_on_kuberays_metrics_port():
     text = (CHART / "templates" / "workload-metrics.yaml").read_text()
     assert f"- key: {c.LABEL_NAME}\n        operator: Exists" in text
-    assert f"- key: {c.RAY_NODE_TYPE_LABEL}\n        operator: Exists" in text
-    assert f"- port: {c.RAY_METRICS_PORT_NAME}\n" in text
+    assert f"- key: {kuberay.RAY_NODE_TYPE_LABEL}\n        operator: Exists" in text
+    assert f"- port: {kuberay.RAY_METRICS_PORT_NAME}\n" in text
     assert '.Files.Get "dashboards/tpufinetune.json"' in text

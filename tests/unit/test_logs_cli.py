@@ -20,6 +20,7 @@ from tests.http_stub import QuietHandler, serving
 from tpuft.controller import builders
 from tpuft.cli import logs_cli, ray_jobs
 from tpuft.api import constants as c
+from tpuft.api import kuberay
 from tpuft.api.spec import parse
 
 TOKEN = "ray-token-from-the-secret"
@@ -63,7 +64,7 @@ FORBIDDEN = {"rc": 1, "stderr": 'Error from server (Forbidden): secrets "ft-ray"
                                 'resource "secrets" in API group "" in the namespace "ns"'}
 RAYJOB = _found({"kind": "RayJob", "status": {"jobId": JOB_ID, "jobDeploymentStatus": "Running"}})
 CLUSTER = _found({"kind": "RayCluster", "spec": {}, "status": {"head": {"serviceName": "ft-ray-head-svc"}}})
-SECRET = _found({"kind": "Secret", "data": {c.RAY_AUTH_TOKEN_SECRET_KEY: base64.b64encode(TOKEN.encode()).decode()}})
+SECRET = _found({"kind": "Secret", "data": {kuberay.RAY_AUTH_TOKEN_SECRET_KEY: base64.b64encode(TOKEN.encode()).decode()}})
 
 
 @contextlib.contextmanager
@@ -114,7 +115,7 @@ def test_the_log_comes_from_the_head_with_the_ray_token_as_bearer(tmp_path, caps
     assert (rc, out, err) == (0, "line 1\nline 2\n", "")
     assert seen == [(f"/api/jobs/{JOB_ID}", f"Bearer {TOKEN}"), (f"/api/jobs/{JOB_ID}/logs", f"Bearer {TOKEN}")]
     assert ["get", "secret", "ft-ray", "-n", "ns", "-o", "json"] in calls          # KubeRay's Secret: the cluster's name
-    assert ["port-forward", "-n", "ns", "svc/ft-ray-head-svc", f":{c.RAY_DASHBOARD_PORT}"] in calls
+    assert ["port-forward", "-n", "ns", "svc/ft-ray-head-svc", f":{kuberay.RAY_DASHBOARD_PORT}"] in calls
     assert TOKEN not in out + err
 
 

@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 import pytest
 
 from tests.kuberay_standin import entrypoint_failed, memory_monitor_kill, train_controller_log
-from tpuft.api import constants as c
+from tpuft.api import kuberay
 from tpuft.api import crd
 from tpuft.controller.diagnosis import OomKilled, PodObs
 from tpuft.controller.kube import CUSTOM
@@ -30,21 +30,21 @@ def test_each_child_kind_observes_a_field_of_observed_named_in_the_crds_status_c
 def test_live_children_are_ours_not_deleting_and_not_deleted_by_us():
     entries = [IndexedChild("a", owner_uid="u-1"), IndexedChild("b", deleting=True), IndexedChild("c", owner_uid="u-0"),
                IndexedChild("d"), IndexedChild("e")]
-    assert list(live(entries, c.RAYJOB_KIND, "u-1", {(c.RAYJOB_KIND, "e"), (c.RAYCLUSTER_KIND, "d")})) == ["a", "d"]
+    assert list(live(entries, kuberay.RAYJOB_KIND, "u-1", {(kuberay.RAYJOB_KIND, "e"), (kuberay.RAYCLUSTER_KIND, "d")})) == ["a", "d"]
 
 
 def test_each_row_turns_what_was_found_into_its_field():
     rows = {k.kind: k for k in CHILD_KINDS}
     cluster = IndexedChild("ft-ray", {"state": "ready"}, suspend=True, generation=2, uid="rc-1")
-    assert rows[c.RAYCLUSTER_KIND].observe({"ft-ray": cluster}, ("ft-ray",)) == \
+    assert rows[kuberay.RAYCLUSTER_KIND].observe({"ft-ray": cluster}, ("ft-ray",)) == \
         ClusterObs("ft-ray", {"state": "ready"}, True, 2, "rc-1")
-    assert rows[c.RAYCLUSTER_KIND].observe({"ft-ray": cluster}, (None,)) is None          # none expected
-    assert rows[c.RAYCLUSTER_KIND].observe({}, ("ft-ray",)) is None                       # expected, absent
+    assert rows[kuberay.RAYCLUSTER_KIND].observe({"ft-ray": cluster}, (None,)) is None          # none expected
+    assert rows[kuberay.RAYCLUSTER_KIND].observe({}, ("ft-ray",)) is None                       # expected, absent
     found = {"ft-verify": IndexedChild("ft-verify", {"jobStatus": "SUCCEEDED"}), "ft-old": IndexedChild("ft-old")}
-    assert rows[c.RAYJOB_KIND].observe(found, ("ft-verify", None)) == {   # every live one, expected or not
+    assert rows[kuberay.RAYJOB_KIND].observe(found, ("ft-verify", None)) == {   # every live one, expected or not
         "ft-verify": JobObs("ft-verify", {"jobStatus": "SUCCEEDED"}), "ft-old": JobObs("ft-old")}
     service = IndexedChild("ft-serve", {"x": 1})
-    assert rows[c.RAYSERVICE_KIND].observe({"ft-serve": service}, ("ft-serve",)) == ServiceObs("ft-serve", {"x": 1})
+    assert rows[kuberay.RAYSERVICE_KIND].observe({"ft-serve": service}, ("ft-serve",)) == ServiceObs("ft-serve", {"x": 1})
 
 
 # --- a failed RayJob's message ------------------------------------------------------------------------

@@ -4,6 +4,7 @@ import yaml
 
 from tests.factories import DELETE, MINIMUM, with_
 from tpuft.api import constants as c
+from tpuft.api import kuberay
 from tpuft.api import spec as spec_mod
 from tpuft.api.spec import MAX_NAME_LENGTH, Lora, ServeReplicas, SpecError, parse
 
@@ -330,9 +331,8 @@ def test_max_model_length_is_checked_against_a_builtin_models_context():
 def test_every_rayservice_name_fits_kuberays_limit():
     """metadata.name is capped so that "{name}-serve" always fits KubeRay's 47 characters."""
     from tpuft.controller import builders
-    from tpuft.api import constants
     longest = parse(with_("metadata.name", "x" * MAX_NAME_LENGTH, with_("spec.serve", {"enabled": True, "image": "v:1"})))
-    assert len(builders.names(longest).service) <= constants.RAYSERVICE_MAX_NAME_LENGTH
+    assert len(builders.names(longest).service) <= kuberay.RAYSERVICE_MAX_NAME_LENGTH
 
 
 def test_serve_api_key_secret_is_parsed_with_its_default_key():

@@ -92,7 +92,7 @@ def test_export_loads_and_generates(killed_run):
 
 @pytest.mark.parametrize("acc,topo,workers,ray_type", [("v6e", "4x4", 4, "TPU-V6E"), ("tpu7x", "2x2x2", 2, "TPU-V7X")])
 def test_tpu_scaling_is_one_worker_per_host(acc, topo, workers, ray_type, monkeypatch):
-    from tpuft.api.constants import RAY_TPU_RESOURCE_PER_CHIP_ENV
+    from tpuft.api.kuberay import RAY_TPU_RESOURCE_PER_CHIP_ENV
 
     monkeypatch.delenv(RAY_TPU_RESOURCE_PER_CHIP_ENV, raising=False)
     sc = jax_train.scaling_config(resolve_target(acc, topo))

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tpuft.api.constants import RAY_TRAIN_WORKER_PROCESS_TITLE
+from tpuft.api.kuberay import RAY_TRAIN_WORKER_PROCESS_TITLE
 from tpuft_workload import preemption
 
 

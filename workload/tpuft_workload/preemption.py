@@ -26,7 +26,8 @@ import sys
 import threading
 import time
 
-from tpuft.api.constants import PRESTOP_WAIT_SECONDS, RAY_TRAIN_WORKER_PROCESS_TITLE, STOP_MARKER_DIR
+from tpuft.api.constants import PRESTOP_WAIT_SECONDS, STOP_MARKER_DIR
+from tpuft.api.kuberay import RAY_TRAIN_WORKER_PROCESS_TITLE
 
 REASON = "SIGTERM"
 # After a worker's marker appears, how long the hook still waits for its process to end (Ray Train's

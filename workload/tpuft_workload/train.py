@@ -40,7 +40,7 @@ from tpuft_workload import data as datalib
 from tpuft_workload import lora as loralib
 from tpuft_workload import loop, pipeline, preemption
 from tpuft_workload.loop import SUMMARY, TrainConfig
-from tpuft.api.constants import RAY_MEMORY_KILL_SIGN
+from tpuft.api.kuberay import RAY_MEMORY_KILL_SIGN
 from tpuft.api.spec import Lora, Run
 from tpuft_workload.command import Command
 from tpuft_workload.platform import PLATFORMS, Target, load_backend
@@ -277,7 +277,7 @@ def scaling_config(target: Target, per_host: bool = False):
     """Ray Train's workers on TPU (with the slice's topology), GPU or CPU: one per device (torch),
     or with per_host one per host, each holding all of its host's TPU resources (JAX)."""
     from ray.train import ScalingConfig
-    from tpuft.api.constants import RAY_TPU_RESOURCE_PER_CHIP_ENV
+    from tpuft.api.kuberay import RAY_TPU_RESOURCE_PER_CHIP_ENV
 
     shape, plat = target.shape, target.platform
     workers = target.jax_workers if per_host else target.world_size

@@ -15,7 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tpuft.api.constants import CPU_ACCELERATOR, GKE_TPU_ACCELERATOR_SELECTOR, GKE_TPU_TOPOLOGY_SELECTOR
+from tpuft.api.constants import CPU_ACCELERATOR
+from tpuft.api.gke import GKE_TPU_ACCELERATOR_SELECTOR, GKE_TPU_TOPOLOGY_SELECTOR
 
 # Largest CPU rehearsal we accept; bigger worlds belong on real hardware.
 MAX_CPU_WORKERS = 64

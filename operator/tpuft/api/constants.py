@@ -1,7 +1,9 @@
-"""Every name the operator shares with Kubernetes, KubeRay and the workload, in one place.
+"""Our own names: the ones the operator shares with Kubernetes and the workload. KubeRay's (and
+Ray's), Kueue's and GKE's live in tpuft.api.kuberay, tpuft.api.kueue and tpuft.api.gke, each
+with the upstream version it follows.
 
 The names that more than one module (or the workload) relies on: API groups, labels, phases,
-condition types and statuses, reasons, KubeRay's status vocabulary. Closed sets are enums, so a
+condition types and statuses, reasons. Closed sets are enums, so a
 typo is an AttributeError. Core Kubernetes kinds and field names (ServiceAccount, Role, spec,
 metadata) are spelled where they are used; tests/kuberay_standin.py spells KubeRay's strings
 literally on purpose, so a wrong constant here fails a test.
@@ -10,6 +12,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+
+from tpuft.api.gke import TPU_NAME_ENV, TPU_SLICE_TOPOLOGY_ANNOTATION, TPU_WEBHOOK_REPLICA_LABEL
+from tpuft.api.kuberay import (
+    KUBERAY_COMPONENT_LABEL,
+    KUBERAY_CREATED_BY_LABEL,
+    KUBERAY_NAME_LABEL,
+    RAY_AUTH_MODE_ENV,
+    RAY_AUTH_TOKEN_ENV,
+    RAY_GROUP,
+)
 
 # --- Our API -------------------------------------------------------------------------
 GROUP = "tpufinetune.dev"
@@ -20,81 +32,10 @@ PLURAL = "tpufinetunes"
 SINGULAR = "tpufinetune"
 SHORT_NAME = "tft"
 
-# --- KubeRay's API (ray-project/kuberay v1.7.0) --------------------------------------
-RAY_GROUP = "ray.io"
-RAY_VERSION = "v1"
+# --- Ray, as our images carry it (KubeRay's and Ray's own names: tpuft.api.kuberay) -------------
 RAY_VERSION_PIN = "2.60.0"   # the Ray the RayCluster runs and the workload image carries
-# Ray's memory monitor (the raylet) killing a worker process, in the words of Ray's messages (2.60: "N
-# worker(s) were killed due to the node running low on memory", the actor's "Worker exit type:
-# NODE_OUT_OF_MEMORY"; earlier: "Task was killed due to ...", ray.exceptions.OutOfMemoryError): the
-# training driver finds it in the error Ray Train raises, the operator in the job's message (observed).
-RAY_MEMORY_KILL_SIGN = (r"killed due to the node running low on memory|ray\.exceptions\.OutOfMemoryError"
-                        r"|Worker exit type: NODE_OUT_OF_MEMORY")
-RAY_DASHBOARD_AGENT_PORT = 52365          # the dashboard agent's listen port (KubeRay's default)
-RAY_NODE_HEALTH_PATH = "/api/healthz"     # its health check, KubeRay's readiness probe for Ray >= 2.53
-RAY_API_VERSION = f"{RAY_GROUP}/{RAY_VERSION}"
-RAYCLUSTER_KIND = "RayCluster"
-RAYCLUSTER_PLURAL = "rayclusters"
-RAYJOB_KIND = "RayJob"
-RAYJOB_PLURAL = "rayjobs"
-RAYSERVICE_KIND = "RayService"
-RAYSERVICE_PLURAL = "rayservices"
-RAYSERVICE_MAX_NAME_LENGTH = 47   # KubeRay rejects longer RayService names (its Services add suffixes)
-RAYSERVICE_SERVE_SVC_SUFFIX = "-serve-svc"   # KubeRay's Service in front of the Serve proxies
-RAY_CLUSTER_LABEL = "ray.io/cluster"  # KubeRay's clusterSelector key
-RAY_NODE_TYPE_LABEL = "ray.io/node-type"   # KubeRay's label on Ray pods (head, worker): the PodMonitor's
-# spec.authOptions.mode of every RayCluster and RayService cluster we render. With it KubeRay (v1.6.2)
-# creates a Secret named after the RayCluster holding a random token, puts RAY_AUTH_MODE/RAY_AUTH_TOKEN
-# on the Ray containers, and gives a clusterSelector RayJob's submitter the same env (from the selected
-# RayCluster's authOptions), so RayJobs carry none. The operator never reads that Secret.
-RAY_AUTH_MODE_TOKEN = "token"
-# That Secret's key holding the token (`tpuft logs` reads it with the user's kubectl rights).
-RAY_AUTH_TOKEN_SECRET_KEY = "auth_token"
-RAY_HEAD_SERVICE_SUFFIX = "-head-svc"   # KubeRay's head Service, {RayCluster}-head-svc (dashboard port 8265)
-# The env KubeRay sets for it. KubeRay leaves a variable a container already has alone, so one set in
-# spec.env would switch the auth off or replace the token (RESERVED_ENV below; tpuft.api.spec refuses them).
-RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
-RAY_AUTH_TOKEN_ENV = "RAY_AUTH_TOKEN"
-# Labels KubeRay puts on what it creates: every Ray pod gets app.kubernetes.io/name=kuberay and
-# created-by=kuberay-operator (pod template labels override them, ray.io/* aside); its own operator pod
-# is app.kubernetes.io/component=kuberay-operator in both its Helm chart and its kustomize manifests.
-KUBERAY_NAME_LABEL = "app.kubernetes.io/name"
-KUBERAY_CREATED_BY_LABEL = "app.kubernetes.io/created-by"
-KUBERAY_COMPONENT_LABEL = "app.kubernetes.io/component"
-KUBERAY_OPERATOR_COMPONENT = "kuberay-operator"
 
-# --- Kueue's API (sigs.k8s.io/kueue v0.17.0): read only, for objects with a queue label -------------
-# Kueue's RayCluster webhook suspends a labelled RayCluster at creation and makes a Workload for it
-# (owned by the RayCluster, labelled with its UID); admitting the Workload unsuspends the RayCluster,
-# evicting it suspends it again (KubeRay deletes the pods).
-KUEUE_GROUP = "kueue.x-k8s.io"
-KUEUE_VERSION = "v1beta2"
-WORKLOAD_KIND = "Workload"
-WORKLOAD_PLURAL = "workloads"
-KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
-# Workload status.conditions types (pkg/... workload_types.go)
-KUEUE_QUOTA_RESERVED = "QuotaReserved"
-KUEUE_ADMITTED = "Admitted"
-KUEUE_EVICTED = "Evicted"
-KUEUE_PREEMPTED = "Preempted"
-# A Workload's status.admissionChecks[].state (Kueue's CheckState: Pending, Ready, Retry, Rejected):
-# Ready admits (with quota reserved), Retry evicts and requeues, Rejected deactivates the Workload
-# (spec.active false).
-CHECK_READY = "Ready"
-CHECK_REJECTED = "Rejected"
-# The Evicted condition's reason when Kueue deactivated the Workload (spec.active false) for a
-# Rejected check; the eviction then resets every check to Pending ("Previously: Rejected").
-KUEUE_DEACTIVATED_BY_CHECK = "DeactivatedDueToAdmissionCheck"
-# A ProvisioningRequest (autoscaling.x-k8s.io, cluster-autoscaler's API, created by Kueue's
-# ProvisioningRequest admission check): read only, for a check Kueue rejected, to tell a revoked or
-# expired booking (requeued like a preemption) from capacity that never came (the run fails).
-PROVREQ_GROUP = "autoscaling.x-k8s.io"
-PROVREQ_VERSION = "v1"
-PROVREQ_PLURAL = "provisioningrequests"
-PROVREQ_BOOKING_EXPIRED = "BookingExpired"
-PROVREQ_CAPACITY_REVOKED = "CapacityRevoked"
-# Kueue passes a job's annotations with this prefix to its ProvisioningRequests as spec.parameters.
-PROVREQ_PARAMETER_PREFIX = "provreq.kueue.x-k8s.io/"
+# --- Queueing (Kueue's own names: tpuft.api.kueue) -------------------------------------------
 # How often a Queued object looks at its Workload (Kueue's changes to it do not wake the operator;
 # admission does: it unsuspends the RayCluster, which is watched).
 QUEUE_POLL_SECONDS = 5
@@ -110,8 +51,6 @@ LABEL_NAME = f"{LABEL_PREFIX}/name"            # owning TPUFinetune's name
 LABEL_COMPONENT = f"{LABEL_PREFIX}/component"  # cluster | verify | train | workload-identity | network-policy | serve
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "tpufinetune-operator"
-KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"   # a WorkloadPriorityClass's name
 
 
 class Component(str, enum.Enum):
@@ -125,40 +64,9 @@ class Component(str, enum.Enum):
     UNPUBLISH = "unpublish"   # an adapter removed from its base's adapters root
 
 
-# --- GKE / TPU ---------------------------------------------------------------------------
-TPU_RESOURCE = "google.com/tpu"
-GKE_TPU_ACCELERATOR_SELECTOR = "cloud.google.com/gke-tpu-accelerator"
-GKE_TPU_TOPOLOGY_SELECTOR = "cloud.google.com/gke-tpu-topology"
-GKE_SPOT_SELECTOR = "cloud.google.com/gke-spot"
-GKE_RESERVATION_NAME_SELECTOR = "cloud.google.com/reservation-name"
-GKE_RESERVATION_AFFINITY_SELECTOR = "cloud.google.com/reservation-affinity"
-# Flex-start with queued provisioning (GKE's Dynamic Workload Scheduler): its nodes carry the
-# flex-start label and the queued-provisioning label and NoSchedule taint.
-GKE_FLEX_START_SELECTOR = "cloud.google.com/gke-flex-start"
-GKE_QUEUED_TAINT = "cloud.google.com/gke-queued"
-# The longest a flex-start node runs (GKE: 7 days), passed as the ProvisioningRequest's parameter.
-GKE_MAX_RUN_DURATION_PARAMETER = "maxRunDurationSeconds"
-GKE_MAX_RUN_DURATION_SECONDS = 7 * 24 * 3600
-GKE_NODEPOOL_LABEL = "cloud.google.com/gke-nodepool"   # one multi-host TPU slice is one node pool
-# Kueue Topology Aware Scheduling (v0.17): a pod template's pod-set annotations.
-KUEUE_TAS_REQUIRED = "kueue.x-k8s.io/podset-required-topology"
-RAY_TPU_RESOURCE_PER_CHIP_ENV = "RAY_TPU_RESOURCE_PER_CHIP"
-RAY_TPU_CUSTOM_RESOURCE = "TPU"  # Ray's logical resource name
+# --- The workload's environment, the operator's timings (GKE's names: tpuft.api.gke) ----------
 HF_TOKEN_ENV = "HF_TOKEN"
-# The TPU webhook (kuberay-tpu-webhook) mutates pods labelled app.kubernetes.io/name=kuberay, labels
-# them replicaIndex when KubeRay's own index labels are absent, and takes a worker group's topology
-# from this annotation before the topology node selector we set from spec.topology.
-TPU_WEBHOOK_REPLICA_LABEL = "replicaIndex"
-TPU_NAME_ENV = "TPU_NAME"   # the slice's name (the webhook's `{group}-{replica}`): Ray's slice identity
-TPU_SLICE_TOPOLOGY_ANNOTATION = "cloud.google.com/gke-tpu-slice-topology"
-# GKE's Cloud Storage FUSE CSI driver: a Pod with a volume of this driver needs the annotation, or GKE
-# injects no gcsfuse sidecar and the mount fails (GKE docs, "Cloud Storage FUSE CSI driver").
-GCSFUSE_CSI_DRIVER = "gcsfuse.csi.storage.gke.io"
-GCSFUSE_VOLUMES_ANNOTATION = "gke-gcsfuse/volumes"
 
-# Ray head ports, named and numbered as KubeRay's defaults.
-RAY_DASHBOARD_PORT = 8265   # job submission and status: KubeRay's operator and RayJob submitters call it
-RAY_PORTS = (("gcs", 6379), ("dashboard", RAY_DASHBOARD_PORT), ("client", 10001))
 
 # Environment the workload reads to report progress into its own TPUFinetune.
 # How often a new object re-checks that an earlier one of its name has gone (phases.provisioning._wait_for_previous):
@@ -169,12 +77,6 @@ LEFTOVER_POLL_SECONDS = 2.0
 POD_LIST_INTERVAL_SECONDS = 10.0
 POOLS_CACHE_SECONDS = 30.0  # one list of TPU nodes serves every unschedulable slice for this long
 RECOVERY_HISTORY_MAX = 10   # status.recovery.history keeps the latest this many losses
-# A RayJob whose Ray job has ended is finished by KubeRay (jobDeploymentStatus Complete/Failed)
-# only once its submitter, still following the job's logs, has exited: seconds, normally. Its
-# RayCluster stays until then, for at most this long; past it the RayJob is deleted first, and a
-# deleted RayJob holds its RayCluster (deleted or suspended) for at most this long again
-# (phases.jobs._release; TPUFT_RAYJOB_GRACE_SECONDS).
-RAYJOB_FINISH_GRACE_SECONDS = 60.0
 # A RayJob KubeRay failed because its submitter completed while the dashboard did not know its Ray
 # job (observed.job_lost) is resubmitted as a new RayJob at most this many times per run (training
 # and verification together), not counted against training.maxJobRetries: no user code failed. The
@@ -216,8 +118,6 @@ class TrainMetric(str, enum.Enum):
 
 
 TRAIN_METRIC_TAG = "tpufinetune"
-RAY_METRICS_PORT_NAME = "metrics"   # KubeRay's name for the Ray containers' metrics-export port ...
-RAY_METRICS_PORT = 8080             # ... and its default number (KubeRay adds it to every Ray container)
 
 # status.training.history keeps at most this many (step, loss, tokensPerSecond) points
 # (tpuft_workload.report.add_point halves it when full): 4352 bytes of JSON at most for 64 points with
@@ -233,13 +133,6 @@ SERVICE_ACCOUNT_ENV = "TPUFT_SERVICE_ACCOUNT"
 SERVICE_ACCOUNT_NAMESPACE_ENV = "TPUFT_SERVICE_ACCOUNT_NAMESPACE"
 
 # --- Stopping a training pod (tpuft_workload.preemption) ------------------------------------------
-# The container runtime signals only PID 1 (`ray start --block`), whose SIGTERM ends raylet and with it
-# every Ray worker at once: the training cluster's Ray containers get a preStop hook instead, which runs
-# before that SIGTERM, sends SIGTERM to this pod's Ray Train worker processes (found by their process
-# title) and waits until they have saved a checkpoint at the next step boundary and exited (the head,
-# which hosts the job's driver, waits for the driver to end).
-# Ray 2.60 titles a Ray Train worker actor's process "ray::RayTrainWorker" (".<method>" while it runs one).
-RAY_TRAIN_WORKER_PROCESS_TITLE = "ray::RayTrainWorker"
 # A worker writes <dir>/<pid>.json once its stop checkpoint is committed (the hook logs it).
 STOP_MARKER_DIR = "/tmp/tpuft-stop"
 # The pod's terminationGracePeriodSeconds (Kubernetes' default is 30). Sized for one training step
@@ -521,55 +414,6 @@ GOODPUT_TOTAL = "totalSeconds"
 GOODPUT_RATIO = "ratio"
 
 
-# --- KubeRay status vocabulary (ray-project/kuberay v1.7.0, ray-operator/apis/ray/v1/) ----
-RAYCLUSTER_PROVISIONED = "RayClusterProvisioned"   # RayCluster condition type
-RAYCLUSTER_HEAD_POD_READY = "HeadPodReady"
-RAYCLUSTER_REPLICA_FAILURE = "ReplicaFailure"
-RAYCLUSTER_SUSPENDING = "RayClusterSuspending"
-RAYCLUSTER_SUSPENDED = "RayClusterSuspended"
-RAYCLUSTER_STATE_READY = "ready"                   # status.state (deprecated but still set)
-
-
-class JobStatus(str, enum.Enum):
-    """RayJob status.jobStatus (Ray's job status)."""
-    NEW = ""
-    PENDING = "PENDING"
-    RUNNING = "RUNNING"
-    STOPPED = "STOPPED"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-
-
-class JobDeploymentStatus(str, enum.Enum):
-    """RayJob status.jobDeploymentStatus (KubeRay's view)."""
-    NEW = ""
-    INITIALIZING = "Initializing"
-    RUNNING = "Running"
-    COMPLETE = "Complete"
-    FAILED = "Failed"
-    VALIDATION_FAILED = "ValidationFailed"
-    SUSPENDING = "Suspending"
-    SUSPENDED = "Suspended"
-    RETRYING = "Retrying"
-    WAITING = "Waiting"
-
-
-RAYJOB_REASON_DEADLINE_EXCEEDED = "DeadlineExceeded"   # status.reason after activeDeadlineSeconds
-RAYJOB_REASON_APP_FAILED = "AppFailed"
-# status.message (reason AppFailed) once the submitter Job has completed and the dashboard answers 404
-# for the job id (v1.6.2 controllers/ray/rayjob_controller.go, the Running case); matched as a prefix.
-RAYJOB_MESSAGE_JOB_NOT_FOUND = "Submitter completed but Ray job not found in RayCluster"
-RAYSERVICE_READY = "Ready"   # RayService condition type (v1.3+)
-
-
-class ServeAppStatus(str, enum.Enum):
-    """RayService status.{active,pending}ServiceStatus.applicationStatuses.<app>.status (Ray Serve's)."""
-    NOT_STARTED = "NOT_STARTED"
-    DEPLOYING = "DEPLOYING"
-    RUNNING = "RUNNING"
-    DEPLOY_FAILED = "DEPLOY_FAILED"
-    DELETING = "DELETING"
-    UNHEALTHY = "UNHEALTHY"
 
 
 # --- Catalog-facing names ------------------------------------------------------------------

@@ -13,6 +13,7 @@ import yaml
 
 from tpuft.api import catalog, fields
 from tpuft.api import constants as c
+from tpuft.api import gke
 from tpuft.api import status
 from tpuft.api.spec import (CONFIG_KEY, DEFAULTS, DNS_LABEL, DNS_SUBDOMAIN, ENV_NAME, ENV_SOURCES, FLEX_START_EXCLUSIVE,
                         LABEL_VALUE, LIMITS, MAX_DNS_SUBDOMAIN_LENGTH, MAX_LABEL_LENGTH, MAX_MAP_ENTRIES,
@@ -117,8 +118,8 @@ def _serve_rules() -> list[dict]:
 
 
 def _resource_block(who: str) -> dict:
-    no_tpu = [{"rule": f"!('{c.TPU_RESOURCE}' in self)",
-               "message": f"{c.TPU_RESOURCE} is derived from spec.topology and cannot be overridden"}]
+    no_tpu = [{"rule": f"!('{gke.TPU_RESOURCE}' in self)",
+               "message": f"{gke.TPU_RESOURCE} is derived from spec.topology and cannot be overridden"}]
     # int-or-string cannot carry a CEL rule within the cost budget; pattern/minimum check the
     # string and the integer form (the parser applies the same QUANTITY pattern).
     qty = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True,

@@ -18,12 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from tpuft.api import catalog, fields, splits
-from tpuft.api.constants import (API_VERSION, DATASET_COLUMN_KEYS, GKE_MAX_RUN_DURATION_SECONDS, KIND,
-                             LORA_DEFAULT_TARGET_MODULES, RAY_VERSION_PIN,
-                             RESERVED_ANNOTATIONS, RESERVED_ENV, RESERVED_LABELS, SERVE_API_KEY_SECRET_KEY,
-                             TPU_RESOURCE, DatasetFormat, DatasetType, ImagePullPolicy, Overlong, Reserved,
-                             LearningRateSchedule, Provisioning, PublishWhen, ServeEngine, TrainingFramework,
-                             TrainingMethod)
+from tpuft.api.constants import API_VERSION, DATASET_COLUMN_KEYS, KIND, LORA_DEFAULT_TARGET_MODULES, RAY_VERSION_PIN, RESERVED_ANNOTATIONS, RESERVED_ENV, RESERVED_LABELS, SERVE_API_KEY_SECRET_KEY, DatasetFormat, DatasetType, ImagePullPolicy, Overlong, Reserved, LearningRateSchedule, Provisioning, PublishWhen, ServeEngine, TrainingFramework, TrainingMethod
+from tpuft.api.gke import GKE_MAX_RUN_DURATION_SECONDS, TPU_RESOURCE
 from tpuft.api.fields import declare
 
 # Children are named "{name}-{suffix}" (longest suffix "-workload", plus "-train-r99" for

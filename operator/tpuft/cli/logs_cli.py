@@ -27,6 +27,7 @@ from typing import TextIO
 from tpuft.controller import builders
 from tpuft.cli import kubectl, object_store, ray_jobs
 from tpuft.api import constants as c
+from tpuft.api import kuberay
 from tpuft.controller.observed import DONE_JOB_STATES, JobObs, job_state
 from tpuft.api.spec import SpecError, TPUFinetune, parse
 
@@ -108,13 +109,13 @@ def ray_token(kubectl_bin: str, ns: str, cluster: str) -> str:
     if secret is None:
         raise NoLog(f"{what} does not exist: KubeRay creates it for a RayCluster with authOptions mode token; "
                     "check that KubeRay runs (v1.6+) and its log")
-    raw = (secret.get("data") or {}).get(c.RAY_AUTH_TOKEN_SECRET_KEY)
+    raw = (secret.get("data") or {}).get(kuberay.RAY_AUTH_TOKEN_SECRET_KEY)
     if not raw:
-        raise NoLog(f"{what} has no key {c.RAY_AUTH_TOKEN_SECRET_KEY!r}")
+        raise NoLog(f"{what} has no key {kuberay.RAY_AUTH_TOKEN_SECRET_KEY!r}")
     try:
         return base64.b64decode(raw, validate=True).decode("utf-8").strip()
     except (binascii.Error, UnicodeDecodeError):
-        raise NoLog(f"{what}: the value under {c.RAY_AUTH_TOKEN_SECRET_KEY!r} is not a token") from None
+        raise NoLog(f"{what}: the value under {kuberay.RAY_AUTH_TOKEN_SECRET_KEY!r} is not a token") from None
 
 
 def _job_id(args: argparse.Namespace, src: Source) -> str:
@@ -152,7 +153,7 @@ def _head(args: argparse.Namespace, src: Source) -> str:
     if (cluster.get("spec") or {}).get("suspend"):
         raise HeadGone(f"RayCluster {src.namespace}/{src.cluster} is suspended")
     head = (cluster.get("status") or {}).get("head") or {}
-    return head.get("serviceName") or src.cluster + c.RAY_HEAD_SERVICE_SUFFIX
+    return head.get("serviceName") or src.cluster + kuberay.RAY_HEAD_SERVICE_SUFFIX
 
 
 def live(args: argparse.Namespace, src: Source, out: TextIO, err: TextIO) -> int:
@@ -160,7 +161,7 @@ def live(args: argparse.Namespace, src: Source, out: TextIO, err: TextIO) -> int
     job_id, service = _job_id(args, src), _head(args, src)
     token = ray_token(args.kubectl, src.namespace, src.cluster)
     try:
-        with kubectl.port_forward(args.kubectl, src.namespace, service, c.RAY_DASHBOARD_PORT) as port:
+        with kubectl.port_forward(args.kubectl, src.namespace, service, kuberay.RAY_DASHBOARD_PORT) as port:
             return _print(f"http://127.0.0.1:{port}", job_id, token, args, src, out, err)
     except kubectl.KubectlError as e:   # no head pod behind the Service (yet, or any more)
         raise HeadGone(f"the head of RayCluster {src.namespace}/{src.cluster} cannot be reached ({e})") from None

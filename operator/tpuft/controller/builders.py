@@ -17,6 +17,9 @@ from typing import Mapping
 import yaml
 
 from tpuft.api import constants as c
+from tpuft.api import gke
+from tpuft.api import kuberay as kuberay_names
+from tpuft.api import kueue
 from tpuft.api.constants import RAY_VERSION_PIN
 from tpuft.api.spec import Export, ServeReplicas, TPUFinetune, workload_document
 
@@ -61,7 +64,7 @@ class ChildNames:
     @property
     def serve_service(self) -> str:
         """KubeRay's Service in front of the Serve proxies (port 8000)."""
-        return self.service + c.RAYSERVICE_SERVE_SVC_SUFFIX
+        return self.service + kuberay_names.RAYSERVICE_SERVE_SVC_SUFFIX
 
     def train_attempt(self, attempt: int) -> str:
         """Training RayJob name for a resubmission; attempt 0 is the first."""
@@ -133,7 +136,7 @@ def _env(tft: TPUFinetune) -> list[dict]:
                     "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}})
     if tft.spec.slice.tpu_resource_per_chip > 1:
         # Head too: the driver reads it when Ray Train validates the ScalingConfig.
-        env.append({"name": c.RAY_TPU_RESOURCE_PER_CHIP_ENV, "value": str(tft.spec.slice.tpu_resource_per_chip)})
+        env.append({"name": kuberay_names.RAY_TPU_RESOURCE_PER_CHIP_ENV, "value": str(tft.spec.slice.tpu_resource_per_chip)})
     # Who the pod is to Google Cloud under Workload Identity Federation: storage errors name it.
     env += [{"name": c.SERVICE_ACCOUNT_ENV, "valueFrom": {"fieldRef": {"fieldPath": "spec.serviceAccountName"}}},
             {"name": c.SERVICE_ACCOUNT_NAMESPACE_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
@@ -154,7 +157,7 @@ def _resources(cpu: str, memory: str, override: Mapping[str, Mapping[str, str]],
         requests[key] = req_over.get(key, lim_over.get(key, default))
         limits[key] = lim_over.get(key, requests[key])
     if tpu_chips is not None:
-        requests[c.TPU_RESOURCE] = limits[c.TPU_RESOURCE] = str(tpu_chips)
+        requests[gke.TPU_RESOURCE] = limits[gke.TPU_RESOURCE] = str(tpu_chips)
     return {"limits": limits, "requests": requests}
 
 
@@ -201,7 +204,7 @@ READINESS_FAILURE_SECONDS = 50
 
 def _ready_soon(container: dict, head: bool) -> None:
     container["readinessProbe"] = {
-        "httpGet": {"path": c.RAY_NODE_HEALTH_PATH, "port": c.RAY_DASHBOARD_AGENT_PORT},
+        "httpGet": {"path": kuberay_names.RAY_NODE_HEALTH_PATH, "port": kuberay_names.RAY_DASHBOARD_AGENT_PORT},
         "initialDelaySeconds": 1, "periodSeconds": READINESS_PERIOD_SECONDS, "timeoutSeconds": 5 if head else 2,
         "successThreshold": 1, "failureThreshold": READINESS_FAILURE_SECONDS // READINESS_PERIOD_SECONDS}
 
@@ -210,10 +213,10 @@ def _node_selector(tft: TPUFinetune) -> dict[str, str]:
     sel = dict(tft.spec.scheduling.node_selector)
     sched = tft.spec.scheduling
     if sched.spot:
-        sel[c.GKE_SPOT_SELECTOR] = "true"
+        sel[gke.GKE_SPOT_SELECTOR] = "true"
     if sched.reservation:
-        sel[c.GKE_RESERVATION_NAME_SELECTOR] = sched.reservation
-        sel[c.GKE_RESERVATION_AFFINITY_SELECTOR] = "specific"
+        sel[gke.GKE_RESERVATION_NAME_SELECTOR] = sched.reservation
+        sel[gke.GKE_RESERVATION_AFFINITY_SELECTOR] = "specific"
     sel.update(tft.spec.slice.node_selector)  # the topology selectors always win
     return sel
 
@@ -224,10 +227,10 @@ def _slice_topology(tft: TPUFinetune) -> dict[str, str]:
     when asked (scheduling.topologyAware) and queued: TAS is Kueue's, and a flavor without a
     Topology does not admit an annotated pod set."""
     s = tft.spec.slice
-    if not (tft.spec.scheduling.topology_aware and tft.meta.labels.get(c.KUEUE_QUEUE_LABEL) and s.is_tpu
+    if not (tft.spec.scheduling.topology_aware and tft.meta.labels.get(kueue.KUEUE_QUEUE_LABEL) and s.is_tpu
             and s.hosts > 1):
         return {}
-    return {c.KUEUE_TAS_REQUIRED: c.GKE_NODEPOOL_LABEL}
+    return {kueue.KUEUE_TAS_REQUIRED: gke.GKE_NODEPOOL_LABEL}
 
 
 def _provisioning_parameters(tft: TPUFinetune) -> dict[str, str]:
@@ -236,15 +239,15 @@ def _provisioning_parameters(tft: TPUFinetune) -> dict[str, str]:
     sched = tft.spec.scheduling
     if not (sched.flex_start and sched.max_run_duration_seconds):
         return {}
-    return {c.PROVREQ_PARAMETER_PREFIX + c.GKE_MAX_RUN_DURATION_PARAMETER: str(sched.max_run_duration_seconds)}
+    return {kueue.PROVREQ_PARAMETER_PREFIX + gke.GKE_MAX_RUN_DURATION_PARAMETER: str(sched.max_run_duration_seconds)}
 
 
 def _gcsfuse_annotation(tft: TPUFinetune) -> dict[str, str]:
     """GKE injects the Cloud Storage FUSE sidecar only into a Pod annotated for it: the Ray pods get the
     annotation when spec.checkpoint.volume is that driver's, so spec.annotations (on every child) need not."""
     volume = tft.spec.checkpoint.volume or {}
-    if (volume.get("csi") or {}).get("driver") == c.GCSFUSE_CSI_DRIVER:
-        return {c.GCSFUSE_VOLUMES_ANNOTATION: "true"}
+    if (volume.get("csi") or {}).get("driver") == gke.GCSFUSE_CSI_DRIVER:
+        return {gke.GCSFUSE_VOLUMES_ANNOTATION: "true"}
     return {}
 
 
@@ -262,11 +265,11 @@ def _checkpoint_volume(tft: TPUFinetune) -> tuple[list[dict], list[dict]]:
 def build_raycluster(tft: TPUFinetune) -> dict:
     n = names(tft)
     # Kueue's labels pass through to the RayCluster (its webhook suspends a labelled one until admitted)
-    extra_labels = {k: tft.meta.labels[k] for k in (c.KUEUE_QUEUE_LABEL, c.KUEUE_PRIORITY_LABEL)
+    extra_labels = {k: tft.meta.labels[k] for k in (kueue.KUEUE_QUEUE_LABEL, kueue.KUEUE_PRIORITY_LABEL)
                     if tft.meta.labels.get(k)}
     body: dict = {
-        "apiVersion": c.RAY_API_VERSION,
-        "kind": c.RAYCLUSTER_KIND,
+        "apiVersion": kuberay_names.RAY_API_VERSION,
+        "kind": kuberay_names.RAYCLUSTER_KIND,
         "metadata": _metadata(tft, n.cluster, c.Component.CLUSTER, extra_labels),
         "spec": _cluster_spec(tft, c.Component.CLUSTER),
     }
@@ -283,7 +286,7 @@ def _cluster_spec(tft: TPUFinetune, component: c.Component, max_slices: int | No
     to that many slices (whole slices: one group replica each on TPU) and Ray's autoscaler runs."""
     s, spec, n = tft.spec.slice, tft.spec, names(tft)
     head = _container(tft, HEAD_CONTAINER)
-    head["ports"] = [{"containerPort": port, "name": pname} for pname, port in c.RAY_PORTS]
+    head["ports"] = [{"containerPort": port, "name": pname} for pname, port in kuberay_names.RAY_PORTS]
     head["resources"] = _resources(s.head_pod.cpu, s.head_pod.memory, spec.resources.head, None)
     ck_mounts, ck_volumes = _checkpoint_volume(tft)
     if ck_mounts:
@@ -304,18 +307,18 @@ def _cluster_spec(tft: TPUFinetune, component: c.Component, max_slices: int | No
     # serving RayService is not queued, so it takes the pools as the rest of spec.scheduling says.
     flex_start = training and spec.scheduling.flex_start
     if flex_start:
-        selector = {**selector, c.GKE_FLEX_START_SELECTOR: "true"}
+        selector = {**selector, gke.GKE_FLEX_START_SELECTOR: "true"}
     if selector:
         pod_extra["nodeSelector"] = selector
     tolerations = [dict(t) for t in spec.scheduling.tolerations]
     if flex_start:   # GKE taints queued-provisioning nodes; the TPU taint is tolerated by admission
-        tolerations.append({"key": c.GKE_QUEUED_TAINT, "operator": "Exists", "effect": "NoSchedule"})
+        tolerations.append({"key": gke.GKE_QUEUED_TAINT, "operator": "Exists", "effect": "NoSchedule"})
     topology = _slice_topology(tft) if training else {}
     if topology:
         # Kueue's TAS node controller reads the Workload's pod template, not the pods: the toleration
         # the API server's ExtendedResourceToleration adds to each pod is not there, and a node with
         # an untolerated NoSchedule taint counts as failed (its pods terminated, the Workload evicted).
-        tolerations.append({"key": c.TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+        tolerations.append({"key": gke.TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
     if tolerations:
         pod_extra["tolerations"] = tolerations
     if training:
@@ -347,7 +350,7 @@ def _cluster_spec(tft: TPUFinetune, component: c.Component, max_slices: int | No
         "template": template,
     }
     if s.tpu_resource_per_chip > 1:
-        group["resources"] = {c.RAY_TPU_CUSTOM_RESOURCE: str(s.devices_per_host)}
+        group["resources"] = {kuberay_names.RAY_TPU_CUSTOM_RESOURCE: str(s.devices_per_host)}
     groups = _group_per_slice(tft, group) if topology and spec.slices > 1 else [group]
     # The training head keeps its ServiceAccount token: the Ray job's driver runs there and patches
     # status.verification (and status.training.message when a resume is refused); the workers' rank 0
@@ -357,7 +360,7 @@ def _cluster_spec(tft: TPUFinetune, component: c.Component, max_slices: int | No
         # Only an autoscaled RayService grows: the autoscaler adds a group replica (a slice) when
         # Serve wants a replica that fits nowhere, and removes idle ones.
         "enableInTreeAutoscaling": most > spec.slices,
-        "authOptions": {"mode": c.RAY_AUTH_MODE_TOKEN},
+        "authOptions": {"mode": kuberay_names.RAY_AUTH_MODE_TOKEN},
         "headGroupSpec": {
             "rayStartParams": {"num-cpus": "0"},
             "template": _pod_template(tft, component, [head], head_extra or None),
@@ -382,7 +385,7 @@ def _group_per_slice(tft: TPUFinetune, group: dict) -> list[dict]:
     for i in range(tft.spec.slices):
         one = copy.deepcopy(group)
         one.update({"groupName": n.slice_group(i), "replicas": 1, "minReplicas": 1, "maxReplicas": 1})
-        worker_container(one).setdefault("env", []).append({"name": c.TPU_NAME_ENV, "value": f"{n.worker_group}-{i}"})
+        worker_container(one).setdefault("env", []).append({"name": gke.TPU_NAME_ENV, "value": f"{n.worker_group}-{i}"})
         out.append(one)
     return out
 
@@ -459,7 +462,7 @@ def _rayjob(tft: TPUFinetune, name: str, component: c.Component, entrypoint: str
         "entrypoint": entrypoint,
         "runtimeEnvYAML": yaml.safe_dump(runtime_env, sort_keys=True),
         # KubeRay reads the cluster's name under this key (rayjob_controller: RayJobDefaultClusterSelectorKey).
-        "clusterSelector": {c.RAY_CLUSTER_LABEL: cluster or names(tft).cluster},
+        "clusterSelector": {kuberay_names.RAY_CLUSTER_LABEL: cluster or names(tft).cluster},
         "submissionMode": "K8sJobMode",
         # A job that cannot even start within the provisioning budget fails instead of
         # sitting in Initializing forever.
@@ -468,7 +471,7 @@ def _rayjob(tft: TPUFinetune, name: str, component: c.Component, entrypoint: str
     if active_deadline is not None:
         spec["activeDeadlineSeconds"] = active_deadline
     spec["submitterPodTemplate"] = _submitter_template(tft, component, submitter_of)
-    return {"apiVersion": c.RAY_API_VERSION, "kind": c.RAYJOB_KIND,
+    return {"apiVersion": kuberay_names.RAY_API_VERSION, "kind": kuberay_names.RAYJOB_KIND,
             "metadata": _metadata(tft, name, component), "spec": spec}
 
 
@@ -666,7 +669,7 @@ def build_rayservice(tft: TPUFinetune, model_source: str | None = None) -> dict:
             tmpl["spec"]["containers"][0].setdefault("env", []).append(
                 {"name": c.SERVE_API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": key.name, "key": key.key}}})
     app = serve_app(tft, model_source or served_source(tft))
-    return {"apiVersion": c.RAY_API_VERSION, "kind": c.RAYSERVICE_KIND,
+    return {"apiVersion": kuberay_names.RAY_API_VERSION, "kind": kuberay_names.RAYSERVICE_KIND,
             "metadata": _metadata(tft, n.service, c.Component.SERVE),
             "spec": {"serveConfigV2": yaml.safe_dump({"applications": [app]}, sort_keys=False),
                      "rayClusterConfig": cluster}}
@@ -695,11 +698,11 @@ def build_network_policy(tft: TPUFinetune) -> dict:
     set them, c.RESERVED_LABELS)."""
     n, own = names(tft), {c.LABEL_NAME: tft.meta.name}
     kuberay = {"namespaceSelector": {},
-               "podSelector": {"matchLabels": {c.KUBERAY_COMPONENT_LABEL: c.KUBERAY_OPERATOR_COMPONENT}}}
+               "podSelector": {"matchLabels": {kuberay_names.KUBERAY_COMPONENT_LABEL: kuberay_names.KUBERAY_OPERATOR_COMPONENT}}}
     ingress: list[dict] = [
         {"from": [{"podSelector": {"matchLabels": dict(own)}}]},
-        {"from": [kuberay], "ports": [{"protocol": "TCP", "port": c.RAY_DASHBOARD_PORT}]},
-        {"from": [{"namespaceSelector": {}}], "ports": [{"protocol": "TCP", "port": c.RAY_METRICS_PORT}]},
+        {"from": [kuberay], "ports": [{"protocol": "TCP", "port": kuberay_names.RAY_DASHBOARD_PORT}]},
+        {"from": [{"namespaceSelector": {}}], "ports": [{"protocol": "TCP", "port": kuberay_names.RAY_METRICS_PORT}]},
     ]
     if tft.spec.serve:
         ingress.append({"from": [{"podSelector": {}}], "ports": [{"protocol": "TCP", "port": c.SERVE_PORT}]})

@@ -14,7 +14,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from tpuft.api import constants as c
+from tpuft.api import gke
+from tpuft.api import kuberay
 
 MAX_DETAIL = 400   # characters of one component's message kept in status (they can be long)
 
@@ -89,7 +90,7 @@ class PodObs:
     @classmethod
     def of(cls, pod: Mapping[str, Any]) -> PodObs:
         meta, status = pod.get("metadata") or {}, pod.get("status") or {}
-        owners = [o.get("uid") for o in meta.get("ownerReferences") or [] if o.get("kind") == c.RAYCLUSTER_KIND]
+        owners = [o.get("uid") for o in meta.get("ownerReferences") or [] if o.get("kind") == kuberay.RAYCLUSTER_KIND]
         conditions = status.get("conditions") or []
         sched: Mapping[str, Any] = next((x for x in conditions if x.get("type") == "PodScheduled"), {})
         unschedulable = (sched.get("message") or sched.get("reason") or "unschedulable"
@@ -103,12 +104,12 @@ class PodObs:
         limits = {x.get("name") or "": _memory_limit(x) for x in containers}
         ready: Mapping[str, Any] = next((x for x in conditions if x.get("type") == "Ready"), {})
         return cls(meta.get("name") or "", owners[0] if owners else None, bool(meta.get("deletionTimestamp")),
-                   unschedulable, waiting, labels.get(c.RAY_NODE_TYPE_LABEL) or "", status.get("podIP") or "",
+                   unschedulable, waiting, labels.get(kuberay.RAY_NODE_TYPE_LABEL) or "", status.get("podIP") or "",
                    replica, host, next(iter(limits.values()), ""), _oom_killed(statuses, limits),
                    meta.get("uid") or "", (pod.get("spec") or {}).get("nodeName") or "", status.get("phase") or "",
                    {"True": True, "False": False}.get(ready.get("status") or ""),
                    " ".join(x for x in (ready.get("reason"), ready.get("message")) if x) if ready.get("status") == "False"
-                   else "", _env_value(containers, c.TPU_NAME_ENV))
+                   else "", _env_value(containers, gke.TPU_NAME_ENV))
 
 
 def _waiting(cs: Mapping[str, Any], images: Mapping[str, str]) -> Waiting:
@@ -134,7 +135,7 @@ def _place(labels: Mapping[str, str], containers: list[Mapping[str, Any]]) -> tu
     """(worker group replica, host within it) from KubeRay's index labels, else the TPU webhook's."""
     replica, host = _index(labels.get(KUBERAY_REPLICA_INDEX_LABEL)), _index(labels.get(KUBERAY_HOST_INDEX_LABEL))
     if replica is None:
-        replica = _trailing_index(labels.get(c.TPU_WEBHOOK_REPLICA_LABEL))
+        replica = _trailing_index(labels.get(gke.TPU_WEBHOOK_REPLICA_LABEL))
     if host is None:
         host = _index(_env_value(containers, TPU_WORKER_ID_ENV))
     return replica, host
@@ -204,7 +205,7 @@ def pool_hint(pools: tuple[tuple[str, str, int], ...], accelerator: str | None, 
     (cloud.google.com/gke-tpu-accelerator, cloud.google.com/gke-tpu-topology, nodes) seen on nodes,
     against the `hosts` per slice x `slices` the object needs."""
     if not pools:
-        return f"no node here carries {c.GKE_TPU_ACCELERATOR_SELECTOR} (no TPU node pool)"
+        return f"no node here carries {gke.GKE_TPU_ACCELERATOR_SELECTOR} (no TPU node pool)"
     seen = ", ".join(f"{a} {t} ({n} node{'s' if n != 1 else ''})" for a, t, n in sorted(pools))
     nodes = sum(n for a, t, n in pools if a == accelerator and t == topology)
     if nodes and nodes < hosts * slices:

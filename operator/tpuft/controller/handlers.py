@@ -25,6 +25,7 @@ from typing import Any
 import kopf
 
 from tpuft.api import constants as c
+from tpuft.api import kuberay
 from tpuft.controller import metrics
 from tpuft.controller.diagnosis import PodObs
 from tpuft.controller.hosts import NodeObs
@@ -39,7 +40,7 @@ QUEUE = "queue"   # the work queue's key in kopf's memo
 OBJECT_INDEX = "tpufinetunes"   # the TPUFinetunes' kopf index (the startup handler's keyword argument)
 POD_INDEX = "pods_by_owner"     # the RayClusters' pods by their TPUFinetune's key
 NODE_INDEX = "noteworthy_nodes"  # nodes not Ready or with a maintenance notice, by name
-SLICE_PODS = {c.LABEL_NAME: kopf.PRESENT, c.RAY_CLUSTER_LABEL: kopf.PRESENT}
+SLICE_PODS = {c.LABEL_NAME: kopf.PRESENT, kuberay.RAY_CLUSTER_LABEL: kopf.PRESENT}
 
 
 def index_id(kind: ChildKind) -> str:

@@ -21,6 +21,9 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from tpuft.api import constants as c
+from tpuft.api import gke
+from tpuft.api import kuberay
+from tpuft.api import kueue
 from tpuft.controller.diagnosis import PodObs
 from tpuft.controller.observed import CHILD_KINDS, Action, Event, Op, QueueObs
 
@@ -107,7 +110,7 @@ class Kube:
     def slice_pods(self, ns: str, cluster: str) -> tuple[PodObs, ...] | None:
         """A RayCluster's pods (KubeRay labels them ray.io/cluster=<name>), reduced for
         tpuft.controller.diagnosis. Best effort: without permission or on an error, None (and a warning)."""
-        return self.pods(ns, f"{c.RAY_CLUSTER_LABEL}={cluster}")
+        return self.pods(ns, f"{kuberay.RAY_CLUSTER_LABEL}={cluster}")
 
     def pods(self, ns: str, selector: str) -> tuple[PodObs, ...] | None:
         """Pods by label selector, reduced for tpuft.controller.diagnosis; None (and a warning) on any error."""
@@ -127,7 +130,7 @@ class Kube:
         if self._nodes_forbidden:
             return None
         try:
-            nodes = self.core.list_node(label_selector=c.GKE_TPU_ACCELERATOR_SELECTOR,
+            nodes = self.core.list_node(label_selector=gke.GKE_TPU_ACCELERATOR_SELECTOR,
                                         _request_timeout=self.timeout).items
         except ApiException as e:
             if e.status in (401, 403):
@@ -142,7 +145,7 @@ class Kube:
         counts: dict[tuple[str, str], int] = {}
         for n in nodes:
             labels = n.metadata.labels or {}
-            key = (labels.get(c.GKE_TPU_ACCELERATOR_SELECTOR, ""), labels.get(c.GKE_TPU_TOPOLOGY_SELECTOR, "?"))
+            key = (labels.get(gke.GKE_TPU_ACCELERATOR_SELECTOR, ""), labels.get(gke.GKE_TPU_TOPOLOGY_SELECTOR, "?"))
             counts[key] = counts.get(key, 0) + 1
         return tuple((a, t, n) for (a, t), n in sorted(counts.items()))
 
@@ -152,15 +155,15 @@ class Kube:
         (the reconcile goes on without Kueue's words; a warning says why)."""
         try:
             resp = self.custom.list_namespaced_custom_object(
-                c.KUEUE_GROUP, c.KUEUE_VERSION, ns, c.WORKLOAD_PLURAL,
-                label_selector=f"{c.KUEUE_JOB_UID_LABEL}={cluster_uid}", _request_timeout=self.timeout)
+                kueue.KUEUE_GROUP, kueue.KUEUE_VERSION, ns, kueue.WORKLOAD_PLURAL,
+                label_selector=f"{kueue.KUEUE_JOB_UID_LABEL}={cluster_uid}", _request_timeout=self.timeout)
         except ApiException as e:
             if e.status == 404:
                 return QueueObs(installed=False)
-            log.warning("list %s in %s failed: HTTP %s: %s", c.WORKLOAD_PLURAL, ns, e.status, api_message(e))
+            log.warning("list %s in %s failed: HTTP %s: %s", kueue.WORKLOAD_PLURAL, ns, e.status, api_message(e))
             return None
         except Exception as e:  # noqa: BLE001 - Kueue's words are extra: the reconcile goes on without them
-            log.warning("list %s in %s failed: %s", c.WORKLOAD_PLURAL, ns, e)
+            log.warning("list %s in %s failed: %s", kueue.WORKLOAD_PLURAL, ns, e)
             return None
         items = sorted(resp.get("items") or [], key=lambda w: (w.get("metadata") or {}).get("creationTimestamp") or "")
         workload = items[-1] if items else None
@@ -174,9 +177,9 @@ class Kube:
         revoked or expired booking is requeued, a failed one fails the run). None when unreadable."""
         try:
             resp = self.custom.list_namespaced_custom_object(
-                c.PROVREQ_GROUP, c.PROVREQ_VERSION, ns, c.PROVREQ_PLURAL, _request_timeout=self.timeout)
+                kueue.PROVREQ_GROUP, kueue.PROVREQ_VERSION, ns, kueue.PROVREQ_PLURAL, _request_timeout=self.timeout)
         except Exception as e:  # noqa: BLE001 - the run waits (Queued) and says so instead of failing
-            log.warning("list %s in %s failed: %s", c.PROVREQ_PLURAL, ns, e)
+            log.warning("list %s in %s failed: %s", kueue.PROVREQ_PLURAL, ns, e)
             return None
         return tuple(resp.get("items") or [])
 
@@ -226,7 +229,7 @@ class Kube:
         # are, so its RayCluster, deleted or suspended after it (phases.jobs._release), cannot fail a
         # submitter still following its job, and a new RayJob of the same name never finds the old
         # submitter Job (KubeRay reuses a Job of the RayJob's name).
-        policy = "Foreground" if kind == c.RAYJOB_KIND else "Background"
+        policy = "Foreground" if kind == kuberay.RAYJOB_KIND else "Background"
         self._unless_gone("delete", kind, ns, name, lambda: self.custom.delete_namespaced_custom_object(
             g, v, ns, p, name, propagation_policy=policy, _request_timeout=self.timeout))
 

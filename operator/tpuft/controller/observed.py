@@ -12,6 +12,8 @@ from typing import Any, Callable, Collection, Iterable, Mapping
 
 from tpuft.controller import builders
 from tpuft.api import constants as c
+from tpuft.api import kuberay
+from tpuft.api import kueue
 from tpuft.api.constants import Condition, ConditionStatus, EventType, Reason
 from tpuft.controller.diagnosis import PodObs
 from tpuft.controller.hosts import NodeObs
@@ -21,10 +23,10 @@ LIVE_SPEC_FIELDS = ("suspend", "ttlSecondsAfterFinished")
 SERVE_ENABLED_FIELD = "spec.serve.enabled"   # acts live when set to false: serving stops
 CONDITION_ORDER = (Condition.ADMITTED, Condition.SLICE_PROVISIONED, Condition.COLLECTIVES_VERIFIED, Condition.TRAINING_SUCCEEDED,
                    Condition.SERVING, Condition.READY, Condition.FAILED)
-FAILED_JOB_STATES = {c.JobDeploymentStatus.FAILED.value, c.JobDeploymentStatus.VALIDATION_FAILED.value}
-FAILED_JOB_STATUSES = {c.JobStatus.FAILED.value, c.JobStatus.STOPPED.value}
-ENDED_JOB_STATUSES = {c.JobStatus.SUCCEEDED.value, *FAILED_JOB_STATUSES}   # KubeRay's IsJobTerminal
-DONE_JOB_STATES = {c.JobDeploymentStatus.COMPLETE.value, c.JobDeploymentStatus.FAILED.value}   # IsJobDeploymentTerminal
+FAILED_JOB_STATES = {kuberay.JobDeploymentStatus.FAILED.value, kuberay.JobDeploymentStatus.VALIDATION_FAILED.value}
+FAILED_JOB_STATUSES = {kuberay.JobStatus.FAILED.value, kuberay.JobStatus.STOPPED.value}
+ENDED_JOB_STATUSES = {kuberay.JobStatus.SUCCEEDED.value, *FAILED_JOB_STATUSES}   # KubeRay's IsJobTerminal
+DONE_JOB_STATES = {kuberay.JobDeploymentStatus.COMPLETE.value, kuberay.JobDeploymentStatus.FAILED.value}   # IsJobDeploymentTerminal
 DEFAULT_VERIFY_GRACE_SECONDS = builders.VERIFY_DEADLINE_GRACE_SECONDS
 
 
@@ -114,12 +116,12 @@ class QueueObs:
         def true(ctype: str) -> dict | None:
             found = conditions.get(ctype) or {}
             return found if found.get("status") == "True" else None
-        quota = conditions.get(c.KUEUE_QUOTA_RESERVED) or {}
-        evicted = true(c.KUEUE_EVICTED)
+        quota = conditions.get(kueue.KUEUE_QUOTA_RESERVED) or {}
+        evicted = true(kueue.KUEUE_EVICTED)
         name = (workload.get("metadata") or {}).get("name")
         checks = tuple(CheckObs(str(x.get("name", "")), str(x.get("state", "")), str(x.get("message") or ""))
                        for x in status.get("admissionChecks") or [])
-        return cls(workload=name, admitted=true(c.KUEUE_ADMITTED) is not None,
+        return cls(workload=name, admitted=true(kueue.KUEUE_ADMITTED) is not None,
                    waiting=quota.get("message", "") if quota.get("status") != "True" else "",
                    evicted=f"{evicted.get('reason', '')}: {evicted.get('message', '')}" if evicted else "",
                    quota_reserved=quota.get("status") == "True",
@@ -130,7 +132,7 @@ class QueueObs:
     @property
     def pending_check(self) -> CheckObs | None:
         """The first admission check not yet Ready (what the quota-reserved Workload waits for)."""
-        return next((x for x in self.checks if x.state != c.CHECK_READY), None)
+        return next((x for x in self.checks if x.state != kueue.CHECK_READY), None)
 
     @property
     def capacity_check(self) -> CheckObs | None:
@@ -140,26 +142,26 @@ class QueueObs:
 
     @property
     def rejected_check(self) -> CheckObs | None:
-        return next((x for x in self.checks if x.state == c.CHECK_REJECTED), None)
+        return next((x for x in self.checks if x.state == kueue.CHECK_REJECTED), None)
 
     @property
     def check_rejected(self) -> bool:
         """Kueue rejected an admission check: the check says so, or (once the eviction has reset the
         checks to Pending) the deactivated Workload's eviction reason does."""
         return self.rejected_check is not None or (not self.active and self.evicted.startswith(
-            c.KUEUE_DEACTIVATED_BY_CHECK))
+            kueue.KUEUE_DEACTIVATED_BY_CHECK))
 
 
 def booking_lost(workload: str | None, requests: tuple[Mapping[str, Any], ...]) -> str:
     """The newest of the Workload's ProvisioningRequests (Kueue makes one per attempt, owned by the
     Workload): "<condition>: <message>" when its booking was revoked or expired, else ""."""
-    owned = [r for r in requests if any(o.get("kind") == c.WORKLOAD_KIND and o.get("name") == workload
+    owned = [r for r in requests if any(o.get("kind") == kueue.WORKLOAD_KIND and o.get("name") == workload
                                         for o in (r.get("metadata") or {}).get("ownerReferences") or [])]
     if not owned:
         return ""
     newest = max(owned, key=lambda r: (r.get("metadata") or {}).get("creationTimestamp") or "")
     for x in (newest.get("status") or {}).get("conditions") or []:
-        if x.get("type") in (c.PROVREQ_CAPACITY_REVOKED, c.PROVREQ_BOOKING_EXPIRED) and x.get("status") == "True":
+        if x.get("type") in (kueue.PROVREQ_CAPACITY_REVOKED, kueue.PROVREQ_BOOKING_EXPIRED) and x.get("status") == "True":
             return f"{x['type']}: {x.get('message', '')}"
     return ""
 
@@ -301,7 +303,7 @@ class Decision:
 @dataclass(frozen=True)
 class Tunables:
     verify_grace_seconds: float = DEFAULT_VERIFY_GRACE_SECONDS
-    rayjob_grace_seconds: float = c.RAYJOB_FINISH_GRACE_SECONDS
+    rayjob_grace_seconds: float = kuberay.RAYJOB_FINISH_GRACE_SECONDS
     resubmit_backoff_seconds: float = c.LOST_SUBMISSION_BACKOFF_SECONDS
 
 
@@ -321,8 +323,8 @@ class ChildKind:
     expected: tuple[str, ...]   # the status.children keys naming the ones expected
     field: str
     observe: Callable[[Found, tuple[str | None, ...]], Any]   # (found, the expected names) -> the field's value
-    group: str = c.RAY_GROUP
-    version: str = c.RAY_VERSION
+    group: str = kuberay.RAY_GROUP
+    version: str = kuberay.RAY_VERSION
 
 
 def _cluster(found: Found, names: tuple[str | None, ...]) -> ClusterObs | None:
@@ -340,9 +342,9 @@ def _service(found: Found, names: tuple[str | None, ...]) -> ServiceObs | None:
 
 
 CHILD_KINDS = (
-    ChildKind(c.RAYCLUSTER_KIND, c.RAYCLUSTER_PLURAL, ("rayCluster",), "cluster", _cluster),
-    ChildKind(c.RAYJOB_KIND, c.RAYJOB_PLURAL, ("verifyJob", "trainJob", "publishJob", "unpublishJob"), "jobs", _jobs),
-    ChildKind(c.RAYSERVICE_KIND, c.RAYSERVICE_PLURAL, ("rayService",), "service", _service),
+    ChildKind(kuberay.RAYCLUSTER_KIND, kuberay.RAYCLUSTER_PLURAL, ("rayCluster",), "cluster", _cluster),
+    ChildKind(kuberay.RAYJOB_KIND, kuberay.RAYJOB_PLURAL, ("verifyJob", "trainJob", "publishJob", "unpublishJob"), "jobs", _jobs),
+    ChildKind(kuberay.RAYSERVICE_KIND, kuberay.RAYSERVICE_PLURAL, ("rayService",), "service", _service),
 )
 
 
@@ -375,20 +377,20 @@ def cluster_provisioned(status: Mapping, generation: int | None = None) -> bool:
     seen = status.get("observedGeneration")
     if generation is not None and isinstance(seen, int) and seen < generation:
         return False
-    if any(x.get("type") in (c.RAYCLUSTER_SUSPENDING, c.RAYCLUSTER_SUSPENDED) and x.get("status") == ConditionStatus.TRUE.value
+    if any(x.get("type") in (kuberay.RAYCLUSTER_SUSPENDING, kuberay.RAYCLUSTER_SUSPENDED) and x.get("status") == ConditionStatus.TRUE.value
            for x in status.get("conditions") or []):
         return False
     for cond in status.get("conditions") or []:
-        if cond.get("type") == c.RAYCLUSTER_PROVISIONED and cond.get("status") == ConditionStatus.TRUE.value:
+        if cond.get("type") == kuberay.RAYCLUSTER_PROVISIONED and cond.get("status") == ConditionStatus.TRUE.value:
             return True
     ready, desired = status.get("readyWorkerReplicas") or 0, status.get("desiredWorkerReplicas") or 0
-    return status.get("state") == c.RAYCLUSTER_STATE_READY and ready >= desired
+    return status.get("state") == kuberay.RAYCLUSTER_STATE_READY and ready >= desired
 
 
 def cluster_suspended(status: Mapping) -> bool:
     """KubeRay has finished suspending the RayCluster (condition RayClusterSuspended=True): its
     pods are gone."""
-    return any(x.get("type") == c.RAYCLUSTER_SUSPENDED and x.get("status") == ConditionStatus.TRUE.value
+    return any(x.get("type") == kuberay.RAYCLUSTER_SUSPENDED and x.get("status") == ConditionStatus.TRUE.value
                for x in status.get("conditions") or [])
 
 
@@ -396,7 +398,7 @@ def slice_loss(status: Mapping) -> str | None:
     """A host of a provisioned slice is gone (pod deleted or failed, node lost, preempted), as
     KubeRay's status shows it: the head not ready, or fewer ready workers than desired. KubeRay
     recreates the lost pods itself; the operator's part is to stop the jobs, wait and verify again."""
-    head = _cond(status, c.RAYCLUSTER_HEAD_POD_READY)
+    head = _cond(status, kuberay.RAYCLUSTER_HEAD_POD_READY)
     if head is not None and head.get("status") == ConditionStatus.FALSE.value:
         return f"the head pod is not ready ({head.get('reason') or 'HeadPodNotReady'})"
     ready, desired = status.get("readyWorkerReplicas"), status.get("desiredWorkerReplicas")
@@ -416,9 +418,9 @@ def cluster_progress(tft: TPUFinetune, obs: ClusterObs | None) -> str:
     status = obs.status
     ready = status.get("readyWorkerReplicas") or 0
     desired = status.get("desiredWorkerReplicas") or want
-    head = _cond(status, c.RAYCLUSTER_HEAD_POD_READY)
+    head = _cond(status, kuberay.RAYCLUSTER_HEAD_POD_READY)
     out = f"{ready}/{desired} worker hosts ready, head pod {'ready' if head and head.get('status') == 'True' else 'not ready'}"
-    failure = _cond(status, c.RAYCLUSTER_REPLICA_FAILURE)
+    failure = _cond(status, kuberay.RAYCLUSTER_REPLICA_FAILURE)
     if failure and failure.get("status") == ConditionStatus.TRUE.value:
         out += f"; ReplicaFailure: {failure.get('message') or failure.get('reason')}"
     return out
@@ -430,7 +432,7 @@ def job_state(job: JobObs) -> str:
 
 
 def job_succeeded(job: JobObs) -> bool:
-    return job.status.get("jobStatus") == c.JobStatus.SUCCEEDED.value
+    return job.status.get("jobStatus") == kuberay.JobStatus.SUCCEEDED.value
 
 
 def job_failed(job: JobObs) -> bool:
@@ -444,7 +446,7 @@ def job_finishing(job: JobObs) -> bool:
     submitter Job, which follows the job's logs from the head, has finished too; its RayCluster
     must stay until then, or the submitter loses the head and its Job ends Failed."""
     status = job.status
-    return status.get("jobStatus") in ENDED_JOB_STATUSES and status.get("jobDeploymentStatus") == c.JobDeploymentStatus.RUNNING.value
+    return status.get("jobStatus") in ENDED_JOB_STATUSES and status.get("jobDeploymentStatus") == kuberay.JobDeploymentStatus.RUNNING.value
 
 
 def job_settled(job: JobObs) -> bool:
@@ -462,9 +464,9 @@ def job_lost(job: JobObs) -> bool:
     was never submitted, or the head lost it. jobStatus is whatever KubeRay last read ("" if it
     never read the job); an ended one (a Ray job that did fail) is not lost."""
     status = job.status
-    return (status.get("jobDeploymentStatus") == c.JobDeploymentStatus.FAILED.value
-            and status.get("reason") == c.RAYJOB_REASON_APP_FAILED
-            and str(status.get("message") or "").startswith(c.RAYJOB_MESSAGE_JOB_NOT_FOUND)
+    return (status.get("jobDeploymentStatus") == kuberay.JobDeploymentStatus.FAILED.value
+            and status.get("reason") == kuberay.RAYJOB_REASON_APP_FAILED
+            and str(status.get("message") or "").startswith(kuberay.RAYJOB_MESSAGE_JOB_NOT_FOUND)
             and status.get("jobStatus") not in ENDED_JOB_STATUSES)
 
 
@@ -511,7 +513,7 @@ def job_message(job: JobObs) -> tuple[str, bool]:
 #   threshold of 0.95."; a task's error: ray.exceptions.OutOfMemoryError.
 # Not Ray's guess about a process that died ("... killed by the OOM killer due to high memory usage, (2)
 # ray stop --force ..."): the kernel's kills are read from the pods (diagnosis.PodObs.oom_killed).
-RAY_OOM_SIGN = re.compile(c.RAY_MEMORY_KILL_SIGN)
+RAY_OOM_SIGN = re.compile(kuberay.RAY_MEMORY_KILL_SIGN)
 RAY_OOM_NODE = re.compile(r"Memory on the node \(IP: ([0-9A-Fa-f.:]+)")
 RAY_OOM_USAGE = re.compile(r"was ([\d.]+ ?GB)(?: used)? / ([\d.]+ ?GB)")
 RAY_OOM_THRESHOLD = re.compile(r"exceeded threshold of \d+ ?B \((\d+(?:\.\d+)?%)|memory usage threshold of (\d+(?:\.\d+)?)")
@@ -600,8 +602,8 @@ def serve_app_state(status: Mapping) -> tuple[str, str]:
 
 def service_ready(status: Mapping) -> bool:
     """KubeRay: condition Ready True (v1.3+; older: no conditions) and our app RUNNING."""
-    ready = _cond(status, c.RAYSERVICE_READY)
-    return (serve_app_state(status)[0] == c.ServeAppStatus.RUNNING.value
+    ready = _cond(status, kuberay.RAYSERVICE_READY)
+    return (serve_app_state(status)[0] == kuberay.ServeAppStatus.RUNNING.value
             and (ready is None or ready.get("status") == ConditionStatus.TRUE.value))
 
 
@@ -617,7 +619,7 @@ def service_progress(status: Mapping) -> str:
     out = f"app {c.SERVE_APP_NAME} {app or 'not deployed yet'}"
     if message:
         out += f": {message.strip()[:600]}"
-    ready = _cond(status, c.RAYSERVICE_READY)
+    ready = _cond(status, kuberay.RAYSERVICE_READY)
     if ready is not None and ready.get("status") != ConditionStatus.TRUE.value and ready.get("reason"):
         out += f" (RayService Ready={ready.get('status')}: {ready.get('reason')})"
     return out

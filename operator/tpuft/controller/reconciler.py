@@ -21,6 +21,7 @@ from typing import Any, Collection, Mapping, Sequence
 
 from tpuft.controller import builders, diagnosis, metrics, phases
 from tpuft.api import constants as c
+from tpuft.api import kuberay
 from tpuft.controller.diagnosis import PodObs
 from tpuft.controller.hosts import NodeObs, of_cluster
 from tpuft.controller.kube import Kube, KubeError, Rejected
@@ -127,14 +128,14 @@ class Reconciler:
         if observed.cluster is not None:
             observed = dataclasses.replace(observed, hosts=of_cluster(pods, observed.cluster.uid),
                                            nodes=dict(nodes or {}))
-            jobs = children.get(c.RAYJOB_KIND, ())
+            jobs = children.get(kuberay.RAYJOB_KIND, ())
             observed = dataclasses.replace(observed, jobs_deleting=self._deleting_jobs(ns, jobs, removed, uid))
         cluster = observed.cluster
         if phases.wants_queue(obj, cluster) and cluster is not None and cluster.uid:
             observed = dataclasses.replace(observed, queue=self.kube.queue(ns, cluster.uid))
         if phases.wants_serve_pods(obj):
             return self._with_serve_pods(observed, obj)
-        clusters = children.get(c.RAYCLUSTER_KIND, ())
+        clusters = children.get(kuberay.RAYCLUSTER_KIND, ())
         if phases.wants_pods(obj):
             return self._with_pods(observed, obj, clusters)
         return self._with_failure_pods(observed, obj) if phases.wants_failure_pods(obj, observed) else observed
@@ -144,8 +145,8 @@ class Reconciler:
         """RayJobs of ours on their way out: the index shows them deleting, or we deleted them and
         it has not caught up. Each is confirmed with a GET (after a re-list the index can keep them
         forever); only while there is a RayCluster they could hold."""
-        names = sorted({x.name for x in jobs if x.belongs_to(uid) and (x.deleting or (c.RAYJOB_KIND, x.name) in removed)})
-        return tuple(name for name in names if self.kube.get(c.RAYJOB_KIND, ns, name) is not None)
+        names = sorted({x.name for x in jobs if x.belongs_to(uid) and (x.deleting or (kuberay.RAYJOB_KIND, x.name) in removed)})
+        return tuple(name for name in names if self.kube.get(kuberay.RAYJOB_KIND, ns, name) is not None)
 
     def _with_serve_pods(self, observed: Observed, obj: dict) -> Observed:
         """While the Serve app is not RUNNING: the serving cluster's pods (an image that does not

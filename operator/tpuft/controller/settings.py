@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from tpuft.api import constants as c
+from tpuft.api import kuberay
 from tpuft.controller.observed import DEFAULT_VERIFY_GRACE_SECONDS, Tunables
 
 ENV_PREFIX = "TPUFT_"
@@ -32,7 +33,7 @@ class Settings:
     verify_grace_seconds: float = _knob(float(DEFAULT_VERIFY_GRACE_SECONDS),
                                         "how long past `verification.timeoutSeconds` a verification may run "
                                         "before it fails CollectiveTimeout")
-    rayjob_grace_seconds: float = _knob(c.RAYJOB_FINISH_GRACE_SECONDS,
+    rayjob_grace_seconds: float = _knob(kuberay.RAYJOB_FINISH_GRACE_SECONDS,
                                         "how long KubeRay may take to finish a RayJob whose Ray job has ended "
                                         "(reason FinishingRayJob); past it the RayJob is deleted")
     resubmit_backoff_seconds: float = _knob(c.LOST_SUBMISSION_BACKOFF_SECONDS,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from tpuft.api import constants as c
+from tpuft.api import kueue
 from tpuft.controller import builders, observed, phases
 from tpuft.controller.observed import ClusterObs, Observed
 
@@ -12,7 +13,7 @@ from tests.unit.phases.clock import NAME, QUOTA, TUN, apply, at, cluster, cond, 
 
 def queued(**spec) -> dict:
     o = make(**spec)
-    o["metadata"]["labels"] = {c.KUEUE_QUEUE_LABEL: "local"}
+    o["metadata"]["labels"] = {kueue.KUEUE_QUEUE_LABEL: "local"}
     return o
 
 
@@ -22,7 +23,7 @@ def test_a_labelled_object_waits_queued_with_kueues_words_and_no_provisioning_cl
     assert d.phase == "Queued" and d.status["reason"] == "Queued" and "LocalQueue local" in d.status["message"]
     assert cond(d, c.Condition.ADMITTED)["status"] == "False"
     body = next(a.body for a in d.actions if a.kind == "RayCluster")
-    assert body["metadata"]["labels"][c.KUEUE_QUEUE_LABEL] == "local"
+    assert body["metadata"]["labels"][kueue.KUEUE_QUEUE_LABEL] == "local"
     o = apply(o, d)
     d = phases.decide(o, Observed(cluster(0, suspended=True), queue=waiting()), at(3), TUN)
     assert d.phase == "Queued" and QUOTA in d.status["message"] and cond(d, c.Condition.ADMITTED)["message"] == QUOTA

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from tpuft.api import constants as c
+from tpuft.api import kuberay
 from tpuft.api.constants import Phase
 from tpuft.api.spec import parse
 from tpuft.controller import builders, observed, phases
@@ -303,7 +304,7 @@ FAILED_JOB = {"jobStatus": "FAILED", "jobDeploymentStatus": "Failed", "reason": 
     (Phase.TRAINING, "train", {"jobStatus": "RUNNING", "jobDeploymentStatus": "Running"}, 4, False),
     (Phase.TRAINING, "train", {"jobStatus": "RUNNING", "jobDeploymentStatus": "Running"}, 3, True),   # a host lost
     (Phase.TRAINING, "verify", FAILED_JOB, 4, False),   # not the current job
-    (Phase.TRAINING, "train", {**FAILED_JOB, "jobStatus": "", "message": c.RAYJOB_MESSAGE_JOB_NOT_FOUND}, 4, False),
+    (Phase.TRAINING, "train", {**FAILED_JOB, "jobStatus": "", "message": kuberay.RAYJOB_MESSAGE_JOB_NOT_FOUND}, 4, False),
     (Phase.VERIFYING, "verify", FAILED_JOB, 4, True),
     (Phase.SUCCEEDED, "train", FAILED_JOB, 3, False),
 ])

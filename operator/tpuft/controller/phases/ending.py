@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Mapping
 
-from tpuft.api import constants as c
+from tpuft.api import kuberay
 from tpuft.api.constants import Condition, ConditionStatus, EventType, Phase, Reason
 from tpuft.api.spec import TPUFinetune
 from tpuft.api.status import (
@@ -36,7 +36,7 @@ def _suspend(draft: _Draft, tft: TPUFinetune, obs: Observed, tunables: Tunables)
     holding = _release(draft, obs, 0, tunables, stop=stop) if obs.cluster is not None else []
     draft.status = draft.status.without_resubmission()   # the resumed run verifies the slice, then submits again
     if obs.cluster is not None and not holding:
-        draft.add_action(Op.SUSPEND, c.RAYCLUSTER_KIND, names.cluster)
+        draft.add_action(Op.SUSPEND, kuberay.RAYCLUSTER_KIND, names.cluster)
     draft.set_condition(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, Reason.SUSPENDED,
                         f"RayCluster suspended once RayJob {', '.join(holding)} is gone" if holding
                         else "RayCluster suspended")
@@ -50,12 +50,12 @@ def _suspended(draft: _Draft, tft: TPUFinetune, obs: Observed, live_suspend: boo
     if live_suspend:
         cluster_up = obs.cluster is not None and not obs.cluster.suspended
         if cluster_up and not _release(draft, obs, draft.seconds_in_phase(), tunables):
-            draft.add_action(Op.SUSPEND, c.RAYCLUSTER_KIND, names.cluster)
+            draft.add_action(Op.SUSPEND, kuberay.RAYCLUSTER_KIND, names.cluster)
             draft.set_condition(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, Reason.SUSPENDED,
                                 "RayCluster suspended")
         return draft.finish()
     if obs.cluster is not None:
-        draft.add_action(Op.RESUME, c.RAYCLUSTER_KIND, names.cluster)
+        draft.add_action(Op.RESUME, kuberay.RAYCLUSTER_KIND, names.cluster)
     draft.move_to(Phase.PROVISIONING, Reason.WAITING_FOR_SLICE,
                   f"resumed; waiting for slice: {cluster_progress(tft, obs.cluster)}")
     draft.set_condition(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, Reason.WAITING_FOR_SLICE, "resumed")
@@ -68,13 +68,13 @@ def _terminal(draft: _Draft, tft: TPUFinetune, obs: Observed, tunables: Tunables
         _publication(draft, tft, obs)
     ttl = draft.ttl
     done = parse_time(draft.status.completion_time)
-    left_over = [(kind, x.name) for kind, x in ((c.RAYCLUSTER_KIND, obs.cluster), (c.RAYSERVICE_KIND, obs.service))
+    left_over = [(kind, x.name) for kind, x in ((kuberay.RAYCLUSTER_KIND, obs.cluster), (kuberay.RAYSERVICE_KIND, obs.service))
                  if x is not None]
     if left_over and done is not None:
         left = ttl - (draft.now - done).total_seconds()
         if left <= 0:
             for kind, name in left_over:
-                if kind == c.RAYCLUSTER_KIND and _release(draft, obs, -left, tunables):
+                if kind == kuberay.RAYCLUSTER_KIND and _release(draft, obs, -left, tunables):
                     continue   # its RayJobs go first
                 draft.add_action(Op.DELETE, kind, name)
                 draft.add_event(EventType.NORMAL, Reason.TTL_EXPIRED, f"deleting {kind} {name}: "

@@ -6,6 +6,7 @@ from dataclasses import replace
 from datetime import timedelta
 
 from tpuft.api import constants as c
+from tpuft.api import kuberay
 from tpuft.api.constants import Condition, ConditionStatus, EventType, Phase, Reason
 from tpuft.api.spec import TPUFinetune
 from tpuft.api.status import (
@@ -47,7 +48,7 @@ def _stop_old_jobs(draft: _Draft, tft: TPUFinetune, obs: Observed,
             continue
         if (not pod_saving or job_settled(job) or job_failed(job) or job_succeeded(job)
                 or draft.seconds_in_phase() >= c.PRESTOP_WAIT_SECONDS):
-            draft.add_action(Op.DELETE, c.RAYJOB_KIND, name)
+            draft.add_action(Op.DELETE, kuberay.RAYJOB_KIND, name)
             deleted.append(name)
         else:
             saving.append(name)
@@ -58,7 +59,7 @@ def _start_verification(draft: _Draft, tft: TPUFinetune, reason: Reason = Reason
                         message: str | None = None, with_training: bool = False) -> Decision:
     index = draft.recovery.lost_count(Phase.VERIFYING)   # a fresh name after each lost submission
     name = builders.names(tft).verify_attempt(index)
-    draft.add_action(Op.CREATE, c.RAYJOB_KIND, name, builders.build_verify_job(tft, index))
+    draft.add_action(Op.CREATE, kuberay.RAYJOB_KIND, name, builders.build_verify_job(tft, index))
     draft.status = replace(draft.status, children=replace(draft.children, verify_job=name))
     if with_training:
         train = _submit_training(draft, tft, after_verification=True)
@@ -78,7 +79,7 @@ def _waiting_train_job(draft: _Draft, obs: Observed) -> str | None:
 
 def _stop_waiting_train_job(draft: _Draft, obs: Observed) -> None:
     if (train := _waiting_train_job(draft, obs)) is not None:
-        draft.add_action(Op.DELETE, c.RAYJOB_KIND, train)
+        draft.add_action(Op.DELETE, kuberay.RAYJOB_KIND, train)
 
 
 def _verify_job(draft: _Draft, tft: TPUFinetune) -> str:
@@ -93,7 +94,7 @@ def _submit_training(draft: _Draft, tft: TPUFinetune, slices: int | None = None,
     attempts = draft.status.training_attempts or 0
     index = max(attempts - 1, 0)
     name = builders.names(tft).train_attempt(index)
-    draft.add_action(Op.CREATE, c.RAYJOB_KIND, name, builders.build_train_job(tft, index, slices, after_verification))
+    draft.add_action(Op.CREATE, kuberay.RAYJOB_KIND, name, builders.build_train_job(tft, index, slices, after_verification))
     draft.status = replace(draft.status, training_attempts=max(attempts, 1),
                            children=replace(draft.children, train_job=name))
     return name
@@ -138,7 +139,7 @@ def _resubmit_training(draft: _Draft, tft: TPUFinetune, index: int, reason: Reas
     or a lost submission (SubmissionLost); it resumes from the last checkpoint."""
     next_job = builders.names(tft).train_attempt(index)
     elastic = draft.recovery.elastic   # still on fewer slices: the next attempt too
-    draft.add_action(Op.CREATE, c.RAYJOB_KIND, next_job,
+    draft.add_action(Op.CREATE, kuberay.RAYJOB_KIND, next_job,
                      builders.build_train_job(tft, index, elastic.slices if elastic else None))
     draft.status = replace(draft.status, training_attempts=index + 1,
                            children=replace(draft.children, train_job=next_job))
@@ -198,7 +199,7 @@ def _finishing(draft: _Draft, job: JobObs, ctype: Condition, then: str, tunables
                       f"the RayJob (its submitter to exit) before {then}")
         draft.requeue_after(grace - waited)
         return True
-    draft.add_action(Op.DELETE, c.RAYJOB_KIND, job.name)
+    draft.add_action(Op.DELETE, kuberay.RAYJOB_KIND, job.name)
     draft.add_event(EventType.WARNING, Reason.FINISHING_RAYJOB, f"KubeRay did not finish RayJob {job.name} within "
                     f"{grace:g}s of its job ending ({job_state(job)}); deleting it before its RayCluster goes")
     return False
@@ -220,7 +221,7 @@ def _release(draft: _Draft, obs: Observed, waited: float, tunables: Tunables,
         if name in holding or name in elsewhere or (name not in stop and job_settled(job)):
             continue
         if name in stop or not (job_finishing(job) and waited < grace):
-            draft.add_action(Op.DELETE, c.RAYJOB_KIND, name)
+            draft.add_action(Op.DELETE, kuberay.RAYJOB_KIND, name)
         holding.add(name)
     if not holding or waited >= 2 * grace:
         return []

@@ -7,6 +7,8 @@ from dataclasses import replace
 from typing import Any, Mapping
 
 from tpuft.api import constants as c
+from tpuft.api import gke
+from tpuft.api import kuberay
 from tpuft.api.constants import Condition, ConditionStatus, EventType, Phase, Reason
 from tpuft.api.spec import TPUFinetune, spec_warnings
 from tpuft.api.status import (
@@ -56,7 +58,7 @@ def _pending(draft: _Draft, obj: Mapping, tft: TPUFinetune, obs: Observed) -> De
     # The NetworkPolicy before the RayCluster, so that no Ray pod starts unprotected where it is enforced.
     for body in [*builders.build_workload_identity(tft), builders.build_network_policy(tft)]:
         draft.add_action(Op.CREATE, body["kind"], body["metadata"]["name"], body)
-    draft.add_action(Op.CREATE, c.RAYCLUSTER_KIND, names.cluster, builders.build_raycluster(tft))
+    draft.add_action(Op.CREATE, kuberay.RAYCLUSTER_KIND, names.cluster, builders.build_raycluster(tft))
     draft.status = replace(
         draft.status, applied_generation=draft.status.applied_generation or draft.generation,
         applied_spec=copy.deepcopy(draft.status.applied_spec or dict(obj.get("spec") or {})),
@@ -114,7 +116,7 @@ def _provisioning(draft: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
     if obs.cluster is None and not obs.leftovers:
         body = builders.build_raycluster(tft)
         body["spec"].pop("suspend", None)
-        draft.add_action(Op.CREATE, c.RAYCLUSTER_KIND, names.cluster, body)
+        draft.add_action(Op.CREATE, kuberay.RAYCLUSTER_KIND, names.cluster, body)
         draft.add_event(EventType.WARNING, Reason.CHILD_DELETED, f"RayCluster {names.cluster} not found while "
                         "provisioning; recreating it (the provisioning deadline is unchanged)")
     if _evicted(tft, obs):
@@ -165,13 +167,13 @@ def _provisioning(draft: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
         if cause not in (draft.previous.message or ""):   # once per new cause, not on every resync
             draft.add_event(EventType.WARNING, Reason.SLICE_BLOCKED, cause)
     if draft.seconds_in_phase() >= timeout:
-        where = (f"a TPU node pool with {c.GKE_TPU_ACCELERATOR_SELECTOR}={shape.gke_accelerator} and "
-                 f"{c.GKE_TPU_TOPOLOGY_SELECTOR}={shape.topology} ({shape.hosts} hosts of {shape.machine_type}) "
+        where = (f"a TPU node pool with {gke.GKE_TPU_ACCELERATOR_SELECTOR}={shape.gke_accelerator} and "
+                 f"{gke.GKE_TPU_TOPOLOGY_SELECTOR}={shape.topology} ({shape.hosts} hosts of {shape.machine_type}) "
                  "per slice"
                  if shape.is_tpu else "schedulable CPU nodes")
         msg = (f"slice not provisioned after {timeout}s: {progress}; check {where} has capacity and quota, "
                f"and `kubectl describe raycluster {names.cluster}` / "
-               f"`kubectl get pods -l {c.RAY_CLUSTER_LABEL}={names.cluster}`")
+               f"`kubectl get pods -l {kuberay.RAY_CLUSTER_LABEL}={names.cluster}`")
         draft.set_condition(Condition.SLICE_PROVISIONED, ConditionStatus.FALSE, Reason.PROVISIONING_TIMEOUT, msg)
         draft.fail(Reason.PROVISIONING_TIMEOUT, msg)
         return draft.finish()

@@ -6,6 +6,8 @@ from dataclasses import replace
 from typing import Any, Mapping
 
 from tpuft.api import constants as c
+from tpuft.api import kuberay
+from tpuft.api import kueue as kueue_names
 from tpuft.api.constants import Condition, ConditionStatus, EventType, Phase, Reason
 from tpuft.api.spec import TPUFinetune
 from tpuft.api.status import (
@@ -34,7 +36,7 @@ PREEMPTED_REASONS = (Reason.PREEMPTED.value, Reason.REQUEUING.value)
 
 def queue_name(tft: TPUFinetune) -> str | None:
     """The LocalQueue the object asks Kueue for (its kueue.x-k8s.io/queue-name label), or None."""
-    return tft.meta.labels.get(c.KUEUE_QUEUE_LABEL) or None
+    return tft.meta.labels.get(kueue_names.KUEUE_QUEUE_LABEL) or None
 
 
 def wants_queue(obj: Mapping[str, Any], cluster: ClusterObs | None) -> bool:
@@ -42,7 +44,7 @@ def wants_queue(obj: Mapping[str, Any], cluster: ClusterObs | None) -> bool:
     label whose RayCluster exists, while Queued, or when that RayCluster is suspended outside
     Suspended (an eviction: the message says Kueue's reason)."""
     labels = (obj.get("metadata") or {}).get("labels") or {}
-    if not labels.get(c.KUEUE_QUEUE_LABEL) or cluster is None:
+    if not labels.get(kueue_names.KUEUE_QUEUE_LABEL) or cluster is None:
         return False
     phase = RunStatus.of(obj.get("status")).phase
     return phase == Phase.QUEUED or (cluster.suspended and phase != Phase.SUSPENDED)
@@ -112,7 +114,7 @@ def _queued(draft: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
     deadline: time queued never counts against provisioningTimeoutSeconds."""
     names, kueue, queue = builders.names(tft), obs.queue, queue_name(tft)
     if obs.cluster is None and not obs.leftovers:   # deleted while queued: made again, queued again
-        draft.add_action(Op.CREATE, c.RAYCLUSTER_KIND, names.cluster, builders.build_raycluster(tft))
+        draft.add_action(Op.CREATE, kuberay.RAYCLUSTER_KIND, names.cluster, builders.build_raycluster(tft))
         if draft.previous.reason == Reason.REQUEUING.value:   # we deleted it: a new Workload, back in the queue
             draft.move_to(Phase.QUEUED, Reason.PREEMPTED, f"RayCluster {names.cluster} made again after the lost "
                           f"booking; waiting for Kueue to admit it (LocalQueue {queue}); checkpoints kept")
@@ -121,18 +123,18 @@ def _queued(draft: _Draft, tft: TPUFinetune, obs: Observed) -> Decision:
         draft.add_event(EventType.WARNING, Reason.CHILD_DELETED,
                         f"RayCluster {names.cluster} not found while queued; recreating it")
     if kueue is not None and not kueue.installed:
-        msg = (f"label {c.KUEUE_QUEUE_LABEL}={queue} but Kueue is not installed (no {c.KUEUE_GROUP}/"
-               f"{c.KUEUE_VERSION} Workload API): nothing queues this run, it provisions right away; install "
+        msg = (f"label {kueue_names.KUEUE_QUEUE_LABEL}={queue} but Kueue is not installed (no {kueue_names.KUEUE_GROUP}/"
+               f"{kueue_names.KUEUE_VERSION} Workload API): nothing queues this run, it provisions right away; install "
                "Kueue, or remove the label")
         draft.set_condition(Condition.ADMITTED, ConditionStatus.FALSE, Reason.KUEUE_NOT_INSTALLED, msg)
         draft.add_event(EventType.WARNING, Reason.KUEUE_NOT_INSTALLED, msg)
-        return _admitted(draft, tft, obs, f"not queued ({c.KUEUE_QUEUE_LABEL}={queue}, Kueue not installed)")
+        return _admitted(draft, tft, obs, f"not queued ({kueue_names.KUEUE_QUEUE_LABEL}={queue}, Kueue not installed)")
     admitted = obs.cluster is not None and not obs.cluster.suspended
     if obs.jobs:   # a preempted run's RayJobs: stopped once KubeRay has deleted its pods, gone before it runs again
         gone = obs.cluster is None or cluster_suspended(obs.cluster.status)
         if gone or admitted or draft.seconds_in_phase() >= c.PREEMPTION_STOP_SECONDS:
             for name in sorted(obs.jobs):
-                draft.add_action(Op.DELETE, c.RAYJOB_KIND, name)
+                draft.add_action(Op.DELETE, kuberay.RAYJOB_KIND, name)
         draft.requeue_after(c.LEFTOVER_POLL_SECONDS)
         if admitted:
             draft.move_to(Phase.QUEUED, Reason.PREEMPTED, f"admitted again; waiting for RayJob "
@@ -184,7 +186,7 @@ def _rejected(draft: _Draft, tft: TPUFinetune, obs: Observed, kueue: QueueObs) -
     if kueue.booking_lost:
         msg = (f"{kueue.booking_lost} (Workload {kueue.workload}); deleting RayCluster "
                f"{names.cluster} to queue it again as a new Workload; checkpoints kept")
-        draft.add_action(Op.DELETE, c.RAYCLUSTER_KIND, names.cluster)
+        draft.add_action(Op.DELETE, kuberay.RAYCLUSTER_KIND, names.cluster)
         draft.add_event(EventType.WARNING, Reason.PREEMPTED, msg)
         draft.set_condition(Condition.ADMITTED, ConditionStatus.FALSE, Reason.REQUEUING, kueue.booking_lost)
         draft.move_to(Phase.QUEUED, Reason.REQUEUING, msg)

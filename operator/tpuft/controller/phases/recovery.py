@@ -6,6 +6,7 @@ from dataclasses import replace
 from typing import Any, Mapping
 
 from tpuft.api import constants as c
+from tpuft.api import kuberay
 from tpuft.api.constants import Condition, ConditionStatus, EventType, Phase, Reason
 from tpuft.api.spec import TPUFinetune
 from tpuft.api.status import (
@@ -100,7 +101,7 @@ def _replace_slice(draft: _Draft, tft: TPUFinetune, obs: Observed, cause: str, s
     saving = draft.children.train_job if stopping and was == Phase.TRAINING and done < allowed else None
     for job in sorted(name for name in submitted if name is not None):
         if job in obs.jobs and job != saving:   # while the head may still be up: KubeRay's finalizer stops the Ray job
-            draft.add_action(Op.DELETE, c.RAYJOB_KIND, job)
+            draft.add_action(Op.DELETE, kuberay.RAYJOB_KIND, job)
     if done >= allowed:
         msg = (f"a host of the slice was lost during {was.value} ({cause}) and the slice has already been replaced "
                f"{done} time(s) (spec.recovery.maxSliceReplacements={allowed}); checkpoints are kept")
@@ -181,7 +182,7 @@ def _grow_back(draft: _Draft, tft: TPUFinetune, obs: Observed, job: str) -> Deci
     if not answered and (draft.now - requested).total_seconds() < GROW_BACK_CHECKPOINT_WAIT_SECONDS:
         draft.requeue_after(GROW_BACK_CHECKPOINT_WAIT_SECONDS - (draft.now - requested).total_seconds())
         return None
-    draft.add_action(Op.DELETE, c.RAYJOB_KIND, job)
+    draft.add_action(Op.DELETE, kuberay.RAYJOB_KIND, job)
     saved = (f"the checkpoint at step {training.step} asked for is saved" if answered and training is not None
              else f"no answer to the checkpoint request within {GROW_BACK_CHECKPOINT_WAIT_SECONDS}s")
     msg = (f"every one of the {tft.spec.slices} slices is whole again ({saved}): training on {elastic.slices} "

@@ -7,6 +7,7 @@ from dataclasses import replace
 from typing import Any, Mapping
 
 from tpuft.api import constants as c
+from tpuft.api import kuberay
 from tpuft.api.constants import Condition, ConditionStatus, EventType, Phase, Reason
 from tpuft.api.spec import TPUFinetune
 from tpuft.api.status import (
@@ -47,8 +48,8 @@ def _start_serving(draft: _Draft, tft: TPUFinetune, obs: Observed, tunables: Tun
     source = exported or builders.export_path(tft)
     holding = _release(draft, obs, 0, tunables)
     if not holding:
-        draft.add_action(Op.DELETE, c.RAYCLUSTER_KIND, names.cluster)
-    draft.add_action(Op.CREATE, c.RAYSERVICE_KIND, names.service, builders.build_rayservice(tft, source))
+        draft.add_action(Op.DELETE, kuberay.RAYCLUSTER_KIND, names.cluster)
+    draft.add_action(Op.CREATE, kuberay.RAYSERVICE_KIND, names.service, builders.build_rayservice(tft, source))
     draft.status = replace(draft.status, children=replace(draft.children, ray_service=names.service),
                            serving=_serving_status(draft, tft, source))
     msg = (f"training complete; deploying {tft.meta.name} with {serve.engine.value} on {shape.generation} "
@@ -77,7 +78,7 @@ def _serve_as_is(draft: _Draft, obj: Mapping, tft: TPUFinetune) -> Decision:
     assert serve is not None, "training.method none needs spec.serve enabled (tpuft.api.spec)"
     for body in [*builders.build_workload_identity(tft), builders.build_network_policy(tft)]:
         draft.add_action(Op.CREATE, body["kind"], body["metadata"]["name"], body)
-    draft.add_action(Op.CREATE, c.RAYSERVICE_KIND, names.service, builders.build_rayservice(tft))
+    draft.add_action(Op.CREATE, kuberay.RAYSERVICE_KIND, names.service, builders.build_rayservice(tft))
     draft.status = replace(
         draft.status, applied_generation=draft.status.applied_generation or draft.generation,
         applied_spec=copy.deepcopy(draft.status.applied_spec or dict(obj.get("spec") or {})),
@@ -102,10 +103,10 @@ def _serving(draft: _Draft, tft: TPUFinetune, obs: Observed, live_serve: bool, t
     assert serve is not None, "serving needs spec.serve enabled"
     # the training slice goes once no RayJob holds it
     if obs.cluster is not None and not _release(draft, obs, draft.seconds_in_phase(), tunables):
-        draft.add_action(Op.DELETE, c.RAYCLUSTER_KIND, names.cluster)
+        draft.add_action(Op.DELETE, kuberay.RAYCLUSTER_KIND, names.cluster)
     if not live_serve:
         if obs.service is not None:
-            draft.add_action(Op.DELETE, c.RAYSERVICE_KIND, names.service)
+            draft.add_action(Op.DELETE, kuberay.RAYSERVICE_KIND, names.service)
         draft.status = replace(draft.status, serving=None)
         msg = f"training complete; serving stopped (spec.serve.enabled is false: RayService {names.service} deleted)"
         draft.set_condition(Condition.SERVING, ConditionStatus.FALSE, Reason.SERVE_STOPPED, msg)
@@ -192,7 +193,7 @@ def _publication(draft: _Draft, tft: TPUFinetune, obs: Observed) -> None:
     job_name = draft.children.publish_job
     job = obs.jobs.get(job_name) if job_name else None
     if job is not None and job_succeeded(job):
-        draft.add_action(Op.DELETE, c.RAYJOB_KIND, job.name)
+        draft.add_action(Op.DELETE, kuberay.RAYJOB_KIND, job.name)
         draft.status = replace(draft.status, children=replace(draft.children, publish_job=None))
         published = Publication(eval_loss=publishing.eval_loss(tft, draft.status.training), eval_set=tft.spec.eval_set,
                                 published_at=fmt_time(draft.now))
@@ -200,7 +201,7 @@ def _publication(draft: _Draft, tft: TPUFinetune, obs: Observed) -> None:
             replace(serving, published=published, adapters_root=base.adapters_root if base else None), served=True)
         return
     if job is not None and job_failed(job):
-        draft.add_action(Op.DELETE, c.RAYJOB_KIND, job.name)
+        draft.add_action(Op.DELETE, kuberay.RAYJOB_KIND, job.name)
         draft.status = replace(draft.status, children=replace(draft.children, publish_job=None))
         say(Reason.PUBLISH_FAILED, f"publishing to {publish.to} failed: {job_failure_detail(job, '')}; recreate the "
                                    "TPUFinetune (spec.checkpoint.resumeFrom skips training) to publish again")
@@ -228,7 +229,7 @@ def _publication(draft: _Draft, tft: TPUFinetune, obs: Observed) -> None:
     training = draft.status.training
     export = (training.exported_model if training else None) or builders.export_path(tft)
     body = builders.build_publish_job(tft, publish.to, base.ray_cluster, base.adapters_root, export, loss, eval_set)
-    draft.add_action(Op.CREATE, c.RAYJOB_KIND, names.publish_job, body)
+    draft.add_action(Op.CREATE, kuberay.RAYJOB_KIND, names.publish_job, body)
     draft.status = replace(draft.status, children=replace(draft.children, publish_job=names.publish_job))
     draft.requeue_after(PUBLISH_POLL_SECONDS)
     draft.add_event(EventType.NORMAL, Reason.PUBLISHING, f"publishing to {publish.to} as {serving.model}: "
@@ -262,7 +263,7 @@ def _base_adapters(draft: _Draft, tft: TPUFinetune, obs: Observed, serving: Serv
         done = next((a for a in gone if builders.unpublish_job_name(tft.meta.name, a.name or "", a.uid or "")
                      == running), None)
         if job is not None:
-            draft.add_action(Op.DELETE, c.RAYJOB_KIND, running)
+            draft.add_action(Op.DELETE, kuberay.RAYJOB_KIND, running)
             if job_failed(job) and done is not None:
                 draft.add_event(EventType.WARNING, Reason.UNPUBLISHING, f"RayJob {running} could not remove adapter "
                                 f"{done.name} from {serving.adapters_root}: {job_failure_detail(job, '')}")
@@ -272,7 +273,7 @@ def _base_adapters(draft: _Draft, tft: TPUFinetune, obs: Observed, serving: Serv
         first = gone[0]
         body = builders.build_unpublish_job(tft, cluster, first.name or "", first.uid or "")
         running = body["metadata"]["name"]
-        draft.add_action(Op.CREATE, c.RAYJOB_KIND, running, body)
+        draft.add_action(Op.CREATE, kuberay.RAYJOB_KIND, running, body)
         draft.add_event(EventType.NORMAL, Reason.UNPUBLISHING, f"{first.source} was deleted: removing its adapter "
                         f"{first.name} (RayJob {running})")
     if running is not None:

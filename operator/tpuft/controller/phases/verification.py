@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from tpuft.api import constants as c
+from tpuft.api import kuberay
 from tpuft.api.constants import Condition, ConditionStatus, EventType, Phase, Reason
 from tpuft.api.spec import TPUFinetune
 from tpuft.api.status import (
@@ -85,7 +86,7 @@ def _verifying(draft: _Draft, tft: TPUFinetune, obs: Observed, tunables: Tunable
         draft.fail(Reason.STORAGE_NOT_WRITABLE, msg)
         return draft.finish()
     if job_failed(job):
-        timed_out = job.status.get("reason") == c.RAYJOB_REASON_DEADLINE_EXCEEDED
+        timed_out = job.status.get("reason") == kuberay.RAYJOB_REASON_DEADLINE_EXCEEDED
         killed = None if timed_out else _memory_kill(draft, obs, job)
         reason = (Reason.COLLECTIVE_TIMEOUT if timed_out else Reason.OUT_OF_MEMORY if killed
                   else Reason.VERIFICATION_FAILED)
