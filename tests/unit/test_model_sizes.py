@@ -167,3 +167,39 @@ def test_the_step_prediction_is_the_bench_s_and_covers_what_it_measured(results,
     assert measured <= predicted["peak"] <= 1.15 * measured
     if row["limit_mib"]:
         assert measured < 0.95 * row["limit_mib"]   # below Ray's memory monitor's threshold
+
+
+# TinyLlama's shape: the held-out ~1B run's (bench/sharded_load.py's default)
+TINYLLAMA_CONFIG = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
+                    "num_attention_heads": 32, "num_key_value_heads": 4, "tie_word_embeddings": False}
+
+
+def test_a_config_json_gives_the_tables_shape_a_multimodal_one_its_text_part():
+    tiny_llama = model_sizes.shape_of(TINYLLAMA_CONFIG)
+    assert (tiny_llama.hidden, tiny_llama.head_dim, tiny_llama.kv_heads, tiny_llama.tied) == (2048, 64, 4, False)
+    assert 1.09e9 < tiny_llama.parameters() < 1.11e9
+    gemma = model_sizes.shape_of({"text_config": {"vocab_size": 262208, "hidden_size": 2560, "intermediate_size": 10240,
+                                                  "num_hidden_layers": 34, "num_attention_heads": 8,
+                                                  "num_key_value_heads": 4, "head_dim": 256}})
+    assert gemma.parameters() == model_sizes.GEMMA_3_4B.parameters()
+    assert model_sizes.shape_of({"hidden_size": 64}) is None   # a size left out: no guess
+
+
+@pytest.mark.parametrize("pod_memory, config, on", [
+    ("4Gi", TINYLLAMA_CONFIG, True),     # the held-out run: only with activations recomputed
+    ("64Gi", TINYLLAMA_CONFIG, False),
+    ("4Gi", {**TINYLLAMA_CONFIG, "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 1}, False),   # a small model keeps them
+])
+def test_left_out_on_cpu_activation_checkpointing_is_on_only_when_a_step_would_not_fit(pod_memory, config, on):
+    run = Run(method=LORA, rank=8, tokens=4 * 128)
+    assert model_sizes.recompute_needed(model_sizes.shape_of(config), 2, pod_memory, run) is on
+
+
+def test_activation_checkpointing_left_out_is_on_for_tpus_and_left_to_the_workers_on_cpu():
+    tpu = spec.parse(small_object("t", "ns"))
+    cpu = spec.parse(small_object("c", "ns", accelerator="cpu", topology="2"))
+    chosen = spec.parse(small_object("c", "ns", accelerator="cpu", topology="2",
+                                     training={"activationCheckpointing": False}))
+    assert (tpu.spec.training.activation_checkpointing, cpu.spec.training.activation_checkpointing,
+            chosen.spec.training.activation_checkpointing) == (True, None, False)

@@ -312,3 +312,41 @@ def test_the_engine_stops_an_adapter_export_at_the_turn_end(exported):
     finally:
         engine.close()
     assert reply.finish_reason == chat_api.FINISH_STOP and reply.completion_tokens <= 1, reply
+
+
+def test_a_pods_memory_limit_is_read_from_its_cgroup_v2_or_v1_file(tmp_path):
+    from tpuft_workload import platform as platformlib
+
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    assert platformlib.memory_limit((str(v2), str(v1))) is None   # neither file: no limit known
+    v1.write_text("9223372036854771712\n")                          # v1's "no limit"
+    assert platformlib.memory_limit((str(v2), str(v1))) is None
+    v1.write_text(f"{4 * 2**30}\n")
+    assert platformlib.memory_limit((str(v2), str(v1))) == 4 * 2**30
+    v2.write_text("max\n")                                          # v2 first: no limit
+    assert platformlib.memory_limit((str(v2), str(v1))) is None
+    v2.write_text(f"{5 * 2**30}\n")
+    assert platformlib.memory_limit((str(v2), str(v1))) == 5 * 2**30
+
+
+def test_left_out_on_cpu_a_worker_recomputes_when_its_pod_could_not_hold_the_step(capsys):
+    """The held-out ~1B LoRA run (TinyLlama's shape, 2 workers, 4 x 128 tokens) in 4 GiB pods turns
+    activation checkpointing on, rank 0 saying why; in 64 GiB pods, or with no limit, it stays off."""
+    from types import SimpleNamespace
+
+    from tpuft_workload import lora as loralib
+    from tpuft_workload.train import recompute_for_memory
+
+    config = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
+              "num_attention_heads": 32, "num_key_value_heads": 4, "tie_word_embeddings": False}
+    cfg = SimpleNamespace(lora=loralib.LoraSettings(rank=8, alpha=16, dropout=0.05, target_modules=("q_proj", "v_proj")),
+                          batch_size_per_device=4, max_seq_length=128)
+    assert recompute_for_memory(config, cfg, 2, 0, limit=4 * 2**30) is True
+    assert "activation checkpointing on" in capsys.readouterr().out
+    assert recompute_for_memory(config, cfg, 2, 1, limit=4 * 2**30) is True   # every rank alike, rank 0 says it
+    assert capsys.readouterr().out == ""
+    assert recompute_for_memory(config, cfg, 2, 0, limit=64 * 2**30) is False
+    with pytest.MonkeyPatch.context() as patch:
+        from tpuft_workload import platform as platformlib
+        patch.setattr(platformlib, "memory_limit", lambda: None)
+        assert recompute_for_memory(config, cfg, 2, 0) is False

@@ -343,7 +343,7 @@ class _Jax:
         self.micro_batches_sharding = NamedSharding(self.mesh, P(None, MESH_AXES))
         dtype = jax.numpy.bfloat16 if self.plat.mixed_precision else None
         dropout_key = jax.random.key(cfg.seed) if cfg.lora and cfg.lora.dropout else None
-        step = partial(train_step, self.tx, self.mcfg, dtype, cfg.activation_checkpointing, adapters=self.adapters,
+        step = partial(train_step, self.tx, self.mcfg, dtype, bool(cfg.activation_checkpointing), adapters=self.adapters,
                        dropout_key=dropout_key)
         self.step_fn = jax.jit(lambda params, opt_state, batch, rate, frozen: step(params, opt_state, batch, rate,
                                                                                    frozen), donate_argnums=(0, 1))

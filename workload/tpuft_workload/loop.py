@@ -87,7 +87,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     gradient_accumulation_steps: int = 1   # micro-batches per optimizer step
     max_steps: int = 0            # 0: epochs decide; else the run's optimizer steps
-    activation_checkpointing: bool = False   # resolved per platform by tpuft.api.spec
+    activation_checkpointing: bool | None = False   # None (cpu, left out): each torch worker decides
     # spec.evaluation: the eval set (packed like the rows), when to evaluate, what to keep
     eval_rows: int = 0            # 0: no eval set
     eval_rows_ref: Any = None     # ray.ObjectRef of the eval rows

@@ -124,3 +124,23 @@ def train_dtypes(platform: Platform):
     if platform.mixed_precision:
         return torch.bfloat16, torch.float32
     return None
+
+
+# Where a container reads its own memory limit: cgroup v2's file, else v1's.
+MEMORY_LIMIT_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+UNLIMITED = 2 ** 60   # v1 writes a page-rounded 2**63 - 1 for "no limit"
+
+
+def memory_limit(files: tuple[str, ...] = MEMORY_LIMIT_FILES) -> int | None:
+    """This container's memory limit in bytes (its pod's, as the kubelet and Ray's memory monitor
+    count it); None without one or where no cgroup file says."""
+    for path in files:
+        try:
+            with open(path) as fh:
+                value = fh.read().strip()
+        except OSError:
+            continue
+        if value == "max" or not value.isdigit() or int(value) >= UNLIMITED:
+            return None
+        return int(value)
+    return None

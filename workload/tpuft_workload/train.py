@@ -39,6 +39,7 @@ from tpuft_workload import checkpoint as ckptlib
 from tpuft_workload import data as datalib
 from tpuft_workload import lora as loralib
 from tpuft_workload import loop, pipeline, preemption
+from tpuft_workload import platform as platformlib
 from tpuft_workload.loop import SUMMARY, TrainConfig
 from tpuft.api.kuberay import RAY_MEMORY_KILL_SIGN
 from tpuft.api.spec import Lora, Run
@@ -134,7 +135,10 @@ class _Torch:
             self.model = loralib.wrap(self.model, cfg.lora)
         mesh = modellib.device_mesh(self.plat, self.world, cfg.slices)
         # LoRA: the adapters
-        self.params = modellib.shard(self.model, mesh, self.plat, self.device, cfg.activation_checkpointing)
+        recompute = cfg.activation_checkpointing
+        if recompute is None:
+            recompute = recompute_for_memory(self.model.config.to_dict(), cfg, self.world, self.rank)
+        self.params = modellib.shard(self.model, mesh, self.plat, self.device, recompute)
         if empty is not None:
             from tpuft_workload import sharded_load
 
@@ -273,6 +277,29 @@ class _Torch:
         return ckptlib.export_hf(self.model, self.tokenizer, cfg.export_uri, self.rank, dtype=dtype)
 
 
+def recompute_for_memory(config: dict, cfg: TrainConfig, world: int, rank: int,
+                         limit: int | None = None) -> bool:
+    """spec.training.activationCheckpointing left out on cpu: on when this worker's pod could not
+    hold a step with every layer's activations kept (tpuft.api.model_sizes' training figure), judged
+    from the model's config and the pod's own memory limit: the same on every rank of one group."""
+    from tpuft.api import model_sizes
+
+    limit = limit if limit is not None else platformlib.memory_limit()
+    model = model_sizes.shape_of(config)
+    if limit is None or model is None:
+        return False
+    run = model_sizes.Run(method="lora" if cfg.lora else "full", rank=cfg.lora.rank if cfg.lora else 16,
+                          targets=tuple(cfg.lora.target_modules) if cfg.lora else (),
+                          tokens=cfg.batch_size_per_device * cfg.max_seq_length)
+    pod_memory = f"{limit // 2 ** 20}Mi"
+    on = model_sizes.recompute_needed(model, world, pod_memory, run)
+    if on and rank == 0:
+        print(f"[tpuft] activation checkpointing on: a step with every layer's activations kept would not fit a "
+              f"worker's {pod_memory} (spec.training.activationCheckpointing, left out, lets the workers decide; "
+              "set it to choose)", flush=True)
+    return on
+
+
 def scaling_config(target: Target, per_host: bool = False):
     """Ray Train's workers on TPU (with the slice's topology), GPU or CPU: one per device (torch),
     or with per_host one per host, each holding all of its host's TPU resources (JAX)."""
@@ -338,7 +365,7 @@ def prepare(command: Command, target: Target, fault_spec: str = "") -> tuple[str
         warmup_ratio=training.warmup_ratio or 0.0, min_learning_rate_ratio=training.min_learning_rate_ratio,
         weight_decay=training.weight_decay, max_grad_norm=training.max_grad_norm,
         gradient_accumulation_steps=training.gradient_accumulation_steps, max_steps=training.max_steps or 0,
-        activation_checkpointing=bool(training.activation_checkpointing),
+        activation_checkpointing=training.activation_checkpointing,
         eval_rows=packed.eval.rows if packed.eval else 0,
         eval_every_steps=(run.evaluation.every_steps or 0) if run.evaluation else 0,
         early_stopping_patience=(run.evaluation.early_stopping_patience or 0) if run.evaluation else 0,

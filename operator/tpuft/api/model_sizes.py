@@ -31,9 +31,10 @@ HBM_RESERVE of each chip is left to activations, the gathered layer and XLA's wo
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any, Mapping
 
 from tpuft.api import catalog
-from tpuft.api.constants import LORA_DEFAULT_TARGET_MODULES
+from tpuft.api.constants import CPU_ACCELERATOR, LORA_DEFAULT_TARGET_MODULES
 
 GB = 1e9          # HBM, as the catalog gives it
 GIB = 2 ** 30     # pod memory, as Kubernetes quantities give it (200Gi)
@@ -257,6 +258,28 @@ def fit(model: ModelShape, shape: catalog.SliceShape, run: Run = Run()) -> Fit:
                                pod, "GiB"),
                export=Figure("export", "memory in worker pod 0 at export", (exported + kept + overhead) / GIB, pod,
                              "GiB"))
+
+
+def shape_of(config: Mapping[str, Any], name: str = "the model") -> ModelShape | None:
+    """A Hugging Face config.json's decoder shape (a multimodal one's text_config); None when it
+    leaves out one of the sizes the table needs."""
+    text = config.get("text_config") or config
+    try:
+        hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
+        return ModelShape(name, int(text["vocab_size"]), hidden, int(text["intermediate_size"]),
+                          int(text["num_hidden_layers"]), heads, int(text.get("num_key_value_heads") or heads),
+                          int(text.get("head_dim") or hidden // heads),
+                          bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True))))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+
+
+def recompute_needed(model: ModelShape, workers: int, pod_memory: str, run: Run) -> bool:
+    """spec.training.activationCheckpointing left out on cpu: on when a worker's training step,
+    every layer's activations kept, needs more than its pod's memory (the training figure)."""
+    shape = catalog.resolve_slice(CPU_ACCELERATOR, str(workers))
+    kept = fit(model, shape, replace(run, pod_memory=pod_memory, activation_checkpointing=False))
+    return not kept.training.fits
 
 
 def smallest_topology(f: Fit, name: str) -> str | None:

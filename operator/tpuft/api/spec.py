@@ -254,11 +254,12 @@ class Training:
     max_steps: int | None = declare("Stop after this many optimizer steps, instead of after epochs (the data is "
                                     "passed over as often as it takes).", minimum=1, maximum=100_000_000,
                                     workload=True)
-    # None in the spec: the platform decides (ACTIVATION_CHECKPOINTING_BY_DEFAULT), resolved by the parser.
+    # None in the spec: on for TPUs (the parser); on cpu it stays None and the workers decide.
     activation_checkpointing: bool | None = declare(
         "Recompute each decoder layer's activations in the backward pass instead of keeping them: less memory "
         "at long maxSeqLength for about a third more compute. Left out: on for TPUs (HBM, not compute, caps the "
-        "sequence length there), off for cpu (memory is not what limits a rehearsal).", workload=True)
+        "sequence length there); on cpu, on only when a worker's step would not fit its pod's memory without it "
+        "(reckoned from the model's config.json and the pod's memory limit).", workload=True)
 
 
 @dataclass(frozen=True)
@@ -956,8 +957,8 @@ def _training(r: _Reader, spec: Mapping, on_tpu: bool) -> Training:
     if len(r.problems) == before and values.get("warmup_steps") is not None and values.get("warmup_ratio") is not None:
         r.fail("spec.training.warmupRatio", WARMUP_RULE["message"])
     values.setdefault("learning_rate", LEARNING_RATE_BY_METHOD.get(method or "", LEARNING_RATE_BY_METHOD["full"]))
-    if values.get("activation_checkpointing") is None:
-        values["activation_checkpointing"] = on_tpu
+    if values.get("activation_checkpointing") is None and on_tpu:
+        values["activation_checkpointing"] = True   # cpu: None, each worker decides (tpuft_workload.train)
     return Training(**values, lora=_lora(r, tr, method))
 
 
