@@ -391,3 +391,43 @@ def test_a_corrupt_adapter_is_refused_naming_it_and_the_others_keep_serving(expo
         assert "broken" not in engine.process.stats()["adapters"]
     finally:
         adapters.unpublish(str(served_root), "broken", "uid-broken")
+
+
+def test_a_swap_under_load_fails_no_request_and_each_answer_is_one_versions(base, exports, engine, served_root,
+                                                                           monkeypatch):
+    """A client loop asks base:b while b is published again with other weights: no request fails, each
+    answer is the old version's or the new one's, and once the publication is done every answer is new."""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    monkeypatch.setattr(adapters, "MARKER_TTL_S", 0.0)   # re-read the marker on every request
+    tok = AutoTokenizer.from_pretrained(base)
+    stops = engine.process.ready.stop_ids
+    old, new = (_greedy(merged(base, exports[n]), tok, stops) for n in ("b", "c"))
+    assert old != new
+    published = threading.Event()
+
+    def republish():
+        adapters.publish(exports["c"], str(served_root), "b", "ns/ft-b3", "uid-b3", "fp-1", 0.3)
+        published.set()
+
+    assert _ask(engine, f"{BASE_ID}:b") == old   # served (and loaded) before the swap
+    answers: list[tuple[bool, int, str]] = []   # (published before it was asked, status, text)
+    swap = threading.Timer(0.5, republish)
+    swap.start()
+    try:
+        for _ in range(60):   # bounded: the loop ends once the swap is done and a few asked after it
+            was_published = published.is_set()
+            status, body = _http(engine, "POST", SERVE_CHAT_PATH, {"model": f"{BASE_ID}:b", "messages": HELLO,
+                                                                   "max_tokens": MAX_TOKENS, "temperature": 0})
+            answers.append((was_published, status, body["choices"][0]["message"]["content"] if status == 200
+                            else json.dumps(body)))
+            if sum(1 for p, _, _ in answers if p) >= 3:
+                break
+        swap.join(timeout=120)
+        assert [a for a in answers if a[1] != 200] == []
+        assert {text for _, _, text in answers} <= {old, new}
+        assert [text for p, _, text in answers if p] == [new] * 3
+    finally:
+        _publish(exports, served_root, "b")
