@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import statistics
 import sys
 import tempfile
@@ -38,6 +37,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from serve_latency import instructions, percentile  # noqa: E402  (the prompts and percentiles serve_latency uses)
 BASE_ID = "tiny-base"
 ADAPTERS = ("a1", "a2", "a3", "a4")
 SCENARIOS = ("base", "one", "mix4")
@@ -73,19 +74,6 @@ def write_adapter(base: str, dest: Path, seed: int, rank: int) -> str:
     AutoTokenizer.from_pretrained(base).save_pretrained(str(dest))
     GenerationConfig.from_pretrained(base).save_pretrained(str(dest))
     return str(dest)
-
-
-def instructions(n: int) -> list[str]:
-    from tpuft_workload.tiny import dolly_mini_path
-
-    with open(dolly_mini_path()) as f:
-        texts = [json.loads(line)["instruction"] for line in f]
-    return [texts[i % len(texts)] for i in range(n)]
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 def model_of(scenario: str, client: int) -> str:
