@@ -107,7 +107,9 @@ WORKLOAD_WITHOUT_RAY = ("tests/workload/test_jax_model.py", "tests/workload/test
                         "tests/workload/test_render.py", "tests/workload/test_learning.py",
                         "tests/workload/test_sharded_load.py", "tests/workload/test_elastic.py",
                         "tests/workload/test_checkpoint_request.py", "tests/workload/test_object_store.py",
-                        "tests/workload/test_adapters.py")
+                        "tests/workload/test_adapters.py", "tests/workload/test_objective.py",
+                        "tests/workload/test_tiny_chat.py", "tests/workload/test_safetensors_ranges.py",
+                        "tests/workload/test_serve_config.py")
 LANES: dict[str, list[Tier]] = {
     "cluster": [LEFTOVERS, _pytest("real node", *REAL_NODE, *REAL_NODE_FILES, exclusive=CPU_HEAVY)],
     "simulated": [_pytest("cluster (simulated)", "-m", "cluster and not real_node", "tests/cluster", *WITHOUT_DOWN,
