@@ -61,4 +61,5 @@ from tpuft.controller.phases.queue import queue_name, wants_queue
 from tpuft.controller.phases.recovery import wants_failure_pods
 from tpuft.controller.phases.serving import BASE_POLL_SECONDS, wants_serve_pods
 
-__all__ = ['decide', 'note_error', 'wants_pods', 'wants_queue', 'wants_failure_pods', 'wants_serve_pods', 'queue_name', 'STOPPING_LOOK_SECONDS', 'BASE_POLL_SECONDS']
+__all__ = ["decide", "note_error", "wants_pods", "wants_queue", "wants_failure_pods", "wants_serve_pods",
+           "queue_name", "STOPPING_LOOK_SECONDS", "BASE_POLL_SECONDS"]

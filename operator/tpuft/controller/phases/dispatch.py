@@ -6,9 +6,7 @@ from typing import Any, Mapping
 
 from tpuft.api.constants import EventType, Phase, Reason
 from tpuft.api.spec import DEFAULTS, SpecError, TPUFinetune, parse
-from tpuft.api.status import (
-    IgnoredSpecChange,
-)
+from tpuft.api.status import IgnoredSpecChange
 from tpuft.controller.observed import (
     SERVE_ENABLED_FIELD,
     Decision,

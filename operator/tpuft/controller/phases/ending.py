@@ -8,9 +8,7 @@ from typing import Any, Mapping
 from tpuft.api import kuberay
 from tpuft.api.constants import Condition, ConditionStatus, EventType, Phase, Reason
 from tpuft.api.spec import TPUFinetune
-from tpuft.api.status import (
-    RunStatus,
-)
+from tpuft.api.status import RunStatus
 from tpuft.controller import builders
 from tpuft.controller.observed import (
     Decision,

@@ -5,9 +5,7 @@ from tpuft.api import constants as c
 from tpuft.api import kuberay
 from tpuft.api.constants import Condition, ConditionStatus, EventType, Phase, Reason
 from tpuft.api.spec import TPUFinetune
-from tpuft.api.status import (
-    Verification,
-)
+from tpuft.api.status import Verification
 from tpuft.controller import builders
 from tpuft.controller.observed import (
     Decision,
