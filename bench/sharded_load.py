@@ -336,9 +336,7 @@ def predicted(hidden: int, layers: int, world: int, method: str, tokens: int, re
     from tpuft.api import model_sizes
 
     cfg = _config(hidden, layers)
-    shape = model_sizes.ModelShape("bench", cfg.vocab_size, hidden, cfg.intermediate_size, layers,
-                                   cfg.num_attention_heads, cfg.num_key_value_heads, hidden // cfg.num_attention_heads,
-                                   False)
+    shape = model_sizes.shape_of(cfg.to_dict(), "bench")
     lora = _lora()
     run = model_sizes.Run(method=method, rank=lora.rank, targets=lora.target_modules, tokens=tokens,
                           activation_checkpointing=recompute)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import threading
 
 import pytest
 
 from tests.http_stub import QuietHandler, serving
+from tests.ranks import free_port
 from tpuft.cli import chat
 from tpuft.api.constants import SERVE_CHAT_PATH, SERVE_MODELS_PATH
 
@@ -100,9 +100,7 @@ def test_an_answer_that_is_not_a_chat_completion_is_a_chat_error(body):
 
 
 def test_no_server_is_a_chat_error_without_a_status():
-    with socket.socket() as s:   # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()   # a port nothing listens on
     with pytest.raises(chat.ChatError, match="cannot reach the model server") as e:
         chat.chat(f"http://127.0.0.1:{port}", "m", "hi", timeout=5)
     assert e.value.status is None

@@ -14,7 +14,6 @@ is exactly the one after the patch that carried the request.
 from __future__ import annotations
 
 import copy
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.ranks import file_rendezvous
+from tests.ranks import file_rendezvous, free_port
 from tests.factories import merge_patch
 from tests.workload.test_elastic import no_ray_torch, without_ray
 from tpuft.api.constants import TrainingStatus
@@ -296,9 +295,7 @@ def test_the_jax_vote_tells_every_process_at_the_step_rank_0_wanted_it(tmp_path)
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()   # the JAX coordinator's, bound by process 0 at once
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     procs = [subprocess.Popen([sys.executable, "-c", _JAX_VOTE, str(rank), str(port)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for rank in range(WORLD)]

@@ -8,12 +8,12 @@ from __future__ import annotations
 import argparse
 import copy
 import io
-import socket
 import time
 
 import pytest
 
 from tests.factories import MINIMUM
+from tests.ranks import free_port
 from tpuft.controller import builders
 from tpuft.cli import logs_cli, object_store, plot_cli
 from tpuft.api import constants as c
@@ -135,18 +135,12 @@ def test_plot_reads_the_event_files_the_workload_uploaded(gcs, monkeypatch, tmp_
 GIVES_UP_WITHIN_S = 60
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_without_credentials_logs_and_plot_fail_in_seconds_naming_the_uri(gcs, monkeypatch, tmp_path):
     """A laptop where no token can be had (nothing answers the metadata server's address): the
     client's retries are bounded, and the message says what to run."""
     obj = _tft(gcs.path("ckpt"), history=[{"step": 4, "loss": 9.0, "tokensPerSecond": 1.0}])
     _put(builders.log_path(parse(obj), c.Component.TRAIN), b"a line\n")
-    monkeypatch.setenv("GCE_METADATA_ROOT", f"127.0.0.1:{_closed_port()}")
+    monkeypatch.setenv("GCE_METADATA_ROOT", f"127.0.0.1:{free_port()}")
 
     start = time.monotonic()
     rc, out, err = _logs(obj, monkeypatch)
