@@ -1,6 +1,6 @@
 """A chat client for a served TPUFinetune (the RayService's OpenAI-compatible endpoint), for the CLI.
 
-Standard library only (urllib): the operator package never imports the workload's stack. The
+Standard library only (urllib, through tpuft.cli.http_json): the operator package never imports the workload's stack. The
 server side is tpuft_workload.serve; both take the path from tpuft.api.constants. With an API key
 (spec.serve.apiKeySecret), each request carries `Authorization: Bearer <key>`; the key is never part
 of an error's text. `chat_stream` asks for server-sent events ("stream": true) and yields the
@@ -9,21 +9,15 @@ reply's text as it arrives.
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from typing import Iterator
 
 from tpuft.api.constants import SERVE_CHAT_PATH, SERVE_MODELS_PATH
+from tpuft.cli.http_json import HttpError, Server, open_request, request_json
 
 
-class ChatError(RuntimeError):
+class ChatError(HttpError):
     """The server could not be reached or refused the request. `status` is the HTTP status (None
     when no HTTP answer came), `message` the server's own error message when it sent one."""
-
-    def __init__(self, status: int | None, message: str, url: str):
-        where = f"HTTP {status} from {url}" if status is not None else url
-        super().__init__(f"{where}: {message}")
-        self.status, self.message, self.url = status, message, url
 
 
 SSE_DATA = "data:"
@@ -50,6 +44,11 @@ def _server_message(raw: bytes) -> str:
     return text.strip()[:500] or "(empty body)"
 
 
+MODEL_SERVER = Server("the model server", ChatError,
+                      hint="is the model served and that address reachable from here?",
+                      refusal=_server_message)
+
+
 def _content(body: dict, url: str) -> str:
     try:
         content = body["choices"][0]["message"]["content"]
@@ -65,7 +64,7 @@ def chat(base_url: str, model_id: str, message: str, max_tokens: int = 64, tempe
     Raises ChatError with the HTTP status and the server's message."""
     url = base_url.rstrip("/") + SERVE_CHAT_PATH
     data = json.dumps(chat_request(model_id, message, max_tokens, temperature)).encode()
-    return _content(_call(url, data, timeout, api_key), url)
+    return _content(request_json(MODEL_SERVER, url, data, timeout, api_key), url)
 
 
 def chat_stream(base_url: str, model_id: str, message: str, max_tokens: int = 64, temperature: float = 0.0,
@@ -74,7 +73,7 @@ def chat_stream(base_url: str, model_id: str, message: str, max_tokens: int = 64
     chat.completion.chunk events). Raises ChatError, also for an error event mid-stream."""
     url = base_url.rstrip("/") + SERVE_CHAT_PATH
     data = json.dumps(chat_request(model_id, message, max_tokens, temperature, stream=True)).encode()
-    with _open(url, data, timeout, api_key, accept="text/event-stream") as resp:
+    with open_request(MODEL_SERVER, url, data, timeout, api_key, accept="text/event-stream") as resp:
         kind = resp.headers.get("Content-Type", "")
         if not kind.startswith("text/event-stream"):
             raise ChatError(resp.status, f"the answer is not an event stream (Content-Type {kind or 'none'}): "
@@ -115,39 +114,8 @@ def _delta(payload: str, url: str) -> str:
 def models(base_url: str, timeout: float = 60, api_key: str | None = None) -> list[dict]:
     """GET base_url + /v1/models: the served models' entries (each with its "id")."""
     url = base_url.rstrip("/") + SERVE_MODELS_PATH
-    body = _call(url, None, timeout, api_key)
+    body = request_json(MODEL_SERVER, url, None, timeout, api_key)
     if not isinstance(body.get("data"), list):
         raise ChatError(200, f"the answer is not a model list: {json.dumps(body)[:300]}", url)
     return body["data"]
 
-
-def _open(url: str, data: bytes | None, timeout: float, api_key: str | None, accept: str = "application/json"):
-    """The open response of one request (POST when data is given), or ChatError."""
-    headers = {"Content-Type": "application/json", "Accept": accept}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    req = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET", headers=headers)
-    try:
-        return urllib.request.urlopen(req, timeout=timeout)
-    except urllib.error.HTTPError as e:
-        raise ChatError(e.code, _server_message(e.read()), url) from None
-    except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
-        reason = getattr(e, "reason", e)
-        raise ChatError(None, f"cannot reach the model server ({reason}); is the model served and "
-                              "that address reachable from here?", url) from None
-
-
-def _call(url: str, data: bytes | None, timeout: float, api_key: str | None = None) -> dict:
-    """One JSON request (POST when data is given); the decoded answer, or ChatError."""
-    with _open(url, data, timeout, api_key) as resp:
-        try:
-            raw = resp.read()
-        except (TimeoutError, ConnectionError) as e:
-            raise ChatError(None, f"the model server stopped answering ({e})", url) from None
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        raise ChatError(200, f"the answer is not JSON: {raw[:200]!r}", url) from None
-    if not isinstance(body, dict):
-        raise ChatError(200, f"the answer is not a JSON object: {raw[:200]!r}", url)
-    return body
