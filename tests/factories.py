@@ -13,6 +13,7 @@ from tpuft.api.constants import API_VERSION, KIND
 from tpuft.controller.diagnosis import PodObs
 from tpuft.controller.reconciler import Reconciler, Snapshot
 from tpuft.controller.settings import Settings
+from tpuft.api import spec as speclib
 from tpuft.api.spec import DEFAULTS
 
 # The issue's minimum spec, as written.
@@ -532,3 +533,14 @@ def chatml_tokenizer():
                                   unk_token="<unk>", chat_template=CHATML_TEMPLATE)
     out.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     return out
+
+
+def workload_run(model: str = "m", slices: int = 1, checkpoint_every_steps: int = 0,
+                 evaluation: speclib.Evaluation | None = None, **training) -> speclib.Run:
+    """The workload's document as parsed (tpuft.api.spec.Run) for a training worker's TrainConfig:
+    spec.training's fields by attribute. activationCheckpointing is off unless given (left out, a
+    torch worker on cpu would decide from the machine's memory)."""
+    return speclib.Run(accelerator="cpu", topology="1", slices=slices, model=model,
+                       training=speclib.Training(**{"activation_checkpointing": False, **training}),
+                       checkpoint=speclib.Checkpoint(storage_path="/unused", every_steps=checkpoint_every_steps),
+                       evaluation=evaluation)

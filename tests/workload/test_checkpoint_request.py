@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from tests.ranks import file_rendezvous, free_port
-from tests.factories import merge_patch
+from tests.factories import merge_patch, workload_run
 from tests.workload.test_elastic import no_ray_torch, without_ray
 from tpuft.api.constants import TrainingStatus
 from tpuft_workload import checkpoint as ckptlib
@@ -84,10 +84,10 @@ class SyncReporter:
 
 
 def _config(run_dir: Path, rows: int) -> loop.TrainConfig:
+    run = workload_run(tiny.BUILTIN_MODEL, epochs=1, batch_size_per_device=1, max_seq_length=MAX_LEN,
+                       learning_rate=3e-3, report_every_steps=1, seed=SEED)
     return loop.TrainConfig(
-        platform="cpu", model=tiny.BUILTIN_MODEL, rows=rows, examples=rows, pad_fraction=0.0, epochs=1,
-        batch_size_per_device=1, max_seq_length=MAX_LEN, learning_rate=3e-3, packing=True,
-        checkpoint_every_steps=0, report_every_steps=1, seed=SEED, fault="", run_dir=str(run_dir),
+        run=run, platform="cpu", rows=rows, examples=rows, pad_fraction=0.0, fault="", run_dir=str(run_dir),
         run_dir_local=str(run_dir), export_uri="", resume_from="", resume_manifest={}, cr_namespace="ns",
         cr_name="run", status_every_s=0.0, peak_flops=None)
 

@@ -43,6 +43,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.factories import workload_run
 from tests.ranks import file_rendezvous
 from tpuft_workload import checkpoint as ckptlib
 from tpuft_workload import data as datalib
@@ -62,13 +63,14 @@ ROW_ID = "row_id"   # a column of each row's index: which rows each step trained
 
 def _config(run_dir: Path, world: int, slices: int, accumulation: int, rows: int, resume: str = "") -> loop.TrainConfig:
     resume_from, manifest = ckptlib.resolve_resume(resume) if resume else ("", {})
+    run = workload_run(tiny.BUILTIN_MODEL, slices=slices, checkpoint_every_steps=CKPT_EVERY, epochs=EPOCHS,
+                       batch_size_per_device=1, max_seq_length=MAX_LEN, learning_rate=3e-3, report_every_steps=4,
+                       seed=SEED, learning_rate_schedule="cosine", warmup_steps=2,
+                       gradient_accumulation_steps=accumulation)
     return loop.TrainConfig(
-        platform="cpu", model=tiny.BUILTIN_MODEL, rows=rows, examples=rows, pad_fraction=0.0, epochs=EPOCHS,
-        batch_size_per_device=1, max_seq_length=MAX_LEN, learning_rate=3e-3, packing=True,
-        checkpoint_every_steps=CKPT_EVERY, report_every_steps=4, seed=SEED, fault="", run_dir=str(run_dir),
+        run=run, platform="cpu", rows=rows, examples=rows, pad_fraction=0.0, fault="", run_dir=str(run_dir),
         run_dir_local=str(run_dir), export_uri="", resume_from=resume_from, resume_manifest=manifest,
-        cr_namespace="", cr_name="", status_every_s=0.0, peak_flops=None, slices=slices,
-        learning_rate_schedule="cosine", warmup_steps=2, gradient_accumulation_steps=accumulation)
+        cr_namespace="", cr_name="", status_every_s=0.0, peak_flops=None)
 
 
 def no_ray_torch(worker: loop.Worker, rows: dict):
@@ -80,10 +82,10 @@ def no_ray_torch(worker: loop.Worker, rows: dict):
         def __init__(self, worker: loop.Worker):
             self.worker, self.cfg, self.rank, self.world = worker, worker.cfg, worker.rank, worker.world
             self.plat, self.device, self.peak_flops = PLATFORMS["cpu"], torch.device("cpu"), None
-            torch.manual_seed(self.cfg.seed)
-            self.tokenizer = modellib.load_tokenizer(self.cfg.model)
+            torch.manual_seed(self.cfg.training.seed)
+            self.tokenizer = modellib.load_tokenizer(self.cfg.run.model)
             self.rows, self.eval_rows = rows, None
-            per_step = self.cfg.batch_size_per_device * self.cfg.gradient_accumulation_steps
+            per_step = self.cfg.training.batch_size_per_device * self.cfg.training.gradient_accumulation_steps
             self.steps_per_epoch = datalib.steps_per_epoch(self.cfg.rows, self.world, per_step)
             self._model()
             self.vote = train._StopVote("gloo")

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from tests.factories import (TINY_EPOCHS, TINY_STEPS_PER_EPOCH, assert_export_generates, tensorboard_scalars,
-                             tiny_train_argv)
+                             tiny_train_argv, workload_run)
+from tpuft.api.spec import Evaluation
 from tpuft_workload import __main__ as cli
 from tpuft_workload import checkpoint, jax_checkpoint, jax_train, pipeline, train
 from tpuft_workload.platform import resolve_target
@@ -266,12 +267,14 @@ def backend(ray_cluster, tmp_path_factory):
     blocks = build_blocks(tok, load_records(tiny.BUILTIN_DATASET, "train[:60]"), 64, True)
     train_rows, eval_rows = pipeline.rows_of(blocks[:9], np), pipeline.rows_of(blocks[9:14], np)
     run_dir = str(tmp_path_factory.mktemp("jax-backend"))
+    run = workload_run(tiny.BUILTIN_MODEL, evaluation=Evaluation(fraction=0.1), epochs=1, batch_size_per_device=2,
+                       max_seq_length=64, learning_rate=1e-2, report_every_steps=100, seed=0,
+                       gradient_accumulation_steps=2)
     cfg = loop.TrainConfig(
-        platform="cpu", model=tiny.BUILTIN_MODEL, rows=9, examples=9, pad_fraction=0.0, epochs=1,
-        batch_size_per_device=2, max_seq_length=64, learning_rate=1e-2, packing=True, checkpoint_every_steps=0,
-        report_every_steps=100, seed=0, fault="", run_dir=run_dir, run_dir_local=run_dir, export_uri="",
-        resume_from="", resume_manifest={}, cr_namespace="", cr_name="", status_every_s=10.0, peak_flops=None,
-        rows_ref=ray.put(train_rows), gradient_accumulation_steps=2, eval_rows=5, eval_rows_ref=ray.put(eval_rows))
+        run=run, platform="cpu", rows=9, examples=9, pad_fraction=0.0, fault="", run_dir=run_dir,
+        run_dir_local=run_dir, export_uri="", resume_from="", resume_manifest={}, cr_namespace="", cr_name="",
+        status_every_s=10.0, peak_flops=None, rows_ref=ray.put(train_rows), eval_rows=5,
+        eval_rows_ref=ray.put(eval_rows))
     backend = jax_train._Jax(loop.Worker(cfg, 0, 1, BackgroundReporter(StatusReporter("", ""))))
     return backend, train_rows, eval_rows
 
@@ -352,12 +355,12 @@ def test_lora_trains_a_saved_family_model_through_the_jax_backend(family, ray_cl
     rows = pipeline.rows_of(build_blocks(tok, load_records(tiny.BUILTIN_DATASET, "train[:40]"), 64, True)[:8], np)
     settings = LoraSettings(rank=8, alpha=16, dropout=0.05, target_modules=LORA_DEFAULT_TARGET_MODULES["qwen3"])
     run_dir = str(tmp_path / "run")
+    run = workload_run(str(source), method="lora", epochs=1, batch_size_per_device=4, max_seq_length=64,
+                       learning_rate=2e-2, report_every_steps=100, seed=0, gradient_accumulation_steps=2)
     cfg = loop.TrainConfig(
-        platform="cpu", model=str(source), rows=8, examples=8, pad_fraction=0.0, epochs=1,
-        batch_size_per_device=4, max_seq_length=64, learning_rate=2e-2, packing=True, checkpoint_every_steps=0,
-        report_every_steps=100, seed=0, fault="", run_dir=run_dir, run_dir_local=run_dir, export_uri="",
-        resume_from="", resume_manifest={}, cr_namespace="", cr_name="", status_every_s=10.0, peak_flops=None,
-        rows_ref=ray.put(rows), gradient_accumulation_steps=2, lora=settings)
+        run=run, platform="cpu", rows=8, examples=8, pad_fraction=0.0, fault="", run_dir=run_dir,
+        run_dir_local=run_dir, export_uri="", resume_from="", resume_manifest={}, cr_namespace="", cr_name="",
+        status_every_s=10.0, peak_flops=None, rows_ref=ray.put(rows), lora=settings)
     backend = jax_train._Jax(loop.Worker(cfg, 0, 1, BackgroundReporter(StatusReporter("", ""))))
     trainable, total = backend.parameter_counts
     assert 0 < trainable < total / 4 and all(".lora_" in n for n in backend.params)

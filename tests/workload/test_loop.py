@@ -3,12 +3,15 @@ resumes and stops is what both trainers do; the real runs (2 CPU workers, a kill
 tests/workload/test_train.py and test_jax_train.py."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from functools import partial
 
 import pytest
 
+from tests.factories import workload_run
+from tpuft.api.spec import Evaluation, Training
 from tpuft_workload import loop, preemption
 from tpuft_workload.metrics_log import Prometheus
 
@@ -92,6 +95,9 @@ class FakeGauge:
         pass
 
 
+EVALUATION_FIELDS = {f.name for f in dataclasses.fields(Evaluation)}
+
+
 @pytest.fixture
 def make_run(tmp_path, monkeypatch):
     """(Run over a FakeBackend, the metrics it reported to Ray without a checkpoint); rank 0."""
@@ -100,14 +106,18 @@ def make_run(tmp_path, monkeypatch):
     monkeypatch.setattr(loop, "Prometheus", partial(Prometheus, gauge=FakeGauge))
     monkeypatch.setattr(preemption, "write_marker", lambda step, ckpt: None)
 
-    def make(backend: FakeBackend, report_every: int = 100, epochs: int = EPOCHS, **recipe):
-        """`recipe`: TrainConfig's fields beyond the tiny run's (the schedule, maxSteps, evaluation)."""
+    def make(backend: FakeBackend, report_every: int = 100, epochs: int = EPOCHS, eval_rows: int = 0, **recipe):
+        """`recipe`: spec.training's and spec.evaluation's fields beyond the tiny run's (the schedule,
+        maxSteps, when to evaluate); with eval_rows, an eval set held out of the dataset."""
+        asked = {k: recipe.pop(k) for k in list(recipe) if k in EVALUATION_FIELDS}
+        evaluation = Evaluation(fraction=0.1, **asked) if eval_rows else None
+        run = workload_run(checkpoint_every_steps=CKPT_EVERY, evaluation=evaluation, epochs=epochs,
+                           batch_size_per_device=4, max_seq_length=4, learning_rate=3e-3,
+                           report_every_steps=report_every, seed=0, **recipe)
         cfg = loop.TrainConfig(
-            platform="cpu", model="m", rows=56, examples=60, pad_fraction=0.25, epochs=epochs,
-            batch_size_per_device=4, max_seq_length=4, learning_rate=3e-3, packing=True,
-            checkpoint_every_steps=CKPT_EVERY, report_every_steps=report_every, seed=0, fault="",
-            run_dir=str(tmp_path), run_dir_local=str(tmp_path), export_uri="/export", resume_from="",
-            resume_manifest={}, cr_namespace="ns", cr_name="run", status_every_s=0.0, peak_flops=None, **recipe)
+            run=run, platform="cpu", rows=56, examples=60, pad_fraction=0.25, fault="", run_dir=str(tmp_path),
+            run_dir_local=str(tmp_path), export_uri="/export", resume_from="", resume_manifest={},
+            cr_namespace="ns", cr_name="run", status_every_s=0.0, peak_flops=None, eval_rows=eval_rows)
         return loop.Run(loop.Worker(cfg, 0, 2, FakeReporter()), backend), ray_reports
     return make
 
@@ -248,15 +258,10 @@ def test_the_window_loss_is_per_labelled_token_of_every_rank():
 
 # ---- the recipe: the schedule, maxSteps, the global batch --------------------------------------------
 
-def _schedule(schedule: str, warmup_steps: int = 0, warmup_ratio: float = 0.0, floor: float = 0.0) -> loop.TrainConfig:
-    return loop.TrainConfig.from_dict({
-        **dict.fromkeys(("platform", "model", "fault", "run_dir", "run_dir_local", "export_uri", "resume_from",
-                         "cr_namespace", "cr_name"), ""),
-        "rows": 1, "examples": 1, "pad_fraction": 0.0, "epochs": 1, "batch_size_per_device": 1,
-        "max_seq_length": 1, "learning_rate": 1.0, "packing": True, "checkpoint_every_steps": 0,
-        "report_every_steps": 1, "seed": 0, "resume_manifest": {}, "status_every_s": 0.0, "peak_flops": None,
-        "learning_rate_schedule": schedule, "warmup_steps": warmup_steps, "warmup_ratio": warmup_ratio,
-        "min_learning_rate_ratio": floor})
+def _schedule(schedule: str, warmup_steps: int | None = None, warmup_ratio: float | None = None,
+              floor: float = 0.0) -> Training:
+    return Training(learning_rate=1.0, learning_rate_schedule=schedule, warmup_steps=warmup_steps,
+                    warmup_ratio=warmup_ratio, min_learning_rate_ratio=floor)
 
 
 @pytest.mark.parametrize("schedule, want", [
@@ -282,7 +287,7 @@ def test_each_step_trains_at_the_scheduled_rate_and_a_resume_continues_it(make_r
     backend = FakeBackend()
     run, _ = make_run(backend, **recipe)
     run.train()
-    assert backend.rates == [loop.learning_rate_at(run.cfg, i, TOTAL) for i in range(TOTAL)]
+    assert backend.rates == [loop.learning_rate_at(run.cfg.training, i, TOTAL) for i in range(TOTAL)]
     assert backend.rates[2] == pytest.approx(3e-3) and backend.rates[-1] == pytest.approx(3e-4)
     assert run.reporter.patches[-1]["learningRate"] == pytest.approx(3e-4)
     state = {"step": 9, "path": "/runs/a/checkpoint_step_0000009", "metrics": {}}
@@ -347,7 +352,8 @@ def test_evaluations_remember_the_best_and_count_since_it():
     assert [ev.observe(s, loss, f"/c{s}") for s, loss in ((2, 3.0), (4, 2.0), (6, math.nan), (8, 2.5))] == \
         [True, True, False, False]
     assert (ev.best_loss, ev.best_step, ev.best_path, ev.since_best) == (2.0, 4, "/c4", 2)
-    assert ev.patience_spent(2) and not ev.patience_spent(3) and not ev.patience_spent(0)
+    assert ev.patience_spent(2) and not ev.patience_spent(3)
+    assert not ev.patience_spent(0) and not ev.patience_spent(None)
     assert ev.status() == {"evalLoss": 2.5, "evalPerplexity": pytest.approx(math.exp(2.5), abs=1e-4),
                            "bestEvalLoss": 2.0, "bestStep": 4}
     assert loop.Evaluations.from_dict(ev.as_dict()) == ev
@@ -375,7 +381,7 @@ def test_evaluations_at_each_epoch_end_go_to_status_history_and_tensorboard(make
 
 def test_evaluations_every_n_steps_report_there_and_at_the_end(make_run):
     backend = FakeBackend(eval_losses=[5.0, 4.0, 3.0, 2.0, 1.0])
-    run, ray_reports = make_run(backend, epochs=1, eval_every_steps=2, **EVAL)
+    run, ray_reports = make_run(backend, epochs=1, every_steps=2, **EVAL)
     run.train()
     assert backend.evaluated == [2, 4, 6, 7]   # and the run's last step
     assert [m["step"] for m in ray_reports] == [2, 4]   # an evaluation is a report (6: a checkpoint's)
@@ -384,7 +390,7 @@ def test_evaluations_every_n_steps_report_there_and_at_the_end(make_run):
 
 def test_early_stopping_finishes_the_run_after_patience_evaluations_without_a_better_loss(make_run, tmp_path):
     backend = FakeBackend(eval_losses=[3.0, 2.0, 2.5, 2.1, 1.0])
-    run, _ = make_run(backend, epochs=3, eval_every_steps=2, early_stopping_patience=2, **EVAL)
+    run, _ = make_run(backend, epochs=3, every_steps=2, early_stopping_patience=2, **EVAL)
     assert run.train() is False
     run.finish()
     assert backend.evaluated == [2, 4, 6, 8] and backend.steps == 8   # 2.5 then 2.1: two without beating 2.0
@@ -396,14 +402,14 @@ def test_early_stopping_finishes_the_run_after_patience_evaluations_without_a_be
     assert (summary["step"], summary["exportedStep"], summary["message"]) == (8, 8, message)
 
     resumed = FakeBackend(restored=("/runs/a", backend.saved[-1][1]))
-    again, _ = make_run(resumed, epochs=3, eval_every_steps=2, early_stopping_patience=2, **EVAL)
+    again, _ = make_run(resumed, epochs=3, every_steps=2, early_stopping_patience=2, **EVAL)
     again.restore()
     assert again.train() is False and resumed.steps == 0 and again.early_stop == message
 
 
 def test_keep_best_saves_each_improvement_ranks_it_first_and_exports_it(make_run, tmp_path):
     backend = FakeBackend(eval_losses=[3.0, 2.0, 2.5, 2.6])
-    run, _ = make_run(backend, epochs=1, eval_every_steps=2, keep_best=True, **EVAL)
+    run, _ = make_run(backend, epochs=1, every_steps=2, keep_best=True, **EVAL)
     run.train()
     run.finish()
     assert backend.evaluated == [2, 4, 6, 7]

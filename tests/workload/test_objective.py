@@ -104,11 +104,12 @@ def _torch_backend(model, mesh, rows_per_micro_batch: int, accumulated: bool):
     """The torch backend's step (train._Torch.step) over `model`, without Ray: only what step reads."""
     from types import SimpleNamespace
 
+    from tpuft.api.spec import Training
     from tpuft_workload import train
 
     backend = object.__new__(train._Torch)
-    backend.cfg = SimpleNamespace(packing=True, max_grad_norm=MAX_GRAD_NORM, batch_size_per_device=rows_per_micro_batch,
-                                  max_seq_length=MAX_LEN)
+    backend.cfg = SimpleNamespace(training=Training(packing=True, max_grad_norm=MAX_GRAD_NORM,
+                                                    batch_size_per_device=rows_per_micro_batch, max_seq_length=MAX_LEN))
     backend.model, backend.device = model, torch.device("cpu")
     backend.params = modellib.shard(model, mesh, CPU, backend.device)
     backend.opt = torch.optim.SGD(backend.params, lr=1.0)   # step() sets the rate

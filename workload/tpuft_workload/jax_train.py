@@ -293,16 +293,16 @@ class _Jax:
         from tpuft_workload import model as modellib
 
         cfg = self.cfg
-        self.tokenizer = modellib.load_tokenizer(cfg.model)
+        self.tokenizer = modellib.load_tokenizer(cfg.run.model)
         self.rows = ray.get(cfg.rows_ref)   # the shared rows, mapped from the node's object store
         self.eval_rows = ray.get(cfg.eval_rows_ref) if cfg.eval_rows_ref is not None else None
         # a worker feeds all of its host's devices: batchSizePerDevice rows each, per micro-batch
-        self.local_batch = cfg.batch_size_per_device * self.jax.local_device_count()
-        self.accumulation = cfg.gradient_accumulation_steps
+        self.local_batch = cfg.training.batch_size_per_device * self.jax.local_device_count()
+        self.accumulation = cfg.training.gradient_accumulation_steps
         self.global_batch_size = self.local_batch * self.world * self.accumulation   # sequences per optimizer step
         self.steps_per_epoch = datalib.steps_per_epoch(cfg.rows, self.world, self.local_batch * self.accumulation)
         self.worker.say(f"[tpuft] {loop.data_line(cfg)}; {self.steps_per_epoch} steps/epoch of {self.accumulation} "
-                        f"micro-batches x {cfg.epochs} epochs on {self.world} JAX processes, "
+                        f"micro-batches x {cfg.training.epochs} epochs on {self.world} JAX processes, "
                         f"{self.jax.device_count()} devices")
 
     def _model(self) -> None:
@@ -310,11 +310,12 @@ class _Jax:
         from jax.sharding import PartitionSpec as P
 
         jax, cfg = self.jax, self.cfg
-        self.hf_config, self.mcfg, host = load_weights(cfg.model, self.tokenizer, cfg.seed)
+        self.hf_config, self.mcfg, host = load_weights(cfg.run.model, self.tokenizer, cfg.training.seed)
         arch = jax_checkpoint.architecture(jm.hf_class(self.hf_config), host)   # the base's
-        self.flops_per_token = flops_per_token(arch["parameters"], self.hf_config, cfg.max_seq_length)   # MFU's
+        self.flops_per_token = flops_per_token(arch["parameters"], self.hf_config,   # MFU's
+                                               cfg.training.max_seq_length)
         self.worker.adopt_architecture(arch, self.barrier)
-        self.mesh = build_mesh(jax, cfg.slices)
+        self.mesh = build_mesh(jax, cfg.run.slices)
         # Each device's shard read from the files (a SavedTensor) or cut from the host array (the
         # builtin): no process builds the whole tree of a saved model.
         base = {n: _put(jax, a, self._sharding(a)) for n, a in host.items()}
@@ -326,7 +327,7 @@ class _Jax:
         self.frozen, self.adapters, trained = None, None, base
         if cfg.lora:
             shapes = {n: tuple(a.shape) for n, a in base.items()}
-            fresh = jax_lora.init(self.mcfg, cfg.lora, shapes, cfg.seed)
+            fresh = jax_lora.init(self.mcfg, cfg.lora, shapes, cfg.training.seed)
             self.frozen, self.adapters = base, jax_lora.adapters(cfg.lora)
             trained = {n: _put(jax, a, self._sharding(a)) for n, a in fresh.items()}
         self.params = trained
@@ -334,7 +335,7 @@ class _Jax:
         self.parameter_counts = (count, arch["parameters"] + (count if cfg.lora else 0))   # (trainable, total)
         self.worker.say(f"[tpuft] training {self.parameter_counts[0]:,} of {self.parameter_counts[1]:,} parameters"
                         + (f" (LoRA rank {cfg.lora.rank} on {','.join(cfg.lora.target_modules)})" if cfg.lora else ""))
-        self.tx = optimizer(trained, cfg.weight_decay, cfg.max_grad_norm)
+        self.tx = optimizer(trained, cfg.training.weight_decay, cfg.training.max_grad_norm)
         # Every leaf placed explicitly: the moments like their parameters; the step count, left to
         # jit, lands on one local device and no longer fits the mesh once Orbax restores it.
         shardings = jax.tree.map(self._sharding, jax.eval_shape(self.tx.init, self.params))
@@ -342,8 +343,9 @@ class _Jax:
         self.batch_sharding = NamedSharding(self.mesh, P(MESH_AXES))
         self.micro_batches_sharding = NamedSharding(self.mesh, P(None, MESH_AXES))
         dtype = jax.numpy.bfloat16 if self.plat.mixed_precision else None
-        dropout_key = jax.random.key(cfg.seed) if cfg.lora and cfg.lora.dropout else None
-        step = partial(train_step, self.tx, self.mcfg, dtype, bool(cfg.activation_checkpointing), adapters=self.adapters,
+        dropout_key = jax.random.key(cfg.training.seed) if cfg.lora and cfg.lora.dropout else None
+        remat = bool(cfg.training.activation_checkpointing)
+        step = partial(train_step, self.tx, self.mcfg, dtype, remat, adapters=self.adapters,
                        dropout_key=dropout_key)
         self.step_fn = jax.jit(lambda params, opt_state, batch, rate, frozen: step(params, opt_state, batch, rate,
                                                                                    frozen), donate_argnums=(0, 1))
@@ -361,7 +363,8 @@ class _Jax:
         permutation in steps of k micro-batches) cut into k, so micro-batch i of every worker
         makes the global micro-batch i."""
         b = self.local_batch
-        for rows in pipeline.epoch_batches(self.rows, self.world, self.rank, b * self.accumulation, self.cfg.seed,
+        for rows in pipeline.epoch_batches(self.rows, self.world, self.rank, b * self.accumulation,
+                                           self.cfg.training.seed,
                                            epoch, skip=skip):
             yield [{k: v[i * b:(i + 1) * b] for k, v in rows.items()} for i in range(self.accumulation)]
 
@@ -370,7 +373,7 @@ class _Jax:
         labelled and real tokens and gradient norm, global (left on the device)."""
         import numpy as np
 
-        local = [{**jm.inputs_from_rows(rows, self.cfg.packing), "n_real": rows["n_real"].astype("int32")}
+        local = [{**jm.inputs_from_rows(rows, self.cfg.training.packing), "n_real": rows["n_real"].astype("int32")}
                  for rows in micro_batches]
         stacked = {k: np.stack([m[k] for m in local]) for k in local[0]}
         batch = {k: self.jax.make_array_from_process_local_data(
@@ -379,7 +382,7 @@ class _Jax:
         self.params, self.opt_state, sums, grad_norm = self.step_fn(self.params, self.opt_state, batch,
                                                                     np.float32(learning_rate), self.frozen)
         return loop.Step(loss_sum=sums["loss_sum"], labelled=sums["labelled"], real=sums["real"],
-                         padded=len(local) * self.local_batch * self.world * self.cfg.max_seq_length,
+                         padded=len(local) * self.local_batch * self.world * self.cfg.training.max_seq_length,
                          grad_norm=grad_norm)
 
     def evaluate(self) -> tuple[float, float]:
@@ -387,7 +390,7 @@ class _Jax:
         loss_sum, labelled = 0, 0
         for rows in pipeline.eval_batches(self.eval_rows, self.world, self.rank, self.local_batch):
             batch = {k: self.jax.make_array_from_process_local_data(self.batch_sharding, v)
-                     for k, v in jm.inputs_from_rows(rows, self.cfg.packing).items()}
+                     for k, v in jm.inputs_from_rows(rows, self.cfg.training.packing).items()}
             total, count = self.eval_fn(self.params, self.frozen, batch)
             loss_sum, labelled = loss_sum + total, labelled + count
         return float(loss_sum), float(labelled)
@@ -451,7 +454,7 @@ class _Jax:
             import ml_dtypes
 
             dtype = ml_dtypes.bfloat16
-        return write_export(full, self.hf_config, self.cfg.model, self.tokenizer, self.cfg.export_uri, dtype)
+        return write_export(full, self.hf_config, self.cfg.run.model, self.tokenizer, self.cfg.export_uri, dtype)
 
     def _export_adapters(self) -> str | None:
         """Collective: the adapters (and the base, where the built-in model or spec.export.merge needs
@@ -466,12 +469,13 @@ class _Jax:
 
         cfg = self.cfg
         adapters = multihost_utils.process_allgather(self.params, tiled=True)
-        with_base = cfg.merge_export or cfg.model == BUILTIN_MODEL
+        with_base = cfg.run.export.merge or cfg.run.model == BUILTIN_MODEL
         base = multihost_utils.process_allgather(self.frozen, tiled=True) if with_base else {}
         if self.rank != 0:
             return None
         config = AutoConfig.for_model(**self.hf_config)
-        generation = modellib.base_generation(cfg.model, config)
+        generation = modellib.base_generation(cfg.run.model, config)
         state = jax_lora.peft_state(base, adapters, cfg.lora, self.mcfg)
-        return loralib.write_export(config, state, self.tokenizer, cfg.lora, cfg.model, cfg.run_dir, cfg.merge_export,
+        return loralib.write_export(config, state, self.tokenizer, cfg.lora, cfg.run.model, cfg.run_dir,
+                                    cfg.run.export.merge,
                                     generation)

@@ -21,7 +21,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
-from tpuft.api.constants import HistoryPoint, TrainingStatus
+from tpuft.api.constants import HistoryPoint, LearningRateSchedule, TrainingStatus
+from tpuft.api import spec as speclib
+from tpuft.api.spec import Evaluation, Training
 from tpuft_workload import checkpoint as ckptlib
 from tpuft_workload import faults as faultlib
 from tpuft_workload import preemption
@@ -45,21 +47,16 @@ def ckpt_name(step: int) -> str:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """What every training worker needs. Ray hands train_loop_config to the workers as a plain
-    dict (`as_dict`); `work` rebuilds the typed config from it (`from_dict`)."""
+    """What every training worker needs: the run's document as parsed (`run`: spec.model, spec.slices,
+    spec.training, spec.checkpoint, spec.evaluation and spec.export, read as they are) and what the
+    driver decided at run time. Ray hands train_loop_config to the workers as a dict of these fields
+    (`as_dict`; Ray pickles it, so the sections and the ObjectRefs arrive as they are); `work` rebuilds
+    the config from it (`from_dict`)."""
+    run: speclib.Run
     platform: str                 # tpuft_workload.platform.PLATFORMS key
-    model: str
     rows: int                     # packed rows the pipeline produced (steps come from it)
     examples: int
     pad_fraction: float
-    epochs: int
-    batch_size_per_device: int
-    max_seq_length: int
-    learning_rate: float
-    packing: bool
-    checkpoint_every_steps: int   # 0: at epoch ends only
-    report_every_steps: int
-    seed: int
     fault: str                    # TPUFT_FAULTS spec (tests)
     run_dir: str                  # storage_path/run_name: this run's checkpoints, export and summary
     run_dir_local: str            # run_dir when it is a local path, else "" (the fault markers)
@@ -71,67 +68,66 @@ class TrainConfig:
     cr_name: str
     status_every_s: float
     peak_flops: float | None      # the TPU slice's peak FLOP/s (tpuft.api.catalog; MFU's denominator), None off TPU
-    slices: int = 1               # > 1: HSDP, parameters replicated across slices (tpuft_workload.model.device_mesh)
-    lora: LoraSettings | None = None   # spec.training.method: lora, resolved by the driver (None: full)
-    merge_export: bool = False    # spec.export.merge: LoRA's merged full weights beside the adapter export
+    lora: LoraSettings | None = None   # spec.training.lora resolved for the model by the driver (None: not lora)
     record_type: str = "instruction"   # constants.DatasetType value the records were read as
     truncated: int = 0            # examples cut to max_seq_length
     dropped: int = 0              # examples left out (spec.dataset.overlong)
     rows_ref: Any = None          # ray.ObjectRef of the packed rows (tpuft_workload.pipeline.build)
-    # The recipe (spec.training): the rate after warmup, the optimizer's decay and clip, the global batch
-    learning_rate_schedule: str = "constant"   # constants.LearningRateSchedule value
-    warmup_steps: int = 0         # spec.training.warmupSteps (0: none, or warmup_ratio's)
-    warmup_ratio: float = 0.0     # spec.training.warmupRatio: of the run's optimizer steps
-    min_learning_rate_ratio: float = 0.0
-    weight_decay: float = 0.01    # on weight matrices only (not biases, norms, embeddings)
-    max_grad_norm: float = 1.0
-    gradient_accumulation_steps: int = 1   # micro-batches per optimizer step
-    max_steps: int = 0            # 0: epochs decide; else the run's optimizer steps
-    activation_checkpointing: bool | None = False   # None (cpu, left out): each torch worker decides
-    # spec.evaluation: the eval set (packed like the rows), when to evaluate, what to keep
-    eval_rows: int = 0            # 0: no eval set
+    eval_rows: int = 0            # packed eval rows; 0: no eval set
     eval_rows_ref: Any = None     # ray.ObjectRef of the eval rows
-    eval_every_steps: int = 0     # 0: at each epoch end (and always at the end)
-    early_stopping_patience: int = 0   # 0: never stop early
-    keep_best: bool = False       # export the checkpoint with the lowest eval loss
+
+    @property
+    def training(self) -> Training:
+        return self.run.training
+
+    @property
+    def evaluation(self) -> Evaluation:
+        """spec.evaluation; without one its defaults (then eval_rows is 0: nothing is evaluated)."""
+        return self.run.evaluation or Evaluation()
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
-        lora = d.get("lora")
-        return cls(**{**d, "lora": LoraSettings.from_dict(lora) if lora else None})
+        return cls(**d)
 
 
 def data_line(cfg: TrainConfig) -> str:
     """What the run trains on, for the log: examples, rows, packing, and what did not fit."""
     cut = f", {cfg.truncated} truncated" if cfg.truncated else ""
-    left = f", {cfg.dropped} dropped (longer than {cfg.max_seq_length} tokens)" if cfg.dropped else ""
+    length = cfg.training.max_seq_length
+    left = f", {cfg.dropped} dropped (longer than {length} tokens)" if cfg.dropped else ""
     held = f"; eval set: {cfg.eval_rows} rows" if cfg.eval_rows else ""
-    return (f"{cfg.examples} {cfg.record_type} examples{cut}{left} -> {cfg.rows} rows of {cfg.max_seq_length} tokens "
-            f"({'whole examples packed' if cfg.packing else 'padded'}, pad fraction {cfg.pad_fraction:.1%}){held}")
+    return (f"{cfg.examples} {cfg.record_type} examples{cut}{left} -> {cfg.rows} rows of {length} tokens "
+            f"({'whole examples packed' if cfg.training.packing else 'padded'}, pad fraction {cfg.pad_fraction:.1%})"
+            f"{held}")
 
 
-def global_batch_size(cfg: TrainConfig, world: int) -> int:
+def global_batch_size(training: Training, world: int) -> int:
     """Sequences per optimizer step: devices (all slices) x per device x accumulation."""
-    return world * cfg.batch_size_per_device * cfg.gradient_accumulation_steps
+    return world * training.batch_size_per_device * training.gradient_accumulation_steps
 
 
-def learning_rate_at(cfg: TrainConfig, step: int, total_steps: int) -> float:
+def warmup_steps(training: Training, total_steps: int) -> int:
+    """warmupSteps, else warmupRatio of the run's optimizer steps (neither: 0)."""
+    return training.warmup_steps or math.ceil((training.warmup_ratio or 0.0) * total_steps)
+
+
+def learning_rate_at(training: Training, step: int, total_steps: int) -> float:
     """The rate of optimizer step `step` (0-based) of `total_steps`: a linear warmup from 0 over the
     warmup steps, then constant, or linear or cosine decay to min_learning_rate_ratio x the peak
     at the last step. Pure: both frameworks take their rate from here."""
-    peak = cfg.learning_rate
-    warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total_steps)
+    peak = training.learning_rate
+    warmup = warmup_steps(training, total_steps)
     if step < warmup:
         return peak * (step + 1) / warmup
-    if cfg.learning_rate_schedule == "constant":
+    if training.learning_rate_schedule == LearningRateSchedule.CONSTANT.value:
         return peak
     span = max(1, total_steps - warmup - 1)
     progress = min(1.0, (step - warmup) / span)
-    floor = peak * cfg.min_learning_rate_ratio
-    if cfg.learning_rate_schedule == "linear":
+    floor = peak * training.min_learning_rate_ratio
+    if training.learning_rate_schedule == LearningRateSchedule.LINEAR.value:
         return floor + (peak - floor) * (1.0 - progress)
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
@@ -170,17 +166,17 @@ class Backend(Protocol):
     # backend without it reports neither
     parameter_counts: tuple[int, int]
     # Optional: sequences per optimizer step, when the workers are not the data-parallel devices
-    # (JAX: one worker per host); a backend without it: global_batch_size(cfg, world)
+    # (JAX: one worker per host); a backend without it: global_batch_size(cfg.training, world)
     global_batch_size: int
 
     def batches(self, epoch: int, skip: int) -> Iterator[list]:
-        """This worker's optimizer steps of `epoch`, each a list of cfg.gradient_accumulation_steps
+        """This worker's optimizer steps of `epoch`, each a list of cfg.training.gradient_accumulation_steps
         micro-batches (a batch each); the first `skip` steps (trained before a resume) left out."""
 
     def step(self, micro_batches: list, learning_rate: float) -> Step:
         """One optimizer step at `learning_rate` over all `micro_batches`: the gradient of the token
         mean over every labelled token of every micro-batch and rank (k micro-batches of b rows make
-        the update one batch of k x b would), clipped to cfg.max_grad_norm. The Step's sums are
+        the update one batch of k x b would), clipped to cfg.training.max_grad_norm. The Step's sums are
         over the micro-batches; its grad_norm is the norm before clipping."""
 
     def evaluate(self) -> tuple[float, float]:
@@ -255,7 +251,7 @@ class Worker:
         cfg = self.cfg
         if cfg.resume_from:
             try:
-                ckptlib.check_architecture(cfg.resume_from, cfg.resume_manifest, arch, cfg.model)
+                ckptlib.check_architecture(cfg.resume_from, cfg.resume_manifest, arch, cfg.run.model)
                 check_resume(cfg.resume_from, cfg.resume_manifest, cfg.lora)
             except ckptlib.ResumeError as e:
                 if self.rank == 0:
@@ -267,7 +263,7 @@ class Worker:
                 raise
         if self.rank == 0:
             ckptlib.write_run_manifest(cfg.run_dir, {
-                "model": cfg.model, "architecture": arch, "namespace": cfg.cr_namespace,
+                "model": cfg.run.model, "architecture": arch, "namespace": cfg.cr_namespace,
                 "name": cfg.cr_name, "resumeFrom": cfg.resume_from or None, "training": training_manifest(cfg.lora)})
 
     def say(self, msg: str) -> None:
@@ -342,15 +338,17 @@ def epoch_line(epoch: int, epochs: int, m: dict) -> str:
             f"pad={m['pad_fraction']:.1%}")
 
 
-def recipe_line(cfg: TrainConfig, global_batch: int, steps_per_epoch: int, total_steps: int, epochs: int) -> str:
+def recipe_line(training: Training, global_batch: int, steps_per_epoch: int, total_steps: int,
+                epochs: int) -> str:
     """Rank 0's line at the start: the global batch, the steps and the learning-rate schedule."""
-    warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total_steps)
-    floor = "" if cfg.learning_rate_schedule == "constant" else f" to {cfg.min_learning_rate_ratio:g} x peak"
-    return (f"[tpuft] global batch {global_batch} sequences ({cfg.batch_size_per_device} per device x "
-            f"{cfg.gradient_accumulation_steps} accumulated, every device); {total_steps} optimizer steps "
-            f"({epochs} epochs of {steps_per_epoch}); learning rate {cfg.learning_rate:g}, {warmup} warmup steps, "
-            f"{cfg.learning_rate_schedule}{floor}; weight decay {cfg.weight_decay:g}, gradients clipped to "
-            f"{cfg.max_grad_norm:g}")
+    schedule = training.learning_rate_schedule
+    floor = ("" if schedule == LearningRateSchedule.CONSTANT.value
+             else f" to {training.min_learning_rate_ratio:g} x peak")
+    return (f"[tpuft] global batch {global_batch} sequences ({training.batch_size_per_device} per device x "
+            f"{training.gradient_accumulation_steps} accumulated, every device); {total_steps} optimizer steps "
+            f"({epochs} epochs of {steps_per_epoch}); learning rate {training.learning_rate:g}, "
+            f"{warmup_steps(training, total_steps)} warmup steps, {schedule}{floor}; weight decay "
+            f"{training.weight_decay:g}, gradients clipped to {training.max_grad_norm:g}")
 
 
 def _num(x: float | None) -> str:
@@ -388,8 +386,9 @@ class Evaluations:
         self.since_best += 1
         return False
 
-    def patience_spent(self, patience: int) -> bool:
-        return patience > 0 and self.since_best >= patience
+    def patience_spent(self, patience: int | None) -> bool:
+        """spec.evaluation.earlyStoppingPatience evaluations without a better loss (None: never)."""
+        return patience is not None and patience > 0 and self.since_best >= patience
 
     def status(self) -> dict:
         """status.training's eval keys (none before the first evaluation)."""
@@ -473,15 +472,16 @@ class Run:
         self.throttle = Throttle(cfg.status_every_s)
         self.spe = backend.steps_per_epoch
         # maxSteps: as many passes over the data as it takes, the last one cut short
-        self.total_steps = cfg.max_steps or self.spe * cfg.epochs
-        self.epochs = -(-self.total_steps // self.spe) if self.spe else cfg.epochs
-        self.global_batch = getattr(backend, "global_batch_size", None) or global_batch_size(cfg, worker.world)
+        self.total_steps = cfg.training.max_steps or self.spe * cfg.training.epochs
+        self.epochs = -(-self.total_steps // self.spe) if self.spe else cfg.training.epochs
+        self.global_batch = (getattr(backend, "global_batch_size", None)
+                             or global_batch_size(cfg.training, worker.world))
         # progress: restored from a checkpoint, moved by the loop
         self.step, self.resumed_from = 0, -1
         self.last_ckpt, self.message, self.source = "", None, ""
         self.last_metrics: dict = {}  # status.training metrics of the latest report, restored with a checkpoint
         self.evaluations = Evaluations()
-        self.learning_rate = learning_rate_at(cfg, 0, self.total_steps)   # the latest step's
+        self.learning_rate = learning_rate_at(cfg.training, 0, self.total_steps)   # the latest step's
         self.early_stop: str | None = None   # why the run stopped early (early stopping's message)
         # The operator's checkpoint request (status.recovery.checkpointRequestedAt), rank 0's view: the
         # value the next save answers, and the value answered (status.training.checkpointRequestSaved)
@@ -521,8 +521,8 @@ class Run:
         read the same train_state), rank 0's reason in status first. Checkpoints written before
         the global batch was recorded are not checked."""
         cfg = self.cfg
-        msg = global_batch_refusal(self.source, state, self.global_batch, cfg.batch_size_per_device,
-                                   cfg.gradient_accumulation_steps, cfg.slices)
+        msg = global_batch_refusal(self.source, state, self.global_batch, cfg.training.batch_size_per_device,
+                                   cfg.training.gradient_accumulation_steps, cfg.run.slices)
         if msg is None:
             return
         if self.rank == 0:
@@ -580,7 +580,7 @@ class Run:
         if not save:
             report_to_ray(metrics)
             return
-        if self.cfg.keep_best:
+        if self.cfg.evaluation.keep_best:
             metrics[KEEP_SCORE] = self.step + (BEST_BONUS if self.evaluations.best_step == self.step else 0.0)
         self.tensorboard.sync()
         name = ckpt_name(self.step)
@@ -594,13 +594,13 @@ class Run:
 
     # --- evaluate -------------------------------------------------------------------------------------
     def evaluate_if_due(self, epoch_end: bool) -> bool:
-        """The eval set's loss after this step, when one is due: every eval_every_steps steps and
-        at the run's last step, or (eval_every_steps 0) at each epoch's end. Early stopping is
+        """The eval set's loss after this step, when one is due: every spec.evaluation.everySteps steps
+        and at the run's last step, or (everySteps left out) at each epoch's end. Early stopping is
         decided here."""
         cfg = self.cfg
         if not cfg.eval_rows:
             return False
-        every = cfg.eval_every_steps
+        every = cfg.evaluation.every_steps
         if not (self.step % every == 0 or self.step >= self.total_steps if every else epoch_end):
             return False
         loss_sum, labelled = self.backend.evaluate()
@@ -611,7 +611,7 @@ class Run:
             ppl = perplexity(loss)
             say(f"Eval at step {self.step}/{self.total_steps} | eval_loss={loss:.4f} | "
                 f"perplexity={'-' if ppl is None else f'{ppl:.3f}'} | best={_num(ev.best_loss)} at step {ev.best_step}")
-        if ev.patience_spent(cfg.early_stopping_patience) and self.step < self.total_steps:
+        if ev.patience_spent(cfg.evaluation.early_stopping_patience) and self.step < self.total_steps:
             self.early_stop = self._early_stop_message()
             if self.rank == 0:
                 say(f"[tpuft] {self.early_stop}")
@@ -620,7 +620,8 @@ class Run:
     def _early_stop_message(self) -> str:
         ev = self.evaluations
         return (f"early stopping at step {self.step} of {self.total_steps}: the eval loss has not improved for "
-                f"{self.cfg.early_stopping_patience} evaluations (best {_num(ev.best_loss)} at step {ev.best_step})")
+                f"{self.cfg.evaluation.early_stopping_patience} evaluations (best {_num(ev.best_loss)} at step "
+                f"{ev.best_step})")
 
     # --- train ----------------------------------------------------------------------------------------
     def train(self) -> bool:
@@ -632,9 +633,10 @@ class Run:
         tag = cfg.cr_name or cfg.run_dir.rstrip("/").rsplit("/", 1)[-1]
         self.prometheus = Prometheus(self.rank == 0, tag)
         if self.rank == 0:
-            say(recipe_line(cfg, self.global_batch, self.spe, self.total_steps, self.epochs))
+            say(recipe_line(cfg.training, self.global_batch, self.spe, self.total_steps, self.epochs))
         ev = self.evaluations
-        if ev.patience_spent(cfg.early_stopping_patience) and self.step < self.total_steps:   # resumed after one
+        # resumed after an early stop
+        if ev.patience_spent(cfg.evaluation.early_stopping_patience) and self.step < self.total_steps:
             self.early_stop = self._early_stop_message()
             return False
         for epoch in range(self.step // self.spe if self.spe else 0, self.epochs):
@@ -647,7 +649,7 @@ class Run:
     def _epoch(self, epoch: int) -> bool:
         """One epoch's steps; True when the ranks agreed to stop (that step's checkpoint is saved)."""
         cfg, spe = self.cfg, self.spe
-        every_ckpt, every_rep = cfg.checkpoint_every_steps, cfg.report_every_steps
+        every_ckpt, every_rep = cfg.run.checkpoint.every_steps, cfg.training.report_every_steps
         end = min(spe, self.total_steps - epoch * spe)   # maxSteps may end the last epoch early
         done = self.step - epoch * spe   # a resumed epoch passes over the batches it already trained on
         if done >= end:
@@ -657,7 +659,7 @@ class Run:
         stop = evaluated = False
         for i, micro_batches in zip(range(done, end), batches):
             faultlib.fire_train(self.faults, self.rank, self.step + 1, cfg.run_dir_local)
-            self.learning_rate = learning_rate_at(cfg, self.step, self.total_steps)
+            self.learning_rate = learning_rate_at(cfg.training, self.step, self.total_steps)
             s = self.backend.step(micro_batches, self.learning_rate)
             self.step += 1
             for w in (win, epoch_win):
@@ -677,7 +679,7 @@ class Run:
                 break
             best = evaluated and self.evaluations.best_step == self.step
             save = (stop or agreed.checkpoint or bool(self.early_stop)
-                    or (bool(every_ckpt) and self.step % every_ckpt == 0) or (best and cfg.keep_best))
+                    or (bool(every_ckpt) and self.step % every_ckpt == 0) or (best and cfg.evaluation.keep_best))
             # The first step after a resume is reported at once: "training again" shows when it is.
             first = self.step == self.resumed_from + 1 and self.resumed_from > 0
             if self.step % every_rep == 0 or save or evaluated or first:
@@ -749,7 +751,7 @@ class Run:
         """keepBest: the best evaluation's weights loaded when it was not the last step's. Returns
         (the step exported, what to say about it, None when there is nothing to say)."""
         ev = self.evaluations
-        if not (self.cfg.keep_best and ev.best_loss is not None):
+        if not (self.cfg.evaluation.keep_best and ev.best_loss is not None):
             return self.step, None
         if ev.best_step == self.step:
             return self.step, f"exported step {self.step}: its eval loss {ev.best_loss:.4f} is the run's lowest"

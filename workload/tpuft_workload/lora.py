@@ -46,11 +46,6 @@ class LoraSettings:
     dropout: float
     target_modules: tuple[str, ...]
 
-    @classmethod
-    def from_dict(cls, d: dict) -> LoraSettings:
-        """From `asdict` (a Ray train_loop_config round trip may turn the tuple into a list)."""
-        return cls(**{**d, "target_modules": tuple(d["target_modules"])})
-
     def manifest(self) -> dict:
         """The run manifest's spec.training.lora (tpuft-run.json): what a resume must match."""
         return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout,

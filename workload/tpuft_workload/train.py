@@ -96,7 +96,7 @@ class _Torch:
         self.peak_flops = self.cfg.peak_flops
         if self.plat.kind == "gpu":
             self.peak_flops = gpu_slice_peak(torch.cuda.get_device_name(self.device), self.world)
-        torch.manual_seed(self.cfg.seed)
+        torch.manual_seed(self.cfg.training.seed)
         self._data()
         self._model()
         self.vote = _StopVote(self.plat.backend)
@@ -105,13 +105,13 @@ class _Torch:
         from tpuft_workload import model as modellib
 
         cfg = self.cfg
-        self.tokenizer = modellib.load_tokenizer(cfg.model)   # for the export
+        self.tokenizer = modellib.load_tokenizer(cfg.run.model)   # for the export
         self.rows = ray.get(cfg.rows_ref)   # the shared rows, mapped from the node's object store
         self.eval_rows = ray.get(cfg.eval_rows_ref) if cfg.eval_rows_ref is not None else None
-        per_step = cfg.batch_size_per_device * cfg.gradient_accumulation_steps
+        per_step = cfg.training.batch_size_per_device * cfg.training.gradient_accumulation_steps
         self.steps_per_epoch = datalib.steps_per_epoch(cfg.rows, self.world, per_step)
         self.worker.say(f"[tpuft] {loop.data_line(cfg)}; {self.steps_per_epoch} steps/epoch of "
-                        f"{cfg.gradient_accumulation_steps} micro-batches on {self.world} workers")
+                        f"{cfg.training.gradient_accumulation_steps} micro-batches on {self.world} workers")
 
     def _model(self) -> None:
         import torch
@@ -124,47 +124,51 @@ class _Torch:
         # A saved model is built on the meta device and each rank reads only its shards, below
         # (sharded_load): no rank ever holds the whole model. The builtin is built whole.
         # (the builtin is built whole: it is tiny)
-        weights = None if cfg.model == BUILTIN_MODEL else modellib.weights_location(cfg.model)
+        weights = None if cfg.run.model == BUILTIN_MODEL else modellib.weights_location(cfg.run.model)
         empty = modellib.empty_model(weights, self.plat) if weights is not None else None
-        self.model = empty if empty is not None else modellib.load_model(cfg.model, self.tokenizer, self.plat, cfg.seed)
+        self.model = empty if empty is not None else modellib.load_model(cfg.run.model, self.tokenizer, self.plat,
+                                                                          cfg.training.seed)
         arch = ckptlib.architecture(self.model)   # the base's: what a resume point must match
         # counted before sharding: MFU's numerator
-        self.flops_per_token = flops_per_token(arch["parameters"], self.model.config.to_dict(), cfg.max_seq_length)
+        self.flops_per_token = flops_per_token(arch["parameters"], self.model.config.to_dict(),
+                                               cfg.training.max_seq_length)
         self.worker.adopt_architecture(arch, self.barrier)
         if cfg.lora:   # before sharding: FSDP2 shards the frozen base and the adapters alike
             self.model = loralib.wrap(self.model, cfg.lora)
-        mesh = modellib.device_mesh(self.plat, self.world, cfg.slices)
+        mesh = modellib.device_mesh(self.plat, self.world, cfg.run.slices)
         # LoRA: the adapters
-        recompute = cfg.activation_checkpointing
+        recompute = cfg.training.activation_checkpointing
         if recompute is None:
             recompute = recompute_for_memory(self.model.config.to_dict(), cfg, self.world, self.rank)
         self.params = modellib.shard(self.model, mesh, self.plat, self.device, recompute)
         if empty is not None:
             from tpuft_workload import sharded_load
 
-            read = sharded_load.fill(self.model, weights, seed=cfg.seed)
-            self.worker.say(f"[tpuft] loaded {cfg.model} shard by shard: {read['tensors']} tensors, "
+            read = sharded_load.fill(self.model, weights, seed=cfg.training.seed)
+            self.worker.say(f"[tpuft] loaded {cfg.run.model} shard by shard: {read['tensors']} tensors, "
                             f"{read['bytes'] / 2**20:.1f} MiB read by this rank")
         # HSDP with accumulation: the all-reduce across slices once per optimizer step, not per micro-batch
-        self.defer_all_reduce = mesh.ndim > 1 and cfg.gradient_accumulation_steps > 1
+        self.defer_all_reduce = mesh.ndim > 1 and cfg.training.gradient_accumulation_steps > 1
         self.parameter_counts = loralib.parameter_counts(self.model)
         self.worker.say(f"[tpuft] training {self.parameter_counts[0]:,} of {self.parameter_counts[1]:,} parameters"
                         + (f" (LoRA rank {cfg.lora.rank} on {','.join(cfg.lora.target_modules)})" if cfg.lora else ""))
         # the rate is set before every step (loop.learning_rate_at)
-        self.opt = torch.optim.AdamW(modellib.decay_groups(self.model, cfg.weight_decay), lr=cfg.learning_rate)
+        self.opt = torch.optim.AdamW(modellib.decay_groups(self.model, cfg.training.weight_decay),
+                                     lr=cfg.training.learning_rate)
         self.model.train()
 
     def batches(self, epoch: int, skip: int):
         """Per optimizer step, this rank's rows of the step (the epoch's permutation in steps of
         batch x accumulation rows a rank) cut into gradient_accumulation_steps micro-batches."""
-        b, k = self.cfg.batch_size_per_device, self.cfg.gradient_accumulation_steps
-        for rows in pipeline.torch_batches(self.rows, self.world, self.rank, b * k, self.cfg.seed, epoch, skip=skip):
+        b, k = self.cfg.training.batch_size_per_device, self.cfg.training.gradient_accumulation_steps
+        seed = self.cfg.training.seed
+        for rows in pipeline.torch_batches(self.rows, self.world, self.rank, b * k, seed, epoch, skip=skip):
             yield [{key: v[i * b:(i + 1) * b] for key, v in rows.items()} for i in range(k)]
 
     def _inputs(self, batch: dict) -> dict:
         """A batch's model inputs on the device: packed rows restart position_ids per example
         (block-diagonal attention); padded rows mask."""
-        keys = ("input_ids", "labels", "position_ids" if self.cfg.packing else "attention_mask")
+        keys = ("input_ids", "labels", "position_ids" if self.cfg.training.packing else "attention_mask")
         return {k: batch[k].to(self.device) for k in keys}
 
     def step(self, micro_batches: list, learning_rate: float) -> loop.Step:
@@ -180,14 +184,16 @@ class _Torch:
             group["lr"] = learning_rate
         loss_sum, labelled = modellib.token_mean_loss(self.model, [self._inputs(b) for b in micro_batches],
                                                       self.defer_all_reduce)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)   # the norm before clipping
+        # the norm before clipping
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.training.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):   # FSDP2: a DTensor
             grad_norm = grad_norm.full_tensor()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return loop.Step(loss_sum=loss_sum, labelled=labelled,
                          real=sum(int(b["n_real"].sum()) for b in micro_batches),
-                         padded=len(micro_batches) * self.cfg.batch_size_per_device * self.cfg.max_seq_length,
+                         padded=len(micro_batches) * self.cfg.training.batch_size_per_device
+                         * self.cfg.training.max_seq_length,
                          grad_norm=grad_norm.detach().float())
 
     def evaluate(self) -> tuple[float, float]:
@@ -202,7 +208,8 @@ class _Torch:
         labelled = torch.zeros((), dtype=torch.int32, device=self.device)
         self.model.eval()
         with torch.no_grad():
-            for rows in pipeline.eval_batches(self.eval_rows, self.world, self.rank, self.cfg.batch_size_per_device):
+            per_device = self.cfg.training.batch_size_per_device
+            for rows in pipeline.eval_batches(self.eval_rows, self.world, self.rank, per_device):
                 inputs = self._inputs({k: torch.from_numpy(v.astype("int64")) for k, v in rows.items()})
                 # num_items_in_batch 1: transformers' loss is then the sum over the labelled tokens
                 loss_sum += self.model(**inputs, num_items_in_batch=1).loss.float()
@@ -270,10 +277,10 @@ class _Torch:
         # bf16 export on accelerators (the dtype the model trains in); fp32 on CPU
         dtype = torch.bfloat16 if self.plat.mixed_precision else None
         cfg = self.cfg
-        modellib.as_served(self.model, cfg.model)
+        modellib.as_served(self.model, cfg.run.model)
         if cfg.lora:
-            return loralib.export(self.model, self.tokenizer, cfg.lora, cfg.model, cfg.run_dir, self.rank,
-                                  merge=cfg.merge_export, dtype=dtype)
+            return loralib.export(self.model, self.tokenizer, cfg.lora, cfg.run.model, cfg.run_dir, self.rank,
+                                  merge=cfg.run.export.merge, dtype=dtype)
         return ckptlib.export_hf(self.model, self.tokenizer, cfg.export_uri, self.rank, dtype=dtype)
 
 
@@ -290,7 +297,7 @@ def recompute_for_memory(config: dict, cfg: TrainConfig, world: int, rank: int,
         return False
     run = model_sizes.Run(method="lora" if cfg.lora else "full", rank=cfg.lora.rank if cfg.lora else 16,
                           targets=tuple(cfg.lora.target_modules) if cfg.lora else (),
-                          tokens=cfg.batch_size_per_device * cfg.max_seq_length)
+                          tokens=cfg.training.batch_size_per_device * cfg.training.max_seq_length)
     pod_memory = f"{limit // 2 ** 20}Mi"
     on = model_sizes.recompute_needed(model, world, pod_memory, run)
     if on and rank == 0:
@@ -348,32 +355,17 @@ def prepare(command: Command, target: Target, fault_spec: str = "") -> tuple[str
             "use a larger spec.dataset.split, a smaller spec.training.batchSizePerDevice, "
             "gradientAccumulationSteps or maxSeqLength, or fewer workers")
     cfg = TrainConfig(
-        platform=target.platform.kind, model=run.model, rows=packed.rows, examples=packed.examples,
+        run=run, platform=target.platform.kind, rows=packed.rows, examples=packed.examples,
         pad_fraction=packed.pad_fraction, record_type=packed.type, truncated=packed.truncated,
-        dropped=packed.dropped, epochs=training.epochs, batch_size_per_device=training.batch_size_per_device,
-        max_seq_length=training.max_seq_length, learning_rate=training.learning_rate, packing=training.packing,
-        checkpoint_every_steps=run.checkpoint.every_steps, report_every_steps=training.report_every_steps,
-        seed=training.seed, fault=fault_spec, run_dir=run_dir,
+        dropped=packed.dropped, fault=fault_spec, run_dir=run_dir,
         run_dir_local=run_dir if "://" not in run_dir else "",
-        export_uri=ckptlib.join(run_dir, ckptlib.EXPORT_DIR),
-        resume_from=resume_from, resume_manifest=resume_manifest,
+        export_uri=ckptlib.join(run_dir, ckptlib.EXPORT_DIR), resume_from=resume_from, resume_manifest=resume_manifest,
         cr_namespace=os.environ.get(ENV_CR_NAMESPACE, ""), cr_name=os.environ.get(ENV_CR_NAME, ""),
         status_every_s=float(os.environ.get("TPUFT_STATUS_EVERY_S", "10")),
-        peak_flops=target.shape.peak_flops * target.slices if target.platform.is_tpu else None,
-        slices=target.slices, lora=lora, merge_export=bool(lora and run.export.merge),
-        learning_rate_schedule=training.learning_rate_schedule, warmup_steps=training.warmup_steps or 0,
-        warmup_ratio=training.warmup_ratio or 0.0, min_learning_rate_ratio=training.min_learning_rate_ratio,
-        weight_decay=training.weight_decay, max_grad_norm=training.max_grad_norm,
-        gradient_accumulation_steps=training.gradient_accumulation_steps, max_steps=training.max_steps or 0,
-        activation_checkpointing=training.activation_checkpointing,
-        eval_rows=packed.eval.rows if packed.eval else 0,
-        eval_every_steps=(run.evaluation.every_steps or 0) if run.evaluation else 0,
-        early_stopping_patience=(run.evaluation.early_stopping_patience or 0) if run.evaluation else 0,
-        keep_best=bool(run.evaluation and run.evaluation.keep_best),
+        peak_flops=target.shape.peak_flops * target.slices if target.platform.is_tpu else None, lora=lora,
+        rows_ref=packed.ref, eval_rows=packed.eval.rows if packed.eval else 0,
+        eval_rows_ref=packed.eval.ref if packed.eval else None,
     ).as_dict()
-    # after as_dict: an ObjectRef is passed to the workers, never copied
-    cfg["rows_ref"] = packed.ref
-    cfg["eval_rows_ref"] = packed.eval.ref if packed.eval else None
     return storage, packed, cfg
 
 
