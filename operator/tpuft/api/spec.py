@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import re
 import types
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from tpuft.api import catalog, fields, splits
-from tpuft.api.constants import API_VERSION, DATASET_COLUMN_KEYS, KIND, LORA_DEFAULT_TARGET_MODULES, RAY_VERSION_PIN, RESERVED_ANNOTATIONS, RESERVED_ENV, RESERVED_LABELS, SERVE_API_KEY_SECRET_KEY, DatasetFormat, DatasetType, ImagePullPolicy, Overlong, Reserved, LearningRateSchedule, Provisioning, PublishWhen, ServeEngine, TrainingFramework, TrainingMethod
+from tpuft.api.constants import API_VERSION, CPU_ACCELERATOR, DATASET_COLUMN_KEYS, KIND, LORA_DEFAULT_TARGET_MODULES, RAY_VERSION_PIN, RESERVED_ANNOTATIONS, RESERVED_ENV, RESERVED_LABELS, SERVE_API_KEY_ENV, SERVE_API_KEY_SECRET_KEY, DatasetFormat, DatasetType, ImagePullPolicy, Overlong, Reserved, LearningRateSchedule, Provisioning, PublishWhen, ServeEngine, TrainingFramework, TrainingMethod
 from tpuft.api.gke import GKE_MAX_RUN_DURATION_SECONDS, TPU_RESOURCE
 from tpuft.api.fields import declare
 
@@ -119,9 +120,56 @@ def qualified_keys_rule() -> dict[str, str]:
                        f"most {MAX_LABEL_LENGTH} of [-A-Za-z0-9_.], starting and ending alphanumeric"}
 
 
-def _service_account_annotations_schema() -> dict:
-    return {"type": "object", "additionalProperties": {"type": "string"}, "maxProperties": MAX_MAP_ENTRIES,
-            "x-kubernetes-validations": [qualified_keys_rule()]}
+def reserved_keys_rule(reserved: Reserved) -> dict[str, str]:
+    """CEL rule: no key the operator, KubeRay or the TPU webhook sets or relies on (the parser refuses
+    the same ones, naming each)."""
+    keys = [k for k, _ in reserved.keys]
+    prefixes = [p for p, _ in reserved.prefixes]
+    rule = " && ".join([f"!(k in [{', '.join(repr(k) for k in keys)}])", *(f"!k.startsWith({p!r})" for p in prefixes)])
+    return {"rule": f"self.all(k, {rule})",
+            "message": f"keys under {', '.join(p + '*' for p in prefixes)} and {', '.join(keys)} are reserved: the "
+                       "operator, KubeRay or the TPU webhook set or rely on them; remove them"}
+
+
+def string_map_schema(label_values: bool = False, reserved: Reserved | None = None) -> dict:
+    """A map that ends up as labels/annotations/node selector of children and pods: keys are qualified
+    names (and none of `reserved`); with label_values, values are label values."""
+    values: dict = {"type": "string"}
+    if label_values:
+        values.update(maxLength=MAX_LABEL_LENGTH, pattern=LABEL_VALUE.pattern)
+    rules = [qualified_keys_rule()] + ([reserved_keys_rule(reserved)] if reserved is not None else [])
+    return {"type": "object", "additionalProperties": values, "maxProperties": MAX_MAP_ENTRIES,
+            "x-kubernetes-validations": rules}
+
+
+def _quantities_schema() -> dict:
+    """requests or limits: a Kubernetes quantity per resource name; google.com/tpu is the topology's."""
+    no_tpu = [{"rule": f"!('{TPU_RESOURCE}' in self)",
+               "message": f"{TPU_RESOURCE} is derived from spec.topology and cannot be overridden"}]
+    # int-or-string cannot carry a CEL rule within the cost budget; pattern/minimum check the
+    # string and the integer form (the parser applies the same QUANTITY pattern).
+    quantity = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True,
+                "pattern": QUANTITY.pattern, "maxLength": MAX_QUANTITY_LENGTH, "minimum": 0}
+    return {"type": "object", "additionalProperties": quantity, "maxProperties": MAX_MAP_ENTRIES,
+            "x-kubernetes-validations": [*no_tpu, qualified_keys_rule()]}
+
+
+def spellings(gen: catalog.Generation) -> list[str]:
+    """Every name a generation goes by (ours, Ray's, GKE's, aliases): each resolves to it."""
+    s = {gen.name, gen.ray_accelerator_type, gen.ray_version, gen.gke_accelerator, *gen.aliases}
+    return sorted(s | {x.upper() for x in s if x.lower().startswith("tpu-v")})
+
+
+def accelerator_enum() -> list[str]:
+    """Every spelling of a TPU generation the catalog resolves, and cpu: spec.accelerator's enum."""
+    out = {CPU_ACCELERATOR}
+    for g in catalog.GENERATIONS:
+        out.update(spellings(g))
+    return sorted(out)
+
+
+# The generation the descriptions take their examples from (its Ray and GKE spellings, a shape).
+EXAMPLE_GENERATION = catalog.generation("v6e")
 
 
 # spec.serviceAccountName and spec.serviceAccountAnnotations: the CRD's CEL on spec and the parser's message.
@@ -481,32 +529,108 @@ class ObjectMeta:
 
 @dataclass(frozen=True)
 class SecretKeyRef:
-    name: str
-    key: str
+    """A key of a Secret in the TPUFinetune's namespace (spec.hfTokenSecret, spec.serve.apiKeySecret):
+    passed to pods only by secretKeyRef, never read by the operator."""
+    name: str = declare("Secret name in the TPUFinetune's namespace.", python_default="", required=True, min_length=1,
+                        max_length=MAX_DNS_SUBDOMAIN_LENGTH, pattern=DNS_SUBDOMAIN.pattern)
+    key: str = declare("Key within the Secret.", python_default="", required=True, min_length=1,
+                       max_length=MAX_DNS_SUBDOMAIN_LENGTH, pattern=CONFIG_KEY.pattern)
+
+
+@dataclass(frozen=True)
+class ApiKeySecretRef(SecretKeyRef):
+    """spec.serve.apiKeySecret as written: its key may be left out. The default is the parser's, not
+    the CRD's: the API server defaults nothing inside an optional object, and DEFAULTS lists only
+    what it does default."""
+    key: str = declare(f"Key within the Secret (default {SERVE_API_KEY_SECRET_KEY}).",
+                       python_default=SERVE_API_KEY_SECRET_KEY, min_length=1, max_length=MAX_DNS_SUBDOMAIN_LENGTH,
+                       pattern=CONFIG_KEY.pattern)
+
+
+@dataclass(frozen=True)
+class ResourceBlock:
+    """One container's overrides (spec.resources.head, .worker) as written; the parser keeps them as
+    {requests|limits: {resource: quantity}} for the builders."""
+    requests: Mapping[str, str] = declare("Resource requests, e.g. {cpu: \"32\", memory: 128Gi}.", factory=dict,
+                                          schema=_quantities_schema)
+    limits: Mapping[str, str] = declare("Resource limits; google.com/tpu is always set from the topology.",
+                                        factory=dict, schema=_quantities_schema)
+
+
+def _overrides(who: str) -> str:
+    return f"Overrides for the {who} container's cpu/memory (Kubernetes quantities)."
+
+
+def _resource_block_schema() -> dict:
+    return fields.schema_of(ResourceBlock)
+
+
+def _reference_shm_sizes() -> str:
+    """'100Gi v6e, 128Gi tpu7x': the /dev/shm defaults the catalog takes from reference manifests."""
+    return ", ".join(f"{g.worker.shm} {g.name}" for g in catalog.GENERATIONS if g.worker.from_reference)
 
 
 @dataclass(frozen=True)
 class Resources:
-    """User overrides for container resources; google.com/tpu is never overridable."""
-    head: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
-    worker: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
-    shm_size: str | None = None
+    """spec.resources: user overrides for container resources; google.com/tpu is never overridable."""
+    head: Mapping[str, Mapping[str, str]] = declare(_overrides("Ray head"), factory=dict,
+                                                    schema=_resource_block_schema)
+    worker: Mapping[str, Mapping[str, str]] = declare(_overrides("TPU worker"), factory=dict,
+                                                      schema=_resource_block_schema)
+    shm_size: str | None = declare(f"Size of the in-memory /dev/shm on workers (default per generation: "
+                                   f"{_reference_shm_sizes()}).", max_length=MAX_QUANTITY_LENGTH,
+                                   pattern=QUANTITY.pattern)
 
 
-# spec.scheduling's rules across fields: the CRD's CEL (tpuft.api.crd) and the parser give these messages.
+@dataclass(frozen=True)
+class ServeResources(Resources):
+    """spec.serve.resources as written: spec.resources' fields, for the serving pods (parsed into a Resources)."""
+    worker: Mapping[str, Mapping[str, str]] = declare(_overrides("serving worker"), factory=dict,
+                                                      schema=_resource_block_schema)
+    shm_size: str | None = declare("Size of the in-memory /dev/shm on serving workers.",
+                                   max_length=MAX_QUANTITY_LENGTH, pattern=QUANTITY.pattern)
+
+
+# spec.scheduling's rules across fields: the CRD's CEL (on Spec.scheduling) and the parser give these messages.
 FLEX_START_EXCLUSIVE = "provisioning flexStart excludes spot and reservation: flex-start is its own capacity type"
 MAX_RUN_DURATION_NEEDS_FLEX_START = "maxRunDurationSeconds applies to provisioning flexStart only"
+SCHEDULING_RULES = (
+    {"rule": "!(has(self.spot) && self.spot && has(self.reservation))",
+     "message": "spot and reservation are mutually exclusive"},
+    {"rule": f"!(has(self.provisioning) && self.provisioning == '{Provisioning.FLEX_START.value}' && "
+             "((has(self.spot) && self.spot) || has(self.reservation)))",
+     "message": FLEX_START_EXCLUSIVE},
+    {"rule": f"!has(self.maxRunDurationSeconds) || (has(self.provisioning) && "
+             f"self.provisioning == '{Provisioning.FLEX_START.value}')",
+     "message": MAX_RUN_DURATION_NEEDS_FLEX_START})
+
+
+@dataclass(frozen=True)
+class Toleration:
+    """One of spec.scheduling.tolerations as written (kept as a dict, for the pods)."""
+    key: str | None = declare("Taint key (empty with operator Exists: every taint).")
+    operator: str | None = declare("Exists or Equal (default).", enum=TOLERATION_OPERATORS)
+    value: str | None = declare("Taint value (operator Equal).")
+    effect: str | None = declare("Taint effect to match (empty: all).", enum=TOLERATION_EFFECTS)
+    toleration_seconds: int | None = declare("For NoExecute: seconds to stay bound.")
+
+
+def _tolerations_schema() -> dict:
+    return {"type": "array", "items": fields.schema_of(Toleration, "A Kubernetes toleration.")}
 
 
 @dataclass(frozen=True)
 class Scheduling:
-    """spec.scheduling: spot, reservation, nodeSelector, tolerations and priorityClassName have their
-    schema in tpuft.api.crd and their parser below; provisioning and maxRunDurationSeconds are declared."""
-    spot: bool = False
-    reservation: str | None = None
-    node_selector: Mapping[str, str] = field(default_factory=dict)
-    tolerations: tuple[Mapping[str, Any], ...] = ()
-    priority_class_name: str | None = None
+    """spec.scheduling: capacity and placement."""
+    spot: bool = declare("Run workers on Spot VMs (node selector cloud.google.com/gke-spot).", python_default=False)
+    reservation: str | None = declare("Consume this specific GKE reservation (becomes a node selector value).",
+                                      max_length=MAX_LABEL_LENGTH, pattern=LABEL_VALUE.pattern)
+    node_selector: Mapping[str, str] = declare("Extra node selector for workers; the TPU selectors always win.",
+                                               factory=dict, schema=functools.partial(string_map_schema, True))
+    tolerations: tuple[Mapping[str, Any], ...] = declare("Extra tolerations for worker pods.", python_default=(),
+                                                         schema=_tolerations_schema)
+    priority_class_name: str | None = declare("PriorityClass for the Ray pods.", max_length=MAX_DNS_SUBDOMAIN_LENGTH,
+                                              pattern=DNS_SUBDOMAIN.pattern)
     provisioning: str = declare(
         "How the slice's capacity is obtained. standard: nodes already in the pool or made by the autoscaler "
         "(on-demand, or as spot and reservation say). flexStart: GKE flex-start with queued provisioning (Dynamic "
@@ -565,12 +689,41 @@ class Serve:
     adapters: ServeAdapters | None = None   # a base for LoRA adapters (spec.publish of other objects)
 
 
+# spec.serve.replicas' bounds and default (a number or {min, max}: _serve_replicas_schema).
+SERVE_REPLICAS_LIMITS = (1, 64)
+SERVE_REPLICAS_DEFAULT = 1
+
+
+def _serve_replicas_schema() -> dict:
+    """Irregular, so by hand: a structural schema cannot type a number-or-object union, so the node
+    keeps what it is sent (x-kubernetes-preserve-unknown-fields, no type) and constrains each form
+    with validations that apply only to their own kind: minimum/maximum to a number, properties,
+    required and maxProperties to an object. CEL cannot read an untyped node, so min <= max (and
+    anything else the schema lets through, such as a string) is refused by the parser, which names
+    spec.serve.replicas in the status and in `tpuft validate`."""
+    lo, hi = SERVE_REPLICAS_LIMITS
+    bound = {"type": "integer", "minimum": lo, "maximum": hi}
+    return {"x-kubernetes-preserve-unknown-fields": True, "default": SERVE_REPLICAS_DEFAULT,
+            "minimum": lo, "maximum": hi,
+            "properties": {"min": {**bound, "description": "Replicas (slices) always up."},
+                           "max": {**bound, "description": "Replicas (slices) at most."}},
+            "required": ["min", "max"], "maxProperties": 2}
+
+
 @dataclass(frozen=True)
 class ServeSection:
-    """spec.serve as written: its declared scalars (the slice, replicas, resources and the API key's
-    Secret have their schema in tpuft.api.crd and their parser below). `Serve` is what it resolves to."""
+    """spec.serve as written. `Serve` is what it resolves to: the slice through the catalog (as
+    spec's), replicas as ServeReplicas, resources and the API key's Secret by their parsers below."""
     enabled: bool = declare("Serve after training. Setting it to false while Serving deletes the RayService and ends "
                             "in Succeeded.", default=False)
+    accelerator: str | None = declare("Serving TPU generation (default: spec.accelerator).",
+                                      enum=tuple(accelerator_enum()))
+    topology: str | None = declare("Serving slice shape (default: spec.topology); validated like spec.topology.",
+                                   max_length=catalog.MAX_TOPOLOGY_LENGTH)
+    replicas: int | Mapping[str, int] = declare(
+        "Serve replicas, one serve slice each: a number (that many, fixed) or {min, max} (Ray Serve autoscales "
+        "between them, and the RayService's worker group between min and max slices; min <= max).",
+        default=SERVE_REPLICAS_DEFAULT, schema=_serve_replicas_schema)
     engine: str | None = declare("vllm (Ray Serve LLM on vLLM; the default on TPU) or transformers (the workload's own "
                                  "deployment; the default on cpu).", enum=_values(ServeEngine))
     image: str | None = declare("Serving image; required for vllm (the training image has no vLLM). Default for "
@@ -583,21 +736,67 @@ class ServeSection:
         "Serve LoRA adapters beside the model: fine-tunes with spec.publish naming this object are served as "
         "<this name>:<adapter>, loaded on first use from <storagePath>/<run>/adapters (with training.method none "
         "or full).")
+    resources: ServeResources = declare("Resource overrides for the serving Ray pods.", factory=ServeResources)
+    api_key_secret: ApiKeySecretRef | None = declare(
+        f"Secret holding the API key the serving app requires of its clients. The serving pods get it as "
+        f"{SERVE_API_KEY_ENV} by secretKeyRef only; the operator never reads it.")
+
+
+def _serve_section_schema() -> dict:
+    return fields.schema_of(ServeSection)
+
+
+def _topology_description() -> str:
+    by_dims = {d: "/".join(g.name for g in catalog.GENERATIONS if g.dims == d) for d in catalog.EXAMPLE_TOPOLOGY}
+    two, three = catalog.EXAMPLE_TOPOLOGY[2], catalog.EXAMPLE_TOPOLOGY[3]
+    shape = catalog.resolve_slice(EXAMPLE_GENERATION.name, two)
+    return (f"Slice shape, e.g. {two} ({by_dims[2]}: 2D) or {three} ({by_dims[3]}: 3D). A shape, not a chip count: "
+            f"{two} is {shape.chips} chips on {shape.hosts} hosts. With accelerator {CPU_ACCELERATOR}: the worker "
+            "count.")
+
+
+@dataclass(frozen=True)
+class SliceSection:
+    """spec.accelerator and spec.topology as written. The catalog resolves them (Spec.slice) and is the
+    parser's check of both; the CRD's enum and its topology rules (tpuft.api.crd) come from it too."""
+    accelerator: str = declare(
+        f"TPU generation: {either([g.name for g in catalog.GENERATIONS])} (Ray spellings such as "
+        f"{EXAMPLE_GENERATION.ray_accelerator_type} and GKE ones such as {EXAMPLE_GENERATION.gke_accelerator} are "
+        f"accepted), or {CPU_ACCELERATOR} to rehearse the whole flow on plain CPU pods.", python_default="",
+        required=True, enum=tuple(accelerator_enum()))
+    topology: str = declare(_topology_description(), python_default="", required=True,
+                            max_length=catalog.MAX_TOPOLOGY_LENGTH)
+
+
+ENV_VALUE_RULE = {"rule": "!(has(self.value) && has(self.valueFrom))", "message": "set value or valueFrom, not both"}
+
+
+def _env_source_schema() -> dict:
+    return {"type": "object", "minProperties": 1, "maxProperties": 1,
+            "properties": {src: {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                                 "description": f"As in a Pod's env {src}."} for src in ENV_SOURCES}}
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One of spec.env as written (kept as a dict, for the containers)."""
+    name: str = declare("Variable name.", python_default="", required=True, min_length=1, max_length=256,
+                        pattern=ENV_NAME.pattern)
+    value: str | None = declare("Literal value.")
+    value_from: dict | None = declare(f"A Kubernetes EnvVarSource: exactly one of {', '.join(ENV_SOURCES)}.",
+                                      schema=_env_source_schema)
+
+
+def _env_schema() -> dict:
+    return {"type": "array", "items": fields.schema_of(EnvVar, None, **{
+        "x-kubernetes-preserve-unknown-fields": True, "x-kubernetes-validations": [ENV_VALUE_RULE]})}
 
 
 @dataclass(frozen=True)
 class Spec:
-    """spec: the sections without a declaration here (the slice, resources, scheduling, serve, labels,
-    annotations, env, hfTokenSecret) have their schema in tpuft.api.crd and their parser below; the maps
-    declared here (serviceAccountAnnotations) have their parser below too."""
+    """spec, parsed. Every field is declared here except the slice (SliceSection as written, resolved by
+    the catalog); the sections, maps and lists that are not scalars have their parser below."""
     slice: catalog.SliceShape           # spec.accelerator and spec.topology, resolved by the catalog
-    resources: Resources
-    scheduling: Scheduling
-    labels: Mapping[str, str]
-    annotations: Mapping[str, str]
-    env: tuple[Mapping[str, Any], ...]
-    hf_token_secret: SecretKeyRef | None
-    serve: Serve | None                 # None: spec.serve absent or not enabled
     slices: int = declare("Number of identical slices (data parallel across slices).", default=1, minimum=1,
                           maximum=64, workload=True)
     image: str = declare(f"Workload image with Ray {RAY_MINOR}, torch (+ torch_tpu on TPU) and the tpuft_workload "
@@ -649,7 +848,25 @@ class Spec:
         "Annotations on the ServiceAccount the operator creates ({name}-workload) only, not on the other children, "
         "e.g. iam.gke.io/gcp-service-account: NAME@PROJECT_ID.iam.gserviceaccount.com (Workload Identity through a "
         "Google service account). Not with serviceAccountName.", factory=dict,
-        schema=_service_account_annotations_schema)
+        schema=string_map_schema)
+    hf_token_secret: SecretKeyRef | None = declare(
+        "Secret holding a Hugging Face token. Passed to pods only by secretKeyRef; the operator never reads it.")
+    resources: Resources = declare("Resource overrides for the Ray pods.", factory=Resources)
+    scheduling: Scheduling = declare("Capacity and placement.", factory=Scheduling, rules=SCHEDULING_RULES)
+    # None: spec.serve absent or not enabled
+    serve: Serve | None = declare(
+        "Serve the fine-tuned model once training succeeds: a KubeRay RayService (Ray Serve) behind an "
+        "OpenAI-compatible API (/v1/chat/completions, /v1/models). Its slice is built like training's.",
+        default={}, python_default=None, schema=_serve_section_schema)
+    labels: Mapping[str, str] = declare(
+        "Labels added to every child object and Ray pod. Keys the operator, KubeRay or the TPU webhook set or rely "
+        "on are refused.", factory=dict, schema=functools.partial(string_map_schema, True, RESERVED_LABELS))
+    annotations: Mapping[str, str] = declare(
+        "Annotations added to every child object and Ray pod. Keys the operator, KubeRay or the TPU webhook set or "
+        "rely on are refused.", factory=dict, schema=functools.partial(string_map_schema, False, RESERVED_ANNOTATIONS))
+    env: tuple[Mapping[str, Any], ...] = declare(
+        "Extra environment for the Ray containers (value or valueFrom; use secretKeyRef for secrets).",
+        python_default=(), schema=_env_schema)
 
     @property
     def accelerator(self) -> str:
@@ -687,9 +904,9 @@ class TPUFinetune:
         return None if publish is None else publish.adapter or self.meta.name
 
 
-# The API server's defaults on a bare object, by dotted spec key (what the declarations say, and
-# spec.serve's, whose section has no declarations yet).
-SERVE_DEFAULTS: dict[str, Any] = {**fields.defaults(ServeSection, "serve."), "serve.replicas": 1}
+# The API server's defaults on a bare object, by dotted spec key (what the declarations say; spec.serve's
+# come from its section as written).
+SERVE_DEFAULTS: dict[str, Any] = fields.defaults(ServeSection, "serve.")
 # spec.dataset is required unless training.method is none (ADAPTER_RULES): its defaults are a bare object's.
 DEFAULTS: dict[str, Any] = {**fields.defaults(Spec), **fields.defaults(Dataset, "dataset."), **SERVE_DEFAULTS}
 # Defaults inside spec.training.lora, an object the API server defaults only when it is there (its
@@ -698,8 +915,8 @@ LORA_DEFAULTS: dict[str, Any] = fields.defaults(Lora, "training.lora.")
 # The same for the other optional objects with defaults inside (spec.publish, spec.serve.adapters).
 PRESENT_DEFAULTS: dict[str, Any] = {**LORA_DEFAULTS, **fields.defaults(Publish, "publish."),
                                     **fields.defaults(ServeAdapters, "serve.adapters.")}
-# spec.serve.replicas' bounds (a number or {min, max}: its schema is tpuft.api.crd's).
-LIMITS: dict[str, tuple[float, float]] = {"serve.replicas": (1, 64)}
+# spec.serve.replicas' bounds (a number or {min, max}: _serve_replicas_schema).
+LIMITS: dict[str, tuple[float, float]] = {"serve.replicas": SERVE_REPLICAS_LIMITS}
 
 
 def default_of(key: str) -> Any:
@@ -1021,35 +1238,24 @@ def _checkpoint(r: _Reader, spec: Mapping) -> Checkpoint:
 
 
 def _secret_ref(r: _Reader, obj: Mapping, field_name: str, path: str,
-                default_key: str | None = None) -> SecretKeyRef | None:
-    """A {name, key} Secret reference (spec.hfTokenSecret, spec.serve.apiKeySecret); the key is
-    required unless it has a default. A default is the parser's, not the CRD's: the API server
-    defaults nothing inside an optional object, and DEFAULTS lists only what it does default."""
+                declaration: type[SecretKeyRef] = SecretKeyRef) -> SecretKeyRef | None:
+    """A {name, key} Secret reference (spec.hfTokenSecret; spec.serve.apiKeySecret, whose declaration
+    ApiKeySecretRef gives the key a default), checked as declared."""
     if obj.get(field_name) is None:
         return None
-    hs = r.section(obj, field_name, path)
-    name = r.string(hs, "name", f"{path}.name", required=True, max_len=MAX_DNS_SUBDOMAIN_LENGTH)
-    key = r.string(hs, "key", f"{path}.key", required=default_key is None, max_len=MAX_DNS_SUBDOMAIN_LENGTH)
-    if key is None:   # left out or null: the default (a wrong type is already a problem)
-        key = default_key
-    if name and not DNS_SUBDOMAIN.fullmatch(name):
-        r.fail(f"{path}.name", f"{name!r} is not a Secret name (lowercase DNS subdomain)")
-        name = None
-    if key is not None and not CONFIG_KEY.fullmatch(key):
-        r.fail(f"{path}.key", f"{key!r} is not a Secret key (letters, digits, '-', '_', '.')")
-        key = None
-    return SecretKeyRef(name, key) if name and key else None
+    before = len(r.problems)
+    ref = declaration(**r.declared(declaration, r.section(obj, field_name, path), path))
+    return SecretKeyRef(ref.name, ref.key) if len(r.problems) == before else None
 
 
-def _resources(r: _Reader, spec: Mapping, path: str = "spec.resources") -> Resources:
+def _resources(r: _Reader, spec: Mapping, path: str = "spec.resources",
+               declaration: type[Resources] = Resources) -> Resources:
+    """spec.resources or (declaration ServeResources) spec.serve.resources."""
     res = r.section(spec, "resources", path)
-    shm = r.string(res, "shmSize", f"{path}.shmSize", max_len=MAX_QUANTITY_LENGTH)
-    if shm and not QUANTITY.fullmatch(shm):
-        r.fail(f"{path}.shmSize", f"{shm!r} is not a Kubernetes quantity (e.g. 100Gi)")
     return Resources(
         head=_resource_block(r, res, "head", f"{path}.head"),
         worker=_resource_block(r, res, "worker", f"{path}.worker"),
-        shm_size=shm,
+        **r.declared(declaration, res, path),   # shmSize
     )
 
 
@@ -1060,7 +1266,8 @@ def _serve(r: _Reader, spec: Mapping, training: catalog.SliceShape | None, image
     if spec.get("serve") is None:
         return None
     serve = r.section(spec, "serve", "spec.serve")
-    section = ServeSection(**r.declared(ServeSection, serve, "spec.serve"))
+    # The slice is checked by the catalog below (its enum is the catalog's), as spec's is.
+    section = ServeSection(**r.declared(ServeSection, serve, "spec.serve", skip=("accelerator", "topology")))
     shape = training
     if serve.get("accelerator") is not None or serve.get("topology") is not None:
         try:
@@ -1080,8 +1287,8 @@ def _serve(r: _Reader, spec: Mapping, training: catalog.SliceShape | None, image
         r.fail("spec.serve.maxModelLength", f"{section.max_model_length} is longer than {model}'s context ({known} "
                "positions)")
     replicas = _serve_replicas(r, serve)
-    resources = _resources(r, serve, "spec.serve.resources")
-    api_key = _secret_ref(r, serve, "apiKeySecret", "spec.serve.apiKeySecret", SERVE_API_KEY_SECRET_KEY)
+    resources = _resources(r, serve, "spec.serve.resources", ServeResources)
+    api_key = _secret_ref(r, serve, "apiKeySecret", "spec.serve.apiKeySecret", ApiKeySecretRef)
     adapters = None
     if serve.get("adapters") is not None:
         adapters = ServeAdapters(**r.declared(ServeAdapters, r.section(serve, "adapters", "spec.serve.adapters"),
@@ -1156,35 +1363,25 @@ def _serve_replicas(r: _Reader, serve: Mapping) -> ServeReplicas:
 
 def _scheduling(r: _Reader, spec: Mapping) -> Scheduling:
     sc = r.section(spec, "scheduling", "spec.scheduling")
-    spot = sc.get("spot", False)
-    if not isinstance(spot, bool):
-        r.fail("spec.scheduling.spot", f"must be true or false (got {spot!r})")
-        spot = False
-    reservation = r.string(sc, "reservation", "spec.scheduling.reservation", max_len=MAX_LABEL_LENGTH)
-    if reservation and not LABEL_VALUE.fullmatch(reservation):  # it becomes a node selector value
-        r.fail("spec.scheduling.reservation", f"{reservation!r} is not a GKE reservation name")
-    if spot and reservation is not None:  # as the CRD's rule: has(reservation), even when empty
-        r.fail("spec.scheduling", "spot and reservation are mutually exclusive: pick one capacity type")
-    declared = r.declared(Scheduling, sc, "spec.scheduling")
+    before = len(r.problems)
+    declared = r.declared(Scheduling, sc, "spec.scheduling")   # spot, reservation, priorityClassName, provisioning, ...
+    spot, reservation = declared.get("spot", False), declared.get("reservation")
     flex = declared.get("provisioning") == Provisioning.FLEX_START.value
-    if flex and (spot or reservation is not None):   # as the CRD's rule
-        r.fail("spec.scheduling", FLEX_START_EXCLUSIVE)
-    if declared.get("max_run_duration_seconds") is not None and not flex:
-        r.fail("spec.scheduling", MAX_RUN_DURATION_NEEDS_FLEX_START)   # as the CRD's rule, on the section
+    if len(r.problems) == before:   # the rules across fields, as the CRD's (SCHEDULING_RULES)
+        if spot and reservation is not None:   # has(reservation), even when empty
+            r.fail("spec.scheduling", "spot and reservation are mutually exclusive: pick one capacity type")
+        if flex and (spot or reservation is not None):
+            r.fail("spec.scheduling", FLEX_START_EXCLUSIVE)
+        if declared.get("max_run_duration_seconds") is not None and not flex:
+            r.fail("spec.scheduling", MAX_RUN_DURATION_NEEDS_FLEX_START)
     tolerations = sc.get("tolerations") or []
     if not isinstance(tolerations, list) or not all(isinstance(t, Mapping) for t in tolerations):
         r.fail("spec.scheduling.tolerations", "must be a list of Kubernetes tolerations")
         tolerations = []
     for i, t in enumerate(tolerations):
-        for k, allowed in (("operator", TOLERATION_OPERATORS), ("effect", TOLERATION_EFFECTS)):
-            if t.get(k) is not None and t.get(k) not in allowed:
-                r.fail(f"spec.scheduling.tolerations[{i}].{k}", f"must be one of {', '.join(allowed)} (got {t.get(k)!r})")
+        r.declared(Toleration, t, f"spec.scheduling.tolerations[{i}]")
     node_selector = r.str_map(sc, "nodeSelector", "spec.scheduling.nodeSelector", QUALIFIED_NAME, LABEL_VALUE)
-    priority = r.string(sc, "priorityClassName", "spec.scheduling.priorityClassName", max_len=MAX_DNS_SUBDOMAIN_LENGTH)
-    if priority and not DNS_SUBDOMAIN.fullmatch(priority):
-        r.fail("spec.scheduling.priorityClassName", f"{priority!r} is not a PriorityClass name")
-    return Scheduling(spot=spot, reservation=reservation, node_selector=node_selector,
-                      tolerations=tuple(dict(t) for t in tolerations), priority_class_name=priority, **declared)
+    return Scheduling(node_selector=node_selector, tolerations=tuple(dict(t) for t in tolerations), **declared)
 
 
 def _env(r: _Reader, spec: Mapping) -> tuple[Mapping[str, Any], ...]:
@@ -1193,17 +1390,21 @@ def _env(r: _Reader, spec: Mapping) -> tuple[Mapping[str, Any], ...]:
         r.fail("spec.env", "must be a list of {name, value} or {name, valueFrom}")
         return ()
     for i, item in enumerate(env):
-        if not isinstance(item, Mapping) or not isinstance(item.get("name"), str) or not ENV_NAME.fullmatch(item["name"]):
-            r.fail(f"spec.env[{i}].name", "must be a valid environment variable name")
-        elif item["name"] in dict(RESERVED_ENV):
-            r.fail(f"spec.env[{i}].name", f"{item['name']} is reserved: {dict(RESERVED_ENV)[item['name']]}; remove it")
+        path = f"spec.env[{i}]"
+        if not isinstance(item, Mapping):
+            r.fail(path, "must be an object: {name, value} or {name, valueFrom}")
+            continue
+        before = len(r.problems)
+        r.declared(EnvVar, item, path)   # name, value
+        if len(r.problems) > before:
+            continue
+        if item["name"] in dict(RESERVED_ENV):
+            r.fail(f"{path}.name", f"{item['name']} is reserved: {dict(RESERVED_ENV)[item['name']]}; remove it")
         elif "value" in item and "valueFrom" in item:
-            r.fail(f"spec.env[{i}]", "set value or valueFrom, not both")
-        elif "value" in item and not isinstance(item["value"], str):
-            r.fail(f"spec.env[{i}].value", f"must be a string (got {type(item['value']).__name__}); quote numbers")
+            r.fail(path, ENV_VALUE_RULE["message"])
         elif "valueFrom" in item and (not isinstance(item["valueFrom"], Mapping) or len(item["valueFrom"]) != 1
                                       or next(iter(item["valueFrom"])) not in ENV_SOURCES):
-            r.fail(f"spec.env[{i}].valueFrom", f"must hold exactly one of {', '.join(ENV_SOURCES)}")
+            r.fail(f"{path}.valueFrom", f"must hold exactly one of {', '.join(ENV_SOURCES)}")
     # Items that failed a check above never reach a Spec (parse raises), so dict() is safe here.
     return tuple(dict(e) for e in env if isinstance(e, Mapping))
 
