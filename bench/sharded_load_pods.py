@@ -271,6 +271,12 @@ def predicted(model: Path, workers: int, memory: str, batch: int, seq: int) -> d
             "runtime_allowance_mib": runtime, "parameters": shape.parameters()}
 
 
+def dumps(result: dict) -> str:
+    """The results file: indented JSON, each timeline point (seconds, Ray's used, training worker) on one line."""
+    return re.sub(r"\[\s+(-?[\d.]+),\s+(-?[\d.]+),\s+(-?[\d.]+)\s+\]", r"[\1, \2, \3]",
+                  json.dumps(result, indent=2)) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--storage", type=Path, default=Path("/var/tmp/tpuft-bench-pods"),
@@ -351,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{prediction['runtime_allowance_mib']})")
     print(f"phase {status.get('phase')} ({status.get('reason')}), demo exit {code}, {seconds} s")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    args.out.write_text(dumps(out))
     print(f"wrote {args.out}")
     return 0 if status.get("phase") == "Succeeded" else 1
 
