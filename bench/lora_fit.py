@@ -22,7 +22,8 @@ HBM (batch 4 x 512 tokens per device, the CRD's defaults; a long maxSeqLength ne
 overhead per rank, 1.1 GiB, is the peak RSS of a CPU rank beyond its shard of weights, gradients and
 moments, measured with `.venv/bin/python bench/sharded_load.py --workers 2 --hidden 512 --layers 4
 --paths sharded` (1.10 GiB; at --hidden 1024, 1.12); libtpu's own host memory is not in it.
-Ray's object store in /dev/shm holds data blocks only, left out.
+Ray's object store in /dev/shm holds data blocks only, left out. A pod's figures are compared with
+95% of its memory: past that Ray's memory monitor kills a worker (RAY_MEMORY_USAGE_THRESHOLD).
 
     .venv-unit/bin/python bench/lora_fit.py [--rank 16] [--reserve 0.3] [--overhead-gib 1.1]
 

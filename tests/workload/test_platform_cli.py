@@ -49,6 +49,26 @@ def test_cpu_path_never_imports_torch_tpu():
     assert "torch_tpu" not in sys.modules
 
 
+def test_the_driver_turns_ray_train_s_preemption_watcher_off_and_ray_train_passes_that_on(monkeypatch):
+    """Ray Train's PreemptionWatcher is an actor process in some worker pod (about 110 MiB) that watches
+    for node drains nothing here makes: the driver turns it off, a value the user set in spec.env
+    stays, and Ray Train hands the driver's value to its controller, which then starts none."""
+    from ray._private import ray_constants
+    from ray.train.v2._internal import constants as train
+
+    env: dict[str, str] = {}
+    cli.driver_environment(env)
+    assert env == {train.ENABLE_PREEMPTION_WATCHER_ENV_VAR: "0"}
+    chosen = {train.ENABLE_PREEMPTION_WATCHER_ENV_VAR: "1"}
+    cli.driver_environment(chosen)
+    assert chosen == {train.ENABLE_PREEMPTION_WATCHER_ENV_VAR: "1"}
+    monkeypatch.delenv(train.ENABLE_PREEMPTION_WATCHER_ENV_VAR, raising=False)
+    cli.driver_environment(os.environ)
+    assert train.get_env_vars_to_propagate()[train.ENABLE_PREEMPTION_WATCHER_ENV_VAR] == "0"
+    assert ray_constants.env_bool(train.ENABLE_PREEMPTION_WATCHER_ENV_VAR, train.DEFAULT_ENABLE_PREEMPTION_WATCHER) \
+        is False   # as Ray Train's controller reads it
+
+
 def test_cli_train_flags_match_the_operator_contract():
     command, target = cli.parse_args([
         "train", "--accelerator", "v6e", "--topology", "4x4", "--slices", "1",

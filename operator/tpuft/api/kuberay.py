@@ -15,6 +15,12 @@ RAY_VERSION = "v1"
 # training driver finds it in the error Ray Train raises, the operator in the job's message (observed).
 RAY_MEMORY_KILL_SIGN = (r"killed due to the node running low on memory|ray\.exceptions\.OutOfMemoryError"
                         r"|Worker exit type: NODE_OUT_OF_MEMORY")
+# Ray's memory monitor kills a worker process when Ray's used memory (the cgroup's usage less its
+# page cache) passes this fraction of the pod's limit (RAY_memory_usage_threshold's default in 2.60).
+RAY_MEMORY_USAGE_THRESHOLD = 0.95
+# Ray Train 2.60 starts a PreemptionWatcher actor (Ray imported: about 110 MiB in some pod) unless this is
+# "0"; the driver's value reaches Ray Train's controller (ray.train.v2 ENV_VARS_TO_PROPAGATE).
+RAY_TRAIN_PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 RAY_DASHBOARD_AGENT_PORT = 52365          # the dashboard agent's listen port (KubeRay's default)
 RAY_NODE_HEALTH_PATH = "/api/healthz"     # its health check, KubeRay's readiness probe for Ray >= 2.53
 RAY_API_VERSION = f"{RAY_GROUP}/{RAY_VERSION}"

@@ -12,7 +12,9 @@ shards inside a slice, and more slices are replicas (HSDP), so they do not lower
           gathered for its forward and backward, is in the reserve);
     lora   2 per frozen base weight (bf16 on accelerators: model.shard) + 16 per adapter weight.
   A worker pod's memory (torch: one rank per device of its host; JAX: one process per host), each
-  rank or process adding RANK_OVERHEAD_GIB (the runtime, not the model):
+  rank or process adding RANK_OVERHEAD_GIB on a TPU, CPU_WORKER_RUNTIME_GIB on cpu (the runtime,
+  not the model), against what Ray's memory monitor lets the pod use (RAY_MEMORY_USAGE_THRESHOLD of
+  its limit: past it Ray kills a worker):
     at load      each rank's shard of the weights as the sharded load fills it: 4 per full weight,
                  2 per frozen one, 4 per adapter (on a TPU the shard is read through host memory
                  into HBM, so this is an upper bound). JAX reads each of its host's devices' shards
@@ -33,8 +35,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
+import math
+
 from tpuft.api import catalog
 from tpuft.api.constants import CPU_ACCELERATOR, LORA_DEFAULT_TARGET_MODULES
+from tpuft.api.kuberay import RAY_MEMORY_USAGE_THRESHOLD
 
 GB = 1e9          # HBM, as the catalog gives it
 GIB = 2 ** 30     # pod memory, as Kubernetes quantities give it (200Gi)
@@ -45,6 +50,14 @@ HBM_RESERVE = 0.3
 # --hidden 1024 (109.6M, peak 1.94 GiB): about the same, so it is the runtime's (torch, transformers,
 # gloo), not the model's. libtpu's own host memory on a TPU VM is not in it (UNVERIFIED on hardware).
 RANK_OVERHEAD_GIB = 1.1
+# A cpu worker pod (one rank) beyond its shard of the state and the step's terms (StepMemory), in
+# Ray's used at the pod's peak: Ray's processes in the pod (`ray start`, the raylet, the dashboard and
+# runtime-env agents, the log monitor: 300 MiB of RssAnon), the training worker's runtime (torch,
+# Ray's core worker, the data iterator) and what the load leaves in its heap. Measured in pods, the
+# held-out 1.1B LoRA run (2 workers of 4Gi, 4 x 128 tokens, activations recomputed;
+# `.venv/bin/python bench/sharded_load_pods.py --memory 4Gi`, bench/results/sharded_load_pods.json):
+# the worse worker pod's peak, 3789 MiB, less its state (2146) and the step's terms (982): 661 MiB.
+CPU_WORKER_RUNTIME_GIB = 0.65
 
 FULL, LORA = "full", "lora"
 # A CPU step's working memory (StepMemory), in fp32 (4 bytes a value):
@@ -169,7 +182,7 @@ class Run:
     tokens: int = 0                      # a micro-batch's tokens per device (batch x sequence); 0: not counted
     activation_checkpointing: bool = False
     reserve: float = HBM_RESERVE
-    rank_overhead_gib: float = RANK_OVERHEAD_GIB
+    rank_overhead_gib: float | None = None   # None: RANK_OVERHEAD_GIB on a TPU, CPU_WORKER_RUNTIME_GIB on cpu
 
 
 @dataclass(frozen=True)
@@ -240,8 +253,11 @@ def fit(model: ModelShape, shape: catalog.SliceShape, run: Run = Run()) -> Fit:
 
     jax = run.framework == "jax"
     ranks = 1 if jax else shape.devices_per_host
-    overhead = ranks * run.rank_overhead_gib * GIB
-    pod = quantity_bytes(run.pod_memory or shape.worker_pod.memory) / GIB
+    runtime = run.rank_overhead_gib
+    if runtime is None:
+        runtime = RANK_OVERHEAD_GIB if shape.is_tpu else CPU_WORKER_RUNTIME_GIB
+    overhead = ranks * runtime * GIB
+    pod = usable_gib(run.pod_memory or shape.worker_pod.memory)
     weights = total("weights") * shape.devices_per_host / shape.devices   # the host's share, either framework
     kept = 0 if shape.is_tpu else ranks * total("state") / shape.devices   # the pod holds the state on CPU
     step = None if shape.is_tpu else step_memory(model, run)
@@ -258,6 +274,16 @@ def fit(model: ModelShape, shape: catalog.SliceShape, run: Run = Run()) -> Fit:
                                pod, "GiB"),
                export=Figure("export", "memory in worker pod 0 at export", (exported + kept + overhead) / GIB, pod,
                              "GiB"))
+
+
+def usable_gib(pod_memory: str) -> float:
+    """What a pod of this memory limit may hold before Ray's memory monitor kills a worker, in GiB."""
+    return quantity_bytes(pod_memory) * RAY_MEMORY_USAGE_THRESHOLD / GIB
+
+
+def limit_for(need_gib: float) -> str:
+    """The smallest whole-Gi memory limit under which `need_gib` is below Ray's memory monitor's threshold."""
+    return f"{math.ceil(need_gib / RAY_MEMORY_USAGE_THRESHOLD)}Gi"
 
 
 def shape_of(config: Mapping[str, Any], name: str = "the model") -> ModelShape | None:
@@ -295,7 +321,7 @@ def smallest_topology(f: Fit, name: str) -> str | None:
 
 
 def _advice(f: Fit, figure: Figure) -> str:
-    memory = "raise spec.resources.worker.limits.memory"
+    memory = f"raise spec.resources.worker.limits.memory to at least {limit_for(figure.need)}"
     if figure.name == "export":
         gathered = "the merged model" if f.run.method == LORA else "the whole model"
         advice = f"{memory} ({gathered} is gathered there to be exported)"
@@ -337,7 +363,9 @@ def warnings(model_ref: str, f: Fit) -> list[str]:
             hbm = catalog.generation(f.shape.generation).hbm_gb
             have = f"the {figure.have:.3g} GB a chip holds beside activations ({figure.have / hbm:.0%} of its {hbm:g} GB)"
         else:
-            have = f"the pod's {figure.have:.3g} GiB"
+            limit = quantity_bytes(f.run.pod_memory or f.shape.worker_pod.memory) / GIB
+            have = (f"the {figure.have:.3g} GiB a pod of {limit:.3g} GiB may use ({RAY_MEMORY_USAGE_THRESHOLD:.0%}: "
+                    "past it Ray's memory monitor kills a worker)")
         lines.append(f"warning: spec.model {model_ref} ({f.model.parameters() / 1e9:.1f}B parameters) needs about "
                      f"{figure.need:.3g} {figure.unit} of {figure.what} with method {f.run.method} on "
                      f"{f.shape.generation} {f.shape.topology}, more than {have}: {_advice(f, figure)}")

@@ -5,6 +5,7 @@ Bad input exits 2 with one line per problem on stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import sys
@@ -109,10 +110,11 @@ def run_validate(args: argparse.Namespace) -> int:
 
 
 def fit_warnings(tft: TPUFinetune) -> list[str]:
-    """Where spec.model is a model whose shape tpuft.api.model_sizes knows: a line for each figure (HBM
-    per chip, a worker pod's memory at load, in training (on CPU with a step of the spec's tokens), at
-    export) that does not fit the slice."""
-    shape = model_sizes.known(tft.spec.model)
+    """Where spec.model is a model whose shape tpuft.api.model_sizes knows, or a folder on this machine
+    with a config.json (a local cluster's hostPath): a line for each figure (HBM per chip, a worker
+    pod's memory at load, in training (on CPU with a step of the spec's tokens), at export) that does
+    not fit the slice."""
+    shape = model_sizes.known(tft.spec.model) or _local_model_shape(tft.spec.model)
     if shape is None:
         return []
     training, lora = tft.spec.training, tft.spec.training.lora
@@ -121,8 +123,20 @@ def fit_warnings(tft: TPUFinetune) -> list[str]:
                           merged=builders.merges(tft), pod_memory=_worker_memory(tft),
                           tokens=training.batch_size_per_device * training.max_seq_length,
                           activation_checkpointing=bool(training.activation_checkpointing))
+    if training.activation_checkpointing is None and not tft.spec.slice.is_tpu:   # left out: the workers' rule
+        recompute = model_sizes.recompute_needed(shape, tft.spec.slice.devices, run.pod_memory or "", run)
+        run = dataclasses.replace(run, activation_checkpointing=recompute)
     fit = model_sizes.fit(shape, tft.spec.slice, run)
     return model_sizes.warnings(tft.spec.model, fit)
+
+
+def _local_model_shape(model_ref: str) -> model_sizes.ModelShape | None:
+    """The shape in `model_ref`/config.json when that file is on this machine and says it; None otherwise."""
+    config = Path(model_ref) / "config.json"
+    try:
+        return model_sizes.shape_of(json.loads(config.read_text()), model_ref)
+    except (OSError, ValueError, AttributeError):   # not a local folder, or not a model's config
+        return None
 
 
 def _worker_memory(tft: TPUFinetune) -> str:
