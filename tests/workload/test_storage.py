@@ -279,6 +279,20 @@ def test_an_orbax_checkpoint_round_trips_through_the_bucket(gcs, tmp_path, monke
         jax_checkpoint.load(jax_checkpoint.abstract(state), gcs.path("run", "checkpoint_step_0000009"))
 
 
+def test_jax_refuses_gs_checkpoints_across_hosts_before_its_first_step(tmp_path):
+    """Orbax stages a gs:// checkpoint on one host: JAX processes on several hosts are refused at
+    start (naming the path, the count and what to use instead), not at the first checkpoint."""
+    from tpuft_workload import jax_checkpoint
+    from tpuft_workload.checkpoint import StorageError
+
+    with pytest.raises(StorageError) as refused:
+        jax_checkpoint.check_hosts("gs://bucket/runs/a", ["worker-0", "worker-1", "worker-0", "worker-1"])
+    assert "gs://bucket/runs/a" in str(refused.value) and "4 JAX processes are on 2 hosts" in str(refused.value)
+    assert "spec.checkpoint.storagePath" in str(refused.value)
+    jax_checkpoint.check_hosts("gs://bucket/runs/a", ["worker-0", "worker-0"])   # one host: staged there
+    jax_checkpoint.check_hosts(str(tmp_path), ["worker-0", "worker-1"])          # a volume every host mounts
+
+
 # ---- nothing lost: the driver's log and TensorBoard events reach the bucket while the run goes ---------
 
 def test_a_driver_killed_outright_leaves_its_log_in_the_bucket(gcs):

@@ -7,7 +7,7 @@ local or mounted volume) every process writes its own shards straight there and 
 once all are written. On object storage (gs://) Orbax writes to a staging folder on the host
 (STAGING_ROOT) and rank 0 uploads it through tpuft_workload.storage (the one gs:// client), so the
 processes of the run must share one host (a single-host slice; several hosts need a mounted
-volume: `save` says so); a resume downloads `state/` first. Ray Train registers the directory
+volume: `check_hosts` refuses them before the first step); a resume downloads `state/` first. Ray Train registers the directory
 where it lies (`CheckpointUploadMode.NO_UPLOAD`), so restarts, `--resume-from` and
 `find_latest_committed` treat it as they treat a torch checkpoint. A JAX checkpoint is never
 loaded by the torch path nor the reverse: the run manifest's architecture names the framework,
@@ -38,6 +38,19 @@ def check_storage(uri: str) -> None:
             f"checkpoint storage path {uri}: training.framework jax writes Orbax checkpoints to a local or "
             f"mounted path or to gs://, not {scheme}://; use gs:// or a path on a mounted volume for "
             "spec.checkpoint.storagePath")
+
+
+def check_hosts(directory: str, hosts: list[str]) -> None:
+    """Refuse, before the first step, a gs:// run whose JAX processes span several hosts: its
+    checkpoints are staged on one host (`save`), so the first one would fail after the steps before
+    it were spent. `hosts`: each process's host name, in process order."""
+    if not storage.is_remote(directory) or len(set(hosts)) < 2:
+        return
+    raise StorageError(
+        f"checkpoint storage path {directory}: training.framework jax stages gs:// checkpoints on one host, "
+        f"and this run's {len(hosts)} JAX processes are on {len(set(hosts))} hosts; set "
+        "spec.checkpoint.storagePath to a volume every host mounts (the GCS FUSE CSI driver, a Filestore PVC), "
+        "or train with framework torch, which writes gs:// from every host")
 
 
 def architecture(cfg_class: str, params: dict) -> dict:

@@ -99,6 +99,24 @@ def init_jax(platform_kind: str, rank: int, world: int):
     return jax
 
 
+def process_hosts(jax) -> list[str]:
+    """Each JAX process's host name, in process order (one small all-gather over the processes)."""
+    name = socket.gethostname()
+    if jax.process_count() == 1:
+        return [name]
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    encoded = np.zeros(HOST_NAME_BYTES, np.uint8)
+    raw = name.encode()[:HOST_NAME_BYTES]
+    encoded[:len(raw)] = np.frombuffer(raw, np.uint8)
+    gathered = np.asarray(multihost_utils.process_allgather(encoded)).reshape(-1, HOST_NAME_BYTES)
+    return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in gathered]
+
+
+HOST_NAME_BYTES = 64   # a Linux host name's limit
+
+
 def build_mesh(jax, slices: int = 1):
     """(data, fsdp) = (slices, devices per slice): parameters shard inside a slice (ICI), batches
     over everything; across slices only gradients travel (DCN). TPU devices know their slice
@@ -281,6 +299,7 @@ class _Jax:
         self.worker, self.cfg, self.rank, self.world = worker, worker.cfg, worker.rank, worker.world
         self.plat = PLATFORMS[self.cfg.platform]
         self.jax = init_jax(self.cfg.platform, self.rank, self.world)
+        jax_checkpoint.check_hosts(self.cfg.run_dir, process_hosts(self.jax))
         # MFU's denominator: the TPU slice's from the catalog (the driver's), the GPUs' found here
         self.peak_flops = self.cfg.peak_flops
         if self.plat.kind == "gpu":
