@@ -575,8 +575,9 @@ def _summary(obj: dict, losses: list[float], placement: Placement, clock: Clock)
         print(f"{clock.stamp()} {st['phase']}: conditions {', '.join(f'{k}={v}' for k, v in conds.items())}")
         if losses:
             print(f"  loss per epoch: {' -> '.join(f'{x:.4f}' for x in losses)}")
-        print(f"  last checkpoint: {tr.get(TR.LAST_CHECKPOINT)}\n  exported model:  {tr.get(TR.EXPORTED_MODEL)}",
-              flush=True)
+        if tr:   # a base served as it is (training.method none) trained nothing
+            print(f"  last checkpoint: {tr.get(TR.LAST_CHECKPOINT)}\n  exported model:  {tr.get(TR.EXPORTED_MODEL)}",
+                  flush=True)
         if st.get("serving"):
             print(f"  served at:       {st['serving'].get('url')} (model {st['serving'].get('model')})", flush=True)
         return 0

@@ -53,7 +53,7 @@ with open({state!r} + ".calls", "a") as f:
 if args[0] == "port-forward":
     print("Forwarding from 127.0.0.1:%d -> 8000" % state["port"], flush=True)
     time.sleep(120)
-answer = state[args[1]]   # "tpufinetunes" or "secret"
+answer = state.get(args[1] + "/" + args[2]) or state[args[1]]   # by kind/name, else by kind
 sys.stdout.write(answer.get("stdout", ""))
 sys.stderr.write(answer.get("stderr", ""))
 sys.exit(answer.get("rc", 0))
@@ -61,13 +61,17 @@ sys.exit(answer.get("rc", 0))
 
 
 @contextlib.contextmanager
-def _model_server(status: int, body: dict, auth: list, events: list[str] | None = None):
+def _model_server(status: int, body: dict, auth: list, events: list[str] | None = None,
+                  models: list | None = None):
     """A stand-in for the Serve app: answers every POST with (status, body), or a request with
-    "stream": true with `events` as server-sent events; records Authorization."""
+    "stream": true with `events` as server-sent events; records Authorization (and the model asked for)."""
     class Handler(QuietHandler):
         def do_POST(self):  # noqa: N802 - http.server's name
-            streamed = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["stream"]
+            request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            streamed = request["stream"]
             auth.append(self.headers.get("Authorization"))
+            if models is not None:
+                models.append(request["model"])
             if streamed and events is not None:
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
@@ -176,3 +180,48 @@ def test_stream_is_off_unless_asked():
     chat_cli.add_arguments(parser)
     assert parser.parse_args(["ft", "hi"]).stream is False
     assert parser.parse_args(["ft", "hi", "--stream"]).stream is True
+
+
+# --- a fine-tune published to a served base (spec.publish): asked on the base, as <base>:<adapter> -----
+
+def _fine_tune(serving: dict | None, phase: str = "Succeeded") -> dict:
+    obj = _obj(phase, "True", serving, serve_enabled=False)
+    obj["spec"] = {"publish": {"to": "base", "as": "a"}}
+    return obj
+
+
+def test_a_published_fine_tune_is_asked_on_its_bases_endpoint_under_its_model_id(tmp_path, capsys):
+    base = _obj("Serving", "True", {"service": "base-serve-serve-svc", "port": 8000, "model": "base"})
+    base["metadata"]["name"], base["spec"]["serve"]["apiKeySecret"] = "base", {"name": "base-keys"}
+    fine_tune = _fine_tune({"base": "base", "adapter": "a", "model": "base:a", "reason": "Published"})
+    state, kubectl = tmp_path / "kubectl.json", tmp_path / "kubectl"
+    kubectl.write_text(FAKE_KUBECTL.format(python=sys.executable, state=str(state)))
+    kubectl.chmod(0o755)
+    auth: list = []
+    models: list = []
+    body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "woof"}}]}
+    with _model_server(200, body, auth, models=models) as port:
+        state.write_text(json.dumps({"port": port, f"{c.PLURAL}/ft": {"stdout": json.dumps(fine_tune)},
+                                     f"{c.PLURAL}/base": {"stdout": json.dumps(base)},
+                                     "secret/base-keys": _secret({"api-key": KEY})}))
+        args = argparse.Namespace(kubectl=str(kubectl), namespace="ns", name="ft", message="hi", max_tokens=8,
+                                  temperature=0.0, stream=False)
+        rc = chat_cli.run(args)
+    out, err = capsys.readouterr()
+    calls = [json.loads(line) for line in (tmp_path / "kubectl.json.calls").read_text().splitlines()]
+    assert (rc, out, models, auth) == (0, "woof\n", ["base:a"], [f"Bearer {KEY}"]), err
+    assert ["port-forward", "-n", "ns", "svc/base-serve-serve-svc"] == [x for x in calls if x[0] == "port-forward"][0][:4]
+
+
+@pytest.mark.parametrize("obj, words", [
+    (_fine_tune({"base": "base", "model": "base:a", "reason": "BaseNotServing",
+                 "message": "training complete; the base ns/base is not Serving"}),
+     "(BaseNotServing: training complete; the base ns/base is not Serving)"),
+    (_fine_tune({"base": "base", "model": "base:a", "reason": "NotPromoted", "message": "kept unpublished: ..."}),
+     "(NotPromoted: kept unpublished: ...)"),
+    (_fine_tune(None, phase="Training"), "(phase Training: Training message)"),
+])
+def test_a_fine_tune_not_published_says_why(obj, words):
+    with pytest.raises(chat_cli.NotServing, match="ns/ft's adapter is not served by base yet") as e:
+        chat_cli.published_to(obj)
+    assert words in str(e.value)

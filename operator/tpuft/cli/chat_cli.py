@@ -2,7 +2,9 @@
 
 It reads the object's status.serving (kubectl get), forwards a local port to the Serve Service
 (kubectl port-forward, a process this command starts and stops), sends one request with
-tpuft.cli.chat and prints the answer (with --stream, its text as it is generated). Exit 1 when the object is not serving, with its phase and why.
+tpuft.cli.chat and prints the answer (with --stream, its text as it is generated). A fine-tune
+published to a served base (spec.publish) is asked on that base's endpoint, as model
+<base>:<adapter>. Exit 1 when the object is not serving, with its phase and why.
 When spec.serve.apiKeySecret is set, the key is read from that Secret with the user's own kubectl
 rights and sent as `Authorization: Bearer <key>`; it is never printed.
 """
@@ -32,7 +34,8 @@ class NoApiKey(RuntimeError):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", help="the TPUFinetune (its status.serving says where it is served)")
+    p.add_argument("name", help="the TPUFinetune (its status.serving says where it is served; a fine-tune "
+                                "published to a base is asked on that base)")
     p.add_argument("message", help="the user message")
     p.add_argument("--namespace", "-n", default="default")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -91,20 +94,43 @@ def api_key(kubectl: str, namespace: str, obj: dict) -> str | None:
         raise NoApiKey(f"{where}: the value under {key!r} is not UTF-8 text; store the key as text") from None
 
 
-def ask(kubectl: str, namespace: str, name: str, message: str, max_tokens: int = 64,
-        temperature: float = 0.0, on_text: Callable[[str], None] | None = None) -> tuple[str, str]:
-    """(model id, answer) from the served object; with on_text, the answer is streamed and each
-    piece of its text is passed to on_text as it arrives."""
+def published_to(obj: dict) -> tuple[str, str] | None:
+    """(the base, the model id) of a fine-tune whose adapter a served base serves (spec.publish); None
+    for any other object. NotServing, with status.serving's reason and message, while it is not."""
+    publish = (obj.get("spec") or {}).get("publish")
+    if not publish:
+        return None
+    st = obj.get("status") or {}
+    serving, meta = st.get("serving") or {}, obj.get("metadata") or {}
+    if serving.get("reason") != c.Reason.PUBLISHED.value or not serving.get("model"):
+        why = (f"{serving['reason']}: {serving.get('message') or ''}" if serving.get("reason") else
+               f"phase {st.get('phase') or '-'}: {st.get('message') or 'no status'}")
+        raise NotServing(f"{meta.get('namespace')}/{meta.get('name')}'s adapter is not served by "
+                         f"{publish.get('to')} yet ({why})")
+    return publish["to"], serving["model"]
+
+
+def _get(kubectl: str, namespace: str, name: str) -> dict:
     got = subprocess.run([kubectl, "get", c.PLURAL, name, "-n", namespace, "-o", "json"],
                          capture_output=True, text=True, timeout=60)
     if got.returncode != 0:
         err = got.stderr.strip()
         raise NotServing(NO_CLUSTER if unconfigured(err) else f"cannot read {c.KIND} {namespace}/{name}: {err}")
-    obj = json.loads(got.stdout)
-    serving = endpoint(obj)
-    key = api_key(kubectl, namespace, obj)
+    return json.loads(got.stdout)
+
+
+def ask(kubectl: str, namespace: str, name: str, message: str, max_tokens: int = 64,
+        temperature: float = 0.0, on_text: Callable[[str], None] | None = None) -> tuple[str, str]:
+    """(model id, answer) from the served object (a fine-tune published to a base: from that base,
+    under <base>:<adapter>); with on_text, the answer is streamed and each piece of its text is
+    passed to on_text as it arrives."""
+    obj = _get(kubectl, namespace, name)
+    published = published_to(obj)
+    server = _get(kubectl, namespace, published[0]) if published else obj
+    serving = endpoint(server)
+    key = api_key(kubectl, namespace, server)
     with port_forward(kubectl, namespace, serving["service"], int(serving.get("port") or c.SERVE_PORT)) as local:
-        url, model = f"http://127.0.0.1:{local}", serving["model"]
+        url, model = f"http://127.0.0.1:{local}", published[1] if published else serving["model"]
         if on_text is None:
             return model, chatlib.chat(url, model, message, max_tokens=max_tokens, temperature=temperature,
                                        api_key=key)
