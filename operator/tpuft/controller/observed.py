@@ -193,6 +193,7 @@ class PeerObs:
     model: str = ""                   # spec.model
     adapters: bool = False            # spec.serve.adapters is set (it serves adapters)
     max_rank: int | None = None       # spec.serve.adapters.maxRank
+    engine: str = ""                  # spec.serve.engine, or its default: vllm on TPU, transformers on cpu
     serving_ready: bool = False       # Serving, Ready True
     ray_cluster: str | None = None    # status.serving.rayCluster: where a publish RayJob runs
     adapters_root: str | None = None  # status.serving.adaptersRoot
@@ -213,9 +214,12 @@ class PeerObs:
                 eval_loss=float(loss) if isinstance(loss, (int, float)) and not isinstance(loss, bool) else None,
                 eval_set=record.get("evalSet"), published_at=str(record.get("publishedAt") or ""))
         rank = section(serve, "adapters").get("maxRank")
+        on_cpu = str(serve.get("accelerator") or spec.get("accelerator") or "").lower() == c.CPU_ACCELERATOR
+        engine = serve.get("engine") or (c.ServeEngine.TRANSFORMERS if on_cpu else c.ServeEngine.VLLM).value
         return cls(name=str(meta.get("name") or ""), uid=str(meta.get("uid") or ""), model=str(spec.get("model") or ""),
                    adapters=isinstance(adapters, Mapping) and serve.get("enabled") is True,
-                   max_rank=rank if isinstance(rank, int) else None, serving_ready=serving_ready(status),
+                   max_rank=rank if isinstance(rank, int) else None, engine=str(engine),
+                   serving_ready=serving_ready(status),
                    ray_cluster=serving.get("rayCluster"), adapters_root=serving.get("adaptersRoot"),
                    published=published)
 

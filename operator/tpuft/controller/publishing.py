@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tpuft.api.constants import PublishWhen
+from tpuft.api.constants import PublishWhen, ServeEngine
 from tpuft.controller.observed import PeerObs, PublishedObs
 from tpuft.api.spec import TPUFinetune
 from tpuft.api.status import Training as TrainingProgress
@@ -14,12 +14,18 @@ from tpuft.api.status import Training as TrainingProgress
 
 def base_mismatch(tft: TPUFinetune, base: PeerObs) -> str | None:
     """Why `base` cannot serve this fine-tune's adapter (None: it can): another model, no room for
-    adapters, or a LoRA rank above what it serves."""
+    adapters, a LoRA rank above what it serves, or engine vllm (its pods, where the publish RayJob
+    runs, hold the vLLM serving image, which has no tpuft_workload)."""
     publish, where = tft.spec.publish, f"{tft.meta.namespace}/{base.name}"
     assert publish is not None, "base_mismatch needs spec.publish"
     if not base.adapters:
         return (f"spec.publish.to: {where} serves no adapters (it has no spec.serve.adapters with spec.serve.enabled): "
                 "name a base that does, or add spec.serve.adapters to it")
+    if base.engine == ServeEngine.VLLM.value:
+        return (f"spec.publish.to: {where} serves with engine vllm, and publishing to it is not supported: the "
+                "publish RayJob runs on the base's serving pods, whose vLLM image has no tpuft_workload to copy the "
+                "adapter with; serve the base with spec.serve.engine transformers, or serve this fine-tune on its "
+                "own (spec.serve instead of spec.publish)")
     if base.model != tft.spec.model:
         return (f"spec.publish.to: {where} serves {base.model!r}, and this fine-tune trains an adapter for "
                 f"{tft.spec.model!r}: an adapter only fits the model it was trained on; name a base serving "

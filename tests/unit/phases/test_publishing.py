@@ -9,6 +9,8 @@ import copy
 import shlex
 from datetime import datetime, timedelta, timezone
 
+import pytest
+
 from tpuft.api import constants as c
 from tpuft.api.spec import parse
 from tpuft.controller import builders, observed, phases
@@ -167,6 +169,25 @@ def test_a_fine_tune_naming_an_object_without_adapters_or_with_a_smaller_rank_fa
     assert d.status["reason"] == "BaseMismatch" and "serves no adapters" in d.status["message"]
     d = phases.decide(o, Observed(base=base_peer(max_rank=64)), at(0), TUN)
     assert d.status["reason"] == "BaseMismatch" and "rank 128" in d.status["message"] and d.actions == ()
+
+
+def test_a_fine_tune_naming_a_vllm_base_fails_before_training_and_says_what_to_serve_with():
+    o = small_object(FT, NS, {"uid": "u-ft", "generation": 1}, training={"method": "lora"}, evaluation=EVAL,
+                     publish={"to": BASE})
+    d = phases.decide(o, Observed(base=base_peer(engine="vllm")), at(0), TUN)
+    assert d.phase == "Failed" and d.status["reason"] == "BaseMismatch" and d.actions == ()
+    assert "serves with engine vllm" in d.status["message"] and "spec.serve.engine transformers" in d.status["message"]
+    assert phases.decide(o, Observed(base=base_peer(engine="transformers")), at(0), TUN).phase == "Provisioning"
+
+
+@pytest.mark.parametrize("spec, engine", [
+    ({"accelerator": "cpu", "serve": {"enabled": True}}, "transformers"),
+    ({"accelerator": "v6e", "serve": {"enabled": True}}, "vllm"),
+    ({"accelerator": "v6e", "serve": {"enabled": True, "engine": "transformers"}}, "transformers"),
+    ({"accelerator": "v6e", "serve": {"enabled": True, "accelerator": "cpu"}}, "transformers"),
+])
+def test_a_peers_engine_is_its_spec_serve_engine_or_the_default_of_where_it_serves(spec, engine):
+    assert observed.PeerObs.of({"metadata": {"name": BASE}, "spec": spec}).engine == engine
 
 
 def test_a_missing_base_does_not_hold_training():
