@@ -336,6 +336,27 @@ def test_an_adapter_published_after_start_answers_without_a_restart_and_evicts_t
     assert engine.process.stats()["adapters"] == ["c", "a"]
 
 
+def test_the_built_in_chat_model_is_served_as_a_base_as_it_answers_here(tmp_path):
+    """examples/adapters-on-a-base.yaml's base: model_source builtin:tiny-chat (training.method none
+    exports nothing) is the folder the image built, served as tiny_chat.answer answers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tpuft_workload import tiny_chat
+
+    question = "What is the capital of Zorbania?"
+    folder = tiny_chat.folder()
+    expected = tiny_chat.answer(AutoModelForCausalLM.from_pretrained(folder).eval(),
+                                AutoTokenizer.from_pretrained(folder), question)
+    served = serveapp.Engine(serveapp.parse_args({"model_source": tiny_chat.BUILTIN_CHAT_MODEL, "model_id": "base",
+                                                  "adapters_root": str(tmp_path / "adapters")}))
+    try:
+        req = chat_api.parse_request({"model": "base", "messages": [{"role": "user", "content": question}],
+                                      "max_tokens": 24, "temperature": 0})
+        assert asyncio.run(served.answer(req)).text.strip() == expected
+    finally:
+        served.close()
+
+
 def test_an_unknown_adapter_is_openais_404_model_not_found(engine):
     status, body = _http(engine, "POST", SERVE_CHAT_PATH, {"model": f"{BASE_ID}:nope", "messages": HELLO})
     assert status == 404 and body["error"]["code"] == "model_not_found"

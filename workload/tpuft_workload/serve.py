@@ -49,6 +49,7 @@ from ray import serve
 from tpuft.api.constants import (SERVE_API_KEY_ENV, SERVE_CHAT_PATH, SERVE_COMPLETIONS_PATH, SERVE_DEPLOYMENT_NAME,
                              SERVE_MODELS_PATH, SERVE_ROUTE_PREFIX, SERVE_TRANSFORMERS_IMPORT_PATH, ServeArg)
 from tpuft_workload import adapters, batching, chat_api, engine_process, lora
+from tpuft_workload.tiny_chat import BUILTIN_CHAT_MODEL
 
 DEPLOYMENT_NAME = SERVE_DEPLOYMENT_NAME
 ROUTE_PREFIX = SERVE_ROUTE_PREFIX
@@ -93,8 +94,9 @@ def _positive_int(args: dict, key: ServeArg, default: int | None, most: int | No
 def _check_export(model_source: str) -> None:
     """A local export folder must hold config.json and weights, or (spec.training.method: lora) be a
     PEFT adapter folder naming its base; a URI (gs://...) is checked by the replica when it
-    downloads it."""
-    if "://" in model_source:
+    downloads it, and builtin:tiny-chat (a base served as it is, training.method none) is the
+    folder the image built."""
+    if "://" in model_source or model_source == BUILTIN_CHAT_MODEL:
         return
     path = Path(model_source)
     if not path.is_dir():
