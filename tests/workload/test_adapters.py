@@ -123,6 +123,17 @@ def test_a_republication_replaces_the_folder_and_an_interrupted_copy_leaves_no_m
     assert list(adapters.list_published(str(root))) == ["a"]   # the staging copy is never listed
 
 
+def test_an_adapter_published_without_an_eval_set_is_listed(exports, tmp_path):
+    """spec.publish.when always with no spec.evaluation: the operator passes --eval-set '' and the
+    server still lists and serves the adapter."""
+    root = tmp_path / "adapters"
+    done = _cli("publish", "--export", exports["a"], "--adapters-root", str(root), "--name", "a",
+                "--source", "ns/ft-a", "--uid", "u-1", "--eval-set", "")
+    assert done.returncode == 0, done.stderr
+    listed = adapters.list_published(str(root))
+    assert list(listed) == ["a"] and listed["a"].eval_set is None and listed["a"].eval_loss is None
+
+
 def test_unpublish_by_another_uid_deletes_nothing_and_says_whose_it_is(exports, tmp_path):
     root = tmp_path / "adapters"
     _publish(exports, root, "a", "u-1")

@@ -134,7 +134,8 @@ def _add_adapter_commands(sub) -> None:
     p.add_argument("--name", required=True, help=name_help)
     p.add_argument("--source", required=True, help="namespace/name of the fine-tune that trained it")
     p.add_argument("--uid", required=True, help="the fine-tune's metadata.uid (unpublish deletes only its own)")
-    p.add_argument("--eval-set", required=True, help="the eval set's fingerprint (the eval loss was measured on it)")
+    p.add_argument("--eval-set", required=True, help="the eval set's fingerprint (the eval loss was measured on it); "
+                   "empty: published without an eval set (spec.publish.when always, no spec.evaluation)")
     p.add_argument("--eval-loss", type=float, default=None, help="the fine-tune's eval loss (none: not evaluated)")
     u = sub.add_parser("unpublish", help="remove an adapter from a served base's adapters root, if --uid published it")
     u.add_argument("--adapters-root", required=True, help=root_help)

@@ -64,7 +64,7 @@ class Publication:
     source: str              # namespace/name of the fine-tune
     uid: str                 # its metadata.uid
     eval_loss: float | None
-    eval_set: str            # the eval set's fingerprint (tpuft's)
+    eval_set: str | None     # the eval set's fingerprint (tpuft's); None: published without an eval set
     published_at: str        # RFC 3339, UTC
 
     def to_json(self) -> dict:
@@ -76,15 +76,17 @@ class Publication:
         """The marker's JSON -> Publication; ValueError naming `where` and the field at fault."""
         if not isinstance(doc, dict):
             raise ValueError(f"{where}: the publication marker is not a JSON object")
-        for key in ("adapter", "source", "uid", "evalSet", "publishedAt"):
+        for key in ("adapter", "source", "uid", "publishedAt"):
             if not isinstance(doc.get(key), str) or not doc[key]:
                 raise ValueError(f"{where}: the publication marker's {key} must be a non-empty string, "
                                  f"got {doc.get(key)!r}")
-        loss = doc.get("evalLoss")
+        loss, eval_set = doc.get("evalLoss"), doc.get("evalSet")
         if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float))):
             raise ValueError(f"{where}: the publication marker's evalLoss must be a number or null, got {loss!r}")
+        if eval_set is not None and not isinstance(eval_set, str):
+            raise ValueError(f"{where}: the publication marker's evalSet must be a string or null, got {eval_set!r}")
         return cls(doc["adapter"], doc["source"], doc["uid"], None if loss is None else float(loss),
-                   doc["evalSet"], doc["publishedAt"])
+                   eval_set or None, doc["publishedAt"])
 
 
 def rfc3339(now: float | None = None) -> str:
@@ -171,14 +173,14 @@ def _failing(uri: str, doing: str):
 
 # ---- publish / unpublish -----------------------------------------------------------------------
 
-def publish(export: str, root: str, name: str, source: str, uid: str, eval_set: str,
+def publish(export: str, root: str, name: str, source: str, uid: str, eval_set: str | None,
             eval_loss: float | None = None, now: float | None = None) -> dict:
     """Copy the adapter folder `export` to `<root>/<name>`, its marker written last; what was written."""
     check_name(name)
     if not uid:
         raise ValueError("--uid must be the fine-tune's metadata.uid, got an empty string")
     final, staging = checkpoint.join(root, name), checkpoint.join(root, f"{name}{STAGING_INFIX}{uid}")
-    publication = Publication(name, source, uid, eval_loss, eval_set, rfc3339(now))
+    publication = Publication(name, source, uid, eval_loss, eval_set or None, rfc3339(now))
     marker = json.dumps(publication.to_json(), sort_keys=True).encode()
     with _failing(export, "reading the adapter export"):
         if "adapter_config.json" not in _files(export):
