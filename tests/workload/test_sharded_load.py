@@ -340,7 +340,7 @@ def test_left_out_on_cpu_a_worker_recomputes_when_its_pod_could_not_hold_the_ste
     config = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
               "num_attention_heads": 32, "num_key_value_heads": 4, "tie_word_embeddings": False}
     cfg = SimpleNamespace(lora=loralib.LoraSettings(rank=8, alpha=16, dropout=0.05, target_modules=("q_proj", "v_proj")),
-                          batch_size_per_device=4, max_seq_length=128)
+                          training=SimpleNamespace(batch_size_per_device=4, max_seq_length=128))
     assert recompute_for_memory(config, cfg, 2, 0, limit=4 * 2**30) is True
     assert "activation checkpointing on" in capsys.readouterr().out
     assert recompute_for_memory(config, cfg, 2, 1, limit=4 * 2**30) is True   # every rank alike, rank 0 says it
