@@ -385,7 +385,9 @@ def test_a_host_lost_in_training_replaces_the_slice_and_resumes(operator, tft, k
         kuberay.worker_lost(f"{NAME}-ray", ready=2)   # one more than allowed
         st = tft.wait("Failed")
         assert st["reason"] == "SliceLost" and [h["hostsReady"] for h in st["recovery"]["history"]] == [3, 2]
-    reasons = [e["reason"] for e in tft.events() if e["type"] == "Warning"]
+    # the event is posted after the status write that says Failed: wait for it (bounded)
+    reasons = wait_until(lambda: (found := [e["reason"] for e in tft.events() if e["type"] == "Warning"])
+                         and "SliceLost" in found and found, 30, "the SliceLost event")
     assert reasons.count("ReplacingSlice") == 1 and "SliceLost" in reasons
 
 
