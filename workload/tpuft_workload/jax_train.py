@@ -39,6 +39,7 @@ from tpuft_workload import jax_checkpoint, jax_lora, loop, pipeline, preemption
 from tpuft_workload import jax_model as jm
 from tpuft_workload.command import Command
 from tpuft_workload.platform import PLATFORMS, Target
+from tpuft_workload.storage import is_remote
 from tpuft_workload.report import flops_per_token, gpu_slice_peak
 from tpuft_workload.train import prepare, run_config
 from tpuft_workload.train import run_training as _run_training
@@ -299,7 +300,8 @@ class _Jax:
         self.worker, self.cfg, self.rank, self.world = worker, worker.cfg, worker.rank, worker.world
         self.plat = PLATFORMS[self.cfg.platform]
         self.jax = init_jax(self.cfg.platform, self.rank, self.world)
-        jax_checkpoint.check_hosts(self.cfg.run_dir, process_hosts(self.jax))
+        if is_remote(self.cfg.run_dir):   # only a staged (gs://) checkpoint needs one host: no gather else
+            jax_checkpoint.check_hosts(self.cfg.run_dir, process_hosts(self.jax))
         # MFU's denominator: the TPU slice's from the catalog (the driver's), the GPUs' found here
         self.peak_flops = self.cfg.peak_flops
         if self.plat.kind == "gpu":
