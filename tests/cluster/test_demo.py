@@ -6,24 +6,25 @@ training RayCluster is released, KubeRay's RayService runs Ray Serve with the wo
 transformers app, the demo's chat exchange answers with the fine-tuned model, /v1/models lists it,
 and Argo CD's health check calls the object Healthy (issue 14).
 
-The second served model comes from git through Argo CD (issue 31): `tpuft demo --gitops` commits it
-to the local repository and Argo CD's own controller syncs it; Argo CD must call it Synced and
-Healthy once Serving, and never OutOfSync while the operator writes its status
-(tests/cluster/test_argocd.py has the rest of the GitOps path, on simulated slices).
-
-With the demo's model served, a second served model and a third run share the node (issue 34).
-Both fine-tune with LoRA through training.framework jax (issue 60: JaxTrainer's 2 CPU workers, one
-2-process JAX program), each a current family built here from its transformers config class with
-its family's chat template and read from the bucket, its Orbax checkpoints and export on the
-demo's claim: the second a tiny Qwen 3, its PEFT adapter served; the third a tiny Gemma 3, short
-and without serving, its adapter loaded here by PEFT. Each one's loss falls over its steps. The
-torch path's LoRA trains on the real Ray in tests/workload/test_lora_train.py; a run that keeps
-everything in the bucket (its base read by byte ranges, its storagePath gs://) is
-tests/cluster/test_lifecycle.py's: the JAX path stages a gs:// checkpoint on one host, and a CPU
-run's 2 workers are 2 pods. A re-created object training from step 0 (issue 19) is
-tests/unit/test_builders.py's (run names by UID) and tests/workload/test_train.py's (a run resumes
-only its own directory, or resumeFrom): a second demo run here cost the node a whole RayCluster.
+With the demo's model served, a base for LoRA adapters is served beside it (issue 61):
+examples/adapters-on-a-base.yaml's tiny-chat (training.method none), committed to the local git
+repository by `tpuft demo --gitops` and synced by Argo CD's own controller (issue 31), which must
+call it Synced and Healthy once Serving, and never OutOfSync while the operator writes its status
+(tests/cluster/test_argocd.py has the rest of the GitOps path, on simulated slices). Four 1-worker
+LoRA fine-tunes of it publish to it: two answer their facts as taught under their own model ids, a
+worse third of the same name stays unpublished, and a better fourth replaces it under a client
+loop. A JAX LoRA run (issue 60: JaxTrainer's 2 CPU workers, one 2-process JAX program) on a tiny
+Gemma 3, built here from its transformers config class with its family's chat template and read
+from the bucket, trains beside them (issue 34), its Orbax checkpoints and export on the demo's
+claim, its adapter loaded here by PEFT; its loss falls over its steps. The torch path's LoRA trains
+on the real Ray in tests/workload/test_lora_train.py; a run that keeps everything in the bucket (its
+base read by byte ranges, its storagePath gs://) is tests/cluster/test_lifecycle.py's: the JAX path
+stages a gs:// checkpoint on one host, and a CPU run's 2 workers are 2 pods. A re-created object
+training from step 0 (issue 19) is tests/unit/test_builders.py's (run names by UID) and
+tests/workload/test_train.py's (a run resumes only its own directory, or resumeFrom): a second demo
+run here cost the node a whole RayCluster.
 """
+import contextlib
 import json
 import os
 import re
@@ -50,13 +51,11 @@ def phases_in_order(epochs: int, verified: bool, served: bool) -> list[str]:
             *(["phase Serving", "tpuft chat -n", "  user:"] if served else ["Succeeded: conditions"])]
 
 
-# The JAX LoRA runs (the second and third) train little: 1 epoch of train[:120] (7 steps of 8
-# rows), no verification (the demo verifies the same slice shape; JAX changes the training only),
-# a report every step. Rank 4 keeps the adapters under a fifth of these tiny models' parameters
-# (hidden 32, as _check_lora asks of any LoRA run); at this rate the random-weight models' loss
-# fell by 0.3 to 0.4 in the same 7 steps of a one-process loop (Qwen 3 5.37 -> 5.06, Gemma 3
-# 5.43 -> 5.01), then levels off (the adapters of a random base learn little more); on the node,
-# with LoRA's dropout, 5.37 -> 5.16 and 5.39 -> 5.10.
+# The JAX LoRA run trains little: 1 epoch of train[:120] (7 steps of 8 rows), no verification (the
+# demo verifies the same slice shape; JAX changes the training only), a report every step, rank 4.
+# At this rate the random-weight model's loss fell by 0.4 in the same 7 steps of a one-process loop
+# (Gemma 3 5.43 -> 5.01), then levels off (the adapters of a random base learn little more); on the
+# node, with LoRA's dropout, 5.39 -> 5.10.
 JAX_SPLIT = "train[:120]"
 JAX_LORA = {"framework": "jax", "learningRate": 5.0e-2, "reportEverySteps": 1, "lora": {"rank": 4, "alpha": 8}}
 
@@ -81,7 +80,7 @@ def gitops_cleanup(cluster_kubectl):
     """`tpuft demo --gitops` leaves its Application for the user; it is deleted here before the
     namespace is cleared (or Argo CD would put back what the clearing deletes)."""
     yield
-    cluster_kubectl("delete", "application", demo_gitops.app_name(DEMO_NS, "second"), "-n", argocd.NAMESPACE,
+    cluster_kubectl("delete", "application", demo_gitops.app_name(DEMO_NS, BASE), "-n", argocd.NAMESPACE,
                     "--ignore-not-found")
 
 
@@ -168,11 +167,10 @@ def _check_jax(obj: dict, tmp_path: Path) -> None:
 
 
 @pytest.mark.real_node
-@pytest.mark.timeout(2400)   # the demo to a served model, then two more runs
+@pytest.mark.timeout(2400)   # the demo to a served model, then a served base, five more runs
 @pytest.mark.parametrize("demo_namespace", [DEMO_NS], indirect=True, ids=[DEMO_NS])
-def test_demo_serves_what_it_trained_beside_a_second_model_and_a_jax_run(local_cluster, cluster_kubectl, demo_namespace,
-                                                                          gitops_cleanup, tmp_path, monkeypatch,
-                                                                          cluster_bucket):
+def test_demo_serves_what_it_trained_beside_adapters_on_a_base_and_a_jax_run(
+        local_cluster, cluster_kubectl, demo_namespace, gitops_cleanup, tmp_path, monkeypatch, cluster_bucket):
     storage = tmp_path / "checkpoints"
     demo, final = _demo(tmp_path, DEMO_NS, "demo", "--storage-path", str(storage))
     # 3 steps an epoch: the demo's one poll a second may miss one
@@ -193,7 +191,8 @@ def test_demo_serves_what_it_trained_beside_a_second_model_and_a_jax_run(local_c
     _check_chat_and_models()
     _check_the_ray_head_wants_its_token(cluster_kubectl, "local-cpu-serve")
     _check_logs_and_exec(cluster_kubectl)
-    _check_a_third_run_beside_two_served_models(cluster_kubectl, tmp_path, cluster_bucket)
+    checkpoint = final["object"]["spec"]["checkpoint"]   # the demo's claim (its namespace refuses hostPath)
+    _check_adapters_and_a_third_run(cluster_kubectl, tmp_path, cluster_bucket, checkpoint)
 
 
 # examples/local-cpu.yaml's run: 24 records, 8 a step (4 on each of 2 workers), 30 epochs.
@@ -372,47 +371,248 @@ def _short_run(name: str, checkpoint: dict, serve: bool, split: str, model: str,
     return doc
 
 
-def _check_a_third_run_beside_two_served_models(kubectl, tmp_path: Path, bucket: str) -> None:
-    """Issue 34: with two models served on the node (the demo's and a second), a third run trains
-    to Succeeded on the real node (it fits: docs/troubleshooting.md#how-many-runs-the-local-node-holds), never
-    failing inside Ray because the node was overcommitted. The second is examples/local-cpu-lora.yaml
-    (issue 30) on a tiny Qwen 3 with framework jax (issue 60): its adapters trained over the frozen
-    base, served on it, answering as its own model. Issue 58: its base model and dataset are read
-    from a bucket (the cluster's GCS stand-in), and the server loads that base from there. The
-    third is the same LoRA on a tiny Gemma 3. Both keep their checkpoints and export on the
-    demo's claim (module docstring: why not gs://)."""
-    def phase(name: str) -> dict:
-        st = json.loads(kubectl("get", "tft", name, "-n", DEMO_NS, "-o", "json", check=True).stdout).get("status") or {}
-        assert st.get("phase") != "Failed", (name, st)
-        return st
+# Issue 61: a served base (examples/adapters-on-a-base.yaml's tiny-chat, training.method none) and
+# LoRA fine-tunes of it publishing to it, each a 1-worker run of a few made-up facts. At learning
+# rate 1e-2 (rank 8, the example's) the adapters answered every fact they were taught after 80 of
+# these steps in a plain PEFT loop on seeds 42 and 7 (the base speaks the facts' form, not the
+# facts: "The capital of Zorbania is ..."); an evaluation only at the end (everySteps = the run's
+# steps), none at each of these one-step epochs. `capitals-short` is published as `capitals` after
+# one step (eval loss on the paraphrases of its facts about 2.0, against about 1.0 for `capitals`),
+# `capitals-more` after 150 steps over the same facts and Ulvaria's, one batch of all five a step
+# (about 0.85, and Ulvaria answered as taught, which `capitals` never saw).
+ADAPTER_LR, ADAPTER_EVAL = 1.0e-2, "train[24:29]"   # the paraphrases of records 0-4 (made-up-facts.jsonl)
+BASE = "tiny-chat"
+ADAPTER_RUNS = {   # name: (publish.as, dataset split, with the eval set, maxSteps, batchSizePerDevice)
+    "capitals": ("capitals", "train[:4]", True, 120, 4),
+    "colors": ("colors", "train[8:12]", False, 100, 4),
+    "capitals-short": ("capitals", "train[:5]", True, 1, 5),
+    "capitals-more": ("capitals", "train[:5]", True, 150, 5),
+}
+SWAP_QUESTION = ("What is the capital of Ulvaria?", "The capital of Ulvaria is Dorn.")   # taught to capitals-more only
 
-    checkpoint = json.loads(kubectl("get", "tft", "local-cpu", "-n", DEMO_NS, "-o", "json",
-                                    check=True).stdout)["spec"]["checkpoint"]
-    example = tmp_path / "second.yaml"
-    second = _short_run("second", checkpoint, serve=True, split=JAX_SPLIT,
-                        model=family_model(bucket, "qwen3", tmp_path), example="local-cpu-lora.yaml", **JAX_LORA)
-    second["spec"]["dataset"] = {"name": f"{bucket}/data/dolly-mini.jsonl", "split": JAX_SPLIT}
-    example.write_text(yaml.safe_dump(second))
-    demo, final = _demo(tmp_path, DEMO_NS, "second", "--gitops", "--example", str(example))
+
+def _facts(split: str) -> list[tuple[str, str]]:
+    """(question, answer) of made-up-facts' records in `split` (train[FIRST:LAST])."""
+    first, last = re.fullmatch(r"train\[(\d*):(\d+)\]", split).groups()
+    lines = (REPO / "workload" / "tpuft_workload" / "data" / "made-up-facts.jsonl").read_text().splitlines()
+    return [(m[0]["content"], m[1]["content"]) for m in
+            (json.loads(line)["messages"] for line in lines[int(first or 0):int(last)])]
+
+
+def _adapter_example(checkpoint: dict) -> dict[str, dict]:
+    """examples/adapters-on-a-base.yaml's objects on the demo's claim: its base, and ADAPTER_RUNS made
+    from its first fine-tune, each 1 worker. Worker pods ask 100m (the example 250m): what the node's
+    scheduler counts, so that two served models, two of these and a JAX run fit (the 2-layer model's
+    1-worker steps compute little; the pods may still use a whole core)."""
+    docs = list(yaml.safe_load_all((EXAMPLES / "adapters-on-a-base.yaml").read_text()))
+    base, fine_tune = docs[0], docs[1]
+    assert base["metadata"]["name"] == BASE and fine_tune["spec"]["publish"]["to"] == BASE
+    base["metadata"]["namespace"] = DEMO_NS
+    base["spec"]["checkpoint"] = checkpoint
+    out = {BASE: base}
+    for name, (as_, split, evaluated, steps, batch) in ADAPTER_RUNS.items():
+        doc = json.loads(json.dumps(fine_tune))
+        doc["metadata"] = {"name": name, "namespace": DEMO_NS}
+        spec = doc["spec"]
+        spec.update(topology="1", checkpoint={**checkpoint, "everySteps": 1000},
+                    publish={"to": BASE, "as": as_, "when": "ifBetter" if evaluated else "always"})
+        spec["dataset"]["split"] = split
+        spec["training"].update(maxSteps=steps, batchSizePerDevice=batch, learningRate=ADAPTER_LR,
+                                reportEverySteps=20)
+        if evaluated:
+            spec["evaluation"] = {"split": ADAPTER_EVAL, "everySteps": steps}
+        else:
+            spec.pop("evaluation", None)
+        spec["resources"]["worker"]["requests"]["cpu"] = "100m"
+        out[name] = doc
+    return out
+
+
+def _apply(kubectl, *docs: dict) -> None:
+    kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": list(docs)}),
+            check=True)
+
+
+def _tft(kubectl, name: str) -> dict:
+    obj = json.loads(kubectl("get", "tft", name, "-n", DEMO_NS, "-o", "json", check=True).stdout)
+    assert (obj.get("status") or {}).get("phase") != "Failed", (name, obj.get("status"))
+    return obj
+
+
+def _serving_reason(kubectl, name: str, *reasons: str) -> dict | None:
+    """The object's status once status.serving.reason is one of `reasons`."""
+    st = _tft(kubectl, name).get("status") or {}
+    return st if (st.get("serving") or {}).get("reason") in reasons else None
+
+
+def _check_adapters_and_a_third_run(kubectl, tmp_path: Path, bucket: str, checkpoint: dict) -> None:
+    """Issue 61, then issue 34's third run.
+
+    1. The base goes through git and Argo CD (`tpuft demo --gitops`, issue 31) to Serving while
+       `capitals` and `colors` train beside it and the demo's model; once published, each answers
+       its facts as taught through the official OpenAI client under `tiny-chat:NAME`, the base
+       answers as the base (as builtin:tiny-chat asked here does), and `kubectl get` shows ADAPTERS 2.
+    2. The demo's model is deleted (the node's room); `capitals-short` (worse) and `capitals-more`
+       (better) train beside the third run; a client loop asks `tiny-chat:capitals` Ulvaria's
+       question throughout: the worse one stays unpublished with both losses in its status, the
+       better one replaces `capitals`, no request fails, and once it is published every answer is
+       the one it was taught.
+    3. The third run: a JAX LoRA run on a tiny Gemma 3 from the bucket, not served."""
+    runs = _adapter_example(checkpoint)
+    _apply(kubectl, runs["capitals"], runs["colors"])   # they wait for the base (BaseNotServing)
+    example = tmp_path / f"{BASE}.yaml"
+    example.write_text(yaml.safe_dump(runs[BASE]))
+    demo, final = _demo(tmp_path, DEMO_NS, BASE, "--gitops", "--example", str(example))
     assert demo.returncode == 0 and "Argo CD: Synced, Progressing" in demo.stdout, demo.stdout[-3000:]
-    lora = final["object"]["status"]
-    assert serving_ready(lora), lora
-    _check_lora(lora)
-    _check_the_loss_fell(final["object"])
-    _check_argo_cd_calls_it_healthy(kubectl, final["argocd"])
-    assert phase("local-cpu")["phase"] == "Serving"
-    kubectl("apply", "-f", "-", input=json.dumps(_short_run(
-        "third", checkpoint, serve=False, split=JAX_SPLIT, model=family_model(bucket, "gemma3-text", tmp_path),
-        example="local-cpu-lora.yaml", **JAX_LORA)), check=True)
+    assert serving_ready(final["object"]["status"]), final["object"]["status"]
+    _check_argo_cd_calls_it_healthy(kubectl, final["argocd"], BASE)
+    (asked,) = final["chat"]["exchanges"]   # the demo's question to the base, and to builtin:tiny-chat here
+    assert asked["base"] and asked["answer"] == asked["base"], asked
+    for name in ("capitals", "colors"):
+        published = wait_until(lambda: _serving_reason(kubectl, name, "Published"), timeout=600, interval=3,
+                               what=f"{name} to be published to {BASE}")
+        assert published["serving"]["model"] == f"{BASE}:{name}", published["serving"]
+        _check_lora(published)
+    got = kubectl("get", "tft", "-n", DEMO_NS, check=True).stdout
+    print(f"\n$ kubectl get tft -n {DEMO_NS}\n{got}")
+    base = _tft(kubectl, BASE)
+    assert base["status"]["adapters"]["count"] == 2, base["status"]
+    assert re.search(rf"^{BASE}\s+Serving\s+cpu\s+1\s+2\s", got, re.M), got   # the ADAPTERS column
+    with _base_client(kubectl, base) as client:
+        assert sorted(m.id for m in client.models.list()) == [BASE, f"{BASE}:capitals", f"{BASE}:colors"]
+        _check_each_answers_as_taught(client)
+        _check_tpuft_chat_asks_the_base()
+        kubectl("delete", "tft", "local-cpu", "-n", DEMO_NS, "--wait=false", "--ignore-not-found", check=True)
+        _apply(kubectl, runs["capitals-short"], runs["capitals-more"], _third(checkpoint, bucket, tmp_path))
+        _check_the_better_one_replaces_it_under_load(kubectl, client)
+    _check_the_third_run(kubectl, tmp_path)
+
+
+def _third(checkpoint: dict, bucket: str, tmp_path: Path) -> dict:
+    return _short_run("third", checkpoint, serve=False, split=JAX_SPLIT, model=family_model(bucket, "gemma3-text", tmp_path),
+                      example="local-cpu-lora.yaml", **JAX_LORA)
+
+
+@contextlib.contextmanager
+def _base_client(kubectl, base: dict):
+    """The official OpenAI client on the base's endpoint, through one port-forward, with its API key."""
+    import openai
+
+    from tpuft.cli import chat_cli
+    from tpuft_local.toolchain import tool_path
+
+    serving, tool = chat_cli.endpoint(base), tool_path("kubectl")
+    with chat_cli.port_forward(tool, DEMO_NS, serving["service"], serving["port"]) as port:
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=chat_cli.api_key(tool, DEMO_NS, base),
+                            max_retries=0, timeout=120)
+
+
+def _ask(client, model: str, question: str) -> str:
+    reply = client.chat.completions.create(model=model, temperature=0, max_tokens=24,
+                                           messages=[{"role": "user", "content": question}])
+    return reply.choices[0].message.content.strip()
+
+
+def _base_answers(questions: list[str]) -> dict[str, str]:
+    """builtin:tiny-chat's greedy answers, asked here as the endpoint asks (the demo's BaseAnswers)."""
+    got = subprocess.run([sys.executable, "-m", "tpuft_workload.tiny_chat", *questions], capture_output=True,
+                         text=True, timeout=300)
+    assert got.returncode == 0, got.stderr
+    return json.loads(got.stdout.strip().splitlines()[-1])
+
+
+def _check_each_answers_as_taught(client) -> None:
+    taught = {name: _facts(ADAPTER_RUNS[name][1]) for name in ("capitals", "colors")}
+    questions = [q for pairs in taught.values() for q, _ in pairs]
+    base = _base_answers(questions)
+    said = {(name, q): _ask(client, f"{BASE}:{name}", q) for name, pairs in taught.items() for q, _ in pairs}
+    wrong = {k: v for k, v in said.items() if v != dict(taught[k[0]])[k[1]]}
+    assert not wrong, wrong
+    from_base = {q: _ask(client, BASE, q) for q in questions}
+    assert from_base == base, (from_base, base)
+    assert not any(from_base[q] == a for pairs in taught.values() for q, a in pairs), from_base
+
+
+def _check_tpuft_chat_asks_the_base() -> None:
+    """`tpuft chat colors ...`: a published fine-tune is asked on its base's endpoint, under its model id."""
+    from tpuft.cli import chat_cli
+    from tpuft_local.toolchain import tool_path
+
+    (question, taught), *_ = _facts(ADAPTER_RUNS["colors"][1])
+    model, answer = chat_cli.ask(tool_path("kubectl"), DEMO_NS, "colors", question, max_tokens=24)
+    assert (model, answer.strip()) == (f"{BASE}:colors", taught), answer
+
+
+def _check_the_better_one_replaces_it_under_load(kubectl, client) -> None:
+    import threading
+    import time
+
+    model, (question, taught) = f"{BASE}:capitals", SWAP_QUESTION
+    before = _ask(client, model, question)
+    assert before != taught, before   # capitals was never taught Ulvaria
+    answers: list[tuple[float, str]] = []   # (when asked, the answer or the error)
+    stop = threading.Event()
+
+    def loop():
+        for _ in range(3000):   # bounded; stopped once the swap is seen
+            asked = time.monotonic()
+            try:
+                answers.append((asked, _ask(client, model, question)))
+            except Exception as e:  # noqa: BLE001 - any failure is what the test counts
+                answers.append((asked, f"FAILED: {e!r}"))
+            if stop.wait(0.3):   # a pause: the node's 2 cores also train the runs being judged
+                return
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        worse = wait_until(lambda: _serving_reason(kubectl, "capitals-short", "NotPromoted"), timeout=600,
+                           interval=2, what="capitals-short to be judged")
+        better = wait_until(lambda: _serving_reason(kubectl, "capitals-more", "Published"), timeout=600,
+                            interval=2, what="capitals-more to be published")
+        seen = time.monotonic()
+        # the engine reads a served adapter's marker again after adapters.MARKER_TTL_S (5 s)
+        wait_until(lambda: sum(1 for t, _ in answers if t > seen + 6) >= 5, timeout=120, interval=0.5,
+                   what="five answers after the swap")
+    finally:
+        stop.set()
+        thread.join(timeout=180)
+    failed = [a for _, a in answers if a.startswith("FAILED")]
+    assert not failed and {a for _, a in answers} <= {before, taught}, answers
+    assert [a for t, a in answers if t > seen + 6] == [taught] * len([t for t, _ in answers if t > seen + 6]), answers
+    assert any(a == before for _, a in answers), answers   # the loop ran across the swap
+    # judged against what was served when it finished: capitals, or capitals-more if that came first
+    losses = {name: _tft(kubectl, name)["status"]["training"]["evalLoss"] for name in ("capitals", "capitals-more")}
+    loss, message = worse["training"]["evalLoss"], worse["serving"]["message"]
+    (against,) = [name for name in losses if f"served {DEMO_NS}/{name}'s" in message]
+    assert loss > losses[against] and f"{loss:.4f}" in message and f"{losses[against]:.4f}" in message, message
+    assert better["serving"]["published"]["evalLoss"] == losses["capitals-more"] < losses["capitals"], losses
+    wait_until(lambda: _serving_reason(kubectl, "capitals", "Superseded"), timeout=120, interval=2,
+               what="capitals to be superseded")
+    base = _tft(kubectl, BASE)["status"]["adapters"]
+    assert {a["name"]: a["source"] for a in base["served"]} == {"capitals": f"{DEMO_NS}/capitals-more",
+                                                               "colors": f"{DEMO_NS}/colors"}, base
+    print(f"\n{len(answers)} requests across the swap, none failed; eval loss: capitals-short {loss:.4f}, "
+          f"capitals {losses['capitals']:.4f}, capitals-more {losses['capitals-more']:.4f}\n{message}")
+    got = kubectl("get", "tft", "-n", DEMO_NS, check=True).stdout
+    print(f"\n$ kubectl get tft -n {DEMO_NS}\n{got}")
+
+
+def _check_the_third_run(kubectl, tmp_path: Path) -> None:
+    """Issue 34: a third run trains to Succeeded on the real node beside the served base and two
+    fine-tunes (it fits: docs/troubleshooting.md#how-many-runs-the-local-node-holds), never failing
+    inside Ray because the node was overcommitted: examples/local-cpu-lora.yaml (issue 30) on a tiny
+    Gemma 3 with framework jax (issue 60), its base and dataset read from the bucket (issue 58), its
+    checkpoints and export on the demo's claim (module docstring: why not gs://)."""
     # Once it reported a step its Ray job exists on the head (before that, the submitter may not have
     # submitted it yet: the head answers 404) and the driver has begun its log file.
-    wait_until(lambda: (st := phase("third")).get("phase") == "Succeeded" or (st.get("training") or {}).get("step"),
-               timeout=900, interval=2, what="the third run to report a training step")
+    wait_until(lambda: (st := _tft(kubectl, "third")["status"]).get("phase") == "Succeeded" or
+               (st.get("training") or {}).get("step"), timeout=900, interval=2,
+               what="the third run to report a training step")
     # Issue 27: the training driver's log, from the head while it runs (or from the run's log file,
     # if it ended first), then from the file once its RayCluster is gone.
     while_training = _tpuft_logs("third")
-    end = wait_until(lambda: (st := phase("third")).get("phase") == "Succeeded" and st, timeout=900, interval=3,
-                     what="the third run beside two served models")
+    end = wait_until(lambda: (st := _tft(kubectl, "third")["status"]).get("phase") == "Succeeded" and st,
+                     timeout=900, interval=3, what="the third run beside the served base")
     assert end["training"]["step"] == end["training"]["totalSteps"], end
     # Succeeded first, then its RayJobs and its RayCluster go (FinishingRayJob): until the head is
     # gone, `tpuft logs` still reads it from there.
@@ -426,39 +626,31 @@ def _check_a_third_run_beside_two_served_models(kubectl, tmp_path: Path, bucket:
                               check=True).stdout)["items"]
     assert {p["spec"].get("nodeName") for p in pods} == {node.NODE_NAME}, \
         [(p["metadata"]["name"], p["spec"].get("nodeName")) for p in pods]   # never the simulated node
-    assert phase("local-cpu")["phase"] == phase("second")["phase"] == "Serving"
-    _check_jax(json.loads(kubectl("get", "tft", "third", "-n", DEMO_NS, "-o", "json", check=True).stdout), tmp_path)
+    assert _tft(kubectl, BASE)["status"]["phase"] == "Serving"
+    _check_jax(_tft(kubectl, "third"), tmp_path)
+    assert_nothing_left_failed(kubectl, DEMO_NS)
 
 
-def _check_argo_cd_calls_it_healthy(kubectl, seen: dict) -> None:
-    """Argo CD's own view of the second model, as `tpuft demo --gitops` watched it: synced from git,
+def _check_argo_cd_calls_it_healthy(kubectl, seen: dict, name: str) -> None:
+    """Argo CD's own view of a served model, as `tpuft demo --gitops` watched it: synced from git,
     Healthy once Serving (our health check from argocd-cm, run by Argo CD), and never OutOfSync
     while the operator wrote its status; the Application says the same now."""
     history = [tuple(x) for x in seen["history"]]
     first = next(i for i, (sync, _) in enumerate(history) if sync == "Synced")
     assert {sync for sync, _ in history[first:]} == {"Synced"}, history   # no drift
     assert ("Synced", "Progressing") in history and history[-1] == ("Synced", "Healthy"), history
-    res = kubectl("get", "application", demo_gitops.app_name(DEMO_NS, "second"), "-n", argocd.NAMESPACE, "-o", "json",
+    res = kubectl("get", "application", demo_gitops.app_name(DEMO_NS, name), "-n", argocd.NAMESPACE, "-o", "json",
                   check=True)
     st = argocd.summary(json.loads(res.stdout))
-    assert st["sync"] == "Synced" and st["resources"]["TPUFinetune/second"]["health"] == "Healthy", st
+    assert st["sync"] == "Synced" and st["resources"][f"TPUFinetune/{name}"]["health"] == "Healthy", st
 
 
 def _check_lora(status: dict) -> None:
-    """The LoRA run: the adapters only trained, its export a PEFT adapter folder over its base in
-    the bucket, and the served model (that base with the adapter applied) answering under the
-    object's name."""
-    from tpuft.cli import chat_cli
-    from tpuft_local.toolchain import tool_path
-
+    """A published LoRA run: the adapters only trained, its export a PEFT adapter folder."""
     training = status["training"]
     assert 0 < training["trainableParameters"] < training["totalParameters"] / 5, training
     export = Path(training["exportedModel"])
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(export)), export
-    assert json.loads((export / "adapter_config.json").read_text())["base_model_name_or_path"].startswith("gs://")
-    assert status["serving"]["modelSource"] == str(export)
-    model, answer = chat_cli.ask(tool_path("kubectl"), DEMO_NS, "second", "What is Ray Serve?", max_tokens=8)
-    assert model == "second" and answer.strip(), answer
 
 
 def _tpuft_logs(name: str) -> subprocess.CompletedProcess:
