@@ -80,7 +80,7 @@ FAST = (_pytest("fast (unit)", "tests/unit"),
                 "tests/images/test_operator_wheel.py"))
 # Started beside the fast tiers and not waited for by the lanes that do not need it: warm, it takes
 # a minute (mostly waiting on processes and image imports); cold, it builds for some 25 minutes.
-# With Argo CD (tests/cluster/test_argocd.py, and the demo's second model comes through it).
+# With Argo CD (tests/cluster/test_argocd.py, and the demo test's served base comes through it).
 CLUSTER_UP = Tier("cluster up", (PY, "-m", "tpuft.cli", "cluster", "up", "--argocd"), pytest=False)
 # What an earlier session left running on the cluster (its state outlives `down`), deleted before
 # any cluster test starts: see tests/leftovers.py.

@@ -12,8 +12,8 @@ Provisioning/VerifyingCollectives), through what a GitOps user meets:
    fails with the API server's field messages, neither exists, `slice` is untouched; the fix pushed
    next is what Argo CD's retry applies;
 4. `slice`'s file deleted: prune deletes it and, through owner references, its RayCluster.
-Healthy (a Serving object, Argo CD's evaluation) is tests/cluster/test_demo.py's second model, which
-the demo test syncs through Argo CD.
+Healthy (a Serving object, Argo CD's evaluation) is tests/cluster/test_demo.py's served base for
+adapters, which the demo test syncs through Argo CD.
 """
 from __future__ import annotations
 

@@ -43,6 +43,7 @@ from tests.paths import EXAMPLES, REPO
 from tests.waiting import wait_until
 from tpuft.controller.observed import serving_ready
 from tpuft_local import argocd, demo_gitops, node
+from tpuft_local.demo import BUILTIN_CHAT_MODEL as BASE_MODEL, BaseAnswers
 
 def phases_in_order(epochs: int, verified: bool, served: bool) -> list[str]:
     return ["phase Provisioning", *(["phase VerifyingCollectives", "verification: passed"] if verified else []),
@@ -460,6 +461,8 @@ def _check_adapters_and_a_third_run(kubectl, tmp_path: Path, bucket: str, checkp
     3. The third run: a JAX LoRA run on a tiny Gemma 3 from the bucket, not served."""
     runs = _adapter_example(checkpoint)
     _apply(kubectl, runs["capitals"], runs["colors"])   # they wait for the base (BaseNotServing)
+    # builtin:tiny-chat's own answers, asked here (in a child process, as the demo asks the base) meanwhile
+    base_answers = BaseAnswers({"spec": {"model": BASE_MODEL}}, [q for pairs in TAUGHT.values() for q, _ in pairs])
     example = tmp_path / f"{BASE}.yaml"
     example.write_text(yaml.safe_dump(runs[BASE]))
     demo, final = _demo(tmp_path, DEMO_NS, BASE, "--gitops", "--example", str(example))
@@ -480,7 +483,9 @@ def _check_adapters_and_a_third_run(kubectl, tmp_path: Path, bucket: str, checkp
     assert re.search(rf"^{BASE}\s+Serving\s+cpu\s+1\s+2\s", got, re.M), got   # the ADAPTERS column
     with _base_client(kubectl, base) as client:
         assert sorted(m.id for m in client.models.list()) == [BASE, f"{BASE}:capitals", f"{BASE}:colors"]
-        _check_each_answers_as_taught(client)
+        answers, why = base_answers.collect()
+        assert answers, why
+        _check_each_answers_as_taught(client, answers)
         _check_tpuft_chat_asks_the_base()
         kubectl("delete", "tft", "local-cpu", "-n", DEMO_NS, "--wait=false", "--ignore-not-found", check=True)
         _apply(kubectl, runs["capitals-short"], runs["capitals-more"], _third(checkpoint, bucket, tmp_path))
@@ -513,18 +518,14 @@ def _ask(client, model: str, question: str) -> str:
     return reply.choices[0].message.content.strip()
 
 
-def _base_answers(questions: list[str]) -> dict[str, str]:
-    """builtin:tiny-chat's greedy answers, asked here as the endpoint asks (the demo's BaseAnswers)."""
-    got = subprocess.run([sys.executable, "-m", "tpuft_workload.tiny_chat", *questions], capture_output=True,
-                         text=True, timeout=300)
-    assert got.returncode == 0, got.stderr
-    return json.loads(got.stdout.strip().splitlines()[-1])
+TAUGHT = {name: _facts(ADAPTER_RUNS[name][1]) for name in ("capitals", "colors")}
 
 
-def _check_each_answers_as_taught(client) -> None:
-    taught = {name: _facts(ADAPTER_RUNS[name][1]) for name in ("capitals", "colors")}
+def _check_each_answers_as_taught(client, base: dict[str, str]) -> None:
+    """Each adapter answers what it was taught; the base (model id tiny-chat) answers each question as
+    builtin:tiny-chat asked here does (`base`), none as taught."""
+    taught = TAUGHT
     questions = [q for pairs in taught.values() for q, _ in pairs]
-    base = _base_answers(questions)
     said = {(name, q): _ask(client, f"{BASE}:{name}", q) for name, pairs in taught.items() for q, _ in pairs}
     wrong = {k: v for k, v in said.items() if v != dict(taught[k[0]])[k[1]]}
     assert not wrong, wrong
