@@ -115,10 +115,9 @@ def cluster_bucket(local_cluster, tmp_path, monkeypatch) -> str:
     return uri
 
 
-# Each family's documented turn format (the chat template shipped with its instruct checkpoints,
-# less tool calls and Qwen 3's thinking switch), and the turn markers its tokenizer holds as
-# special tokens, and its role names (words dolly-mini's vocabulary lacks). Gemma 3 folds a system message into the first user turn; Qwen 3 is ChatML with no
-# default system prompt.
+# Each family's documented turn format (the chat template shipped with its instruct checkpoints, less
+# tool calls), the turn markers its tokenizer holds as special tokens, and its role names (words
+# dolly-mini's vocabulary lacks). Gemma 3 folds a system message into the first user turn.
 FAMILY_CHAT = {
     "gemma3-text": (
         "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set first = messages[0]['content'] + '\n\n' %}"
@@ -127,10 +126,6 @@ FAMILY_CHAT = {
         "<start_of_turn>{{ role }}\n{{ (first if loop.first else '') + m['content'] | trim }}<end_of_turn>\n"
         "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}",
         ("<start_of_turn>", "<end_of_turn>"), ("user", "model")),
-    "qwen3": (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
-        ("<|im_start|>", "<|im_end|>"), ("system", "user", "assistant")),
 }
 
 
