@@ -30,6 +30,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -373,55 +374,71 @@ def _short_run(name: str, checkpoint: dict, serve: bool, split: str, model: str,
 
 
 # Issue 61: a served base (examples/adapters-on-a-base.yaml's tiny-chat, training.method none) and
-# LoRA fine-tunes of it publishing to it, each a 1-worker run of a few made-up facts. At learning
-# rate 1e-2 (rank 8, the example's) the adapters answered every fact they were taught after 80 of
-# these steps in a plain PEFT loop on seeds 42 and 7 (the base speaks the facts' form, not the
-# facts: "The capital of Zorbania is ..."); an evaluation only at the end (everySteps = the run's
-# steps), none at each of these one-step epochs. `capitals-short` is published as `capitals` after
-# one step (eval loss on the paraphrases of its facts about 2.0, against about 1.0 for `capitals`),
-# `capitals-more` after 150 steps over the same facts and Ulvaria's, one batch of all five a step
-# (about 0.85, and Ulvaria answered as taught, which `capitals` never saw).
-ADAPTER_LR, ADAPTER_EVAL = 1.0e-2, "train[24:29]"   # the paraphrases of records 0-4 (made-up-facts.jsonl)
+# LoRA fine-tunes of it publishing to it, each a 1-worker run of a few made-up facts
+# (made-up-facts.jsonl), rank 8 and learning rate 1e-2. Each fact is written REPEAT times into one
+# file in the bucket, so that an epoch is many steps: every epoch's end is a checkpoint and a report,
+# and a report waits for Ray Train's controller to poll it (every 2 s). 80 one-step epochs took 160 s
+# on the node; 4 epochs of 20 steps train the same 80 steps in seconds. On the node (the base alone
+# on it), `capitals` at 80 steps answered 3 of its 4 facts (Keshet's city under Zorbania's name), at
+# 120 all 4; `colors` all 4 at 80. `capitals-short` is published as `capitals` after one step (eval
+# loss on the paraphrases of facts 0-4 about 2.0), `capitals-more` after 150 steps over the same
+# four facts and Ulvaria's (below `capitals`, and Ulvaria answered as taught, which `capitals` never saw).
+ADAPTER_LR, REPEAT = 1.0e-2, 20
+ADAPTER_EVAL = {"name": "builtin:made-up-facts", "split": "train[24:29]"}   # the paraphrases of facts 0-4
 BASE = "tiny-chat"
-ADAPTER_RUNS = {   # name: (publish.as, dataset split, with the eval set, maxSteps, batchSizePerDevice)
-    "capitals": ("capitals", "train[:4]", True, 120, 4),
-    "colors": ("colors", "train[8:12]", False, 100, 4),
-    "capitals-short": ("capitals", "train[:5]", True, 1, 5),
-    "capitals-more": ("capitals", "train[:5]", True, 150, 5),
+FACTS = {"capitals": (0, 1, 2, 3, 4), "colors": (8, 9, 10, 11)}   # a file's facts, by record, in order
+ADAPTER_RUNS = {   # name: (publish.as, file, split, with the eval set, epochs, maxSteps)
+    "capitals": ("capitals", "capitals", f"train[:{4 * REPEAT}]", True, 6, None),
+    "colors": ("colors", "colors", f"train[:{4 * REPEAT}]", False, 4, None),
+    "capitals-short": ("capitals", "capitals", f"train[:{5 * REPEAT}]", True, 1, 1),
+    "capitals-more": ("capitals", "capitals", f"train[:{5 * REPEAT}]", True, 6, None),
 }
-SWAP_QUESTION = ("What is the capital of Ulvaria?", "The capital of Ulvaria is Dorn.")   # taught to capitals-more only
 
 
-def _facts(split: str) -> list[tuple[str, str]]:
-    """(question, answer) of made-up-facts' records in `split` (train[FIRST:LAST])."""
-    first, last = re.fullmatch(r"train\[(\d*):(\d+)\]", split).groups()
+def _fact(record: int) -> tuple[str, str]:
+    """(question, answer) of made-up-facts.jsonl's record `record`."""
+    line = (REPO / "workload" / "tpuft_workload" / "data" / "made-up-facts.jsonl").read_text().splitlines()[record]
+    user, assistant = json.loads(line)["messages"]
+    return user["content"], assistant["content"]
+
+
+TAUGHT = {"capitals": [_fact(r) for r in FACTS["capitals"][:4]], "colors": [_fact(r) for r in FACTS["colors"]]}
+SWAP_QUESTION = _fact(FACTS["capitals"][4])   # Ulvaria's: taught to capitals-more only
+
+
+def _upload_facts(bucket: str) -> None:
+    """gs://BUCKET/data/NAME.jsonl: each of FACTS[NAME]'s records REPEAT times, one after another."""
+    from tpuft_workload import checkpoint as storage
+
     lines = (REPO / "workload" / "tpuft_workload" / "data" / "made-up-facts.jsonl").read_text().splitlines()
-    return [(m[0]["content"], m[1]["content"]) for m in
-            (json.loads(line)["messages"] for line in lines[int(first or 0):int(last)])]
+    for name, records in FACTS.items():
+        storage.write_bytes(f"{bucket}/data/{name}.jsonl",
+                            "".join(f"{lines[r]}\n" * REPEAT for r in records).encode())
 
 
-def _adapter_example(checkpoint: dict) -> dict[str, dict]:
+def _adapter_example(checkpoint: dict, bucket: str) -> dict[str, dict]:
     """examples/adapters-on-a-base.yaml's objects on the demo's claim: its base, and ADAPTER_RUNS made
-    from its first fine-tune, each 1 worker. Worker pods ask 100m (the example 250m): what the node's
-    scheduler counts, so that two served models, two of these and a JAX run fit (the 2-layer model's
-    1-worker steps compute little; the pods may still use a whole core)."""
+    from its first fine-tune, each 1 worker, its data from the bucket. Worker pods ask 100m (the
+    example 250m): what the node's scheduler counts, so that two served models, two of these and a
+    JAX run fit (the 2-layer model's 1-worker steps compute little; the pods may still use a whole core)."""
     docs = list(yaml.safe_load_all((EXAMPLES / "adapters-on-a-base.yaml").read_text()))
     base, fine_tune = docs[0], docs[1]
     assert base["metadata"]["name"] == BASE and fine_tune["spec"]["publish"]["to"] == BASE
     base["metadata"]["namespace"] = DEMO_NS
     base["spec"]["checkpoint"] = checkpoint
     out = {BASE: base}
-    for name, (as_, split, evaluated, steps, batch) in ADAPTER_RUNS.items():
+    for name, (as_, file, split, evaluated, epochs, steps) in ADAPTER_RUNS.items():
         doc = json.loads(json.dumps(fine_tune))
         doc["metadata"] = {"name": name, "namespace": DEMO_NS}
         spec = doc["spec"]
         spec.update(topology="1", checkpoint={**checkpoint, "everySteps": 1000},
+                    dataset={"name": f"{bucket}/data/{file}.jsonl", "split": split},
                     publish={"to": BASE, "as": as_, "when": "ifBetter" if evaluated else "always"})
-        spec["dataset"]["split"] = split
-        spec["training"].update(maxSteps=steps, batchSizePerDevice=batch, learningRate=ADAPTER_LR,
-                                reportEverySteps=20)
+        spec["training"].update(epochs=epochs, batchSizePerDevice=4, learningRate=ADAPTER_LR, reportEverySteps=20)
+        if steps:
+            spec["training"]["maxSteps"] = steps
         if evaluated:
-            spec["evaluation"] = {"split": ADAPTER_EVAL, "everySteps": steps}
+            spec["evaluation"] = dict(ADAPTER_EVAL)
         else:
             spec.pop("evaluation", None)
         spec["resources"]["worker"]["requests"]["cpu"] = "100m"
@@ -430,8 +447,17 @@ def _adapter_example(checkpoint: dict) -> dict[str, dict]:
 
 
 def _apply(kubectl, *docs: dict) -> None:
-    kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": list(docs)}),
-            check=True)
+    """kubectl apply, once more (bounded) when the API server did not answer in time: under the
+    node's load (two served models, runs starting) an apply once got `Error from server (Timeout)`."""
+    from tpuft_local.cluster import transient
+
+    body = json.dumps({"apiVersion": "v1", "kind": "List", "items": list(docs)})
+    for attempt in range(3):
+        res = kubectl("apply", "-f", "-", input=body)
+        if res.returncode == 0 or attempt == 2 or not transient(res.stderr):
+            assert res.returncode == 0, res.stderr
+            return
+        time.sleep(5)
 
 
 def _tft(kubectl, name: str) -> dict:
@@ -459,7 +485,8 @@ def _check_adapters_and_a_third_run(kubectl, tmp_path: Path, bucket: str, checkp
        better one replaces `capitals`, no request fails, and once it is published every answer is
        the one it was taught.
     3. The third run: a JAX LoRA run on a tiny Gemma 3 from the bucket, not served."""
-    runs = _adapter_example(checkpoint)
+    _upload_facts(bucket)
+    runs = _adapter_example(checkpoint, bucket)
     _apply(kubectl, runs["capitals"], runs["colors"])   # they wait for the base (BaseNotServing)
     # builtin:tiny-chat's own answers, asked here (in a child process, as the demo asks the base) meanwhile
     base_answers = BaseAnswers({"spec": {"model": BASE_MODEL}}, [q for pairs in TAUGHT.values() for q, _ in pairs])
@@ -518,9 +545,6 @@ def _ask(client, model: str, question: str) -> str:
     return reply.choices[0].message.content.strip()
 
 
-TAUGHT = {name: _facts(ADAPTER_RUNS[name][1]) for name in ("capitals", "colors")}
-
-
 def _check_each_answers_as_taught(client, base: dict[str, str]) -> None:
     """Each adapter answers what it was taught; the base (model id tiny-chat) answers each question as
     builtin:tiny-chat asked here does (`base`), none as taught."""
@@ -539,14 +563,13 @@ def _check_tpuft_chat_asks_the_base() -> None:
     from tpuft.cli import chat_cli
     from tpuft_local.toolchain import tool_path
 
-    (question, taught), *_ = _facts(ADAPTER_RUNS["colors"][1])
+    (question, taught), *_ = TAUGHT["colors"]
     model, answer = chat_cli.ask(tool_path("kubectl"), DEMO_NS, "colors", question, max_tokens=24)
     assert (model, answer.strip()) == (f"{BASE}:colors", taught), answer
 
 
 def _check_the_better_one_replaces_it_under_load(kubectl, client) -> None:
     import threading
-    import time
 
     model, (question, taught) = f"{BASE}:capitals", SWAP_QUESTION
     before = _ask(client, model, question)
