@@ -38,19 +38,7 @@ from tpuft_local.toolchain import (ARGOCD_COMMANDS, OPTIONAL_TOOLS, TOOLS, VERSI
 
 REPO = Path(__file__).resolve().parents[2]
 
-APPLY_ATTEMPTS = 3
 PROVREQ_CRD = "provisioningrequests.autoscaling.x-k8s.io"   # cluster-autoscaler's API, Kueue's dependency
-APPLY_RETRY_WAIT_S = 5.0
-# kubectl's words for an API server that was too slow or not listening, as opposed to a refusal
-_TRANSIENT = ("Client.Timeout exceeded", "i/o timeout", "connection refused", "TLS handshake timeout",
-              "the server is currently unable to handle the request", "etcdserver: request timed out",
-              "context deadline exceeded", "http2: client connection lost")
-
-
-def transient(kubectl_error: str) -> bool:
-    """kubectl failed because the API server did not answer in time (worth one more try), not because
-    it refused what was sent."""
-    return any(t in kubectl_error for t in _TRANSIENT)
 
 
 class ClusterError(RuntimeError):
@@ -142,19 +130,12 @@ class LocalCluster:
         self.apply_retrying("--server-side", "--force-conflicts", "--field-manager=tpuft-local", "-f", "-",
                             input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
 
-    def apply_retrying(self, *args: str, input: str | None = None, attempts: int = APPLY_ATTEMPTS) -> None:
-        """`kubectl apply` (idempotent, so a retry is safe), again while the API server is too slow to
-        answer: one busy beside a whole CI run once left kubectl's schema download without headers for
-        32 s and the cluster did not come up."""
-        for attempt in range(1, attempts + 1):
-            res = self.kubectl("apply", *args, check=False, input=input)
-            if res.returncode == 0:
-                return
-            error = res.stderr.strip() or res.stdout.strip()
-            if attempt == attempts or not transient(error):
-                raise ClusterError(f"`kubectl apply {' '.join(args)}` failed (attempt {attempt} of {attempts}): {error}")
-            say(f"kubectl apply: the API server did not answer in time (attempt {attempt} of {attempts}); again")
-            time.sleep(APPLY_RETRY_WAIT_S)
+    def apply_retrying(self, *args: str, input: str | None = None) -> None:
+        """`kubectl apply`, again while the API server is too slow to answer (ControlPlane.kubectl_retrying)."""
+        try:
+            self.cp.kubectl_retrying("apply", *args, input=input)
+        except ControlPlaneError as e:
+            raise ClusterError(str(e)) from None
 
     def _start(self, name: str, argv: list[str], ready, timeout: float = 90, env: dict | None = None) -> None:
         comp = _comp(name)
@@ -364,7 +345,10 @@ class LocalCluster:
         # earlier `up` made (the state outlives `down`) still name none, or another port.
         endpoint = json.dumps({"status": {"daemonEndpoints": {"kubeletEndpoint": {"Port": port}}}})
         for name in names:
-            self.kubectl("patch", "node", name, "--subresource=status", "--type=merge", "-p", endpoint, check=True)
+            try:
+                self.cp.kubectl_retrying("patch", "node", name, "--subresource=status", "--type=merge", "-p", endpoint)
+            except ControlPlaneError as e:
+                raise ClusterError(str(e)) from None
 
     def _kuberay(self) -> None:
         crds = kuberay_crd_dir()

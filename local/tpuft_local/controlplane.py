@@ -58,6 +58,20 @@ KCM_CONTROLLERS = os.environ.get("TPUFT_KCM_CONTROLLERS") or ",".join([
 KUBERAY_CRDS = ("ray.io_rayclusters.yaml", "ray.io_rayjobs.yaml", "ray.io_rayservices.yaml")
 
 
+# kubectl's words for an API server that was too slow or not listening, as opposed to a refusal
+_TRANSIENT = ("Client.Timeout exceeded", "i/o timeout", "connection refused", "TLS handshake timeout",
+              "the server is currently unable to handle the request", "etcdserver: request timed out",
+              "context deadline exceeded", "http2: client connection lost", "Error from server (Timeout)")
+RETRY_ATTEMPTS = 3
+RETRY_WAIT_S = 5.0
+
+
+def transient(kubectl_error: str) -> bool:
+    """kubectl failed because the API server did not answer in time (worth one more try), not because
+    it refused what was sent."""
+    return any(t in kubectl_error for t in _TRANSIENT)
+
+
 class ControlPlaneError(RuntimeError):
     """A component failed to start or a kubectl call failed; the message says where to look."""
 
@@ -346,12 +360,30 @@ class ControlPlane:
                                     f"{res.stderr.strip() or res.stdout.strip()}")
         return res
 
+    def kubectl_retrying(self, *args: str, input: str | None = None,
+                         attempts: int = RETRY_ATTEMPTS) -> subprocess.CompletedProcess:
+        """An idempotent kubectl command (apply, patch), again while the API server is too slow to
+        answer: one busy beside a whole CI run once left kubectl's schema download without headers
+        for 32 s, and a CRD's server-side apply beside five Ray clusters on the node hit the API
+        server's own 60 s request timeout. ControlPlaneError after the last attempt or a refusal."""
+        for attempt in range(1, attempts + 1):
+            res = self.kubectl(*args, input=input)
+            if res.returncode == 0:
+                return res
+            error = res.stderr.strip() or res.stdout.strip()
+            if attempt == attempts or not transient(error):
+                raise ControlPlaneError(f"`kubectl {' '.join(map(str, args))}` failed (attempt {attempt} of "
+                                        f"{attempts}): {error}")
+            say(f"kubectl {args[0]}: the API server did not answer in time (attempt {attempt} of {attempts}); again")
+            time.sleep(RETRY_WAIT_S)
+        raise AssertionError("unreachable")
+
     def install_crds(self, paths, timeout: float = 120) -> list[str]:
         """Server-side apply each CRD file, then wait until every CRD is Established. Returns CRD names."""
         names: list[str] = []
         for path in paths:
-            res = self.kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=tpuft",
-                               "-f", str(path), "-o", "name", check=True)
+            res = self.kubectl_retrying("apply", "--server-side", "--force-conflicts", "--field-manager=tpuft",
+                                        "-f", str(path), "-o", "name")
             names += [n for n in res.stdout.split() if n.startswith("customresourcedefinition")]
         # Poll rather than `kubectl wait`, which errors out while .status.conditions is still unset.
         deadline, pending = time.monotonic() + timeout, list(names)

@@ -446,18 +446,13 @@ def _adapter_example(checkpoint: dict, bucket: str) -> dict[str, dict]:
     return out
 
 
-def _apply(kubectl, *docs: dict) -> None:
-    """kubectl apply, once more (bounded) when the API server did not answer in time: under the
-    node's load (two served models, runs starting) an apply once got `Error from server (Timeout)`."""
-    from tpuft_local.cluster import transient
+def _apply(*docs: dict) -> None:
+    """kubectl apply, again while the API server is too slow to answer: under the node's load (two
+    served models, runs starting) an apply once got `Error from server (Timeout)`."""
+    from tpuft_local.cluster import LocalCluster
 
-    body = json.dumps({"apiVersion": "v1", "kind": "List", "items": list(docs)})
-    for attempt in range(3):
-        res = kubectl("apply", "-f", "-", input=body)
-        if res.returncode == 0 or attempt == 2 or not transient(res.stderr):
-            assert res.returncode == 0, res.stderr
-            return
-        time.sleep(5)
+    LocalCluster().cp.kubectl_retrying("apply", "-f", "-", input=json.dumps(
+        {"apiVersion": "v1", "kind": "List", "items": list(docs)}))
 
 
 def _tft(kubectl, name: str) -> dict:
@@ -487,7 +482,7 @@ def _check_adapters_and_a_third_run(kubectl, tmp_path: Path, bucket: str, checkp
     3. The third run: a JAX LoRA run on a tiny Gemma 3 from the bucket, not served."""
     _upload_facts(bucket)
     runs = _adapter_example(checkpoint, bucket)
-    _apply(kubectl, runs["capitals"], runs["colors"])   # they wait for the base (BaseNotServing)
+    _apply(runs["capitals"], runs["colors"])   # they wait for the base (BaseNotServing)
     # builtin:tiny-chat's own answers, asked here (in a child process, as the demo asks the base) meanwhile
     base_answers = BaseAnswers({"spec": {"model": BASE_MODEL}}, [q for pairs in TAUGHT.values() for q, _ in pairs])
     example = tmp_path / f"{BASE}.yaml"
@@ -515,7 +510,7 @@ def _check_adapters_and_a_third_run(kubectl, tmp_path: Path, bucket: str, checkp
         _check_each_answers_as_taught(client, answers)
         _check_tpuft_chat_asks_the_base()
         kubectl("delete", "tft", "local-cpu", "-n", DEMO_NS, "--wait=false", "--ignore-not-found", check=True)
-        _apply(kubectl, runs["capitals-short"], runs["capitals-more"], _third(checkpoint, bucket, tmp_path))
+        _apply(runs["capitals-short"], runs["capitals-more"], _third(checkpoint, bucket, tmp_path))
         _check_the_better_one_replaces_it_under_load(kubectl, client)
     _check_the_third_run(kubectl, tmp_path)
 

@@ -49,24 +49,28 @@ def test_cpu_path_never_imports_torch_tpu():
     assert "torch_tpu" not in sys.modules
 
 
-def test_the_driver_turns_ray_train_s_preemption_watcher_off_and_ray_train_passes_that_on(monkeypatch):
+def test_the_driver_turns_ray_train_s_preemption_watcher_off_polls_every_half_second_and_ray_train_passes_both_on(
+        monkeypatch):
     """Ray Train's PreemptionWatcher is an actor process in some worker pod (about 110 MiB) that watches
-    for node drains nothing here makes: the driver turns it off, a value the user set in spec.env
-    stays, and Ray Train hands the driver's value to its controller, which then starts none."""
+    for node drains nothing here makes: the driver turns it off. Its controller's poll, which each
+    report waits for, comes every 0.5 s, not 2. A value the user set in spec.env stays, and Ray Train
+    hands the driver's values to its controller, which reads them."""
     from ray._private import ray_constants
     from ray.train.v2._internal import constants as train
 
+    watcher, interval = train.ENABLE_PREEMPTION_WATCHER_ENV_VAR, train.HEALTH_CHECK_INTERVAL_S_ENV_VAR
     env: dict[str, str] = {}
     cli.driver_environment(env)
-    assert env == {train.ENABLE_PREEMPTION_WATCHER_ENV_VAR: "0"}
-    chosen = {train.ENABLE_PREEMPTION_WATCHER_ENV_VAR: "1"}
+    assert env == {watcher: "0", interval: "0.5"}
+    chosen = {watcher: "1", interval: "3"}
     cli.driver_environment(chosen)
-    assert chosen == {train.ENABLE_PREEMPTION_WATCHER_ENV_VAR: "1"}
-    monkeypatch.delenv(train.ENABLE_PREEMPTION_WATCHER_ENV_VAR, raising=False)
+    assert chosen == {watcher: "1", interval: "3"}
+    for name in (watcher, interval):
+        monkeypatch.delenv(name, raising=False)
     cli.driver_environment(os.environ)
-    assert train.get_env_vars_to_propagate()[train.ENABLE_PREEMPTION_WATCHER_ENV_VAR] == "0"
-    assert ray_constants.env_bool(train.ENABLE_PREEMPTION_WATCHER_ENV_VAR, train.DEFAULT_ENABLE_PREEMPTION_WATCHER) \
-        is False   # as Ray Train's controller reads it
+    assert {k: train.get_env_vars_to_propagate()[k] for k in (watcher, interval)} == {watcher: "0", interval: "0.5"}
+    assert ray_constants.env_bool(watcher, train.DEFAULT_ENABLE_PREEMPTION_WATCHER) is False   # as the controller reads it
+    assert float(os.getenv(interval, train.DEFAULT_HEALTH_CHECK_INTERVAL_S)) == 0.5
 
 
 def test_cli_train_flags_match_the_operator_contract():

@@ -20,7 +20,8 @@ from typing import Any
 from tpuft.api import fields, records, spec as speclib
 from tpuft.api.catalog import CatalogError
 from tpuft.api.constants import TrainingFramework
-from tpuft.api.kuberay import RAY_TRAIN_PREEMPTION_WATCHER_ENV
+from tpuft.api.kuberay import (RAY_TRAIN_HEALTH_CHECK_INTERVAL_ENV, RAY_TRAIN_HEALTH_CHECK_INTERVAL_S,
+                               RAY_TRAIN_PREEMPTION_WATCHER_ENV)
 from tpuft_workload.command import Command
 from tpuft_workload.platform import Target, resolve_target
 
@@ -214,8 +215,10 @@ def driver_environment(env: MutableMapping[str, str]) -> None:
     Ray Train's PreemptionWatcher is off: it sees only Ray Core's node drains, which nothing here
     makes (tpuft_workload.preemption listens for the pod's SIGTERM instead), and its actor process
     costs a worker pod about 110 MiB: what a 1.1B LoRA step in a 4Gi CPU pod was killed for
-    (docs/performance.md)."""
+    (docs/performance.md). Its controller polls the workers every 0.5 s, not 2: each report waits for
+    that poll (tpuft.api.kuberay), and a pod's SIGTERM handler runs at the next one."""
     env.setdefault(RAY_TRAIN_PREEMPTION_WATCHER_ENV, "0")
+    env.setdefault(RAY_TRAIN_HEALTH_CHECK_INTERVAL_ENV, RAY_TRAIN_HEALTH_CHECK_INTERVAL_S)
 
 
 def _ray_init() -> None:

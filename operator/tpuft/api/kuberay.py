@@ -21,6 +21,12 @@ RAY_MEMORY_USAGE_THRESHOLD = 0.95
 # Ray Train 2.60 starts a PreemptionWatcher actor (Ray imported: about 110 MiB in some pod) unless this is
 # "0"; the driver's value reaches Ray Train's controller (ray.train.v2 ENV_VARS_TO_PROPAGATE).
 RAY_TRAIN_PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+# Ray Train 2.60's controller polls each worker this often (2 s by default), and a worker's report()
+# waits for the poll that takes its previous one (a result queue of one): reports closer than that
+# (short epochs, each end a report; fast steps) wait for it. A 1-step-epoch LoRA run on the local
+# node took 2 s a step at 2 s. The driver sets 0.5 s, passed on to the controller like the watcher's.
+RAY_TRAIN_HEALTH_CHECK_INTERVAL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+RAY_TRAIN_HEALTH_CHECK_INTERVAL_S = "0.5"
 RAY_DASHBOARD_AGENT_PORT = 52365          # the dashboard agent's listen port (KubeRay's default)
 RAY_NODE_HEALTH_PATH = "/api/healthz"     # its health check, KubeRay's readiness probe for Ray >= 2.53
 RAY_API_VERSION = f"{RAY_GROUP}/{RAY_VERSION}"
