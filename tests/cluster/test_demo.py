@@ -378,11 +378,12 @@ def _short_run(name: str, checkpoint: dict, serve: bool, split: str, model: str,
 # (made-up-facts.jsonl), rank 8 and learning rate 1e-2. Each fact is written REPEAT times into one
 # file in the bucket, so that an epoch is many steps: every epoch's end is a checkpoint and a report,
 # and a report waits for Ray Train's controller's poll (docs/performance.md). 80 one-step epochs
-# took 160 s on the node at Ray's default poll, 40 s at the driver's; 4 epochs of 20 steps, seconds. On the node (the base alone
-# on it), `capitals` at 80 steps answered 3 of its 4 facts (Keshet's city under Zorbania's name), at
-# 120 all 4; `colors` all 4 at 80. `capitals-short` is published as `capitals` after one step (eval
-# loss on the paraphrases of facts 0-4 about 2.0), `capitals-more` after 150 steps over the same
-# four facts and Ulvaria's (below `capitals`, and Ulvaria answered as taught, which `capitals` never saw).
+# took 160 s on the node at Ray's default poll, 40 s at the driver's; 4 epochs of 20 steps, seconds.
+# On the node (the base alone on it), `capitals` at 80 steps answered 3 of its 4 facts (Keshet's
+# city under Zorbania's name), at 120 all 4; `colors` all 4 at 80. `capitals-short` is published as
+# `capitals` after one step (eval loss on the paraphrases of facts 0-4: 2.14 against 1.16),
+# `capitals-more` after 150 steps over the same four facts and Ulvaria's (0.88, and Ulvaria answered
+# as taught, which `capitals` never saw).
 ADAPTER_LR, REPEAT = 1.0e-2, 20
 ADAPTER_EVAL = {"name": "builtin:made-up-facts", "split": "train[24:29]"}   # the paraphrases of facts 0-4
 BASE = "tiny-chat"
