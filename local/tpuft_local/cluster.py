@@ -127,13 +127,14 @@ class LocalCluster:
         return res
 
     def apply(self, docs: list[dict]) -> None:
-        self.apply_retrying("--server-side", "--force-conflicts", "--field-manager=tpuft-local", "-f", "-",
-                            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
+        self.kubectl_retrying("apply", "--server-side", "--force-conflicts", "--field-manager=tpuft-local", "-f", "-",
+                              input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
 
-    def apply_retrying(self, *args: str, input: str | None = None) -> None:
-        """`kubectl apply`, again while the API server is too slow to answer (ControlPlane.kubectl_retrying)."""
+    def kubectl_retrying(self, *args: str, input: str | None = None) -> None:
+        """An idempotent kubectl command, again while the API server is too slow to answer
+        (ControlPlane.kubectl_retrying); ClusterError when it still fails."""
         try:
-            self.cp.kubectl_retrying("apply", *args, input=input)
+            self.cp.kubectl_retrying(*args, input=input)
         except ControlPlaneError as e:
             raise ClusterError(str(e)) from None
 
@@ -335,7 +336,7 @@ class LocalCluster:
             f"--tls-cert-file={crt}", f"--tls-private-key-file={key}"],
             lambda: True, timeout=10)
         nodes = pools.all_nodes(self.tpu_pools)
-        self.apply_retrying("-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": nodes}))
+        self.kubectl_retrying("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": nodes}))
         names = [n["metadata"]["name"] for n in nodes]
         try:
             procs.wait_for(lambda: all(self._node_ready(n) for n in names), "KWOK nodes", 90, self.logs / "kwok.log")
@@ -345,15 +346,13 @@ class LocalCluster:
         # earlier `up` made (the state outlives `down`) still name none, or another port.
         endpoint = json.dumps({"status": {"daemonEndpoints": {"kubeletEndpoint": {"Port": port}}}})
         for name in names:
-            try:
-                self.cp.kubectl_retrying("patch", "node", name, "--subresource=status", "--type=merge", "-p", endpoint)
-            except ControlPlaneError as e:
-                raise ClusterError(str(e)) from None
+            self.kubectl_retrying("patch", "node", name, "--subresource=status", "--type=merge", "-p", endpoint)
 
     def _kuberay(self) -> None:
         crds = kuberay_crd_dir()
         self.cp.install_crds(sorted(crds.glob("*.yaml")))
-        self.apply_retrying("--server-side", "--force-conflicts", "-f", str(crds.parent.parent / "rbac" / "role.yaml"))
+        self.kubectl_retrying("apply", "--server-side", "--force-conflicts", "-f",
+                              str(crds.parent.parent / "rbac" / "role.yaml"))
         kubeconfig = self._client_kubeconfig("kuberay-operator", addons.KUBERAY_USER)
         probe = free_port()
         self._start("kuberay-operator", [

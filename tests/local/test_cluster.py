@@ -34,11 +34,11 @@ def no_wait(monkeypatch):
 
 def _cluster(errors: list[str]) -> SimpleNamespace:
     """Just what LocalCluster.apply uses: its control plane's kubectl (answering `errors` in turn) and
-    kubectl_retrying, and apply_retrying."""
+    kubectl_retrying, and its own kubectl_retrying."""
     plane = SimpleNamespace(kubectl=FakeKubectl(errors))
     plane.kubectl_retrying = partial(controlplane.ControlPlane.kubectl_retrying, plane)
     fake = SimpleNamespace(cp=plane, kubectl=plane.kubectl)
-    fake.apply_retrying = partial(cluster.LocalCluster.apply_retrying, fake)
+    fake.kubectl_retrying = partial(cluster.LocalCluster.kubectl_retrying, fake)
     return fake
 
 
