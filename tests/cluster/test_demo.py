@@ -45,6 +45,7 @@ from tests.waiting import wait_until
 from tpuft.controller.observed import serving_ready
 from tpuft_local import argocd, demo_gitops, node
 from tpuft_local.demo import BUILTIN_CHAT_MODEL as BASE_MODEL, BaseAnswers
+from tpuft_workload.tiny_chat import facts_path
 
 def phases_in_order(epochs: int, verified: bool, served: bool) -> list[str]:
     return ["phase Provisioning", *(["phase VerifyingCollectives", "verification: passed"] if verified else []),
@@ -387,6 +388,7 @@ def _short_run(name: str, checkpoint: dict, serve: bool, split: str, model: str,
 ADAPTER_LR, REPEAT = 1.0e-2, 20
 ADAPTER_EVAL = {"name": "builtin:made-up-facts", "split": "train[24:29]"}   # the paraphrases of facts 0-4
 BASE = "tiny-chat"
+FACT_LINES = facts_path().read_text().splitlines()   # builtin:made-up-facts, a record a line
 FACTS = {"capitals": (0, 1, 2, 3, 4), "colors": (8, 9, 10, 11)}   # a file's facts, by record, in order
 ADAPTER_RUNS = {   # name: (publish.as, file, split, with the eval set, epochs, maxSteps)
     "capitals": ("capitals", "capitals", f"train[:{4 * REPEAT}]", True, 6, None),
@@ -398,8 +400,7 @@ ADAPTER_RUNS = {   # name: (publish.as, file, split, with the eval set, epochs, 
 
 def _fact(record: int) -> tuple[str, str]:
     """(question, answer) of made-up-facts.jsonl's record `record`."""
-    line = (REPO / "workload" / "tpuft_workload" / "data" / "made-up-facts.jsonl").read_text().splitlines()[record]
-    user, assistant = json.loads(line)["messages"]
+    user, assistant = json.loads(FACT_LINES[record])["messages"]
     return user["content"], assistant["content"]
 
 
@@ -411,10 +412,9 @@ def _upload_facts(bucket: str) -> None:
     """gs://BUCKET/data/NAME.jsonl: each of FACTS[NAME]'s records REPEAT times, one after another."""
     from tpuft_workload import checkpoint as storage
 
-    lines = (REPO / "workload" / "tpuft_workload" / "data" / "made-up-facts.jsonl").read_text().splitlines()
     for name, records in FACTS.items():
         storage.write_bytes(f"{bucket}/data/{name}.jsonl",
-                            "".join(f"{lines[r]}\n" * REPEAT for r in records).encode())
+                            "".join(f"{FACT_LINES[r]}\n" * REPEAT for r in records).encode())
 
 
 def _adapter_example(checkpoint: dict, bucket: str) -> dict[str, dict]:
