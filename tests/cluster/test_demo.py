@@ -447,24 +447,28 @@ def _adapter_example(checkpoint: dict, bucket: str) -> dict[str, dict]:
     return out
 
 
-def _apply(*docs: dict) -> None:
-    """kubectl apply, again while the API server is too slow to answer: under the node's load (two
-    served models, runs starting) an apply once got `Error from server (Timeout)`."""
+def _retrying(*args: str, input: str | None = None) -> str:
+    """kubectl's output, asked again while the API server is too slow to answer: under the node's load
+    (two served models, runs starting) an apply once got `Error from server (Timeout)`, and a get in
+    the polls below `TLS handshake timeout`."""
     from tpuft_local.cluster import LocalCluster
 
-    LocalCluster().cp.kubectl_retrying("apply", "-f", "-", input=json.dumps(
-        {"apiVersion": "v1", "kind": "List", "items": list(docs)}))
+    return LocalCluster().cp.kubectl_retrying(*args, input=input).stdout
+
+
+def _apply(*docs: dict) -> None:
+    _retrying("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": list(docs)}))
 
 
 def _pods_of(kubectl, name: str) -> list[str]:
     """The names of the pods in the demo's namespace that belong to TPUFinetune `name` (its Ray
     clusters' and its RayJobs' pods are all named after it)."""
-    pods = json.loads(kubectl("get", "pods", "-n", DEMO_NS, "-o", "json", check=True).stdout)["items"]
+    pods = json.loads(_retrying("get", "pods", "-n", DEMO_NS, "-o", "json"))["items"]
     return [p["metadata"]["name"] for p in pods if p["metadata"]["name"].startswith(f"{name}-")]
 
 
 def _tft(kubectl, name: str) -> dict:
-    obj = json.loads(kubectl("get", "tft", name, "-n", DEMO_NS, "-o", "json", check=True).stdout)
+    obj = json.loads(_retrying("get", "tft", name, "-n", DEMO_NS, "-o", "json"))
     assert (obj.get("status") or {}).get("phase") != "Failed", (name, obj.get("status"))
     return obj
 
