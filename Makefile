@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test unit lint docs clean
+.PHONY: venv prepare demo test unit lint docs clean
 
 venv: $(STAMP)
 
@@ -15,8 +15,15 @@ $(STAMP): pyproject.toml hack/venv.sh
 	PYTHON=$(PYTHON) hack/venv.sh $(VENV) workload,jax,local,test "torch==2.13.*"
 	touch $(STAMP)
 
-demo: venv
+# The Go tools and the images build beside the venv: on a cold machine the compiles and image
+# builds take the CPU and disk while pip downloads (tpuft_local.prepare is stdlib only, so the
+# machine's python3 runs it); `cluster up` then finds them cached. Warm, `prepare` takes seconds.
+demo:
+	$(MAKE) --no-print-directory -j2 venv prepare
 	$(VENV)/bin/tpuft demo
+
+prepare:
+	PYTHONPATH=local $(PYTHON) -m tpuft_local.prepare
 
 # Fast tiers first (a broken unit test fails in a minute), then four lanes at once (the cluster's
 # real node, its simulated TPU hosts, integration/chart, and the Ray workload), then `tpuft cluster down`;

@@ -38,6 +38,7 @@ if [ ! -f "$deps/.complete" ]; then
   "$deps/bin/python" -m pip install -q ".[$extras]"
   "$deps/bin/python" -m pip uninstall -q -y tpufinetune-operator
   touch "$deps/.complete"
+  echo "[venv] installed the dependencies of .[$extras] in ${SECONDS} s"
   # Older keys of this venv are a dependency change ago: keep the newest two, and any that a clone
   # still links to (several clones of one machine, e.g. git worktrees on different branches, each use
   # their own key: deleting one breaks that clone's venv behind its make stamp). A clone that used a

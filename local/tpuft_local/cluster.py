@@ -20,6 +20,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -29,6 +30,7 @@ import time
 from pathlib import Path
 
 from tpuft_local import addons, host, node, pools, procs
+from tpuft_local.host import default_state_dir
 from tpuft_local.console import say
 from tpuft_local.controlplane import ControlPlane, ControlPlaneError, free_port
 from tpuft_local.network import Network, NetworkError, from_env
@@ -43,10 +45,6 @@ PROVREQ_CRD = "provisioningrequests.autoscaling.x-k8s.io"   # cluster-autoscaler
 
 class ClusterError(RuntimeError):
     """A component failed; the message names it and its log."""
-
-
-def default_state_dir() -> Path:
-    return Path(os.environ.get("TPUFT_HOME") or Path.home() / ".tpuft") / "cluster"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +71,7 @@ ARGOCD_COMPONENTS = (
 KUEUE_COMPONENTS = ("kueue", "queued-provisioning")   # left out with --no-kueue
 KUEUE_OFF = "kueue.off"   # in the state dir: the last `up` was --no-kueue (status does not expect it)
 ARGOCD_ON = "argocd.on"   # in the state dir: the last `up` had --argocd (a plain `up` keeps it)
+UP_STAMP = "up.stamp"     # in the state dir: what the last whole `up` was made from, and the processes it left
 GCS_PORT_FILE, METADATA_PORT_FILE = "gcs.port", "gke-metadata.port"   # in the state dir, once `up` started them
 # what points a laptop's GCS client (pyarrow's: `tpuft logs`, `tpuft plot`) at the stand-ins
 LAPTOP_GCS_ENV = ("CLOUD_STORAGE_EMULATOR_ENDPOINT", "GCE_METADATA_ROOT")
@@ -91,7 +90,7 @@ class LocalCluster:
         self.operator_mode = operator  # "helm" | "source" | "none"
         self.die_with_parent = die_with_parent
         self.cp = ControlPlane(self.state, die_with_parent=die_with_parent, network=self.net)
-        self.journal = host.Journal.load(self.state / "host-changes.json")
+        self.journal = host.Journal.load(host.journal_path(self.state))
         self.logs = self.state / "logs"
         self.socket = self.state / "containerd" / "containerd.sock"
         self._procs: dict[str, subprocess.Popen] = {}
@@ -152,9 +151,46 @@ class LocalCluster:
             raise ClusterError(str(e)) from None
 
     # ----- up ------------------------------------------------------------------------------------------
-    def up(self, images: bool = True) -> "LocalCluster":
+    def up(self, images: bool = True, unchanged_ok: bool = False) -> "LocalCluster":
+        """Bring everything up, or (unchanged_ok) only say so when the last `up` left it as this one would
+        and every process it started still runs: `tpuft demo`'s way (a whole idempotent `up` is 20-80 s
+        of applies and helm on a busy node). `tpuft cluster up` always checks and repairs everything."""
         with self.up_lock():
+            if unchanged_ok and (since := self._unchanged_since()) is not None:
+                say(f"cluster unchanged since its `up` {time.time() - since:.0f} s ago, every component running "
+                    "(`tpuft cluster up` checks and repairs the rest)")
+                return self
             return self._up(images)
+
+    def _up_inputs(self, images: bool) -> str:
+        """The hash of what an `up` makes the cluster from: this package's code, the repo's CRDs and chart,
+        the tools' versions, the images' inputs and this cluster's settings."""
+        from tpuft_local import images as image_builder
+        digest = hashlib.sha256()
+        files = sorted((*Path(__file__).parent.glob("*.py"), *(REPO / "crds").glob("*.yaml"),
+                        *(p for p in (REPO / "charts").rglob("*") if p.is_file())))
+        for path in files:
+            digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes() + b"\0")
+        settings = {"versions": VERSIONS, "pools": repr(self.tpu_pools), "operator": self.operator_mode,
+                    "kueue": self.kueue, "argocd": self.argocd, "net": repr(self.net),
+                    "images": image_builder.inputs_hashes(self._wanted_images()) if images else None}
+        digest.update(json.dumps(settings, sort_keys=True).encode())
+        return digest.hexdigest()
+
+    def _unchanged_since(self) -> float | None:
+        """When the last `up` ended, if what it was made from is unchanged, the processes it left are
+        the ones running now (none died or was restarted) and the API server answers; else None."""
+        try:
+            stamp = json.loads((self.state / UP_STAMP).read_text())
+        except (OSError, ValueError):
+            return None
+        if stamp.get("inputs") != self._up_inputs(images=True) or stamp.get("pids") != self.component_pids():
+            return None
+        return stamp.get("ended") if self.cp.ready() else None
+
+    def _write_stamp(self, images: bool) -> None:
+        stamp = {"inputs": self._up_inputs(images), "pids": self.component_pids(), "ended": time.time()}
+        (self.state / UP_STAMP).write_text(json.dumps(stamp, indent=1) + "\n")
 
     @contextlib.contextmanager
     def up_lock(self):
@@ -194,6 +230,7 @@ class LocalCluster:
         self._wait_node_lists([built[n].ref for n in ("workload", "operator") if n in built])
         self._operator()
         self._argocd()
+        self._write_stamp(images)
         say(f"cluster up in {time.monotonic() - t0:.0f} s; kubeconfig: {self.kubeconfig}")
         return self
 
@@ -209,10 +246,12 @@ class LocalCluster:
             ensure_tools(tools)
             return built.result()
 
+    def _wanted_images(self) -> tuple[str, ...]:
+        return ("pause", "workload") + (("operator",) if self.operator_mode == "helm" else ())
+
     def _build_images(self) -> dict:
         from tpuft_local import images
-        wanted = ("pause", "workload") + (("operator",) if self.operator_mode == "helm" else ())
-        return images.ensure_images(names=wanted, progress=say)
+        return images.ensure_images(names=self._wanted_images(), progress=say)
 
     def _load_images(self, built: dict, only: tuple[str, ...]) -> None:
         from tpuft_local import images
@@ -571,6 +610,7 @@ class LocalCluster:
     # ----- down ----------------------------------------------------------------------------------------
     def down(self, keep_packages: bool = False, purge: bool = False) -> list[str]:
         """Stop everything this state dir started, by PID, and undo the host changes."""
+        (self.state / UP_STAMP).unlink(missing_ok=True)
         self._stop_argocd()
         for name in ("tpufinetune-operator", "queued-provisioning", "kueue", "kuberay-operator", "tpu-webhook",
                      "gke-metadata", "gcs"):

@@ -451,7 +451,7 @@ def _cluster(args, clock: Clock):
     _step(clock, 1, f"local cluster (tpuft cluster up) in {cluster.state}: real node, KubeRay, simulated TPU "
                     "pools, our operator from its image via helm")
     try:
-        cluster.up()
+        cluster.up(unchanged_ok=True)
     except (ClusterError, RuntimeError) as e:
         raise DemoError(f"the local cluster did not come up: {e}") from None
     return str(cluster.kubeconfig), cluster

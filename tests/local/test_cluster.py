@@ -87,3 +87,32 @@ def test_env_points_gcs_clients_at_the_stand_ins_once_up_started_them(tmp_path, 
     gateway = cluster.LocalCluster(state).net.gateway
     assert capsys.readouterr().out.splitlines()[2:] == [
         f"export CLOUD_STORAGE_EMULATOR_ENDPOINT=http://{gateway}:4443", f"export GCE_METADATA_ROOT={gateway}:8089"]
+
+
+def test_a_demo_skips_up_only_while_nothing_it_was_made_from_changed_and_every_process_runs(tmp_path, monkeypatch):
+    local = cluster.LocalCluster(tmp_path / "state")
+    local.state.mkdir(parents=True)
+    running = {"etcd": 11, "kube-apiserver": 12, "kubelet": 13, "tpufinetune-operator": None}
+    monkeypatch.setattr(local, "component_pids", lambda: dict(running))
+    monkeypatch.setattr(local.cp, "ready", lambda: True)
+    assert local._unchanged_since() is None            # never up
+    local._write_stamp(images=True)
+    assert local._unchanged_since() is not None
+
+    running["kubelet"] = 14                                 # restarted since: `up` checks what it left
+    assert local._unchanged_since() is None
+    running["kubelet"] = 13
+    monkeypatch.setattr(local.cp, "ready", lambda: False)   # the API server does not answer
+    assert local._unchanged_since() is None
+    monkeypatch.setattr(local.cp, "ready", lambda: True)
+    local.kueue = not local.kueue                           # another setting
+    assert local._unchanged_since() is None
+    local.kueue = not local.kueue
+    versions = cluster.VERSIONS
+    monkeypatch.setattr(cluster, "VERSIONS", {**versions, "kubelet": "v9.9.9"})   # another tool
+    assert local._unchanged_since() is None
+    monkeypatch.setattr(cluster, "VERSIONS", versions)
+    assert local._unchanged_since() is not None
+    from tpuft_local import images
+    monkeypatch.setattr(images, "inputs_hashes", lambda names: {n: "changed" for n in names})  # an image's inputs
+    assert local._unchanged_since() is None

@@ -1,6 +1,0 @@
-//go:build tools
-
-// Package tools pins the Kueue controller command this module builds, so `go mod tidy` keeps it.
-package tools
-
-import _ "sigs.k8s.io/kueue/cmd/kueue"
