@@ -17,7 +17,8 @@
      simulated    once the cluster is up and cleared: the cluster tests that do not train (KWOK
                   slices, which mostly wait; the CLI; the operator's image), then the image tests;
      integration  integration and chart (their own control planes; not niced: they bound the
-                  operator's reaction times), then the workload modules that start no Ray, niced;
+                  operator's reaction times), then the workload modules that start no Ray, in the
+                  background (a cpu cgroup weighing 128 against the pods' 2048: BACKGROUND_SHARES);
      workload     the rest of the workload tier (real Ray and torch), not niced (and its Ray
                   workers at niceness 0: tests/workload/conftest.py says why).
    The workload tier and the real node's tests never run at the same time (CPU_HEAVY): the
@@ -57,12 +58,53 @@ class Tier:
     argv: tuple[str, ...]          # a pytest command line (after `python -m pytest`), or a command
     pytest: bool = True
     nice: int = 0
+    background: bool = False       # in a cgroup of its own weighing BACKGROUND_SHARES (see there)
     needs_cluster: bool = False    # starts once `cluster up` has succeeded
     exclusive: str = ""            # tiers naming the same group never run at the same time (CPU_HEAVY)
 
 
-def _pytest(name: str, *args: str, nice: int = 0, needs_cluster: bool = False, exclusive: str = "") -> Tier:
-    return Tier(name, args, nice=nice, needs_cluster=needs_cluster, exclusive=exclusive)
+def _pytest(name: str, *args: str, nice: int = 0, background: bool = False, needs_cluster: bool = False,
+            exclusive: str = "") -> Tier:
+    return Tier(name, args, nice=nice, background=background, needs_cluster=needs_cluster, exclusive=exclusive)
+
+
+# A background tier takes the CPU the others leave. Niceness cannot do that beside the real node: the
+# kubelet's pods are a cgroup of their own (cpu.shares 2048 for 2 cores), and a nice value weighs a
+# process only against the processes of its own cgroup. Beside the Ray-free workload modules at nice 5
+# the real node's run queue stood near 30 and the CPU 2% idle; alone, the same real-node tests left
+# 57% of it idle (vmstat, clean-clone CI of 2026-12-08). So the background tier gets a cgroup (v1's cpu
+# controller, as this machine and the kubelet have) weighing 128 against the pods' 2048, made for
+# the tier and removed after it; where there is none (cgroup v2, not root) it runs as it did, niced.
+CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
+BACKGROUND_SHARES = 128
+
+
+def in_cgroup(argv: list[str], procs: Path) -> list[str]:
+    """`argv` run by a shell that first moves itself into the cgroup whose cgroup.procs is `procs`
+    (exec keeps the PID; children inherit the cgroup). Not preexec_fn: the lanes are threads."""
+    return ["sh", "-c", f'echo $$ > "{procs}" && exec "$@"', "sh", *argv]
+
+
+@contextlib.contextmanager
+def _background_cgroup(slug: str):
+    """The cgroup.procs of a new cpu cgroup for one tier (None where there can be none); removed after,
+    once its processes have ended (a straggler is moved to the parent first)."""
+    group = CPU_CGROUPS / f"tpuft-lanes-{slug}"
+    try:
+        group.mkdir(exist_ok=True)
+        (group / "cpu.shares").write_text(str(BACKGROUND_SHARES))
+    except OSError as e:
+        _say(f"{slug}: no background cgroup ({e}); it runs niced only")
+        yield None
+        return
+    try:
+        yield group / "cgroup.procs"
+    finally:
+        for pid in (group / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):
+                (CPU_CGROUPS / "cgroup.procs").write_text(pid)
+        with contextlib.suppress(OSError):
+            group.rmdir()
 
 
 # The Ray tier and the real node's tests each keep both cores busy (torch and Ray workers; Ray
@@ -120,7 +162,7 @@ LANES: dict[str, list[Tier]] = {
     # Then the workload modules that start no Ray (they need not wait for the host-wide Ray lock),
     # off the longest lane.
     "integration": [TOOLS, _pytest("integration+chart", "tests/integration", "tests/chart"),
-                    _pytest("workload (no Ray)", *WORKLOAD_WITHOUT_RAY, nice=5)],
+                    _pytest("workload (no Ray)", *WORKLOAD_WITHOUT_RAY, nice=5, background=True)],
     # The longest lane. Not niced, and its Ray workers at niceness 0, not Ray's 15
     # (tests/workload/conftest.py): the real node's pods share one cgroup weighing two busy
     # processes, and at 15 (CPU weight 36) these workers got a fifth of the CPU they need (a killed
@@ -158,12 +200,13 @@ def _run(tier: Tier, logs: Path) -> Result:
     if tier.nice:
         argv = ["nice", "-n", str(tier.nice), *argv]
     group = _GROUPS.setdefault(tier.exclusive, threading.Lock()) if tier.exclusive else contextlib.nullcontext()
-    with group:
-        _say(f"start {tier.name}: {' '.join(argv[argv.index('-m') + 1:] if '-m' in argv else argv)}  (log {log})")
+    with group, (_background_cgroup(slug) if tier.background else contextlib.nullcontext()) as procs:
+        _say(f"start {tier.name}: {' '.join(argv[argv.index('-m') + 1:] if '-m' in argv else argv)}  (log {log})"
+             + (f" in {procs.parent} (cpu.shares {BACKGROUND_SHARES})" if procs else ""))
         start = time.monotonic()
         with open(log, "w") as out:
-            rc = subprocess.run(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL).returncode
+            rc = subprocess.run(in_cgroup(argv, procs) if procs else argv, cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
     res = Result(tier, time.monotonic() - start, rc, log, junit if junit and junit.exists() else None)
     _say(f"{'ok  ' if rc == 0 else 'FAIL'} {tier.name}: {res.seconds:.0f} s (exit {rc})")
     return res

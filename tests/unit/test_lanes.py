@@ -1,5 +1,6 @@
 """tests/lanes.py, what `make test` runs: every test file is in some tier, and only in one."""
 import ast
+import subprocess
 from pathlib import Path
 
 from tests import lanes
@@ -137,3 +138,23 @@ def test_the_two_cpu_heavy_tiers_never_overlap(monkeypatch, tmp_path):
     for t in threads:
         t.join()
     assert overlaps == [False, False]
+
+
+def test_only_the_ray_free_workload_modules_run_in_the_background():
+    background = [t.name for lane in lanes.LANES.values() for t in lane if t.background]
+    assert background == ["workload (no Ray)"]
+
+
+def test_a_background_command_runs_in_its_cgroup_under_its_own_pid(tmp_path):
+    procs = tmp_path / "cgroup.procs"
+    out = subprocess.run(lanes.in_cgroup(["sh", "-c", 'echo "$$ $0"', "argv0 kept"], procs),
+                         capture_output=True, text=True, check=True).stdout.split(maxsplit=1)
+    assert procs.read_text().split() == [out[0]]      # the shell moved itself, then exec'd the command
+    assert out[1].strip() == "argv0 kept"            # the command's arguments passed through as given
+
+
+def test_without_a_cpu_cgroup_controller_a_background_tier_runs_as_before(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(lanes, "CPU_CGROUPS", tmp_path / "no-such-controller")
+    with lanes._background_cgroup("workload-no-ray") as procs:
+        assert procs is None
+    assert "runs niced only" in capsys.readouterr().out
