@@ -190,11 +190,11 @@ def table(runs: list[Run]) -> str:
     rows = []
     for run in runs:
         rows.append(f"## {run.kind} make demo: rc {run.rc}, {run.wall_s:.0f} s ({run.wall_s / 60:.1f} min)")
-        rows.append(f"{'stage':<62} {'start s':>8} {'end s':>8} {'seconds':>8}")
+        rows.append(f"{'start s':>8} {'end s':>8} {'seconds':>8}  stage")
         for stage in run.stages:
             end = "-" if stage.end_s is None else f"{stage.end_s:.0f}"
             secs = "-" if stage.seconds is None else f"{stage.seconds:.0f}"
-            rows.append(f"{stage.name[:62]:<62} {stage.start_s:>8.0f} {end:>8} {secs:>8}")
+            rows.append(f"{stage.start_s:>8.0f} {end:>8} {secs:>8}  {stage.name}")
         rows.append("")
     return "\n".join(rows)
 
