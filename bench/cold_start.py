@@ -16,7 +16,7 @@ bridge), and ~45 GB of disk under --root. Each line `make demo` prints is echoed
 since the start; the stages are read off those lines (the Go builds' `building`/`built`, the images'
 `building`/`built`, `cluster up in`, the demo's [1/3]..[3/3]). At the end the bench runs
 `tpuft cluster down` (also on failure or timeout), and writes --out (JSON) and the table beside it
-(.txt). Debian packages the cluster needs and the machine already has are not timed (say so).
+(.txt). Debian packages are timed only when the run installs them (the machine may have them).
 """
 from __future__ import annotations
 

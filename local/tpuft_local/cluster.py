@@ -16,7 +16,6 @@ what died is started again.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import contextlib
 import dataclasses
 import fcntl
@@ -29,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from tpuft_local import addons, host, node, pools, procs
+from tpuft_local import addons, host, node, pools, prepare, procs
 from tpuft_local.host import default_state_dir
 from tpuft_local.console import say
 from tpuft_local.controlplane import ControlPlane, ControlPlaneError, free_port
@@ -235,23 +234,11 @@ class LocalCluster:
         return self
 
     def _tools_and_images(self, images: bool) -> dict:
-        """The Go builds (CPU) and the image builds (mostly downloads and disk) at the same time:
-        on a cold machine they are the two long steps, and neither needs the other."""
         tools = [t for t in TOOLS if (t != "kueue" or self.kueue) and (t not in OPTIONAL_TOOLS or self.argocd)]
-        if not images:
-            ensure_tools(tools)
-            return {}
-        with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="images") as pool:
-            built = pool.submit(self._build_images)
-            ensure_tools(tools)
-            return built.result()
+        return prepare.tools_and_images(tools, self._wanted_images() if images else ())
 
     def _wanted_images(self) -> tuple[str, ...]:
         return ("pause", "workload") + (("operator",) if self.operator_mode == "helm" else ())
-
-    def _build_images(self) -> dict:
-        from tpuft_local import images
-        return images.ensure_images(names=self._wanted_images(), progress=say)
 
     def _load_images(self, built: dict, only: tuple[str, ...]) -> None:
         from tpuft_local import images

@@ -16,14 +16,22 @@ from tpuft_local import host, images, toolchain
 from tpuft_local.console import say
 
 
+def tools_and_images(tools: list[str], image_names: tuple[str, ...]) -> dict:
+    """The Go builds (CPU) and the image builds (mostly downloads and disk) side by side: on a cold
+    machine they are the two long steps, and neither needs the other. {name: ImageRef} of the images."""
+    if not image_names:
+        toolchain.ensure_tools(tools)
+        return {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="images") as pool:
+        built = pool.submit(images.ensure_images, names=image_names, progress=say)
+        toolchain.ensure_tools(tools)
+        return built.result()
+
+
 def prepare() -> None:
     host.require_root()
     host.ensure_packages(host.Journal.load(host.journal_path(host.default_state_dir())))
-    tools = [t for t in toolchain.TOOLS if t not in toolchain.OPTIONAL_TOOLS]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="images") as pool:
-        built = pool.submit(images.ensure_images, progress=say)
-        toolchain.ensure_tools(tools)
-        built.result()
+    tools_and_images([t for t in toolchain.TOOLS if t not in toolchain.OPTIONAL_TOOLS], tuple(images.Image))
 
 
 def main() -> int:
